@@ -1,0 +1,372 @@
+"""The slotsync wire protocol: typed, versioned messages between trainer ranks and the daemon.
+
+Transport: one ZeroMQ DEALER socket per rank, connected to the daemon's ROUTER socket (an
+``ipc://`` path on the node). Each ZeroMQ message carries exactly one frame: a msgpack map
+encoded from one of the structs below, tagged by its ``type`` field. Nothing on the wire is
+pickled (design.md I6); the daemon builds vLLM's pickled handle list itself from the typed
+handle records.
+
+Conversation of one rank (design.md "Flow of one round")::
+
+    rank -> daemon                          daemon -> rank
+    Register(protocol_version, rank, ...)   Registered | Error(phase="register")
+    Begin(update_id, weight_version)        Ack(phase="begin")  once the engine's update started
+    Chunk(update_id, index, ...) x N        Ack(phase="chunk", index) once the engine consumed it
+    Commit(update_id, num_chunks)           Ack(phase="commit") once finish + resume returned
+    Abort(update_id, reason)                (the slot's update fails; every rank gets an Error)
+
+Any failure of the slot's update reaches every rank of the slot as one ``Error`` naming the
+phase, the slot, the update id and what was missing.
+
+All validation of decoded input happens here, in ``__post_init__`` (msgspec runs it while
+decoding and turns a raised ``ValueError`` into ``msgspec.ValidationError``), so the daemon's
+core only ever sees well-formed messages.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid as uuidlib
+from typing import Annotated, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change of the messages below; checked at registration."""
+
+MAX_MESSAGE_BYTES_DEFAULT = 64 * 1024 * 1024
+"""Default cap on one decoded frame, in bytes (the daemon's ``max_message_bytes`` option)."""
+
+# Torch dtype names as vLLM's ``dtype_names`` spells them (``str(t.dtype).split(".")[-1]``),
+# with their element sizes in bytes.
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+# Classes that may appear in a CUDA IPC handle record. The daemon writes these as pickle
+# globals; restricting them to an allow-list keeps producer strings from naming arbitrary code.
+TENSOR_CLASSES = ("torch.Tensor", "torch.nn.parameter.Parameter")
+STORAGE_CLASSES = ("torch.storage.TypedStorage", "torch.storage.UntypedStorage")
+
+_UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+_LOGICAL_NS = uuidlib.UUID("6f1c2a52-8d1e-4c8b-9a59-1d3f2f4b7a10")
+_SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Pos = Annotated[int, msgspec.Meta(gt=0)]
+HandleBytes = Annotated[bytes, msgspec.Meta(min_length=1, max_length=256)]
+ShortStr = Annotated[str, msgspec.Meta(max_length=1024)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+Dims = Annotated[list[NonNeg], msgspec.Meta(max_length=64)]
+TupleDims = Annotated[tuple[NonNeg, ...], msgspec.Meta(max_length=64)]  # hashable records
+
+
+class ProtocolError(ValueError):
+    """A message that is well-formed msgpack but breaks a protocol rule."""
+
+
+def normalize_gpu_uuid(uuid: str) -> str:
+    """Return a GPU UUID in torch's format: 36 lowercase hex-and-dash chars, no ``GPU-``.
+
+    ``nvidia-smi -L`` and NVML print ``GPU-xxxxxxxx-...``; torch's
+    ``str(torch.cuda.get_device_properties(i).uuid)`` and vLLM's handle dict keys omit the
+    prefix (vllm-contract.md "update_info for the IPC backend").
+
+    Raises:
+        ValueError: the string is not a GPU UUID in either spelling.
+    """
+    u = uuid.strip()
+    if u[:4].upper() == "GPU-":
+        u = u[4:]
+    u = u.lower()
+    if not _UUID_RE.match(u):
+        raise ValueError(f"not a GPU UUID: {uuid!r} (want 8-4-4-4-12 hex digits, 'GPU-' optional)")
+    return u
+
+
+def logical_gpu_uuid(index: int) -> str:
+    """A stable, made-up GPU UUID for logical GPU ``index`` (torch format).
+
+    Used where no real GPU UUID exists (CPU shared-memory transport) and, by explicit
+    override, where several logical GPUs share one physical GPU in tests: the publisher
+    (``gpu_uuid=``) and the reference engine (``--gpu-uuids``) must then name the same ones.
+    Default pairing: publisher rank ``r`` of slot ``[s, e)`` ↔ engine worker ``r - s``.
+    """
+    return str(uuidlib.uuid5(_LOGICAL_NS, f"slotsync-logical-gpu-{index}"))
+
+
+# --------------------------------------------------------------------------------------------
+# Handle records
+# --------------------------------------------------------------------------------------------
+
+
+class CudaIpcHandle(msgspec.Struct, tag="cuda", frozen=True, forbid_unknown_fields=True):
+    """The 15 fields of ``torch.multiprocessing.reductions.reduce_tensor(t)[1]`` for a CUDA
+    tensor, as typed data (no pickle). The daemon re-creates vLLM's argument tuple from them.
+
+    Field order and meaning follow ``rebuild_cuda_tensor`` (torch 2.x); vLLM overwrites
+    ``device`` with the receiving worker's own device index (vllm-contract.md).
+    """
+
+    tensor_class: Literal["torch.Tensor", "torch.nn.parameter.Parameter"]
+    size: TupleDims
+    stride: TupleDims
+    storage_offset: NonNeg  # in elements
+    storage_class: Literal["torch.storage.TypedStorage", "torch.storage.UntypedStorage"]
+    dtype: str
+    device: NonNeg
+    ipc_handle: HandleBytes  # cudaIpcMemHandle (+ torch's framing)
+    storage_size_bytes: NonNeg
+    storage_offset_bytes: NonNeg
+    requires_grad: bool
+    ref_counter_handle: HandleBytes
+    ref_counter_offset: NonNeg
+    event_handle: HandleBytes | None
+    event_sync_required: bool
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if len(self.size) != len(self.stride):
+            raise ValueError(
+                f"size has {len(self.size)} dims but stride has {len(self.stride)}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's own elements (contiguous view)."""
+        n = 1
+        for d in self.size:
+            n *= d
+        return n * DTYPE_SIZES[self.dtype]
+
+
+class ShmHandle(msgspec.Struct, tag="shm", frozen=True, forbid_unknown_fields=True):
+    """A CPU stand-in for a CUDA IPC handle: bytes ``[offset, offset + nbytes)`` of the POSIX
+    shared-memory segment ``/dev/shm/<segment>``. Lets the whole path run without a GPU; only
+    the reference engine understands it (vLLM does not)."""
+
+    segment: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+    offset: NonNeg  # bytes
+    nbytes: NonNeg  # bytes
+
+    def __post_init__(self) -> None:
+        if not _SHM_NAME_RE.match(self.segment):
+            raise ValueError(f"bad shared-memory segment name {self.segment!r}")
+
+
+Handle = CudaIpcHandle | ShmHandle
+
+# --------------------------------------------------------------------------------------------
+# rank -> daemon
+# --------------------------------------------------------------------------------------------
+
+
+class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
+    """First message of a rank's connection: who it is and which engine slot it feeds.
+
+    ``slot_start``/``slot_size`` give the engine slot ``[start, start + size)`` in global-rank
+    space; every rank of the slot must name the same slot, engine URL, mode and transport.
+    """
+
+    protocol_version: int
+    rank: NonNeg
+    gpu_uuid: str  # normalized to torch's format on decode
+    slot_start: NonNeg
+    slot_size: Pos
+    engine_url: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    packed: bool
+    transport: Literal["cuda", "shm"]
+    hostname: ShortStr = ""
+    pid: NonNeg = 0
+
+    def __post_init__(self) -> None:
+        self.gpu_uuid = normalize_gpu_uuid(self.gpu_uuid)
+        if not (self.slot_start <= self.rank < self.slot_start + self.slot_size):
+            raise ValueError(
+                f"rank {self.rank} is outside its own slot "
+                f"[{self.slot_start}, {self.slot_start + self.slot_size})"
+            )
+        if self.slot_size > 4096:
+            raise ValueError(f"slot_size {self.slot_size} is implausibly large")
+
+
+class Begin(msgspec.Struct, tag="begin", forbid_unknown_fields=True):
+    """Start of one update (one round) for the rank's slot. ``weight_version`` is the string
+    given to vLLM's ``/finish_weight_update`` on success (recorded only then, I8)."""
+
+    update_id: NonNeg
+    weight_version: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True):
+    """One chunk of one rank: metadata for ``names`` and the handle(s) to the rank's copy.
+
+    Packed: ``handles`` holds one handle to a uint8 buffer with the tensors back to back from
+    the handle's start; ``tensor_sizes[i]`` is tensor i's bytes (vLLM packed layout).
+    Unpacked: ``handles[i]`` is tensor i's own handle. ``tensor_sizes`` is sent in both modes
+    so that the daemon can check that ranks agree.
+    """
+
+    update_id: NonNeg
+    index: NonNeg
+    names: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=1_000_000)]
+    dtype_names: list[str]
+    shapes: list[Dims]
+    tensor_sizes: list[NonNeg]
+    handles: list[Handle]
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        for field in ("dtype_names", "shapes", "tensor_sizes"):
+            if len(getattr(self, field)) != n:
+                raise ValueError(f"{field} has {len(getattr(self, field))} entries, names has {n}")
+        for name, dt, shape, size in zip(
+            self.names, self.dtype_names, self.shapes, self.tensor_sizes, strict=True
+        ):
+            if dt not in DTYPE_SIZES:
+                raise ValueError(f"tensor {name!r}: unsupported dtype {dt!r}")
+            numel = 1
+            for d in shape:
+                numel *= d
+            if numel * DTYPE_SIZES[dt] != size:
+                raise ValueError(
+                    f"tensor {name!r}: tensor_sizes says {size} bytes but shape {shape} of "
+                    f"{dt} is {numel * DTYPE_SIZES[dt]} bytes"
+                )
+        if len(set(self.names)) != n:
+            raise ValueError("duplicate tensor names in one chunk")
+        if not self.handles:
+            raise ValueError("chunk carries no handle")
+        if len(self.handles) == 1 and n > 1:
+            # packed: one buffer must hold every tensor
+            h = self.handles[0]
+            total = sum(self.tensor_sizes)
+            have = h.nbytes
+            if have < total:
+                raise ValueError(f"packed buffer handle covers {have} bytes, chunk needs {total}")
+        elif len(self.handles) != n:
+            raise ValueError(f"{len(self.handles)} handles for {n} tensors")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data this chunk describes."""
+        return sum(self.tensor_sizes)
+
+
+class Commit(msgspec.Struct, tag="commit", forbid_unknown_fields=True):
+    """End of the rank's chunks for ``update_id``: ``num_chunks`` chunks were sent (0..n-1)."""
+
+    update_id: NonNeg
+    num_chunks: NonNeg
+
+
+class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
+    """The rank gives up on ``update_id``; the slot's update fails (engine stays paused, I4)."""
+
+    update_id: NonNeg
+    reason: ShortStr = ""
+
+
+ToDaemon = Register | Begin | Chunk | Commit | Abort
+
+# --------------------------------------------------------------------------------------------
+# daemon -> rank
+# --------------------------------------------------------------------------------------------
+
+Phase = Literal["register", "begin", "chunk", "commit", "abort", "engine"]
+
+
+class Registered(msgspec.Struct, tag="registered"):
+    """Registration accepted. ``next_update_id`` is the lowest update id the daemon will take
+    for this slot (ids of earlier rounds are stale, I7)."""
+
+    rank: int
+    slot_start: int
+    slot_size: int
+    next_update_id: int
+    protocol_version: int = PROTOCOL_VERSION
+    daemon_version: str = ""
+
+
+class Ack(msgspec.Struct, tag="ack"):
+    """A step of ``update_id`` is done. ``phase="chunk"``: chunk ``index`` was consumed by the
+    engine and the rank may reuse its packed buffer (I3). ``phase="commit"``: finish and
+    resume returned; the rank may free every exported tensor and call ``ipc_collect``."""
+
+    update_id: int
+    phase: Literal["begin", "chunk", "commit"]
+    index: int = -1
+    seconds: float = 0.0
+
+
+class Error(msgspec.Struct, tag="error"):
+    """The daemon refused a message or the slot's update failed.
+
+    ``slot`` is ``[start, end)`` (empty before the rank's slot is known); ``missing_ranks``
+    names the ranks the daemon was still waiting for when a deadline expired (I5).
+    """
+
+    phase: str
+    message: str
+    slot: list[int] = []
+    update_id: int | None = None
+    missing_ranks: list[int] = []
+    fatal: bool = True
+
+
+FromDaemon = Registered | Ack | Error
+
+# --------------------------------------------------------------------------------------------
+# codec
+# --------------------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_to_daemon = msgspec.msgpack.Decoder(ToDaemon)
+_from_daemon = msgspec.msgpack.Decoder(FromDaemon)
+
+
+def encode(msg: ToDaemon | FromDaemon) -> bytes:
+    """Encode one message as one msgpack frame."""
+    return _encoder.encode(msg)
+
+
+def decode_to_daemon(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES_DEFAULT) -> ToDaemon:
+    """Decode and validate one frame a rank sent.
+
+    Raises:
+        ProtocolError: the frame is over ``max_bytes``, not msgpack, not one of the
+            messages, has wrong types or breaks a rule checked in ``__post_init__``; the text
+            names the field.
+    """
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds the {max_bytes}-byte cap")
+    try:
+        return _to_daemon.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"bad message: {e}") from None
+
+
+def decode_from_daemon(frame: bytes) -> FromDaemon:
+    """Decode one frame the daemon sent (publisher side).
+
+    Raises:
+        ProtocolError: the frame is not a daemon reply.
+    """
+    try:
+        return _from_daemon.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"bad reply from daemon: {e}") from None
