@@ -137,9 +137,22 @@ def pickle_packed(by_uuid: Mapping[str, Handle]) -> bytes:
     return _PROTO4 + _dict_fragment(by_uuid) + _STOP
 
 
-def pickle_unpacked(per_tensor: Sequence[Mapping[str, Handle]]) -> bytes:
-    """Pickle of ``[{gpu_uuid: args}, ...]``, one dict per tensor (unpacked transfer)."""
-    body = b"".join(_dict_fragment(d) for d in per_tensor)
+def pickle_unpacked(uuids: Sequence[str], handles_by_rank: Sequence[Sequence[Handle]]) -> bytes:
+    """Pickle of ``[{gpu_uuid: args}, ...]``, one dict per tensor (unpacked transfer).
+
+    Args:
+        uuids: GPU UUID of each rank, in the order of ``handles_by_rank``.
+        handles_by_rank: per rank, one handle per tensor (all the same length).
+    """
+    keys = [_uuid_key(u) for u in uuids]
+    n = len(handles_by_rank[0]) if handles_by_rank else 0
+    body = b"".join(
+        _EMPTY_DICT
+        + _MARK
+        + b"".join(k + handle_args_fragment(hs[i]) for k, hs in zip(keys, handles_by_rank))
+        + _SETITEMS
+        for i in range(n)
+    )
     return _PROTO4 + _EMPTY_LIST + _MARK + body + _APPENDS + _STOP
 
 

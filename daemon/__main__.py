@@ -1,0 +1,3 @@
+from slotsync.daemon.main import main
+
+main()

@@ -1,0 +1,122 @@
+"""Per-slot chunk aggregation: checks that every rank sent the same chunk and merges handles.
+
+Pure functions, no I/O. A chunk goes to the engine only when every rank of the slot has sent
+it, its names / dtypes / shapes / sizes agree across ranks, and the GPU UUIDs are distinct and
+as many as the engine's world size (design.md I2). The merged form is vLLM's ``update_info``
+body for the IPC backend (vllm-contract.md "update_info for the IPC backend").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from slotsync.daemon.vllm_pickle import b64, pickle_packed, pickle_unpacked
+from slotsync.protocol.wire import Chunk, CudaIpcHandle, ShmHandle
+
+
+class ChunkMismatch(ValueError):
+    """Ranks of one slot disagree on a chunk, or a chunk cannot be merged.
+
+    ``ranks`` names the ranks whose copy differs from the slot coordinator's (or is bad).
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class MergedChunk:
+    """One chunk ready for vLLM's ``/update_weights``: ``update_info`` is the JSON body's value
+    (``names``, ``dtype_names``, ``shapes``, packed: ``tensor_sizes``, and
+    ``ipc_handles_pickled``); ``nbytes`` is the tensor bytes of one rank's copy."""
+
+    index: int
+    update_info: dict
+    num_tensors: int
+    nbytes: int
+
+
+def merge_chunk(
+    index: int,
+    chunks: Mapping[int, Chunk],
+    uuid_of_rank: Mapping[int, str],
+    *,
+    packed: bool,
+    transport: str,
+    world_size: int,
+) -> MergedChunk:
+    """Validate one chunk across the ranks of a slot and build its ``update_info``.
+
+    Args:
+        index: the chunk index (for messages).
+        chunks: rank -> that rank's ``Chunk`` message; must hold every rank of the slot.
+        uuid_of_rank: rank -> GPU UUID (torch format) from registration.
+        packed: vLLM packed transfer (one uint8 buffer handle per rank) or unpacked.
+        transport: ``"cuda"`` or ``"shm"``: the handle kind every rank must send.
+        world_size: the engine's ``/get_world_size``: the number of GPU UUIDs required.
+
+    Raises:
+        ChunkMismatch: a rank's names, dtypes, shapes or sizes differ from the lowest rank's,
+            a handle of the wrong kind or count, duplicate UUIDs, or a UUID count other than
+            ``world_size``. The message names the first differing tensor and the ranks.
+    """
+    ranks = sorted(chunks)
+    ref_rank = ranks[0]
+    ref = chunks[ref_rank]
+    for field in ("names", "dtype_names", "shapes", "tensor_sizes"):
+        want = getattr(ref, field)
+        bad = [r for r in ranks[1:] if getattr(chunks[r], field) != want]
+        if bad:
+            got = getattr(chunks[bad[0]], field)
+            detail = _first_difference(ref.names, want, got)
+            raise ChunkMismatch(
+                f"chunk {index}: {field} of rank(s) {bad} differ from rank {ref_rank}'s: {detail}",
+                bad,
+            )
+    kind = CudaIpcHandle if transport == "cuda" else ShmHandle
+    want_handles = 1 if packed else len(ref.names)
+    for r in ranks:
+        hs = chunks[r].handles
+        if len(hs) != want_handles:
+            mode = "packed" if packed else "unpacked"
+            raise ChunkMismatch(
+                f"chunk {index}: rank {r} sent {len(hs)} handles, {mode} mode needs {want_handles}",
+                [r],
+            )
+        if not all(isinstance(h, kind) for h in hs):
+            raise ChunkMismatch(
+                f"chunk {index}: rank {r} sent a handle that is not of transport {transport!r}",
+                [r],
+            )
+    uuids = [uuid_of_rank[r] for r in ranks]
+    if len(set(uuids)) != len(uuids):
+        dup = sorted({u for u in uuids if uuids.count(u) > 1})
+        raise ChunkMismatch(f"chunk {index}: GPU UUIDs repeat across ranks: {dup}", ranks)
+    if len(uuids) != world_size:
+        raise ChunkMismatch(
+            f"chunk {index}: {len(uuids)} GPU UUIDs but the engine's world size is {world_size}",
+            ranks,
+        )
+
+    info: dict = {"names": ref.names, "dtype_names": ref.dtype_names, "shapes": ref.shapes}
+    if packed:
+        pickled = pickle_packed({uuid_of_rank[r]: chunks[r].handles[0] for r in ranks})
+        info["tensor_sizes"] = ref.tensor_sizes
+    else:
+        pickled = pickle_unpacked(
+            [uuid_of_rank[r] for r in ranks], [chunks[r].handles for r in ranks]
+        )
+    info["ipc_handles_pickled"] = b64(pickled)
+    return MergedChunk(index, info, len(ref.names), sum(ref.tensor_sizes))
+
+
+def _first_difference(names: Sequence[str], want: Sequence, got: Sequence) -> str:
+    if len(want) != len(got):
+        return f"{len(got)} entries instead of {len(want)}"
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        if a != b:
+            name = names[i] if i < len(names) else f"#{i}"
+            return f"tensor {name!r}: {b!r} instead of {a!r}"
+    return "differs"

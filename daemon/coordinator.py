@@ -1,0 +1,644 @@
+"""The per-slot update coordinator: an I/O-free state machine (h11 style).
+
+One ``SlotCoordinator`` per engine slot. The adapter (``slotsync.daemon.service``) feeds it
+events — rank messages (``on_register``, ``on_message``), engine call results
+(``on_engine_result``) and the clock (``poll``) — and executes the actions it returns:
+
+* ``Reply(identity, msg)``: send a wire message to a rank's socket identity;
+* ``EngineCall(call_id, update_id, route, body)``: one vLLM HTTP call; its outcome must come
+  back through ``on_engine_result(call_id, ...)``. At most one is in flight per slot;
+* ``UpdateEnded(...)``: an update finished or failed (for metrics and logs).
+
+One update (design.md "Flow of one round")::
+
+    first Begin ─► get_world_size ─► [init(packed) once] ─► pause(keep) ─► [finish: recover]
+      ─► start ─► Ack(begin) to every rank that has begun
+    chunk k complete on every rank ─► merge ─► update_weights ─► Ack(chunk k) to every rank
+    Commit from every rank (same count, all chunks consumed) ─► finish(version) ─► resume
+      ─► Ack(commit) to every rank
+
+Invariants held here by construction (design.md): I1 one update per slot and exactly one start
+and finish per successful update; I2 a chunk is merged only when complete and consistent
+(``aggregation.merge_chunk``); I3 chunk acks only after ``update_weights`` returned, commit acks
+only after finish returned; I4 resume only after a successful finish, a failed update leaves
+the engine paused and ``needs_full_update``; I5 every wait has a deadline; I7 all state keyed by
+update id, stale ids refused; I8 the version is recorded only with a successful finish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from slotsync.daemon.aggregation import ChunkMismatch, MergedChunk, merge_chunk
+from slotsync.protocol.wire import (
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    Begin,
+    Chunk,
+    Commit,
+    Error,
+    FromDaemon,
+    Register,
+    Registered,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Deadlines in seconds for each wait on ranks (design.md I5). Engine calls are bounded by
+    the HTTP client's own timeout, reported back as a failed ``on_engine_result``."""
+
+    begin_s: float = 120.0  # from the first Begin until every rank of the slot has begun
+    chunk_s: float = 120.0  # from the first copy of chunk k until every rank sent chunk k
+    commit_s: float = 600.0  # from the last progress until the next chunk or every Commit
+
+
+# ---------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Send ``msg`` to the rank whose socket identity is ``identity``."""
+
+    identity: bytes
+    msg: FromDaemon
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """Call vLLM route ``route`` (a name from ``vllm_client.ROUTES``) with JSON ``body``."""
+
+    call_id: int
+    update_id: int
+    route: str
+    body: Any = None
+    slot: tuple[int, int] = (0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateEnded:
+    """An update ended. ``outcome`` is ``"success"`` or ``"failed"``; seconds from the first
+    Begin; ``nbytes`` is tensor bytes per rank consumed by the engine."""
+
+    slot: tuple[int, int]
+    engine_url: str
+    update_id: int
+    weight_version: str
+    outcome: str
+    seconds: float
+    chunks: int
+    nbytes: int
+    error: str = ""
+
+
+Action = Reply | EngineCall | UpdateEnded
+
+
+class SlotState(str, Enum):
+    """What a slot is doing, as ``/status`` reports it."""
+
+    REGISTERING = "registering"  # not every rank of the slot has registered yet
+    IDLE = "idle"
+    UPDATING = "updating"
+    FAILED = "failed"  # last update failed: engine paused, needs a full update
+
+
+@dataclass
+class RankInfo:
+    """A registered rank: its socket identity and what it told us at registration."""
+
+    rank: int
+    identity: bytes
+    gpu_uuid: str
+    hostname: str
+    pid: int
+
+
+@dataclass
+class _Update:
+    update_id: int
+    weight_version: str
+    started_at: float
+    begun: set[int] = field(default_factory=set)
+    first_begin_at: float = 0.0
+    engine_started: bool = False  # /start_weight_update returned 200
+    start_sent: bool = False
+    steps: list[str] = field(default_factory=list)  # engine routes still to call before streaming
+    pending: dict[int, dict[int, Chunk]] = field(default_factory=dict)  # index -> rank -> chunk
+    first_arrival: dict[int, float] = field(default_factory=dict)
+    sent_count: dict[int, int] = field(default_factory=dict)  # rank -> chunks received
+    next_index: int = 0  # next chunk to hand to the engine
+    consumed_bytes: int = 0
+    committed: dict[int, int] = field(default_factory=dict)  # rank -> num_chunks
+    last_progress: float = 0.0
+    finishing: bool = False
+    finished: bool = False  # /finish_weight_update returned 200
+
+
+class SlotCoordinator:
+    """State machine of one engine slot ``[start, start + size)`` and its engine.
+
+    Args:
+        start: first global rank of the slot.
+        size: number of ranks (= GPUs = the engine's world size).
+        timeouts: deadlines for waits on ranks.
+        daemon_version: reported to ranks at registration.
+    """
+
+    def __init__(
+        self, start: int, size: int, timeouts: Timeouts | None = None, daemon_version: str = ""
+    ) -> None:
+        self.start = start
+        self.size = size
+        self.timeouts = timeouts or Timeouts()
+        self.daemon_version = daemon_version
+        self.ranks: dict[int, RankInfo] = {}
+        self.engine_url: str | None = None
+        self.packed: bool | None = None
+        self.transport: str | None = None
+        self.engine_initialized = False
+        self.engine_paused = False
+        self.needs_full_update = False  # I4: set after a failed update
+        self.engine_dirty = False  # a start may be active on some engine workers
+        self.world_size: int | None = None
+        self.next_update_id = 0
+        self.current: _Update | None = None
+        self.last_version: str | None = None
+        self.last_error: str | None = None
+        self.last_duration_s: float | None = None
+        self.last_outcome: str | None = None
+        self.updates_ok = 0
+        self.updates_failed = 0
+        self.engine_calls: dict[str, int] = {}  # route -> calls issued (for status and tests)
+        self._call_id = 0
+        self._inflight: EngineCall | None = None
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
+    @property
+    def slot(self) -> tuple[int, int]:
+        return (self.start, self.end)
+
+    @property
+    def state(self) -> SlotState:
+        if self.current is not None:
+            return SlotState.UPDATING
+        if len(self.ranks) < self.size:
+            return SlotState.REGISTERING
+        if self.needs_full_update:
+            return SlotState.FAILED
+        return SlotState.IDLE
+
+    def next_deadline(self) -> float | None:
+        """Monotonic time at which ``poll`` must next be called, or None."""
+        d = self._deadline()
+        return d[0] if d else None
+
+    # ------------------------------------------------------------------ events
+
+    def on_register(self, identity: bytes, msg: Register, now: float) -> list[Action]:
+        """A rank registers (or re-registers after a reconnect).
+
+        Refused (``Error(phase="register")`` to that identity only) when: the protocol version
+        differs, the slot differs from this coordinator's, the engine URL / packed mode /
+        transport differs from ranks already registered, or another rank holds its GPU UUID.
+        A re-registration during an update fails that update (the rank restarted).
+        """
+        def refuse(text: str) -> list[Action]:
+            return [Reply(identity, Error("register", text, list(self.slot), None, []))]
+
+        if msg.protocol_version != PROTOCOL_VERSION:
+            return refuse(
+                f"protocol version mismatch: rank {msg.rank} speaks {msg.protocol_version}, "
+                f"this daemon speaks {PROTOCOL_VERSION}"
+            )
+        if (msg.slot_start, msg.slot_start + msg.slot_size) != self.slot:
+            return refuse(
+                f"rank {msg.rank} claims slot [{msg.slot_start}, {msg.slot_start + msg.slot_size})"
+                f" but its rank belongs to slot [{self.start}, {self.end})"
+            )
+        others = {r: i for r, i in self.ranks.items() if r != msg.rank}
+        if others:
+            if msg.engine_url != self.engine_url:
+                return refuse(
+                    f"rank {msg.rank} names engine {msg.engine_url!r} but rank(s) "
+                    f"{sorted(others)} of slot [{self.start}, {self.end}) name "
+                    f"{self.engine_url!r}"
+                )
+            if msg.packed != self.packed:
+                return refuse(
+                    f"rank {msg.rank} registers packed={msg.packed} but the slot uses "
+                    f"packed={self.packed}"
+                )
+            if msg.transport != self.transport:
+                return refuse(
+                    f"rank {msg.rank} registers transport {msg.transport!r} but the slot uses "
+                    f"{self.transport!r}"
+                )
+            dup = [r for r, i in others.items() if i.gpu_uuid == msg.gpu_uuid]
+            if dup:
+                return refuse(
+                    f"rank {msg.rank} registers GPU UUID {msg.gpu_uuid} already held by "
+                    f"rank {dup[0]}"
+                )
+        elif msg.engine_url != self.engine_url or msg.packed != self.packed:
+            # First (or only) rank sets the slot's engine; a new engine means a new init.
+            self.engine_initialized = False
+        actions: list[Action] = []
+        if msg.rank in self.ranks and self.current is not None:
+            actions += self._fail(
+                now, "register", f"rank {msg.rank} re-registered during update", [msg.rank]
+            )
+        self.engine_url, self.packed, self.transport = msg.engine_url, msg.packed, msg.transport
+        self.ranks[msg.rank] = RankInfo(msg.rank, identity, msg.gpu_uuid, msg.hostname, msg.pid)
+        actions.append(
+            Reply(
+                identity,
+                Registered(
+                    msg.rank, self.start, self.size, self.next_update_id,
+                    PROTOCOL_VERSION, self.daemon_version,
+                ),
+            )
+        )
+        return actions
+
+    def on_message(self, rank: int, msg: Begin | Chunk | Commit | Abort, now: float) -> list:
+        """A registered rank of this slot sent ``msg``. Returns actions."""
+        if isinstance(msg, Begin):
+            return self._on_begin(rank, msg, now)
+        if isinstance(msg, Chunk):
+            return self._on_chunk(rank, msg, now)
+        if isinstance(msg, Commit):
+            return self._on_commit(rank, msg, now)
+        if isinstance(msg, Abort):
+            u = self.current
+            if u is None or msg.update_id != u.update_id:
+                return self._rank_error(rank, "abort", f"no update {msg.update_id} in flight",
+                                        msg.update_id)
+            why = f": {msg.reason}" if msg.reason else ""
+            return self._fail(now, "abort", f"rank {rank} aborted update {u.update_id}{why}", [])
+        raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def on_engine_result(
+        self, call_id: int, ok: bool, result: Any, error: str, now: float
+    ) -> list[Action]:
+        """The engine call ``call_id`` returned: ``ok`` with the parsed JSON ``result``, or not
+        ok with ``error`` (HTTP status and vLLM's message, or a timeout / connection error)."""
+        call = self._inflight
+        if call is None or call.call_id != call_id:
+            return []  # result of a call whose update already failed (I7: nothing leaks)
+        self._inflight = None
+        u = self.current
+        if u is None or u.update_id != call.update_id:
+            return []
+        route = call.route
+        if not ok:
+            if route == "finish_recover":
+                # Expected when the engine is not (or only partly) mid-update: vllm-contract.md
+                # "Per-worker state": finish tolerating the 500, then a full update.
+                return self._advance(now)
+            if route == "resume":
+                # Weights are complete and the version is recorded; the engine stays paused.
+                return self._complete(now, resume_error=error)
+            return self._fail(now, "engine", f"vLLM {route} failed: {error}", [])
+        u.last_progress = now
+        if route == "get_world_size":
+            ws = result.get("world_size") if isinstance(result, dict) else None
+            if ws != self.size:
+                return self._fail(
+                    now, "begin",
+                    f"engine {self.engine_url} has world size {ws} but slot "
+                    f"[{self.start}, {self.end}) has {self.size} ranks",
+                    [],
+                )
+            self.world_size = ws
+        elif route == "init_weight_transfer_engine":
+            self.engine_initialized = True
+        elif route == "pause":
+            self.engine_paused = True
+        elif route == "start_weight_update":
+            u.engine_started = True
+            self.engine_dirty = True
+            actions: list[Action] = [
+                Reply(self.ranks[r].identity, Ack(u.update_id, "begin"))
+                for r in sorted(u.begun)
+            ]
+            return actions + self._advance(now)
+        elif route == "update_weights":
+            idx = u.next_index
+            chunk_bytes = sum(next(iter(u.pending[idx].values())).tensor_sizes)
+            del u.pending[idx]
+            u.first_arrival.pop(idx, None)
+            u.next_index += 1
+            u.consumed_bytes += chunk_bytes
+            acks: list[Action] = [
+                Reply(i.identity, Ack(u.update_id, "chunk", idx)) for i in self._by_rank()
+            ]
+            return acks + self._advance(now)
+        elif route == "finish_weight_update":
+            u.finished = True
+            self.engine_dirty = False
+            self.needs_full_update = False
+            self.last_version = u.weight_version  # I8: recorded only with a successful finish
+        elif route == "resume":
+            self.engine_paused = False
+            return self._complete(now)
+        return self._advance(now)
+
+    def poll(self, now: float) -> list[Action]:
+        """Check deadlines (design.md I5); fails the update naming the missing ranks."""
+        d = self._deadline()
+        if d is None or now < d[0]:
+            return []
+        _, phase, what, missing = d
+        u = self.current
+        assert u is not None
+        return self._fail(
+            now, phase,
+            f"deadline expired in update {u.update_id} waiting for {what} from rank(s) {missing}",
+            missing,
+        )
+
+    def on_daemon_stop(self, now: float, reason: str) -> list[Action]:
+        """The daemon is shutting down: fail the update in flight (engine stays paused, I4)."""
+        if self.current is None:
+            return []
+        return self._fail(now, "shutdown", reason, [])
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict:
+        """A JSON-able snapshot for ``/status``."""
+        u = self.current
+        cur = None
+        if u is not None:
+            cur = {
+                "update_id": u.update_id,
+                "weight_version": u.weight_version,
+                "engine_started": u.engine_started,
+                "ranks_begun": sorted(u.begun),
+                "chunks_received": {str(r): n for r, n in sorted(u.sent_count.items())},
+                "chunks_consumed": u.next_index,
+                "bytes_consumed": u.consumed_bytes,
+                "ranks_committed": sorted(u.committed),
+                "engine_call_in_flight": self._inflight.route if self._inflight else None,
+            }
+        return {
+            "slot": [self.start, self.end],
+            "state": self.state.value,
+            "engine_url": self.engine_url,
+            "packed": self.packed,
+            "transport": self.transport,
+            "ranks_expected": self.size,
+            "ranks_registered": sorted(self.ranks),
+            "gpu_uuids": {str(r): i.gpu_uuid for r, i in sorted(self.ranks.items())},
+            "engine_paused": self.engine_paused,
+            "needs_full_update": self.needs_full_update,
+            "next_update_id": self.next_update_id,
+            "current_update": cur,
+            "last_version": self.last_version,
+            "last_outcome": self.last_outcome,
+            "last_duration_s": self.last_duration_s,
+            "last_error": self.last_error,
+            "updates_succeeded": self.updates_ok,
+            "updates_failed": self.updates_failed,
+            "engine_calls": dict(self.engine_calls),
+        }
+
+    # ------------------------------------------------------------------ internals
+
+    def _by_rank(self) -> list[RankInfo]:
+        return [self.ranks[r] for r in sorted(self.ranks)]
+
+    def _rank_error(
+        self, rank: int, phase: str, text: str, update_id: int | None
+    ) -> list[Action]:
+        """An error for one rank's message that does not touch the update in flight."""
+        info = self.ranks[rank]
+        return [Reply(info.identity, Error(phase, text, list(self.slot), update_id, [], False))]
+
+    def _on_begin(self, rank: int, msg: Begin, now: float) -> list[Action]:
+        u = self.current
+        if u is not None and msg.update_id == u.update_id:
+            if msg.weight_version != u.weight_version:
+                return self._fail(
+                    now, "begin",
+                    f"rank {rank} begins update {u.update_id} with version "
+                    f"{msg.weight_version!r}, other ranks with {u.weight_version!r}",
+                    [],
+                )
+            if rank in u.begun:
+                return self._rank_error(rank, "begin", f"rank {rank} began update "
+                                        f"{u.update_id} twice", u.update_id)
+            u.begun.add(rank)
+            u.last_progress = now
+            if u.engine_started:
+                return [Reply(self.ranks[rank].identity, Ack(u.update_id, "begin"))]
+            return []
+        if u is not None:
+            return self._rank_error(
+                rank, "begin",
+                f"update {u.update_id} is in flight for slot [{self.start}, {self.end}); "
+                f"refusing a second update {msg.update_id}",
+                msg.update_id,
+            )
+        if msg.update_id < self.next_update_id:
+            return self._rank_error(
+                rank, "begin",
+                f"stale update id {msg.update_id}: this slot's next update id is "
+                f"{self.next_update_id}",
+                msg.update_id,
+            )
+        if len(self.ranks) < self.size:
+            missing = sorted(set(range(self.start, self.end)) - set(self.ranks))
+            return [Reply(self.ranks[rank].identity,
+                          Error("begin", f"slot [{self.start}, {self.end}) is incomplete: "
+                                f"rank(s) {missing} have not registered",
+                                list(self.slot), msg.update_id, missing, False))]
+        u = _Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now)
+        steps = ["get_world_size"]
+        if not self.engine_initialized:
+            steps.append("init_weight_transfer_engine")
+        steps.append("pause")
+        if self.engine_dirty:
+            steps.append("finish_recover")
+        steps.append("start_weight_update")
+        u.steps = steps
+        self.current = u
+        return self._advance(now)
+
+    def _on_chunk(self, rank: int, msg: Chunk, now: float) -> list[Action]:
+        u = self.current
+        if u is None or msg.update_id != u.update_id:
+            cur = "none" if u is None else str(u.update_id)
+            return self._rank_error(
+                rank, "chunk",
+                f"chunk {msg.index} for update {msg.update_id}, but the update in flight is {cur}",
+                msg.update_id,
+            )
+        if rank not in u.begun or not u.engine_started:
+            return self._fail(now, "chunk", f"rank {rank} sent chunk {msg.index} before its "
+                              "begin was acknowledged", [])
+        if rank in u.committed:
+            return self._fail(now, "chunk", f"rank {rank} sent chunk {msg.index} after commit",
+                              [])
+        expect = u.sent_count.get(rank, 0)
+        if msg.index != expect:
+            return self._fail(
+                now, "chunk", f"rank {rank} sent chunk {msg.index}, expected chunk {expect}", []
+            )
+        u.sent_count[rank] = expect + 1
+        u.pending.setdefault(msg.index, {})[rank] = msg
+        u.first_arrival.setdefault(msg.index, now)
+        u.last_progress = now
+        return self._advance(now)
+
+    def _on_commit(self, rank: int, msg: Commit, now: float) -> list[Action]:
+        u = self.current
+        if u is None or msg.update_id != u.update_id:
+            cur = "none" if u is None else str(u.update_id)
+            return self._rank_error(
+                rank, "commit",
+                f"commit for update {msg.update_id}, but the update in flight is {cur}",
+                msg.update_id,
+            )
+        sent = u.sent_count.get(rank, 0)
+        if msg.num_chunks != sent:
+            return self._fail(
+                now, "commit",
+                f"rank {rank} committed {msg.num_chunks} chunks but sent {sent}", [rank],
+            )
+        if rank in u.committed:
+            return self._rank_error(rank, "commit", f"rank {rank} committed twice", u.update_id)
+        u.committed[rank] = msg.num_chunks
+        u.last_progress = now
+        counts = set(u.committed.values())
+        if len(counts) > 1:
+            return self._fail(
+                now, "commit",
+                "ranks committed different chunk counts: "
+                + ", ".join(f"rank {r}: {n}" for r, n in sorted(u.committed.items())),
+                [],
+            )
+        return self._advance(now)
+
+    def _call(self, u: _Update, route: str, body: Any = None) -> list[Action]:
+        self._call_id += 1
+        call = EngineCall(self._call_id, u.update_id, route, body, self.slot)
+        self._inflight = call
+        if route == "start_weight_update":
+            u.start_sent = True
+        self.engine_calls[route] = self.engine_calls.get(route, 0) + 1
+        return [call]
+
+    def _advance(self, now: float) -> list[Action]:
+        """Issue the next engine call if the update can make progress and none is in flight."""
+        u = self.current
+        if u is None or self._inflight is not None:
+            return []
+        if u.steps:
+            route = u.steps.pop(0)
+            body = {"init_info": {"packed": self.packed}} if route.startswith("init") else None
+            return self._call(u, route, body)
+        if not u.engine_started:
+            return []
+        if u.finished:
+            return self._call(u, "resume")
+        idx = u.next_index
+        got = u.pending.get(idx)
+        if got is not None and len(got) == self.size:
+            try:
+                merged: MergedChunk = merge_chunk(
+                    idx, got, {r: self.ranks[r].gpu_uuid for r in got},
+                    packed=bool(self.packed), transport=self.transport or "cuda",
+                    world_size=self.world_size or self.size,
+                )
+            except ChunkMismatch as e:
+                # I2: the engine never sees an inconsistent chunk.
+                return self._fail(now, "chunk", str(e), e.ranks)
+            return self._call(u, "update_weights", {"update_info": merged.update_info})
+        if (
+            len(u.committed) == self.size
+            and not u.pending
+            and u.next_index == next(iter(u.committed.values()))
+        ):
+            u.finishing = True
+            return self._call(u, "finish_weight_update", {"weight_version": u.weight_version})
+        return []
+
+    def _deadline(self) -> tuple[float, str, str, list[int]] | None:
+        """(time, phase, what, missing ranks) of the wait in force, or None."""
+        u = self.current
+        if u is None or self._inflight is not None or u.finishing:
+            return None
+        all_ranks = set(range(self.start, self.end))
+        not_begun = sorted(all_ranks - u.begun)
+        if not_begun:
+            return (u.first_begin_at + self.timeouts.begin_s, "begin", "begin", not_begun)
+        if u.pending:
+            idx = min(u.pending)
+            missing = sorted(all_ranks - set(u.pending[idx]))
+            if missing:
+                return (u.first_arrival[idx] + self.timeouts.chunk_s, "chunk",
+                        f"chunk {idx}", missing)
+        missing = sorted(all_ranks - set(u.committed))
+        return (u.last_progress + self.timeouts.commit_s, "commit",
+                "the next chunk or commit", missing)
+
+    def _fail(self, now: float, phase: str, text: str, missing: list[int]) -> list[Action]:
+        """Fail the update in flight: one Error to every rank of the slot; the engine stays
+        paused and is marked as needing a full update if it was paused (I4)."""
+        u = self.current
+        if u is None:
+            return []
+        self.current = None
+        self._inflight = None  # a late result for it is dropped in on_engine_result
+        self.next_update_id = max(self.next_update_id, u.update_id + 1)
+        if self.engine_paused or u.start_sent:
+            self.needs_full_update = True
+        if u.start_sent:
+            self.engine_dirty = True
+        # The engine may have restarted or been swapped: re-check and re-init next time.
+        self.engine_initialized = False
+        message = f"slot [{self.start}, {self.end}) update {u.update_id} failed in {phase}: {text}"
+        self.last_error = message
+        self.last_outcome = "failed"
+        self.updates_failed += 1
+        self.last_duration_s = now - u.started_at
+        err = Error(phase, message, list(self.slot), u.update_id, list(missing))
+        actions: list[Action] = [Reply(i.identity, err) for i in self._by_rank()]
+        actions.append(
+            UpdateEnded(self.slot, self.engine_url or "", u.update_id, u.weight_version,
+                        "failed", now - u.started_at, u.next_index, u.consumed_bytes, message)
+        )
+        return actions
+
+    def _complete(self, now: float, resume_error: str | None = None) -> list[Action]:
+        u = self.current
+        assert u is not None
+        self.current = None
+        self.next_update_id = max(self.next_update_id, u.update_id + 1)
+        self.last_duration_s = now - u.started_at
+        self.last_outcome = "success"
+        self.last_error = (
+            f"update {u.update_id} loaded but resume failed: {resume_error}"
+            if resume_error else None
+        )
+        self.updates_ok += 1
+        acks: list[Action] = [
+            Reply(i.identity, Ack(u.update_id, "commit", -1, now - u.started_at))
+            for i in self._by_rank()
+        ]
+        acks.append(
+            UpdateEnded(self.slot, self.engine_url or "", u.update_id, u.weight_version,
+                        "success", now - u.started_at, u.next_index, u.consumed_bytes,
+                        self.last_error or "")
+        )
+        return acks

@@ -1,0 +1,243 @@
+"""The daemon's asyncio service: thin adapters around the I/O-free ``SlotTable``.
+
+* ZeroMQ intake: a ROUTER socket on an ``ipc://`` path; each frame is decoded and validated
+  (``wire.decode_to_daemon``) and handed to the table with the sender's identity.
+* Timers: one task sleeps until the earliest deadline and calls ``SlotTable.poll``.
+* Engine calls: each ``EngineCall`` action runs as a task on that engine's ``VllmClient``;
+  its outcome is fed back to the slot's coordinator.
+* Status server: ``/healthz``, ``/status``, ``/metrics``.
+
+Everything runs on one event loop, so the core is never entered concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import socket
+import time
+
+import zmq
+import zmq.asyncio
+
+from slotsync import __version__
+from slotsync.daemon.config import Config
+from slotsync.daemon.coordinator import Action, EngineCall, Reply, Timeouts, UpdateEnded
+from slotsync.daemon.metrics import Metrics
+from slotsync.daemon.slot_table import SlotTable
+from slotsync.daemon.status_server import StatusServer
+from slotsync.daemon.vllm_client import EngineError, VllmClient
+from slotsync.protocol.wire import Error, ProtocolError, decode_to_daemon, encode
+
+log = logging.getLogger("slotsync.daemon")
+
+
+class DaemonAlreadyRunning(RuntimeError):
+    """Another live daemon owns the socket path."""
+
+
+def _claim_ipc_path(path: str) -> None:
+    """Make ``path`` free for binding: refuse if a live process listens there (a second daemon
+    must not steal the socket), remove a stale socket file left by a dead one.
+
+    Raises:
+        DaemonAlreadyRunning: something accepts connections on ``path``.
+    """
+    if not os.path.exists(path):
+        return
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    except OSError as e:
+        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            os.unlink(path)
+            return
+        raise
+    else:
+        raise DaemonAlreadyRunning(f"another slotsyncd is listening on {path}")
+    finally:
+        s.close()
+
+
+class Daemon:
+    """One node daemon.
+
+    Args:
+        config: validated configuration.
+
+    Use ``await start()``, then ``await wait_stopped()``; ``stop()`` fails any update in
+    flight (ranks told, engine left paused, design.md I4) and closes everything.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = Metrics(__version__)
+        self.table = SlotTable(
+            Timeouts(config.begin_timeout_s, config.chunk_timeout_s, config.commit_timeout_s),
+            __version__,
+        )
+        self.endpoint = config.endpoint()
+        self.started_at = time.time()
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._clients: dict[str, VllmClient] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._wake = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._status: StatusServer | None = None
+        self._loops: list[asyncio.Task] = []
+
+    @property
+    def status_port(self) -> int | None:
+        return self._status.port if self._status else None
+
+    async def start(self) -> None:
+        """Bind the ZeroMQ socket and the status server, then start serving.
+
+        Raises:
+            DaemonAlreadyRunning: a live daemon owns the socket path.
+            OSError / zmq.ZMQError: the socket or port cannot be bound.
+        """
+        if self.endpoint.startswith("ipc://"):
+            path = self.endpoint[len("ipc://"):]
+            os.makedirs(os.path.dirname(path) or ".", mode=0o770, exist_ok=True)
+            _claim_ipc_path(path)
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting rank may reuse its identity
+        sock.bind(self.endpoint)
+        self._sock = sock
+        if self.config.status_port >= 0:
+            self._status = StatusServer(
+                self.config.status_host, self.config.status_port, self.status, self.metrics
+            )
+            await self._status.start()
+        self._loops = [
+            asyncio.create_task(self._recv_loop(), name="slotsync-intake"),
+            asyncio.create_task(self._timer_loop(), name="slotsync-timers"),
+        ]
+        log.info(
+            "listening endpoint=%s status=%s",
+            self.endpoint,
+            f"http://{self.config.status_host}:{self.status_port}" if self._status else "off",
+        )
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self, reason: str = "daemon stopping") -> None:
+        """Fail updates in flight, tell their ranks, close sockets and sessions."""
+        if self._stopped.is_set():
+            return
+        await self._execute(self.table.shutdown(time.monotonic(), reason))
+        for t in self._loops:
+            t.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._loops, *self._tasks, return_exceptions=True)
+        for c in self._clients.values():
+            await c.close()
+        if self._status is not None:
+            await self._status.stop()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            if self.endpoint.startswith("ipc://"):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.endpoint[len("ipc://"):])
+        self._ctx.term()
+        self._stopped.set()
+
+    def status(self) -> dict:
+        """The ``/status`` document: daemon facts and every slot's state."""
+        return {
+            "version": __version__,
+            "endpoint": self.endpoint,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "ranks_connected": self.table.connected_ranks(),
+            "slots": [c.status() for _, c in sorted(self.table.slots.items())],
+        }
+
+    # ------------------------------------------------------------------ adapters
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            identity, payload = frames[0], frames[-1]
+            if len(frames) != 2:
+                self.metrics.bad_messages.inc()
+                await self._send(identity, Error("decode", f"expected 1 frame, got "
+                                                 f"{len(frames) - 1}", fatal=False))
+                continue
+            try:
+                msg = decode_to_daemon(payload, self.config.max_message_bytes)
+            except ProtocolError as e:
+                self.metrics.bad_messages.inc()
+                log.warning("rejected message from %s: %s", identity.hex(), e)
+                await self._send(identity, Error("decode", str(e), fatal=False))
+                continue
+            await self._execute(self.table.on_message(identity, msg, time.monotonic()))
+
+    async def _timer_loop(self) -> None:
+        while True:
+            deadline = self.table.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            await self._execute(self.table.poll(time.monotonic()))
+
+    async def _send(self, identity: bytes, msg) -> None:
+        assert self._sock is not None
+        try:
+            await self._sock.send_multipart([identity, encode(msg)])
+        except zmq.ZMQError as e:  # peer gone: nothing to tell it
+            log.debug("cannot reply to %s: %s", identity.hex(), e)
+
+    async def _execute(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Reply):
+                await self._send(a.identity, a.msg)
+            elif isinstance(a, EngineCall):
+                t = asyncio.create_task(self._engine_call(a))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+            elif isinstance(a, UpdateEnded):
+                self._record(a)
+        self.metrics.ranks_connected.set(self.table.connected_ranks())
+        self.metrics.in_flight.set(sum(c.current is not None for c in self.table.slots.values()))
+        self._wake.set()  # deadlines may have moved
+
+    async def _engine_call(self, call: EngineCall) -> None:
+        coord = self.table.coordinator(call.slot)
+        url = coord.engine_url or ""
+        client = self._clients.get(url)
+        if client is None:
+            client = VllmClient(url, self.config.engine_timeout_s, self.metrics.observe_request)
+            self._clients[url] = client
+        log.debug("engine call slot=%s update=%d route=%s", call.slot, call.update_id, call.route)
+        try:
+            result = await client.call(call.route, call.body)
+            ok, err = True, ""
+        except EngineError as e:
+            result, ok, err = None, False, str(e)
+        await self._execute(coord.on_engine_result(call.call_id, ok, result, err,
+                                                   time.monotonic()))
+
+    def _record(self, e: UpdateEnded) -> None:
+        self.metrics.updates.labels(e.outcome).inc()
+        self.metrics.update_duration.observe(e.seconds)
+        self.metrics.chunks.inc(e.chunks)
+        self.metrics.bytes.inc(e.nbytes)
+        level = logging.INFO if e.outcome == "success" else logging.ERROR
+        log.log(
+            level,
+            "update_end slot=[%d,%d) engine=%s update=%d version=%s outcome=%s seconds=%.3f "
+            "chunks=%d bytes=%d%s",
+            e.slot[0], e.slot[1], e.engine_url, e.update_id, e.weight_version, e.outcome,
+            e.seconds, e.chunks, e.nbytes, f" error={e.error!r}" if e.error else "",
+        )

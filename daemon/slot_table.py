@@ -1,0 +1,88 @@
+"""The daemon's table of engine slots: routes each rank's messages to its slot's coordinator.
+
+I/O-free, like the coordinators it owns. Slots come into being when their first rank
+registers (ranks carry the engine's real layout, design.md "Topology rules"); a slot that
+overlaps an existing different slot is refused.
+"""
+
+from __future__ import annotations
+
+from slotsync.daemon.coordinator import Action, Reply, SlotCoordinator, Timeouts
+from slotsync.protocol.wire import Error, Register, ToDaemon
+
+
+class SlotTable:
+    """All slots of one node daemon, keyed by ``(start, end)``.
+
+    Args:
+        timeouts: deadlines handed to every slot coordinator.
+        daemon_version: reported to ranks at registration.
+    """
+
+    def __init__(self, timeouts: Timeouts | None = None, daemon_version: str = "") -> None:
+        self.timeouts = timeouts or Timeouts()
+        self.daemon_version = daemon_version
+        self.slots: dict[tuple[int, int], SlotCoordinator] = {}
+        self._rank_of: dict[bytes, int] = {}  # socket identity -> rank
+        self._slot_of_rank: dict[int, SlotCoordinator] = {}
+
+    def on_message(self, identity: bytes, msg: ToDaemon, now: float) -> list[Action]:
+        """Dispatch one decoded message from socket ``identity``."""
+        if isinstance(msg, Register):
+            return self._register(identity, msg, now)
+        rank = self._rank_of.get(identity)
+        if rank is None:
+            return [Reply(identity, Error("register", f"{type(msg).__name__.lower()} from a "
+                                          "connection that has not registered"))]
+        return self._slot_of_rank[rank].on_message(rank, msg, now)
+
+    def poll(self, now: float) -> list[Action]:
+        """Check every slot's deadlines."""
+        out: list[Action] = []
+        for c in self.slots.values():
+            out += c.poll(now)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """Earliest deadline over all slots, or None."""
+        ds = [d for c in self.slots.values() if (d := c.next_deadline()) is not None]
+        return min(ds) if ds else None
+
+    def coordinator(self, slot: tuple[int, int]) -> SlotCoordinator:
+        return self.slots[slot]
+
+    def connected_ranks(self) -> int:
+        return len(self._rank_of)
+
+    def shutdown(self, now: float, reason: str) -> list[Action]:
+        """Fail every update in flight (daemon stopping)."""
+        out: list[Action] = []
+        for c in self.slots.values():
+            out += c.on_daemon_stop(now, reason)
+        return out
+
+    def _register(self, identity: bytes, msg: Register, now: float) -> list[Action]:
+        key = (msg.slot_start, msg.slot_start + msg.slot_size)
+        coord = self.slots.get(key)
+        if coord is None:
+            for (s, e), c in self.slots.items():
+                if s < key[1] and key[0] < e:
+                    return [Reply(identity, Error(
+                        "register",
+                        f"rank {msg.rank} claims slot [{key[0]}, {key[1]}) which overlaps "
+                        f"slot [{s}, {e}) of engine {c.engine_url!r}",
+                        list(key),
+                    ))]
+            coord = SlotCoordinator(key[0], msg.slot_size, self.timeouts, self.daemon_version)
+            self.slots[key] = coord
+        actions = coord.on_register(identity, msg, now)
+        if coord.ranks.get(msg.rank) is not None and coord.ranks[msg.rank].identity == identity:
+            # accepted: forget any older connection of this rank
+            for ident, r in list(self._rank_of.items()):
+                if r == msg.rank and ident != identity:
+                    del self._rank_of[ident]
+            self._rank_of[identity] = msg.rank
+            self._slot_of_rank[msg.rank] = coord
+        elif not coord.ranks:
+            del self.slots[key]  # refused first registration: leave no empty slot behind
+        return actions

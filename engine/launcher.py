@@ -1,0 +1,206 @@
+"""Start and stop a reference engine as a subprocess, for tests and demos.
+
+Example::
+
+    with ReferenceEngine(workers=2) as eng:
+        status, body = eng.request("GET", "/get_world_size")   # 200, {"world_size": 2}
+        eng.gpu_uuids                                          # logical UUIDs of workers 0, 1
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from slotsync.protocol.wire import logical_gpu_uuid, normalize_gpu_uuid
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, then release)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class EngineStartError(RuntimeError):
+    """The engine subprocess exited or did not answer ``/get_world_size`` in time."""
+
+
+class ReferenceEngine:
+    """``python -m slotsync.engine`` in a subprocess on a loopback port.
+
+    Args:
+        workers: number of worker processes (= ``/get_world_size``).
+        device: ``"cpu"`` or ``"cuda"``.
+        gpu_uuids: GPU UUID per worker; default ``logical_gpu_uuid(i)`` on cpu, the real
+            UUIDs on cuda (then :attr:`gpu_uuids` is read from ``/_slotsync/stats``).
+        cuda_devices: device index per worker (cuda only).
+        model: safetensors file loaded as initial weights on every worker.
+        host, port: where to listen; ``port=None`` picks a free one.
+        startup_timeout_s: bound on the wait for ``/get_world_size`` to answer (seconds).
+        env: extra environment variables for the subprocess.
+        log_path: file receiving the subprocess's stdout and stderr (default: a temp file).
+
+    The engine starts in the constructor unless ``start=False``; :meth:`stop` (also run by
+    the context manager) terminates it, then kills it after a grace period.
+    """
+
+    def __init__(
+        self,
+        workers: int = 2,
+        device: str = "cpu",
+        gpu_uuids: Sequence[str] | None = None,
+        cuda_devices: Sequence[int] | None = None,
+        model: str | os.PathLike[str] | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        startup_timeout_s: float = 120.0,
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        start: bool = True,
+    ) -> None:
+        self.workers = workers
+        self.device = device
+        self.host = host
+        self.port = port or free_port(host)
+        self.startup_timeout_s = startup_timeout_s
+        self._gpu_uuids = [normalize_gpu_uuid(u) for u in gpu_uuids] if gpu_uuids else None
+        self._cuda_devices = list(cuda_devices) if cuda_devices is not None else None
+        self._model = str(model) if model is not None else None
+        self._env = env or {}
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix="slotsync-engine-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        else:
+            self.log_path = Path(log_path)
+        self.proc: subprocess.Popen[bytes] | None = None
+        if start:
+            self.start()
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:38211`` (no trailing slash)."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def gpu_uuids(self) -> list[str]:
+        """Each worker's GPU UUID in rank order (torch format)."""
+        if self._gpu_uuids is not None:
+            return list(self._gpu_uuids)
+        if self.device == "cpu":
+            return [logical_gpu_uuid(i) for i in range(self.workers)]
+        _, stats = self.request("GET", "/_slotsync/stats")
+        return [w["gpu_uuid"] for w in stats["workers"]]
+
+    def command(self) -> list[str]:
+        """The subprocess's argv."""
+        cmd = [
+            sys.executable, "-m", "slotsync.engine",
+            "--host", self.host, "--port", str(self.port),
+            "--workers", str(self.workers), "--device", self.device,
+        ]  # fmt: skip
+        if self._gpu_uuids is not None:
+            cmd += ["--gpu-uuids", ",".join(self._gpu_uuids)]
+        if self._cuda_devices is not None:
+            cmd += ["--cuda-devices", ",".join(str(i) for i in self._cuda_devices)]
+        if self._model is not None:
+            cmd += ["--model", self._model]
+        return cmd
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        """The last ``n_chars`` characters of the subprocess's output."""
+        try:
+            return self.log_path.read_text(errors="replace")[-n_chars:]
+        except OSError:
+            return ""
+
+    def start(self) -> None:
+        """Start the subprocess and wait until ``GET /get_world_size`` answers 200.
+
+        Raises:
+            EngineStartError: the process exited, or did not answer within
+                ``startup_timeout_s``; the message ends with its output's tail.
+        """
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise EngineStartError(
+                    f"reference engine exited with code {rc} during startup; output tail:\n"
+                    f"{self.log_tail()}"
+                )
+            try:
+                status, _ = self.request("GET", "/get_world_size", timeout=2.0)
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineStartError(
+                    f"reference engine did not answer {self.url}/get_world_size within "
+                    f"{self.startup_timeout_s:.0f} s; output tail:\n{self.log_tail()}"
+                )
+            time.sleep(0.1)
+
+    def request(
+        self, method: str, path: str, body: Any = None, timeout: float = 60.0
+    ) -> tuple[int, Any]:
+        """One HTTP call; returns ``(status, decoded JSON body or raw text)``.
+
+        Error statuses are returned, not raised; connection errors raise ``OSError``.
+        """
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            status, raw = e.code, e.read()
+        try:
+            return status, json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            return status, raw.decode(errors="replace")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, wait ``grace_s`` seconds, then SIGKILL. Idempotent."""
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        p.terminate()
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+    def __enter__(self) -> ReferenceEngine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,477 @@
+"""One reference-engine worker: a process that owns one GPU UUID and a copy of the weights.
+
+This is the stand-in for one vLLM ``gpu_worker.Worker`` with the IPC weight-transfer backend
+(vLLM 0.33 ``vllm/v1/worker/gpu_worker.py`` and ``distributed/weight_transfer/ipc_engine.py``,
+summarized in ``shared/vllm-contract.md``). It keeps vLLM's *per-worker* state machine:
+
+* ``start_weight_update`` twice without a finish fails ("... already active ...");
+* ``update_weights`` needs an active session, and **any** failure in it ends this worker's
+  session (the active flag clears), exactly like vLLM's ``except BaseException`` there;
+* ``finish_weight_update`` without an active session fails;
+* between start and a successful finish the weights are not servable (vLLM's parameters sit on
+  the meta device then), so a checksum of them fails.
+
+The parent process (``slotsync.engine.server``) talks to the worker over one
+``multiprocessing`` pipe: it sends ``(method, kwargs)`` and receives ``("ok", result)`` or
+``("err", message)``. ``kwargs`` may carry ``inject="<message>"``: the worker then fails that
+call with ``RuntimeError(message)`` after the call's precondition checks, at the point where a
+real load failure would happen (test-only fault injection).
+
+Handle values (``args``) this worker understands, per GPU UUID:
+
+* the 15-tuple of ``torch.multiprocessing.reductions.reduce_tensor(t)[1]`` for a CUDA tensor:
+  slot 6 is overwritten with this worker's device index and ``rebuild_cuda_tensor(*args)``
+  maps the producer's memory (vLLM's behaviour);
+* the CPU stand-in ``("slotsync.shm", segment, offset, nbytes)``: bytes
+  ``[offset, offset + nbytes)`` of POSIX shared memory ``/dev/shm/<segment>``
+  (``slotsync.daemon.vllm_pickle.SHM_TAG``; vLLM itself does not know it).
+
+The reference engine always unpickles ``ipc_handles_pickled``: it stands in for a vLLM server
+launched with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from slotsync.daemon.vllm_pickle import SHM_TAG
+from slotsync.engine.checksum import tensor_checksum
+
+# Keys of vLLM's IPCWeightTransferUpdateInfo (0.27-0.33); anything else is a TypeError there.
+_UPDATE_INFO_KEYS = frozenset(
+    {"names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled", "tensor_sizes"}
+)
+# Keys of vLLM's IPC init info (0.27-0.33).
+_INIT_INFO_KEYS = frozenset({"packed"})
+
+START_ACTIVE_MSG = (
+    "start_weight_update called while a weight update is already active. "
+    "Call finish_weight_update first."
+)
+UPDATE_INACTIVE_MSG = "start_weight_update must be called before update_weights."
+FINISH_INACTIVE_MSG = "finish_weight_update called without a matching start_weight_update."
+SHUTDOWN_ACTIVE_MSG = (
+    "Cannot shut down the weight transfer engine while a weight update is active. "
+    "Call finish_weight_update first."
+)
+NOT_SERVABLE_MSG = (
+    "weights are on the meta device: a weight update was started and has not finished "
+    "successfully (start_weight_update ... finish_weight_update)"
+)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the parent tells a worker process at spawn.
+
+    Attributes:
+        index: worker rank within the engine (0-based; the position in ``--gpu-uuids``).
+        device: ``"cpu"`` or ``"cuda:<i>"``.
+        gpu_uuid: torch-format GPU UUID to answer to, or ``None`` on CUDA to use the real one
+            (``str(torch.cuda.get_device_properties(i).uuid)``).
+        model_path: safetensors file loaded as the initial weights, or ``None`` (then any
+            names are accepted by updates and create entries).
+    """
+
+    index: int
+    device: str
+    gpu_uuid: str | None
+    model_path: str | None
+
+
+@dataclass
+class ParsedUpdate:
+    """One ``update_info`` after vLLM-style validation (see :func:`parse_update_info`).
+
+    ``handles`` is a list of ``{gpu_uuid: args}`` (one per name) when unpacked, or one
+    ``{gpu_uuid: args}`` dict for the chunk's uint8 buffer when packed; ``tensor_sizes`` is
+    each tensor's bytes in the packed buffer (``None`` when unpacked).
+    """
+
+    names: list[str]
+    dtypes: list[torch.dtype]
+    shapes: list[list[int]]
+    handles: Any
+    tensor_sizes: list[int] | None
+
+
+def _dtype(name: Any) -> torch.dtype:
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r} in `dtype_names`")
+    return dt
+
+
+def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def parse_update_info(update_info: Any, packed: bool) -> ParsedUpdate:
+    """Validate one ``update_info`` as vLLM 0.33's ``IPCWeightTransferUpdateInfo`` does.
+
+    Rules (vLLM 0.33 ``/update_weights``, IPC backend): ``names``, ``dtype_names`` and
+    ``shapes`` have the same length; exactly one of ``ipc_handles`` / ``ipc_handles_pickled``
+    is given, the latter being standard base64 of a pickle; unpacked handles are a list of one
+    dict per name, packed handles one dict plus ``tensor_sizes`` (bytes per tensor, same
+    length as ``names``).
+
+    Raises:
+        ValueError, TypeError: with vLLM-like texts; the caller turns them into a 500.
+    """
+    if not isinstance(update_info, dict):
+        raise TypeError(f"update_info must be a JSON object, got {type(update_info).__name__}")
+    unknown = sorted(set(update_info) - _UPDATE_INFO_KEYS)
+    if unknown:
+        raise TypeError(
+            f"IPCWeightTransferUpdateInfo.__init__() got an unexpected keyword argument "
+            f"'{unknown[0]}'"
+        )
+    for key in ("names", "dtype_names", "shapes"):
+        if key not in update_info:
+            raise TypeError(
+                f"IPCWeightTransferUpdateInfo.__init__() missing 1 required positional "
+                f"argument: '{key}'"
+            )
+    names = update_info["names"]
+    dtype_names = update_info["dtype_names"]
+    shapes = update_info["shapes"]
+    handles = update_info.get("ipc_handles")
+    pickled = update_info.get("ipc_handles_pickled")
+    if pickled is not None:
+        if handles is not None:
+            raise ValueError("Cannot specify both `ipc_handles` and `ipc_handles_pickled`")
+        handles = pickle.loads(base64.b64decode(pickled))
+    elif handles is not None:
+        raise ValueError(
+            "`ipc_handles` holds live objects and only travels over Ray; over HTTP send "
+            "`ipc_handles_pickled`"
+        )
+    if handles is None:
+        raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
+    n = len(names)
+    if len(dtype_names) != n:
+        raise ValueError(
+            f"`dtype_names` should be of the same size as `names`: got {len(dtype_names)} and {n}"
+        )
+    if len(shapes) != n:
+        raise ValueError(f"`shapes` should be of the same size as `names`: got {len(shapes)} and {n}")
+    tensor_sizes = update_info.get("tensor_sizes")
+    if packed:
+        if not isinstance(handles, dict):
+            raise ValueError(
+                "packed transfer (init_info packed=true) expects `ipc_handles` to be one "
+                f"{{gpu_uuid: args}} dict, got {type(handles).__name__}"
+            )
+        if tensor_sizes is None:
+            raise ValueError("packed transfer requires `tensor_sizes`")
+        if len(tensor_sizes) != n:
+            raise ValueError(
+                f"`tensor_sizes` should be of the same size as `names`: "
+                f"got {len(tensor_sizes)} and {n}"
+            )
+        tensor_sizes = [int(s) for s in tensor_sizes]
+    else:
+        if not isinstance(handles, list):
+            raise ValueError(
+                "unpacked transfer (init_info packed=false) expects `ipc_handles` to be a list "
+                f"of {{gpu_uuid: args}} dicts, got {type(handles).__name__}"
+            )
+        if len(handles) != n:
+            raise ValueError(
+                f"`ipc_handles` should be of the same size as `names`: got {len(handles)} and {n}"
+            )
+        tensor_sizes = None
+    dtypes = [_dtype(d) for d in dtype_names]
+    shapes = [[int(d) for d in s] for s in shapes]
+    return ParsedUpdate(list(names), dtypes, shapes, handles, tensor_sizes)
+
+
+def read_shm(segment: str, offset: int, nbytes: int) -> torch.Tensor:
+    """Copy bytes ``[offset, offset + nbytes)`` of shared memory ``segment`` into a new
+    uint8 CPU tensor of shape ``[nbytes]``.
+
+    The segment is attached, copied from and closed; it is never unlinked (it belongs to the
+    producer), so on Python < 3.13 it is unregistered from the resource tracker at once.
+    """
+    if sys.version_info >= (3, 13):
+        shm = shared_memory.SharedMemory(name=segment, track=False)  # type: ignore[call-arg]
+    else:
+        shm = shared_memory.SharedMemory(name=segment)
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    try:
+        if offset < 0 or nbytes < 0 or offset + nbytes > shm.size:
+            raise ValueError(
+                f"shared memory {segment!r} has {shm.size} bytes; handle asks for "
+                f"[{offset}, {offset + nbytes})"
+            )
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        view = shm.buf[offset : offset + nbytes]
+        try:
+            out = torch.frombuffer(view, dtype=torch.uint8).clone()
+        finally:
+            view.release()
+        return out
+    finally:
+        shm.close()
+
+
+class WorkerState:
+    """State of one worker: its weights and vLLM's per-worker weight-update state machine.
+
+    Every public method is one ``collective_rpc`` target; the parent calls it with keyword
+    arguments and an optional ``inject`` message (test-only fault).
+    """
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.index = spec.index
+        self.device = torch.device(spec.device)
+        self.device_index = self.device.index if self.device.type == "cuda" else -1
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            real = str(torch.cuda.get_device_properties(self.device).uuid)
+            self.gpu_uuid = spec.gpu_uuid or real
+        else:
+            if spec.gpu_uuid is None:
+                raise ValueError("a CPU worker needs an explicit (logical) GPU UUID")
+            self.gpu_uuid = spec.gpu_uuid
+        self.strict = spec.model_path is not None
+        self.weights: dict[str, torch.Tensor] = {}
+        if spec.model_path is not None:
+            from safetensors.torch import load_file
+
+            self.weights = load_file(spec.model_path, device=str(self.device))
+        self.packed = False
+        self.active = False
+        self.servable = True
+        self.start_count = 0
+        self.finish_count = 0
+        self.update_count = 0
+        self.bytes_loaded = 0
+        self.init_count = 0
+
+    # -- vLLM worker methods ---------------------------------------------------------------
+
+    def init_weight_transfer_engine(self, init_info: Any, inject: str | None = None) -> None:
+        """vLLM 0.33 ``init_weight_transfer_engine``: ``init_info = {"packed": bool}``;
+        an unknown key fails like the dataclass constructor would."""
+        if not isinstance(init_info, dict):
+            raise TypeError(f"init_info must be a JSON object, got {type(init_info).__name__}")
+        unknown = sorted(set(init_info) - _INIT_INFO_KEYS)
+        if unknown:
+            raise TypeError(
+                f"IPCWeightTransferInitInfo.__init__() got an unexpected keyword argument "
+                f"'{unknown[0]}'"
+            )
+        if inject:
+            raise RuntimeError(inject)
+        self.packed = bool(init_info.get("packed", False))
+        self.init_count += 1
+
+    def start_weight_update(self, inject: str | None = None) -> None:
+        """Open a session; fails if one is already active on this worker."""
+        if self.active:
+            raise RuntimeError(START_ACTIVE_MSG)
+        if inject:
+            raise RuntimeError(inject)
+        self.active = True
+        self.servable = False
+        self.start_count += 1
+
+    def update_weights(self, update_info: Any, inject: str | None = None) -> int:
+        """Load one chunk; returns the bytes loaded. Any failure ends the session."""
+        if not self.active:
+            raise RuntimeError(UPDATE_INACTIVE_MSG)
+        try:
+            if inject:
+                raise RuntimeError(inject)
+            n = self._load_chunk(parse_update_info(update_info, self.packed))
+        except BaseException:
+            self.active = False
+            raise
+        self.update_count += 1
+        self.bytes_loaded += n
+        return n
+
+    def finish_weight_update(self, inject: str | None = None) -> None:
+        """Close the session; fails without an active one. Weights are servable again."""
+        if not self.active:
+            raise RuntimeError(FINISH_INACTIVE_MSG)
+        if inject:
+            raise RuntimeError(inject)
+        self.active = False
+        self.servable = True
+        self.finish_count += 1
+
+    def shutdown_weight_transfer_engine(self, inject: str | None = None) -> None:
+        """Shut the transfer engine down; refused during an active session."""
+        if self.active:
+            raise RuntimeError(SHUTDOWN_ACTIVE_MSG)
+        if inject:
+            raise RuntimeError(inject)
+
+    # -- reference-engine extras -----------------------------------------------------------
+
+    def checksums(self, inject: str | None = None) -> dict[str, str]:
+        """``{name: tensor_checksum(weight)}`` over all weights, sorted by name."""
+        if not self.servable:
+            raise RuntimeError(NOT_SERVABLE_MSG)
+        if inject:
+            raise RuntimeError(inject)
+        return {k: tensor_checksum(self.weights[k]) for k in sorted(self.weights)}
+
+    def stats(self, inject: str | None = None) -> dict[str, Any]:
+        """Counters for ``GET /_slotsync/stats`` (bytes_loaded in bytes, counts in calls)."""
+        return {
+            "index": self.index,
+            "gpu_uuid": self.gpu_uuid,
+            "device": str(self.device),
+            "active": self.active,
+            "servable": self.servable,
+            "packed": self.packed,
+            "init_count": self.init_count,
+            "start_count": self.start_count,
+            "finish_count": self.finish_count,
+            "update_count": self.update_count,
+            "bytes_loaded": self.bytes_loaded,
+            "num_weights": len(self.weights),
+        }
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def _handle_for_me(self, by_uuid: Any) -> Any:
+        if not isinstance(by_uuid, dict) or self.gpu_uuid not in by_uuid:
+            keys = list(by_uuid.keys()) if isinstance(by_uuid, dict) else []
+            raise ValueError(
+                f"IPC handle not found for GPU UUID {self.gpu_uuid}. Available UUIDs: {keys}"
+            )
+        return by_uuid[self.gpu_uuid]
+
+    def _materialize(self, args: Any) -> torch.Tensor:
+        """Turn one handle's ``args`` into a tensor on this worker's device."""
+        if isinstance(args, (tuple, list)) and len(args) == 4 and args[0] == SHM_TAG:
+            _, segment, offset, nbytes = args
+            return read_shm(str(segment), int(offset), int(nbytes)).to(self.device)
+        if isinstance(args, (tuple, list)) and len(args) == 15:
+            if self.device.type != "cuda":
+                raise ValueError(
+                    f"worker {self.index} runs on {self.device} and cannot map a CUDA IPC handle"
+                )
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            list_args = list(args)
+            list_args[6] = self.device_index
+            return rebuild_cuda_tensor(*list_args)
+        if isinstance(args, (tuple, list)) and len(args) == 2 and callable(args[0]):
+            raise ValueError(
+                "handle value is a (rebuild_fn, args) pair (vLLM 0.17-0.21 format); "
+                "vLLM 0.27+ expects the args tuple alone"
+            )
+        raise ValueError(f"unrecognized IPC handle args of type {type(args).__name__}")
+
+    def _tensors(self, p: ParsedUpdate) -> list[tuple[str, torch.Tensor]]:
+        out: list[tuple[str, torch.Tensor]] = []
+        if p.tensor_sizes is not None:  # packed: one uint8 buffer
+            buf = self._materialize(self._handle_for_me(p.handles)).reshape(-1)
+            if buf.dtype != torch.uint8:
+                buf = buf.view(torch.uint8)
+            need = sum(p.tensor_sizes)
+            if need > buf.numel():
+                raise ValueError(f"packed buffer has {buf.numel()} bytes, chunk needs {need}")
+            off = 0
+            for name, dt, shape, size in zip(
+                p.names, p.dtypes, p.shapes, p.tensor_sizes, strict=True
+            ):
+                want = _nbytes(dt, shape)
+                if size != want:
+                    raise ValueError(
+                        f"tensor {name!r}: tensor_sizes says {size} bytes, shape {shape} of "
+                        f"{dt} is {want} bytes"
+                    )
+                piece = buf[off : off + size].clone()
+                out.append((name, piece.view(dt).reshape(shape)))
+                off += size
+            return out
+        for name, dt, shape, by_uuid in zip(p.names, p.dtypes, p.shapes, p.handles, strict=True):
+            t = self._materialize(self._handle_for_me(by_uuid))
+            if t.dtype == torch.uint8 and dt != torch.uint8:  # shm region: raw bytes
+                want = _nbytes(dt, shape)
+                if t.numel() != want:
+                    raise ValueError(
+                        f"tensor {name!r}: handle covers {t.numel()} bytes, shape {shape} of "
+                        f"{dt} is {want} bytes"
+                    )
+                t = t.view(dt).reshape(shape)
+            elif t.dtype == torch.uint8 and list(t.shape) != shape:
+                t = t.reshape(shape)
+            if t.dtype != dt or list(t.shape) != shape:
+                raise ValueError(
+                    f"tensor {name!r}: handle gives {t.dtype} {list(t.shape)}, update_info "
+                    f"says {dt} {shape}"
+                )
+            out.append((name, t))
+        return out
+
+    def _load_chunk(self, p: ParsedUpdate) -> int:
+        """Copy the chunk's tensors into ``self.weights``; returns bytes loaded."""
+        total = 0
+        for name, t in self._tensors(p):
+            cur = self.weights.get(name)
+            if self.strict:
+                if cur is None:
+                    raise ValueError(f"unknown weight name {name!r}: not a parameter of the model")
+                if cur.dtype != t.dtype or cur.shape != t.shape:
+                    raise ValueError(
+                        f"weight {name!r}: model has {cur.dtype} {list(cur.shape)}, update "
+                        f"has {t.dtype} {list(t.shape)}"
+                    )
+            if cur is not None and cur.dtype == t.dtype and cur.shape == t.shape:
+                cur.copy_(t)
+            else:
+                self.weights[name] = t.to(self.device, copy=True)
+            total += t.numel() * t.element_size()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return total
+
+
+def worker_main(spec: WorkerSpec, conn: Connection) -> None:
+    """Entry point of a worker process (multiprocessing, spawn context).
+
+    Sends ``("ready", {"gpu_uuid", "device"})`` or ``("err", traceback)`` once, then serves
+    ``(method, kwargs)`` requests until ``("exit", {})`` or until the parent goes away.
+    """
+    try:
+        state = WorkerState(spec)
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+        return
+    conn.send(("ready", {"gpu_uuid": state.gpu_uuid, "device": str(state.device)}))
+    while True:
+        try:
+            method, kwargs = conn.recv()
+        except (EOFError, OSError, KeyboardInterrupt):
+            return
+        if method == "exit":
+            conn.send(("ok", None))
+            return
+        try:
+            fn = getattr(state, method)
+            result = fn(**kwargs)
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            conn.send(("err", str(e) or type(e).__name__))
+            continue
+        conn.send(("ok", result))

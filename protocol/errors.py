@@ -1,0 +1,84 @@
+"""Exceptions a trainer rank sees from the slotsync publisher (no torch import)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["SlotsyncError", "SlotsyncTimeout"]
+
+
+class SlotsyncError(Exception):
+    """The slot's update (or this rank's registration) failed.
+
+    Raised for a daemon ``Error`` reply (wire.Error) and for a reply that is not a valid
+    daemon message. The update it names is over: the engine stays paused and needs a full
+    update (design.md I4); the publisher moves on to the next update id.
+
+    Attributes:
+        phase: the step that failed: ``register``, ``begin``, ``chunk``, ``commit``,
+            ``abort``, ``engine`` (from the daemon) or ``protocol`` (bad reply).
+        message: the daemon's own text.
+        slot: the engine slot ``(start, end)``, or ``None`` if the daemon did not know it.
+        update_id: the failed update's id, or ``None`` (e.g. registration).
+        missing_ranks: ranks the daemon was still waiting for when a deadline expired (I5).
+        fatal: the daemon's ``fatal`` flag.
+    """
+
+    def __init__(
+        self,
+        phase: str,
+        message: str,
+        *,
+        slot: Sequence[int] | None = None,
+        update_id: int | None = None,
+        missing_ranks: Sequence[int] = (),
+        fatal: bool = True,
+    ) -> None:
+        self.phase = phase
+        self.message = message
+        self.slot: tuple[int, int] | None = (
+            (int(slot[0]), int(slot[1])) if slot is not None and len(slot) == 2 else None
+        )
+        self.update_id = update_id
+        self.missing_ranks: tuple[int, ...] = tuple(missing_ranks)
+        self.fatal = fatal
+        super().__init__(self._describe())
+
+    def _describe(self) -> str:
+        parts = [f"slotsync {self.phase} failed"]
+        if self.slot is not None:
+            parts.append(f"slot [{self.slot[0]}, {self.slot[1]})")
+        if self.update_id is not None:
+            parts.append(f"update {self.update_id}")
+        if self.missing_ranks:
+            parts.append(f"missing ranks {list(self.missing_ranks)}")
+        return ", ".join(parts) + f": {self.message}"
+
+
+class SlotsyncTimeout(SlotsyncError, TimeoutError):
+    """No reply from the daemon within the publisher's ``timeout_s`` (design.md I5).
+
+    Attributes (besides ``SlotsyncError``'s):
+        waited_for: what the publisher was waiting for, e.g. ``"Ack(chunk, index=3)"``.
+        timeout_s: the deadline that expired, in seconds.
+    """
+
+    def __init__(
+        self,
+        phase: str,
+        waited_for: str,
+        timeout_s: float,
+        *,
+        endpoint: str = "",
+        slot: Sequence[int] | None = None,
+        update_id: int | None = None,
+    ) -> None:
+        self.waited_for = waited_for
+        self.timeout_s = timeout_s
+        where = f" from the daemon at {endpoint}" if endpoint else " from the daemon"
+        super().__init__(
+            phase,
+            f"no {waited_for}{where} within {timeout_s:g} s",
+            slot=slot,
+            update_id=update_id,
+        )

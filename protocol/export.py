@@ -1,0 +1,417 @@
+"""Trainer side: turning tensors into the handle records of ``slotsync.protocol.wire``.
+
+Two transports:
+
+* ``cuda``: a CUDA IPC handle (``CudaIpcHandle``), the 15 fields of
+  ``torch.multiprocessing.reductions.reduce_tensor(t)[1]`` as typed data. The vLLM worker on
+  the same GPU maps the memory (vllm-contract.md "update_info for the IPC backend").
+* ``shm``: a POSIX shared-memory segment (``ShmHandle``), the CPU stand-in that only the
+  reference engine reads; lets the whole path run without a GPU.
+
+A ``StagingBuffer`` holds one packed chunk in vLLM's packed layout (vLLM 0.27-0.33
+``packed_tensor.py``): each tensor's raw bytes, ``t.contiguous().view(-1).view(torch.uint8)``,
+back to back from offset 0, with ``tensor_sizes[i]`` giving tensor ``i``'s bytes.
+
+This module imports torch; the daemon never imports it (design.md I6).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from multiprocessing import shared_memory
+from typing import NamedTuple
+
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+from slotsync.protocol.wire import (
+    DTYPE_SIZES,
+    STORAGE_CLASSES,
+    TENSOR_CLASSES,
+    CudaIpcHandle,
+    Handle,
+    ShmHandle,
+    normalize_gpu_uuid,
+)
+
+__all__ = [
+    "CudaStagingBuffer",
+    "PackedLayout",
+    "ShmSegment",
+    "ShmStagingBuffer",
+    "StagingBuffer",
+    "cuda_ipc_handle",
+    "dtype_name",
+    "gpu_uuid_of",
+    "handle_from_reduce_args",
+    "nbytes_of",
+    "pack_into",
+    "raw_bytes",
+]
+
+log = logging.getLogger(__name__)
+
+SHM_PREFIX = "slotsync-"
+"""Every segment this module creates is ``/dev/shm/slotsync-<pid>-r<rank>-<n>``."""
+
+_segment_counter = itertools.count()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """vLLM's spelling of a dtype (``str(t.dtype).split(".")[-1]``, e.g. ``"bfloat16"``).
+
+    Raises:
+        ValueError: the dtype is not one ``wire.DTYPE_SIZES`` allows.
+    """
+    name = str(dtype).split(".")[-1]
+    if name not in DTYPE_SIZES:
+        raise ValueError(f"dtype {dtype} is not supported (allowed: {sorted(DTYPE_SIZES)})")
+    return name
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def handle_from_reduce_args(args: Sequence[object]) -> CudaIpcHandle:
+    """Build a ``CudaIpcHandle`` from ``reduce_tensor(t)[1]`` of a CUDA tensor.
+
+    ``args`` is torch 2.x's 15-tuple: (tensor class, size, stride, storage offset in
+    elements, storage class, dtype, device index, CUDA IPC memory handle bytes, storage bytes,
+    storage byte offset, requires_grad, ref-counter handle, ref-counter offset, event handle,
+    event_sync_required) -- see ``rebuild_cuda_tensor``.
+
+    Raises:
+        ValueError: not 15 fields, or a class / dtype outside wire.py's allow-lists.
+    """
+    if len(args) != 15:
+        raise ValueError(
+            f"reduce_tensor returned {len(args)} fields, expected the 15 of rebuild_cuda_tensor "
+            "(torch 2.x); is the tensor on a CUDA device?"
+        )
+    (tensor_cls, size, stride, storage_offset, storage_cls, dtype, device, ipc_handle,
+     storage_size_bytes, storage_offset_bytes, requires_grad, ref_counter_handle,
+     ref_counter_offset, event_handle, event_sync_required) = args
+    tensor_class = _qualified(tensor_cls)  # type: ignore[arg-type]
+    storage_class = _qualified(storage_cls)  # type: ignore[arg-type]
+    if tensor_class not in TENSOR_CLASSES:
+        raise ValueError(f"tensor class {tensor_class} is not allowed (allowed: {TENSOR_CLASSES})")
+    if storage_class not in STORAGE_CLASSES:
+        raise ValueError(
+            f"storage class {storage_class} is not allowed (allowed: {STORAGE_CLASSES})"
+        )
+    return CudaIpcHandle(
+        tensor_class=tensor_class,  # type: ignore[arg-type]
+        size=tuple(int(d) for d in size),  # type: ignore[attr-defined]
+        stride=tuple(int(d) for d in stride),  # type: ignore[attr-defined]
+        storage_offset=int(storage_offset),  # type: ignore[call-overload]
+        storage_class=storage_class,  # type: ignore[arg-type]
+        dtype=dtype_name(dtype),  # type: ignore[arg-type]
+        device=int(device),  # type: ignore[call-overload]
+        ipc_handle=bytes(ipc_handle),  # type: ignore[call-overload]
+        storage_size_bytes=int(storage_size_bytes),  # type: ignore[call-overload]
+        storage_offset_bytes=int(storage_offset_bytes),  # type: ignore[call-overload]
+        requires_grad=bool(requires_grad),
+        ref_counter_handle=bytes(ref_counter_handle),  # type: ignore[call-overload]
+        ref_counter_offset=int(ref_counter_offset),  # type: ignore[call-overload]
+        event_handle=None if event_handle is None else bytes(event_handle),  # type: ignore[call-overload]
+        event_sync_required=bool(event_sync_required),
+    )
+
+
+def cuda_ipc_handle(t: torch.Tensor) -> CudaIpcHandle:
+    """Export CUDA tensor ``t`` as a CUDA IPC handle record.
+
+    The caller must keep ``t`` (its storage) alive and unchanged until the engine has consumed
+    it (design.md I3); torch's IPC ref counter then frees it via ``torch.cuda.ipc_collect()``.
+
+    Raises:
+        ValueError: ``t`` is not on a CUDA device, or its dtype is not supported.
+    """
+    if not t.is_cuda:
+        raise ValueError(f"cuda_ipc_handle needs a CUDA tensor, got one on {t.device}")
+    return handle_from_reduce_args(reduce_tensor(t)[1])
+
+
+def gpu_uuid_of(device: torch.device | int | str | None = None) -> str:
+    """The GPU UUID of a CUDA device in torch's format (no ``GPU-`` prefix).
+
+    ``str(torch.cuda.get_device_properties(i).uuid)``, normalized; ``device=None`` means the
+    current device. This is the key vLLM looks handles up by.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device.
+    """
+    if device is None:
+        index = torch.cuda.current_device()
+    else:
+        dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if dev.type != "cuda":
+            raise ValueError(f"gpu_uuid_of needs a CUDA device, got {dev}")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return normalize_gpu_uuid(str(torch.cuda.get_device_properties(index).uuid))
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as a flat uint8 tensor (vLLM packed layout:
+    ``t.contiguous().view(-1).view(torch.uint8)``); bool and bfloat16 reinterpret bit-exactly.
+    Shape ``(t.numel() * t.element_size(),)``."""
+    flat = t.detach().contiguous().view(-1)
+    if flat.dtype == torch.uint8:
+        return flat
+    return flat.view(torch.uint8)
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements (``numel * element_size``), ignoring any storage beyond it."""
+    return t.numel() * t.element_size()
+
+
+class PackedLayout(NamedTuple):
+    """Metadata of one packed chunk, in vLLM ``update_info`` order (names, dtype_names,
+    shapes, tensor_sizes). ``tensor_sizes`` are in bytes."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    tensor_sizes: list[int]
+
+
+def pack_into(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> PackedLayout:
+    """Copy each tensor's raw bytes into uint8 ``buf`` back to back from offset 0 (vLLM packed
+    layout) and return the chunk's metadata. Copies across devices as needed; the caller
+    synchronizes CUDA before handing out a handle.
+
+    Raises:
+        ValueError: ``buf`` is not a flat uint8 tensor large enough, or a dtype is unsupported.
+    """
+    total = sum(nbytes_of(t) for _, t in named_tensors)
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < total:
+        raise ValueError(
+            f"pack_into needs a flat uint8 buffer of at least {total} bytes, got "
+            f"{buf.dtype} of shape {tuple(buf.shape)}"
+        )
+    layout = PackedLayout([], [], [], [])
+    off = 0
+    for name, t in named_tensors:
+        layout.names.append(name)
+        layout.dtype_names.append(dtype_name(t.dtype))
+        layout.shapes.append([int(d) for d in t.shape])
+        n = nbytes_of(t)
+        layout.tensor_sizes.append(n)
+        if n:
+            buf[off : off + n].copy_(raw_bytes(t))
+        off += n
+    return layout
+
+
+# --------------------------------------------------------------------------------------------
+# POSIX shared memory
+# --------------------------------------------------------------------------------------------
+
+
+class ShmSegment:
+    """A POSIX shared-memory segment owned (created and unlinked) by the publisher.
+
+    Named ``slotsync-<pid>-r<rank>-<n>`` (a file under ``/dev/shm``), with a uint8 torch view
+    ``tensor`` of shape ``(size,)`` over it. The reader opens it by name; the segment must stay
+    until the reader acknowledged (design.md I3).
+
+    Args:
+        size: bytes, >= 0 (a 0-byte request still creates a 1-byte segment; POSIX needs one).
+        rank: the owner's global rank, used in the name.
+
+    Raises:
+        OSError: the segment cannot be created (e.g. ``/dev/shm`` missing).
+    """
+
+    def __init__(self, size: int, *, rank: int = 0) -> None:
+        if size < 0:
+            raise ValueError(f"shared-memory segment size must be >= 0, got {size}")
+        self.size = size
+        real = max(size, 1)
+        while True:
+            name = f"{SHM_PREFIX}{os.getpid()}-r{rank}-{next(_segment_counter)}"
+            try:
+                self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
+                    name=name, create=True, size=real
+                )
+                break
+            except FileExistsError:  # left over by a dead process with our pid
+                continue
+        self.name: str = self._shm.name.lstrip("/")
+        self.tensor: torch.Tensor | None = torch.frombuffer(
+            self._shm.buf, dtype=torch.uint8, count=real
+        )[:size]
+        log.debug("created shared-memory segment %s (%d bytes)", self.name, size)
+
+    def handle(self, offset: int = 0, nbytes: int | None = None) -> ShmHandle:
+        """A handle for bytes ``[offset, offset + nbytes)`` of this segment (default: to the end).
+
+        Raises:
+            ValueError: the range is outside the segment, or the segment is closed.
+        """
+        if self._shm is None:
+            raise ValueError(f"shared-memory segment {self.name} is closed")
+        if nbytes is None:
+            nbytes = self.size - offset
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ValueError(
+                f"range [{offset}, {offset + nbytes}) is outside segment {self.name} "
+                f"of {self.size} bytes"
+            )
+        return ShmHandle(segment=self.name, offset=offset, nbytes=nbytes)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close_and_unlink`` ran."""
+        return self._shm is None
+
+    def close_and_unlink(self) -> None:
+        """Drop the torch view, unmap and remove the segment. Idempotent.
+
+        Any other torch view of ``tensor`` the caller kept must be gone first, or the unmap
+        fails with ``BufferError`` (the name is still unlinked).
+        """
+        shm, self._shm = self._shm, None
+        if shm is None:
+            return
+        self.tensor = None  # release the buffer export before closing the mapping
+        try:
+            shm.close()
+        except BufferError:
+            log.warning("segment %s still has a view; unlinking without unmapping", self.name)
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass
+        log.debug("unlinked shared-memory segment %s", self.name)
+
+    def __del__(self) -> None:  # last resort; the publisher closes explicitly
+        try:
+            self.close_and_unlink()
+        except Exception:  # noqa: BLE001 - never raise from __del__
+            pass
+
+
+# --------------------------------------------------------------------------------------------
+# staging buffers
+# --------------------------------------------------------------------------------------------
+
+
+class StagingBuffer(ABC):
+    """A reusable uint8 buffer of ``capacity`` bytes for one packed chunk at a time.
+
+    ``fill`` copies a chunk's tensors into it back to back from offset 0 (vLLM packed layout);
+    ``handle`` exports the used region. The buffer may be refilled only after the daemon
+    acknowledged the chunk (design.md I3).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"staging buffer capacity must be positive, got {capacity} bytes")
+        self.capacity = capacity
+        self.used = 0
+
+    @property
+    @abstractmethod
+    def tensor(self) -> torch.Tensor:
+        """The whole buffer: uint8, shape ``(capacity,)``."""
+
+    def fill(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> PackedLayout:
+        """Copy the tensors' raw bytes back to back from offset 0; return their metadata.
+
+        Raises:
+            ValueError: the tensors need more than ``capacity`` bytes (names the sizes), or a
+                dtype is unsupported.
+        """
+        total = sum(nbytes_of(t) for _, t in named_tensors)
+        if total > self.capacity:
+            raise ValueError(
+                f"chunk of {len(named_tensors)} tensors needs {total} bytes but the staging "
+                f"buffer holds {self.capacity} bytes"
+            )
+        layout = pack_into(self.tensor, named_tensors)
+        self.used = total
+        self._after_fill()
+        return layout
+
+    def _after_fill(self) -> None:  # noqa: B027 - optional hook
+        """Hook run after the copies (CUDA: wait for them)."""
+
+    @abstractmethod
+    def handle(self) -> Handle:
+        """A handle to bytes ``[0, used)`` of the buffer, for the chunk just filled."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free the buffer. Idempotent."""
+
+
+class ShmStagingBuffer(StagingBuffer):
+    """A staging buffer in a POSIX shared-memory segment (CPU transport).
+
+    Raises:
+        OSError: the segment cannot be created.
+    """
+
+    def __init__(self, capacity: int, *, rank: int = 0) -> None:
+        super().__init__(capacity)
+        self.segment = ShmSegment(capacity, rank=rank)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        t = self.segment.tensor
+        if t is None:
+            raise ValueError(f"staging segment {self.segment.name} is closed")
+        return t
+
+    def handle(self) -> ShmHandle:
+        return self.segment.handle(0, self.used)
+
+    def close(self) -> None:
+        self.segment.close_and_unlink()
+
+
+class CudaStagingBuffer(StagingBuffer):
+    """A staging buffer in GPU memory (CUDA IPC transport).
+
+    ``handle`` re-exports the used region with ``reduce_tensor`` for every chunk; exporting per
+    chunk keeps torch's IPC ref counter balanced with the consumer's rebuilds.
+
+    Args:
+        capacity: bytes of GPU memory to allocate (uint8).
+        device: the CUDA device (the rank's own GPU).
+    """
+
+    def __init__(self, capacity: int, device: torch.device | int | str) -> None:
+        super().__init__(capacity)
+        self.device = torch.device(device) if not isinstance(device, int) else torch.device(
+            "cuda", device
+        )
+        if self.device.type != "cuda":
+            raise ValueError(f"CudaStagingBuffer needs a CUDA device, got {self.device}")
+        self._tensor: torch.Tensor | None = torch.empty(
+            capacity, dtype=torch.uint8, device=self.device
+        )
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise ValueError("CUDA staging buffer is closed")
+        return self._tensor
+
+    def _after_fill(self) -> None:
+        # The consumer is another process: make the copies visible before handing out the
+        # handle (cheap next to the engine's load of the chunk).
+        torch.cuda.synchronize(self.device)
+
+    def handle(self) -> CudaIpcHandle:
+        return cuda_ipc_handle(self.tensor[: max(self.used, 1)])
+
+    def close(self) -> None:
+        self._tensor = None
