@@ -95,10 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="TOML file with any of the options below")
     defaults = Config()
     for f in fields(Config):
-        typ = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str)
-                                                       else f.type.__name__]
+        typ = {"int": int, "float": float, "str": str}[
+            f.type if isinstance(f.type, str) else f.type.__name__
+        ]
         p.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=None,
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=typ,
+            default=None,
             help=f"{_HELP[f.name]} (default: {getattr(defaults, f.name)!r})",
         )
     return p

@@ -28,7 +28,7 @@ update id, stale ids refused; I8 the version is recorded only with a successful 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from slotsync.daemon.aggregation import ChunkMismatch, MergedChunk, merge_chunk
@@ -97,7 +97,7 @@ class UpdateEnded:
 Action = Reply | EngineCall | UpdateEnded
 
 
-class SlotState(str, Enum):
+class SlotState(StrEnum):
     """What a slot is doing, as ``/status`` reports it."""
 
     REGISTERING = "registering"  # not every rank of the slot has registered yet
@@ -170,6 +170,7 @@ class SlotCoordinator:
         self.last_error: str | None = None
         self.last_duration_s: float | None = None
         self.last_outcome: str | None = None
+        self._failed: tuple[int, str] | None = None  # (update id, message) of the last failure
         self.updates_ok = 0
         self.updates_failed = 0
         self.engine_calls: dict[str, int] = {}  # route -> calls issued (for status and tests)
@@ -211,6 +212,7 @@ class SlotCoordinator:
         transport differs from ranks already registered, or another rank holds its GPU UUID.
         A re-registration during an update fails that update (the rank restarted).
         """
+
         def refuse(text: str) -> list[Action]:
             return [Reply(identity, Error("register", text, list(self.slot), None, []))]
 
@@ -262,8 +264,12 @@ class SlotCoordinator:
             Reply(
                 identity,
                 Registered(
-                    msg.rank, self.start, self.size, self.next_update_id,
-                    PROTOCOL_VERSION, self.daemon_version,
+                    msg.rank,
+                    self.start,
+                    self.size,
+                    self.next_update_id,
+                    PROTOCOL_VERSION,
+                    self.daemon_version,
                 ),
             )
         )
@@ -280,8 +286,7 @@ class SlotCoordinator:
         if isinstance(msg, Abort):
             u = self.current
             if u is None or msg.update_id != u.update_id:
-                return self._rank_error(rank, "abort", f"no update {msg.update_id} in flight",
-                                        msg.update_id)
+                return self._not_current(rank, "abort", "abort", msg.update_id)
             why = f": {msg.reason}" if msg.reason else ""
             return self._fail(now, "abort", f"rank {rank} aborted update {u.update_id}{why}", [])
         raise TypeError(f"unexpected message {type(msg).__name__}")
@@ -313,7 +318,8 @@ class SlotCoordinator:
             ws = result.get("world_size") if isinstance(result, dict) else None
             if ws != self.size:
                 return self._fail(
-                    now, "begin",
+                    now,
+                    "begin",
                     f"engine {self.engine_url} has world size {ws} but slot "
                     f"[{self.start}, {self.end}) has {self.size} ranks",
                     [],
@@ -327,8 +333,7 @@ class SlotCoordinator:
             u.engine_started = True
             self.engine_dirty = True
             actions: list[Action] = [
-                Reply(self.ranks[r].identity, Ack(u.update_id, "begin"))
-                for r in sorted(u.begun)
+                Reply(self.ranks[r].identity, Ack(u.update_id, "begin")) for r in sorted(u.begun)
             ]
             return actions + self._advance(now)
         elif route == "update_weights":
@@ -361,7 +366,8 @@ class SlotCoordinator:
         u = self.current
         assert u is not None
         return self._fail(
-            now, phase,
+            now,
+            phase,
             f"deadline expired in update {u.update_id} waiting for {what} from rank(s) {missing}",
             missing,
         )
@@ -417,26 +423,35 @@ class SlotCoordinator:
     def _by_rank(self) -> list[RankInfo]:
         return [self.ranks[r] for r in sorted(self.ranks)]
 
-    def _rank_error(
-        self, rank: int, phase: str, text: str, update_id: int | None
-    ) -> list[Action]:
+    def _rank_error(self, rank: int, phase: str, text: str, update_id: int | None) -> list[Action]:
         """An error for one rank's message that does not touch the update in flight."""
         info = self.ranks[rank]
         return [Reply(info.identity, Error(phase, text, list(self.slot), update_id, [], False))]
+
+    def _not_current(self, rank: int, phase: str, what: str, update_id: int) -> list[Action]:
+        u = self.current
+        if self._failed is not None and self._failed[0] == update_id:
+            text = f"{what}: update {update_id} already failed: {self._failed[1]}"
+        else:
+            cur = "none" if u is None else str(u.update_id)
+            text = f"{what} for update {update_id}, but the update in flight is {cur}"
+        return self._rank_error(rank, phase, text, update_id)
 
     def _on_begin(self, rank: int, msg: Begin, now: float) -> list[Action]:
         u = self.current
         if u is not None and msg.update_id == u.update_id:
             if msg.weight_version != u.weight_version:
                 return self._fail(
-                    now, "begin",
+                    now,
+                    "begin",
                     f"rank {rank} begins update {u.update_id} with version "
                     f"{msg.weight_version!r}, other ranks with {u.weight_version!r}",
                     [],
                 )
             if rank in u.begun:
-                return self._rank_error(rank, "begin", f"rank {rank} began update "
-                                        f"{u.update_id} twice", u.update_id)
+                return self._rank_error(
+                    rank, "begin", f"rank {rank} began update {u.update_id} twice", u.update_id
+                )
             u.begun.add(rank)
             u.last_progress = now
             if u.engine_started:
@@ -444,24 +459,36 @@ class SlotCoordinator:
             return []
         if u is not None:
             return self._rank_error(
-                rank, "begin",
+                rank,
+                "begin",
                 f"update {u.update_id} is in flight for slot [{self.start}, {self.end}); "
                 f"refusing a second update {msg.update_id}",
                 msg.update_id,
             )
         if msg.update_id < self.next_update_id:
             return self._rank_error(
-                rank, "begin",
+                rank,
+                "begin",
                 f"stale update id {msg.update_id}: this slot's next update id is "
                 f"{self.next_update_id}",
                 msg.update_id,
             )
         if len(self.ranks) < self.size:
             missing = sorted(set(range(self.start, self.end)) - set(self.ranks))
-            return [Reply(self.ranks[rank].identity,
-                          Error("begin", f"slot [{self.start}, {self.end}) is incomplete: "
-                                f"rank(s) {missing} have not registered",
-                                list(self.slot), msg.update_id, missing, False))]
+            return [
+                Reply(
+                    self.ranks[rank].identity,
+                    Error(
+                        "begin",
+                        f"slot [{self.start}, {self.end}) is incomplete: "
+                        f"rank(s) {missing} have not registered",
+                        list(self.slot),
+                        msg.update_id,
+                        missing,
+                        False,
+                    ),
+                )
+            ]
         u = _Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now)
         steps = ["get_world_size"]
         if not self.engine_initialized:
@@ -477,18 +504,16 @@ class SlotCoordinator:
     def _on_chunk(self, rank: int, msg: Chunk, now: float) -> list[Action]:
         u = self.current
         if u is None or msg.update_id != u.update_id:
-            cur = "none" if u is None else str(u.update_id)
-            return self._rank_error(
-                rank, "chunk",
-                f"chunk {msg.index} for update {msg.update_id}, but the update in flight is {cur}",
-                msg.update_id,
-            )
+            return self._not_current(rank, "chunk", f"chunk {msg.index}", msg.update_id)
         if rank not in u.begun or not u.engine_started:
-            return self._fail(now, "chunk", f"rank {rank} sent chunk {msg.index} before its "
-                              "begin was acknowledged", [])
+            return self._fail(
+                now,
+                "chunk",
+                f"rank {rank} sent chunk {msg.index} before its begin was acknowledged",
+                [],
+            )
         if rank in u.committed:
-            return self._fail(now, "chunk", f"rank {rank} sent chunk {msg.index} after commit",
-                              [])
+            return self._fail(now, "chunk", f"rank {rank} sent chunk {msg.index} after commit", [])
         expect = u.sent_count.get(rank, 0)
         if msg.index != expect:
             return self._fail(
@@ -503,17 +528,14 @@ class SlotCoordinator:
     def _on_commit(self, rank: int, msg: Commit, now: float) -> list[Action]:
         u = self.current
         if u is None or msg.update_id != u.update_id:
-            cur = "none" if u is None else str(u.update_id)
-            return self._rank_error(
-                rank, "commit",
-                f"commit for update {msg.update_id}, but the update in flight is {cur}",
-                msg.update_id,
-            )
+            return self._not_current(rank, "commit", "commit", msg.update_id)
         sent = u.sent_count.get(rank, 0)
         if msg.num_chunks != sent:
             return self._fail(
-                now, "commit",
-                f"rank {rank} committed {msg.num_chunks} chunks but sent {sent}", [rank],
+                now,
+                "commit",
+                f"rank {rank} committed {msg.num_chunks} chunks but sent {sent}",
+                [rank],
             )
         if rank in u.committed:
             return self._rank_error(rank, "commit", f"rank {rank} committed twice", u.update_id)
@@ -522,7 +544,8 @@ class SlotCoordinator:
         counts = set(u.committed.values())
         if len(counts) > 1:
             return self._fail(
-                now, "commit",
+                now,
+                "commit",
                 "ranks committed different chunk counts: "
                 + ", ".join(f"rank {r}: {n}" for r, n in sorted(u.committed.items())),
                 [],
@@ -556,8 +579,11 @@ class SlotCoordinator:
         if got is not None and len(got) == self.size:
             try:
                 merged: MergedChunk = merge_chunk(
-                    idx, got, {r: self.ranks[r].gpu_uuid for r in got},
-                    packed=bool(self.packed), transport=self.transport or "cuda",
+                    idx,
+                    got,
+                    {r: self.ranks[r].gpu_uuid for r in got},
+                    packed=bool(self.packed),
+                    transport=self.transport or "cuda",
                     world_size=self.world_size or self.size,
                 )
             except ChunkMismatch as e:
@@ -586,11 +612,19 @@ class SlotCoordinator:
             idx = min(u.pending)
             missing = sorted(all_ranks - set(u.pending[idx]))
             if missing:
-                return (u.first_arrival[idx] + self.timeouts.chunk_s, "chunk",
-                        f"chunk {idx}", missing)
+                return (
+                    u.first_arrival[idx] + self.timeouts.chunk_s,
+                    "chunk",
+                    f"chunk {idx}",
+                    missing,
+                )
         missing = sorted(all_ranks - set(u.committed))
-        return (u.last_progress + self.timeouts.commit_s, "commit",
-                "the next chunk or commit", missing)
+        return (
+            u.last_progress + self.timeouts.commit_s,
+            "commit",
+            "the next chunk or commit",
+            missing,
+        )
 
     def _fail(self, now: float, phase: str, text: str, missing: list[int]) -> list[Action]:
         """Fail the update in flight: one Error to every rank of the slot; the engine stays
@@ -609,14 +643,24 @@ class SlotCoordinator:
         self.engine_initialized = False
         message = f"slot [{self.start}, {self.end}) update {u.update_id} failed in {phase}: {text}"
         self.last_error = message
+        self._failed = (u.update_id, message)
         self.last_outcome = "failed"
         self.updates_failed += 1
         self.last_duration_s = now - u.started_at
         err = Error(phase, message, list(self.slot), u.update_id, list(missing))
         actions: list[Action] = [Reply(i.identity, err) for i in self._by_rank()]
         actions.append(
-            UpdateEnded(self.slot, self.engine_url or "", u.update_id, u.weight_version,
-                        "failed", now - u.started_at, u.next_index, u.consumed_bytes, message)
+            UpdateEnded(
+                self.slot,
+                self.engine_url or "",
+                u.update_id,
+                u.weight_version,
+                "failed",
+                now - u.started_at,
+                u.next_index,
+                u.consumed_bytes,
+                message,
+            )
         )
         return actions
 
@@ -629,7 +673,8 @@ class SlotCoordinator:
         self.last_outcome = "success"
         self.last_error = (
             f"update {u.update_id} loaded but resume failed: {resume_error}"
-            if resume_error else None
+            if resume_error
+            else None
         )
         self.updates_ok += 1
         acks: list[Action] = [
@@ -637,8 +682,16 @@ class SlotCoordinator:
             for i in self._by_rank()
         ]
         acks.append(
-            UpdateEnded(self.slot, self.engine_url or "", u.update_id, u.weight_version,
-                        "success", now - u.started_at, u.next_index, u.consumed_bytes,
-                        self.last_error or "")
+            UpdateEnded(
+                self.slot,
+                self.engine_url or "",
+                u.update_id,
+                u.weight_version,
+                "success",
+                now - u.started_at,
+                u.next_index,
+                u.consumed_bytes,
+                self.last_error or "",
+            )
         )
         return acks

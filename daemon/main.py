@@ -25,8 +25,9 @@ async def serve(config: Config) -> int:
             sig, lambda s=sig: asyncio.ensure_future(daemon.stop(f"received {s.name}"))
         )
     # One line on stdout that wrappers (the demo, tests) can parse.
-    print(f"slotsyncd ready endpoint={daemon.endpoint} status_port={daemon.status_port}",
-          flush=True)
+    print(
+        f"slotsyncd ready endpoint={daemon.endpoint} status_port={daemon.status_port}", flush=True
+    )
     await daemon.wait_stopped()
     return 0
 

@@ -26,12 +26,15 @@ class Metrics:
         for outcome in ("success", "failed"):
             self.updates.labels(outcome)
         self.update_duration = Histogram(
-            "slotsync_update_duration_seconds", "Duration of one update, first begin to end",
-            buckets=DURATION_BUCKETS, registry=r,
+            "slotsync_update_duration_seconds",
+            "Duration of one update, first begin to end",
+            buckets=DURATION_BUCKETS,
+            registry=r,
         )
         self.chunks = Counter("slotsync_chunks", "Chunks consumed by engines", registry=r)
         self.bytes = Counter(
-            "slotsync_tensor_bytes", "Tensor bytes (one rank's copy) consumed by engines",
+            "slotsync_tensor_bytes",
+            "Tensor bytes (one rank's copy) consumed by engines",
             registry=r,
         )
         self.in_flight = Gauge("slotsync_updates_in_flight", "Updates in flight", registry=r)
@@ -39,11 +42,16 @@ class Metrics:
             "slotsync_ranks_connected", "Trainer ranks registered with this daemon", registry=r
         )
         self.vllm_request = Histogram(
-            "slotsync_vllm_request_duration_seconds", "Duration of vLLM HTTP requests by route",
-            ["route"], buckets=REQUEST_BUCKETS, registry=r,
+            "slotsync_vllm_request_duration_seconds",
+            "Duration of vLLM HTTP requests by route",
+            ["route"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
         )
         self.vllm_errors = Counter(
-            "slotsync_vllm_request_errors", "Failed vLLM HTTP requests by route", ["route"],
+            "slotsync_vllm_request_errors",
+            "Failed vLLM HTTP requests by route",
+            ["route"],
             registry=r,
         )
         self.bad_messages = Counter(

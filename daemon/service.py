@@ -22,8 +22,6 @@ import time
 
 import zmq
 import zmq.asyncio
-
-from slotsync import __version__
 from slotsync.daemon.config import Config
 from slotsync.daemon.coordinator import Action, EngineCall, Reply, Timeouts, UpdateEnded
 from slotsync.daemon.metrics import Metrics
@@ -31,6 +29,8 @@ from slotsync.daemon.slot_table import SlotTable
 from slotsync.daemon.status_server import StatusServer
 from slotsync.daemon.vllm_client import EngineError, VllmClient
 from slotsync.protocol.wire import Error, ProtocolError, decode_to_daemon, encode
+
+from slotsync import __version__
 
 log = logging.getLogger("slotsync.daemon")
 
@@ -102,7 +102,7 @@ class Daemon:
             OSError / zmq.ZMQError: the socket or port cannot be bound.
         """
         if self.endpoint.startswith("ipc://"):
-            path = self.endpoint[len("ipc://"):]
+            path = self.endpoint[len("ipc://") :]
             os.makedirs(os.path.dirname(path) or ".", mode=0o770, exist_ok=True)
             _claim_ipc_path(path)
         sock = self._ctx.socket(zmq.ROUTER)
@@ -147,7 +147,7 @@ class Daemon:
             self._sock.close(linger=0)
             if self.endpoint.startswith("ipc://"):
                 with contextlib.suppress(OSError):
-                    os.unlink(self.endpoint[len("ipc://"):])
+                    os.unlink(self.endpoint[len("ipc://") :])
         self._ctx.term()
         self._stopped.set()
 
@@ -170,8 +170,10 @@ class Daemon:
             identity, payload = frames[0], frames[-1]
             if len(frames) != 2:
                 self.metrics.bad_messages.inc()
-                await self._send(identity, Error("decode", f"expected 1 frame, got "
-                                                 f"{len(frames) - 1}", fatal=False))
+                await self._send(
+                    identity,
+                    Error("decode", f"expected 1 frame, got {len(frames) - 1}", fatal=False),
+                )
                 continue
             try:
                 msg = decode_to_daemon(payload, self.config.max_message_bytes)
@@ -225,8 +227,7 @@ class Daemon:
             ok, err = True, ""
         except EngineError as e:
             result, ok, err = None, False, str(e)
-        await self._execute(coord.on_engine_result(call.call_id, ok, result, err,
-                                                   time.monotonic()))
+        await self._execute(coord.on_engine_result(call.call_id, ok, result, err, time.monotonic()))
 
     def _record(self, e: UpdateEnded) -> None:
         self.metrics.updates.labels(e.outcome).inc()
@@ -238,6 +239,14 @@ class Daemon:
             level,
             "update_end slot=[%d,%d) engine=%s update=%d version=%s outcome=%s seconds=%.3f "
             "chunks=%d bytes=%d%s",
-            e.slot[0], e.slot[1], e.engine_url, e.update_id, e.weight_version, e.outcome,
-            e.seconds, e.chunks, e.nbytes, f" error={e.error!r}" if e.error else "",
+            e.slot[0],
+            e.slot[1],
+            e.engine_url,
+            e.update_id,
+            e.weight_version,
+            e.outcome,
+            e.seconds,
+            e.chunks,
+            e.nbytes,
+            f" error={e.error!r}" if e.error else "",
         )

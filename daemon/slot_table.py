@@ -32,8 +32,15 @@ class SlotTable:
             return self._register(identity, msg, now)
         rank = self._rank_of.get(identity)
         if rank is None:
-            return [Reply(identity, Error("register", f"{type(msg).__name__.lower()} from a "
-                                          "connection that has not registered"))]
+            return [
+                Reply(
+                    identity,
+                    Error(
+                        "register",
+                        f"{type(msg).__name__.lower()} from a connection that has not registered",
+                    ),
+                )
+            ]
         return self._slot_of_rank[rank].on_message(rank, msg, now)
 
     def poll(self, now: float) -> list[Action]:
@@ -67,12 +74,17 @@ class SlotTable:
         if coord is None:
             for (s, e), c in self.slots.items():
                 if s < key[1] and key[0] < e:
-                    return [Reply(identity, Error(
-                        "register",
-                        f"rank {msg.rank} claims slot [{key[0]}, {key[1]}) which overlaps "
-                        f"slot [{s}, {e}) of engine {c.engine_url!r}",
-                        list(key),
-                    ))]
+                    return [
+                        Reply(
+                            identity,
+                            Error(
+                                "register",
+                                f"rank {msg.rank} claims slot [{key[0]}, {key[1]}) which overlaps "
+                                f"slot [{s}, {e}) of engine {c.engine_url!r}",
+                                list(key),
+                            ),
+                        )
+                    ]
             coord = SlotCoordinator(key[0], msg.slot_size, self.timeouts, self.daemon_version)
             self.slots[key] = coord
         actions = coord.on_register(identity, msg, now)

@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
 from slotsync.daemon.metrics import Metrics
 
 

@@ -146,10 +146,11 @@ def pickle_unpacked(uuids: Sequence[str], handles_by_rank: Sequence[Sequence[Han
     """
     keys = [_uuid_key(u) for u in uuids]
     n = len(handles_by_rank[0]) if handles_by_rank else 0
+    pairs = list(zip(keys, handles_by_rank, strict=True))
     body = b"".join(
         _EMPTY_DICT
         + _MARK
-        + b"".join(k + handle_args_fragment(hs[i]) for k, hs in zip(keys, handles_by_rank))
+        + b"".join(k + handle_args_fragment(hs[i]) for k, hs in pairs)
         + _SETITEMS
         for i in range(n)
     )

@@ -102,7 +102,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     specs = build_specs(args)
 
     from aiohttp import web
-
     from slotsync.engine.server import EngineApp, WorkerPool
 
     pool = WorkerPool(specs, startup_timeout_s=args.startup_timeout)

@@ -47,11 +47,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any
 
 from aiohttp import web
-
 from slotsync.engine.worker import WorkerSpec, worker_main
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -365,8 +363,9 @@ class EngineApp:
         init_info = body.get("init_info")
         if init_info is None:
             return _detail(400, "Missing 'init_info' in request body")
-        res = await self._fanout("init_weight_transfer_engine", "init_weight_transfer_engine",
-                                 {"init_info": init_info})
+        res = await self._fanout(
+            "init_weight_transfer_engine", "init_weight_transfer_engine", {"init_info": init_info}
+        )
         if isinstance(res, web.Response):
             return res
         self.state.packed = bool(init_info.get("packed", False))

@@ -42,7 +42,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-
 from slotsync.daemon.vllm_pickle import SHM_TAG
 from slotsync.engine.checksum import tensor_checksum
 
@@ -166,7 +165,9 @@ def parse_update_info(update_info: Any, packed: bool) -> ParsedUpdate:
             f"`dtype_names` should be of the same size as `names`: got {len(dtype_names)} and {n}"
         )
     if len(shapes) != n:
-        raise ValueError(f"`shapes` should be of the same size as `names`: got {len(shapes)} and {n}")
+        raise ValueError(
+            f"`shapes` should be of the same size as `names`: got {len(shapes)} and {n}"
+        )
     tensor_sizes = update_info.get("tensor_sizes")
     if packed:
         if not isinstance(handles, dict):
@@ -471,7 +472,8 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
             fn = getattr(state, method)
             result = fn(**kwargs)
         except Exception as e:
-            traceback.print_exc(file=sys.stderr)
+            tb = traceback.format_exc().rstrip().replace("\n", f"\n[worker {spec.index}] ")
+            print(f"[worker {spec.index}] {method} failed: {tb}", file=sys.stderr, flush=True)
             conn.send(("err", str(e) or type(e).__name__))
             continue
         conn.send(("ok", result))

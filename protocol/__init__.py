@@ -1,0 +1,67 @@
+"""What a trainer rank imports: the wire schema, engine-slot topology and the publisher.
+
+``slotsync.protocol.wire``, ``.topology`` and ``.errors`` are pure Python (the daemon imports
+them; it never imports torch, design.md I6). The torch-dependent names (``Publisher``,
+``PublishStats``, ``new_slot_groups``, the export helpers) are loaded lazily on first access,
+so ``import slotsync.protocol`` stays torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from slotsync.protocol.errors import SlotsyncError, SlotsyncTimeout
+from slotsync.protocol.topology import EngineSlot, SlotTopology, TopologyError
+from slotsync.protocol.wire import PROTOCOL_VERSION, logical_gpu_uuid, normalize_gpu_uuid
+
+if TYPE_CHECKING:
+    from slotsync.protocol.export import (
+        ShmSegment,
+        StagingBuffer,
+        cuda_ipc_handle,
+        gpu_uuid_of,
+    )
+    from slotsync.protocol.groups import new_slot_groups
+    from slotsync.protocol.publisher import PublishStats, Publisher
+
+_LAZY = {
+    "Publisher": "slotsync.protocol.publisher",
+    "PublishStats": "slotsync.protocol.publisher",
+    "new_slot_groups": "slotsync.protocol.groups",
+    "cuda_ipc_handle": "slotsync.protocol.export",
+    "gpu_uuid_of": "slotsync.protocol.export",
+    "ShmSegment": "slotsync.protocol.export",
+    "StagingBuffer": "slotsync.protocol.export",
+}
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "EngineSlot",
+    "PublishStats",
+    "Publisher",
+    "ShmSegment",
+    "SlotTopology",
+    "SlotsyncError",
+    "SlotsyncTimeout",
+    "StagingBuffer",
+    "TopologyError",
+    "cuda_ipc_handle",
+    "gpu_uuid_of",
+    "logical_gpu_uuid",
+    "new_slot_groups",
+    "normalize_gpu_uuid",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

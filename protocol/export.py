@@ -26,8 +26,6 @@ from multiprocessing import shared_memory
 from typing import NamedTuple
 
 import torch
-from torch.multiprocessing.reductions import reduce_tensor
-
 from slotsync.protocol.wire import (
     DTYPE_SIZES,
     STORAGE_CLASSES,
@@ -37,6 +35,7 @@ from slotsync.protocol.wire import (
     ShmHandle,
     normalize_gpu_uuid,
 )
+from torch.multiprocessing.reductions import reduce_tensor
 
 __all__ = [
     "CudaStagingBuffer",

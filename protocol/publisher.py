@@ -1,0 +1,627 @@
+"""The trainer rank's side of slotsync: a synchronous publisher for a training loop.
+
+One ``Publisher`` per trainer rank. It speaks the conversation of ``slotsync.protocol.wire``
+over a ZeroMQ DEALER socket connected to the node daemon's ROUTER endpoint (one frame per
+message, no empty delimiter frame)::
+
+    pub = Publisher("ipc:///run/slotsync/daemon.sock", rank, topology.slot_of(rank),
+                    "http://127.0.0.1:8000")
+    pub.register()                            # once
+    for step in ...:
+        optimizer.step()
+        pub.publish(hf_named_tensors(model), weight_version=str(step))
+
+``publish`` = ``begin`` + ``send_chunk`` per chunk + ``commit``; on any failure it aborts the
+update (best effort) and re-raises. Each step waits for the daemon's acknowledgement, bounded
+by ``timeout_s`` (design.md I5). Every rank of a slot must publish the same names in the same
+order with the same ``staging_bytes``, so that all ranks cut identical chunks (I2).
+
+Memory lifetime (design.md I3): a packed chunk's staging buffer is reused only after that
+chunk's ack; unpacked exports (and their shared-memory segments) are kept until the commit's
+ack, then released and, on CUDA, ``torch.cuda.ipc_collect()`` is called.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import zmq
+from slotsync.protocol import wire
+from slotsync.protocol.errors import SlotsyncError, SlotsyncTimeout
+from slotsync.protocol.export import (
+    CudaStagingBuffer,
+    PackedLayout,
+    ShmSegment,
+    ShmStagingBuffer,
+    StagingBuffer,
+    cuda_ipc_handle,
+    dtype_name,
+    gpu_uuid_of,
+    nbytes_of,
+    pack_into,
+)
+from slotsync.protocol.topology import EngineSlot
+
+__all__ = ["DEFAULT_STAGING_BYTES", "PublishStats", "Publisher"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STAGING_BYTES = 512 * 1024 * 1024
+"""Default staging buffer (packed) / chunk limit (unpacked): 512 MiB."""
+
+_LINGER_MS = 500  # how long close() lets an unsent Abort try to get out
+
+
+@dataclass(frozen=True)
+class PublishStats:
+    """What one ``publish`` did: ``chunks`` sent, tensor ``bytes`` described, wall ``seconds``
+    from begin to the commit's ack."""
+
+    chunks: int
+    bytes: int
+    seconds: float
+
+
+def _release(
+    sock: zmq.Socket, ctx: zmq.Context, segments: list[ShmSegment], staging: list[StagingBuffer]
+) -> None:
+    """Finalizer: free everything a publisher owns (runs from close(), GC or atexit)."""
+    for buf in staging:
+        buf.close()
+    staging.clear()
+    for seg in segments:
+        seg.close_and_unlink()
+    segments.clear()
+    sock.close(linger=_LINGER_MS)
+    ctx.term()
+
+
+class Publisher:
+    """Publishes one trainer rank's weights to its engine through the node's slotsync daemon.
+
+    Args:
+        endpoint: the daemon's ZeroMQ ROUTER endpoint, e.g. ``ipc:///run/slotsync/d.sock``.
+        rank: this process's global trainer rank.
+        slot: the engine slot of ``rank`` (``EngineSlot`` or ``(start, count)``), e.g. from
+            ``SlotTopology.slot_of(rank)``.
+        engine_url: base URL of the engine this slot feeds; every rank of the slot must agree.
+        packed: vLLM packed transfer (one staging buffer per chunk) or unpacked (one handle per
+            tensor); must match the engine's ``init_weight_transfer_engine``.
+        transport: ``"cuda"`` (CUDA IPC), ``"shm"`` (POSIX shared memory, CPU stand-in for the
+            reference engine) or ``"auto"``: ``cuda`` if ``device`` is a CUDA device, or if
+            ``device`` is None and CUDA is available (current device); else ``shm``.
+        device: the rank's GPU (cuda transport); default the current CUDA device.
+        gpu_uuid: override of the GPU UUID sent at registration (several logical GPUs on one
+            physical GPU, tests). Default: the device's real UUID on cuda,
+            ``wire.logical_gpu_uuid(rank - slot.start)`` on shm.
+        staging_bytes: packed: the staging buffer's size; unpacked: the most bytes per chunk.
+            ``publish`` cuts chunks of at most this many bytes. Allocated on first use.
+        timeout_s: deadline of every wait for the daemon, in seconds.
+
+    Raises:
+        ValueError: ``rank`` is not in ``slot``, or ``transport``/``device`` disagree.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        rank: int,
+        slot: EngineSlot | tuple[int, int],
+        engine_url: str,
+        *,
+        packed: bool = True,
+        transport: Literal["auto", "cuda", "shm"] = "auto",
+        device: torch.device | int | str | None = None,
+        gpu_uuid: str | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.slot = slot if isinstance(slot, EngineSlot) else EngineSlot(*slot)
+        if rank not in self.slot:
+            raise ValueError(f"rank {rank} is not in its engine slot {self.slot}")
+        if staging_bytes <= 0:
+            raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.endpoint = endpoint
+        self.rank = rank
+        self.engine_url = engine_url
+        self.packed = packed
+        self.staging_bytes = staging_bytes
+        self.timeout_s = timeout_s
+        self.transport, self.device = _resolve_transport(transport, device)
+        if gpu_uuid is not None:
+            self.gpu_uuid = wire.normalize_gpu_uuid(gpu_uuid)
+        elif self.transport == "cuda":
+            self.gpu_uuid = gpu_uuid_of(self.device)
+        else:
+            self.gpu_uuid = wire.logical_gpu_uuid(rank - self.slot.start)
+
+        self.registered: wire.Registered | None = None
+        self._next_id = 0
+        self._update_id: int | None = None  # the open update, if any
+        self._num_chunks = 0
+        self._bytes = 0
+        self._pinned: list[torch.Tensor] = []  # unpacked CUDA exports, until commit's ack
+        self._update_segments: list[ShmSegment] = []  # unpacked shm, until commit's ack
+        self._segments: list[ShmSegment] = []  # every segment we own (for the finalizer)
+        self._staging: list[StagingBuffer] = []  # at most one, created on first packed chunk
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        self._sock.connect(endpoint)
+        self._finalizer = weakref.finalize(
+            self, _release, self._sock, self._ctx, self._segments, self._staging
+        )
+
+    # ---------------------------------------------------------------- public API
+
+    @property
+    def update_id(self) -> int | None:
+        """The open update's id, or ``None`` between updates."""
+        return self._update_id
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran."""
+        return not self._finalizer.alive
+
+    def register(self) -> wire.Registered:
+        """Register this rank with the daemon (protocol version, rank, GPU UUID, slot, engine
+        URL, mode, transport, hostname, pid) and wait for ``Registered``.
+
+        Raises:
+            SlotsyncError: the daemon refused (``Error(phase="register")``) or answered for
+                another rank/slot or protocol version.
+            SlotsyncTimeout: no answer within ``timeout_s``.
+            RuntimeError: an update is open.
+        """
+        self._check_usable()
+        if self._update_id is not None:
+            raise RuntimeError(f"cannot register while update {self._update_id} is open")
+        self._send(
+            wire.Register(
+                protocol_version=wire.PROTOCOL_VERSION,
+                rank=self.rank,
+                gpu_uuid=self.gpu_uuid,
+                slot_start=self.slot.start,
+                slot_size=self.slot.count,
+                engine_url=self.engine_url,
+                packed=self.packed,
+                transport=self.transport,  # type: ignore[arg-type]
+                hostname=socket.gethostname()[:1024],
+                pid=os.getpid(),
+            )
+        )
+        reply = self._wait(
+            "register",
+            "Registered",
+            lambda m: isinstance(m, wire.Registered | wire.Error),
+        )
+        if isinstance(reply, wire.Error):
+            raise self._error(reply)
+        assert isinstance(reply, wire.Registered)
+        if reply.protocol_version != wire.PROTOCOL_VERSION:
+            raise SlotsyncError(
+                "register",
+                f"daemon speaks protocol version {reply.protocol_version}, "
+                f"this publisher {wire.PROTOCOL_VERSION}",
+                slot=(self.slot.start, self.slot.end),
+            )
+        if (reply.rank, reply.slot_start, reply.slot_size) != (
+            self.rank,
+            self.slot.start,
+            self.slot.count,
+        ):
+            raise SlotsyncError(
+                "register",
+                f"daemon registered rank {reply.rank} in slot [{reply.slot_start}, "
+                f"{reply.slot_start + reply.slot_size}), but this is rank {self.rank} of "
+                f"slot {self.slot}",
+                slot=(self.slot.start, self.slot.end),
+            )
+        self.registered = reply
+        self._next_id = reply.next_update_id
+        log.debug(
+            "rank %d registered with %s: slot %s, next update id %d",
+            self.rank, self.endpoint, self.slot, self._next_id,
+        )
+        return reply
+
+    def begin(self, weight_version: str) -> int:
+        """Open the next update and wait until the daemon has started the engine's update
+        (``Ack(begin)``: generation paused, ``/start_weight_update`` returned). Registers first
+        if ``register`` was not called.
+
+        Args:
+            weight_version: given to ``/finish_weight_update`` on success (I8).
+
+        Returns:
+            The update id.
+
+        Raises:
+            RuntimeError: an update is already open.
+            SlotsyncError, SlotsyncTimeout: as ``register``, or the begin failed.
+        """
+        self._check_usable()
+        if self._update_id is not None:
+            raise RuntimeError(f"update {self._update_id} is still open; commit or abort it first")
+        if self.registered is None:
+            self.register()
+        uid = self._next_id
+        self._update_id = uid
+        self._num_chunks = 0
+        self._bytes = 0
+        self._send(wire.Begin(update_id=uid, weight_version=weight_version))
+        self._wait_ack("begin")
+        log.debug("rank %d: update %d begun (weight version %s)", self.rank, uid, weight_version)
+        return uid
+
+    def send_chunk(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Export one chunk and wait until the engine consumed it (``Ack(chunk, index)``).
+
+        Packed: the tensors are copied into the staging buffer (vLLM packed layout) and sent
+        as one handle; the buffer is free again when this returns. Unpacked: one handle per
+        tensor (CUDA: a contiguous copy on ``device`` where needed; shm: a per-chunk segment);
+        the exports stay alive until the commit's ack.
+
+        Args:
+            named_tensors: ``(name, tensor)`` pairs in checkpoint (Hugging Face) names; any
+                shape, dtypes of ``wire.DTYPE_SIZES``.
+
+        Raises:
+            RuntimeError: no update is open.
+            ValueError: no tensors, duplicate names, unsupported dtype, or (packed) more bytes
+                than the staging buffer holds.
+            SlotsyncError, SlotsyncTimeout: the chunk failed or was not acknowledged in time.
+        """
+        self._check_usable()
+        uid = self._require_open()
+        items = list(named_tensors)
+        if not items:
+            raise ValueError("a chunk needs at least one tensor")
+        names = [n for n, _ in items]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"duplicate tensor names in one chunk: {dup}")
+        index = self._num_chunks
+        t0 = time.perf_counter()
+        if self.packed:
+            staging = self._staging_buffer()
+            layout = staging.fill(items)
+            handles: list[wire.Handle] = [staging.handle()]
+        else:
+            layout, handles = self._export_unpacked(items)
+        chunk = wire.Chunk(
+            update_id=uid,
+            index=index,
+            names=layout.names,
+            dtype_names=layout.dtype_names,
+            shapes=layout.shapes,
+            tensor_sizes=layout.tensor_sizes,
+            handles=handles,
+        )
+        self._send(chunk)
+        self._wait_ack("chunk", index)
+        nbytes = chunk.nbytes
+        self._num_chunks += 1
+        self._bytes += nbytes
+        log.debug(
+            "rank %d: update %d chunk %d acknowledged: %d tensors, %d bytes, %.3f s",
+            self.rank, uid, index, len(items), nbytes, time.perf_counter() - t0,
+        )
+
+    def commit(self) -> None:
+        """Close the update: send ``Commit(num_chunks)`` and wait for ``Ack(commit)`` (finish
+        and resume returned). Then release unpacked exports, call ``torch.cuda.ipc_collect()``
+        on CUDA and unlink the update's shared-memory segments.
+
+        Raises:
+            RuntimeError: no update is open.
+            SlotsyncError, SlotsyncTimeout: the commit failed or was not acknowledged in time
+                (after a timeout the update stays open: call ``abort``).
+        """
+        self._check_usable()
+        uid = self._require_open()
+        self._send(wire.Commit(update_id=uid, num_chunks=self._num_chunks))
+        self._wait_ack("commit")
+        log.debug(
+            "rank %d: update %d committed: %d chunks, %d bytes",
+            self.rank, uid, self._num_chunks, self._bytes,
+        )
+        self._end_update()
+
+    def abort(self, reason: str = "") -> None:
+        """Give up on the open update (best effort: the ``Abort`` is sent without waiting) and
+        release its exports. The slot's update fails and the engine stays paused (I4). No-op
+        when no update is open."""
+        uid = self._update_id
+        if uid is None:
+            return
+        log.debug("rank %d: aborting update %d: %s", self.rank, uid, reason)
+        try:
+            if not self.closed:
+                self._sock.send(
+                    wire.encode(wire.Abort(update_id=uid, reason=reason[:1024])), zmq.NOBLOCK
+                )
+        except zmq.ZMQError as e:
+            log.warning("rank %d: could not send Abort for update %d: %s", self.rank, uid, e)
+        finally:
+            self._end_update()
+
+    def publish(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str
+    ) -> PublishStats:
+        """One whole update: begin, chunks of at most ``staging_bytes`` in iteration order,
+        commit. Chunking is deterministic, so ranks that iterate the same names and sizes cut
+        identical chunks. On any exception the update is aborted (best effort) and the
+        exception re-raised.
+
+        Args:
+            named_tensors: ``(name, tensor)`` pairs, consumed lazily (a generator is fine).
+            weight_version: recorded by the engine on success.
+
+        Raises:
+            ValueError: a tensor is larger than ``staging_bytes`` (names the tensor and both
+                sizes), a name repeats, or a dtype is unsupported.
+            SlotsyncError, SlotsyncTimeout: the update failed.
+            RuntimeError: an update is already open.
+        """
+        self._check_usable()
+        if self._update_id is not None:
+            raise RuntimeError(f"update {self._update_id} is still open; commit or abort it first")
+        t0 = time.perf_counter()
+        try:
+            self.begin(weight_version)
+            chunk: list[tuple[str, torch.Tensor]] = []
+            size = 0
+            seen: set[str] = set()
+            for name, t in named_tensors:
+                if name in seen:
+                    raise ValueError(f"tensor {name!r} appears twice in one update")
+                seen.add(name)
+                n = nbytes_of(t)
+                if n > self.staging_bytes:
+                    raise ValueError(
+                        f"tensor {name!r} is {n} bytes, larger than the staging buffer of "
+                        f"{self.staging_bytes} bytes (raise staging_bytes)"
+                    )
+                if chunk and size + n > self.staging_bytes:
+                    self.send_chunk(chunk)
+                    chunk, size = [], 0
+                chunk.append((name, t))
+                size += n
+            if chunk:
+                self.send_chunk(chunk)
+            chunks, nbytes = self._num_chunks, self._bytes
+            self.commit()
+        except BaseException as e:
+            if self._update_id is not None:
+                self.abort(f"{type(e).__name__}: {e}")
+            raise
+        return PublishStats(chunks=chunks, bytes=nbytes, seconds=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        """Abort an open update, close the socket and unlink every shared-memory segment this
+        publisher owns. Idempotent; also runs at garbage collection and interpreter exit."""
+        if self.closed:
+            return
+        if self._update_id is not None:
+            self.abort("publisher closed")
+        self._pinned.clear()
+        self._finalizer()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Publisher(rank={self.rank}, slot={self.slot}, endpoint={self.endpoint!r}, "
+            f"transport={self.transport!r}, packed={self.packed})"
+        )
+
+    # ---------------------------------------------------------------- internals
+
+    def _check_usable(self) -> None:
+        if self.closed:
+            raise RuntimeError("publisher is closed")
+
+    def _require_open(self) -> int:
+        if self._update_id is None:
+            raise RuntimeError("no update is open; call begin() first")
+        return self._update_id
+
+    def _slot_pair(self) -> tuple[int, int]:
+        return (self.slot.start, self.slot.end)
+
+    def _staging_buffer(self) -> StagingBuffer:
+        if not self._staging:
+            buf: StagingBuffer
+            if self.transport == "cuda":
+                buf = CudaStagingBuffer(self.staging_bytes, self.device)
+            else:
+                buf = ShmStagingBuffer(self.staging_bytes, rank=self.rank)
+                self._segments.append(buf.segment)
+            self._staging.append(buf)
+        return self._staging[0]
+
+    def _export_unpacked(
+        self, items: Sequence[tuple[str, torch.Tensor]]
+    ) -> tuple[PackedLayout, list[wire.Handle]]:
+        """Unpacked export: one handle per tensor, kept alive until the commit's ack."""
+        handles: list[wire.Handle] = []
+        if self.transport == "cuda":
+            layout = PackedLayout([], [], [], [])
+            for name, t in items:
+                e = t.detach()
+                if e.device != self.device:
+                    e = e.to(self.device)
+                e = e.contiguous()
+                layout.names.append(name)
+                layout.dtype_names.append(dtype_name(e.dtype))
+                layout.shapes.append([int(d) for d in e.shape])
+                layout.tensor_sizes.append(nbytes_of(e))
+                self._pinned.append(e)
+                handles.append(cuda_ipc_handle(e))
+            torch.cuda.synchronize(self.device)
+            return layout, handles
+        # shm: one segment per chunk, the tensors back to back, one handle per tensor
+        total = sum(nbytes_of(t) for _, t in items)
+        seg = ShmSegment(total, rank=self.rank)
+        self._segments.append(seg)
+        self._update_segments.append(seg)
+        assert seg.tensor is not None
+        layout = pack_into(seg.tensor, items)
+        off = 0
+        for n in layout.tensor_sizes:
+            handles.append(seg.handle(off, n))
+            off += n
+        return layout, handles
+
+    def _end_update(self) -> None:
+        """Forget the open update: release exports, move to the next update id (I7)."""
+        uid = self._update_id
+        self._update_id = None
+        if uid is not None:
+            self._next_id = max(self._next_id, uid + 1)
+        self._pinned.clear()
+        if self.transport == "cuda":
+            # free exported blocks whose consumers have released them (vLLM's own producer
+            # calls this after finish; vllm-contract.md)
+            torch.cuda.ipc_collect()
+        for seg in self._update_segments:
+            seg.close_and_unlink()
+            if seg in self._segments:
+                self._segments.remove(seg)
+        self._update_segments.clear()
+
+    def _error(self, err: wire.Error) -> SlotsyncError:
+        """Turn a daemon Error into a SlotsyncError; if it is the open update's, end it."""
+        if self._update_id is not None and err.update_id in (None, self._update_id):
+            self._end_update()
+        return SlotsyncError(
+            err.phase,
+            err.message,
+            slot=err.slot or None,
+            update_id=err.update_id,
+            missing_ranks=err.missing_ranks,
+            fatal=err.fatal,
+        )
+
+    def _concerns_us(self, err: wire.Error) -> bool:
+        return err.update_id is None or err.update_id == self._update_id
+
+    def _decode(self, frame: bytes) -> wire.FromDaemon:
+        try:
+            return wire.decode_from_daemon(frame)
+        except wire.ProtocolError as e:
+            raise SlotsyncError(
+                "protocol", str(e), slot=self._slot_pair(), update_id=self._update_id
+            ) from None
+
+    def _drain(self) -> None:
+        """Handle replies that arrived unasked: raise an Error of the open update (or one with
+        no update id); drop stale acks and errors of other update ids."""
+        while self._sock.poll(0):
+            msg = self._decode(self._sock.recv(zmq.NOBLOCK))
+            if isinstance(msg, wire.Error) and self._concerns_us(msg):
+                raise self._error(msg)
+            log.debug("rank %d: ignoring stale reply %r", self.rank, msg)
+
+    def _send(self, msg: wire.ToDaemon) -> None:
+        self._drain()
+        try:
+            self._sock.send(wire.encode(msg))
+        except zmq.Again:
+            raise SlotsyncTimeout(
+                type(msg).__name__.lower(),
+                f"room to send {type(msg).__name__}",
+                self.timeout_s,
+                endpoint=self.endpoint,
+                slot=self._slot_pair(),
+                update_id=self._update_id,
+            ) from None
+
+    def _wait_ack(self, phase: Literal["begin", "chunk", "commit"], index: int = -1) -> wire.Ack:
+        uid = self._update_id
+
+        def match(m: wire.FromDaemon) -> bool:
+            return (
+                isinstance(m, wire.Ack)
+                and m.update_id == uid
+                and m.phase == phase
+                and (phase != "chunk" or m.index == index)
+            )
+
+        what = f"Ack({phase}, index={index})" if phase == "chunk" else f"Ack({phase})"
+        reply = self._wait(phase, f"{what} for update {uid}", match)
+        assert isinstance(reply, wire.Ack)
+        return reply
+
+    def _wait(
+        self, phase: str, waited_for: str, match: Callable[[wire.FromDaemon], bool]
+    ) -> wire.FromDaemon:
+        """Receive until ``match`` accepts a reply; raise for an Error that concerns us.
+
+        Raises:
+            SlotsyncTimeout: nothing matched within ``timeout_s``.
+            SlotsyncError: an Error of the open update (or without update id) arrived.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SlotsyncTimeout(
+                    phase,
+                    waited_for,
+                    self.timeout_s,
+                    endpoint=self.endpoint,
+                    slot=self._slot_pair(),
+                    update_id=self._update_id,
+                )
+            if not self._sock.poll(max(1, int(remaining * 1000))):
+                continue
+            msg = self._decode(self._sock.recv(zmq.NOBLOCK))
+            if match(msg):
+                return msg
+            if isinstance(msg, wire.Error) and self._concerns_us(msg):
+                raise self._error(msg)
+            log.debug("rank %d: ignoring stale reply %r while waiting for %s",
+                      self.rank, msg, waited_for)
+
+
+def _resolve_transport(
+    transport: str, device: torch.device | int | str | None
+) -> tuple[str, torch.device]:
+    """Pick the transport and the rank's device (see ``Publisher``'s ``transport``)."""
+    if transport not in ("auto", "cuda", "shm"):
+        raise ValueError(f"transport must be 'auto', 'cuda' or 'shm', got {transport!r}")
+    dev: torch.device | None = None
+    if device is not None:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if transport == "auto":
+        if dev is not None:
+            transport = "cuda" if dev.type == "cuda" else "shm"
+        else:
+            transport = "cuda" if torch.cuda.is_available() else "shm"
+    if transport == "cuda":
+        if dev is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.type != "cuda":
+            raise ValueError(f"transport 'cuda' needs a CUDA device, got {dev}")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return "cuda", dev
+    return "shm", dev if dev is not None else torch.device("cpu")

@@ -1,0 +1,449 @@
+"""Unit tests of the I/O-free slot coordinator: design.md invariants I1–I8, no sockets, no clock.
+
+A scripted engine answers each ``EngineCall`` like vLLM (tracking its own state), so each test
+reads as a sequence of rank events and checks the actions and the engine's call log.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from dataclasses import dataclass, field
+
+import pytest
+from slotsync.daemon.coordinator import (
+    EngineCall,
+    Reply,
+    SlotCoordinator,
+    SlotState,
+    Timeouts,
+    UpdateEnded,
+)
+from slotsync.daemon.slot_table import SlotTable
+from slotsync.protocol.wire import (
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    Begin,
+    Chunk,
+    Commit,
+    Error,
+    Register,
+    Registered,
+    ShmHandle,
+    logical_gpu_uuid,
+)
+
+URL = "http://engine:8000"
+
+
+def ident(rank: int) -> bytes:
+    return f"id-{rank}".encode()
+
+
+def reg(rank: int, start: int = 0, size: int = 2, url: str = URL, packed: bool = True,
+        version: int = PROTOCOL_VERSION, uuid: str | None = None) -> Register:
+    return Register(version, rank, uuid or logical_gpu_uuid(rank - start), start, size, url,
+                    packed, "shm")
+
+
+def chunk(update_id: int, index: int, rank: int, packed: bool = True, dtype: str = "float32",
+          names: tuple[str, ...] = ("a", "b")) -> Chunk:
+    shapes = [[2, 2] for _ in names]
+    sizes = [16 if dtype == "float32" else 8 for _ in names]
+    if packed:
+        handles = [ShmHandle(f"seg-{rank}", 0, sum(sizes))]
+    else:
+        handles = [ShmHandle(f"seg-{rank}", 64 * i, s) for i, s in enumerate(sizes)]
+    return Chunk(update_id, index, list(names), [dtype] * len(names), shapes, sizes, handles)
+
+
+@dataclass
+class ScriptedEngine:
+    """Answers EngineCalls like a vLLM server: keeps paused/active state and a call log."""
+
+    world_size: int = 2
+    calls: list[str] = field(default_factory=list)
+    fail: dict[tuple[str, int], str] = field(default_factory=dict)  # (route, nth) -> error
+    hold: bool = False  # keep calls unanswered (engine hanging)
+    paused: bool = False
+    active: bool = False
+    version: str = "default"
+    bodies: list = field(default_factory=list)
+
+    def answer(self, call: EngineCall) -> tuple[bool, object, str]:
+        self.calls.append(call.route)
+        self.bodies.append(call.body)
+        nth = sum(1 for c in self.calls if c == call.route) - 1
+        if (call.route, nth) in self.fail:
+            if call.route == "update_weights":
+                self.active = False  # vLLM: any update failure ends the session
+            return False, None, self.fail[(call.route, nth)]
+        r = call.route
+        if r == "get_world_size":
+            return True, {"world_size": self.world_size}, ""
+        if r == "pause":
+            self.paused = True
+        elif r == "resume":
+            self.paused = False
+        elif r == "start_weight_update":
+            if self.active:
+                return False, None, "HTTP 500: already active"
+            self.active = True
+        elif r in ("finish_weight_update", "finish_recover"):
+            if not self.active:
+                return False, None, "HTTP 500: no active update"
+            self.active = False
+            if call.body:
+                self.version = call.body["weight_version"]
+        elif r == "update_weights":
+            assert self.active and self.paused
+        return True, {"message": "ok"}, ""
+
+
+class Harness:
+    """Feeds events to one coordinator and runs engine calls through a ScriptedEngine."""
+
+    def __init__(self, size: int = 2, packed: bool = True, timeouts: Timeouts | None = None):
+        self.table = SlotTable(timeouts or Timeouts(10, 10, 10))
+        self.engine = ScriptedEngine(world_size=size)
+        self.now = 0.0
+        self.replies: dict[int, list] = {}
+        self.ended: list[UpdateEnded] = []
+        self.pending_calls: list[EngineCall] = []
+        self.size = size
+        self.packed = packed
+
+    @property
+    def coord(self) -> SlotCoordinator:
+        return next(iter(self.table.slots.values()))
+
+    def run(self, actions: list) -> None:
+        queue = list(actions)
+        while queue:
+            a = queue.pop(0)
+            if isinstance(a, Reply):
+                rank = int(a.identity.decode().split("-")[1])
+                self.replies.setdefault(rank, []).append(a.msg)
+            elif isinstance(a, UpdateEnded):
+                self.ended.append(a)
+            elif isinstance(a, EngineCall):
+                if self.engine.hold:
+                    self.pending_calls.append(a)
+                    continue
+                ok, res, err = self.engine.answer(a)
+                queue += self.coord.on_engine_result(a.call_id, ok, res, err, self.now)
+
+    def send(self, rank: int, msg) -> None:
+        self.run(self.table.on_message(ident(rank), msg, self.now))
+
+    def register_all(self) -> None:
+        for r in range(self.size):
+            self.send(r, reg(r, 0, self.size, packed=self.packed))
+
+    def last(self, rank: int):
+        return self.replies[rank][-1]
+
+    def round(self, update_id: int, n_chunks: int = 2, version: str | None = None) -> None:
+        v = version or f"v{update_id}"
+        for r in range(self.size):
+            self.send(r, Begin(update_id, v))
+        for k in range(n_chunks):
+            for r in range(self.size):
+                self.send(r, chunk(update_id, k, r, self.packed))
+        for r in range(self.size):
+            self.send(r, Commit(update_id, n_chunks))
+
+
+def test_happy_round_order_and_acks():
+    h = Harness()
+    h.register_all()
+    assert all(isinstance(h.last(r), Registered) for r in range(2))
+    h.round(0, n_chunks=2, version="step-1")
+    # I1 + I4: paused before start, one start, one finish, resume last
+    assert h.engine.calls == [
+        "get_world_size", "init_weight_transfer_engine", "pause", "start_weight_update",
+        "update_weights", "update_weights", "finish_weight_update", "resume",
+    ]
+    assert h.engine.version == "step-1" and not h.engine.paused
+    for r in range(2):
+        kinds = [(m.phase, m.index) for m in h.replies[r] if isinstance(m, Ack)]
+        assert kinds == [("begin", -1), ("chunk", 0), ("chunk", 1), ("commit", -1)]
+    assert h.coord.last_version == "step-1"  # I8
+    assert h.coord.state is SlotState.IDLE
+    assert h.ended[-1].outcome == "success" and h.ended[-1].chunks == 2
+    # init only once across rounds (init_info packed flag sent)
+    assert h.engine.bodies[1] == {"init_info": {"packed": True}}
+    h.round(1)
+    assert h.engine.calls.count("init_weight_transfer_engine") == 1
+    assert h.engine.calls.count("start_weight_update") == 2
+    assert h.engine.calls.count("finish_weight_update") == 2
+
+
+def test_chunk_waits_for_every_rank_and_acks_only_after_engine_consumed():
+    h = Harness()
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+    h.send(0, chunk(0, 0, 0))
+    assert "update_weights" not in h.engine.calls  # I2: rank 1 has not sent chunk 0
+    assert not any(isinstance(m, Ack) and m.phase == "chunk" for m in h.replies[0])
+    h.engine.hold = True
+    h.send(1, chunk(0, 0, 1))
+    assert [c.route for c in h.pending_calls] == ["update_weights"]
+    # I3: no chunk ack while the engine has not returned
+    assert not any(isinstance(m, Ack) and m.phase == "chunk" for m in h.replies[0])
+    h.engine.hold = False
+    call = h.pending_calls.pop()
+    ok, res, err = h.engine.answer(call)
+    h.run(h.coord.on_engine_result(call.call_id, ok, res, err, h.now))
+    assert isinstance(h.last(0), Ack) and h.last(0).phase == "chunk"
+
+
+def test_merged_update_info_carries_every_uuid_packed():
+    h = Harness(size=2, packed=True)
+    h.register_all()
+    h.round(0, n_chunks=1)
+    body = h.engine.bodies[h.engine.calls.index("update_weights")]
+    info = body["update_info"]
+    assert info["names"] == ["a", "b"] and info["tensor_sizes"] == [16, 16]
+    handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
+    assert set(handles) == {logical_gpu_uuid(0), logical_gpu_uuid(1)}
+    assert handles[logical_gpu_uuid(1)] == ("slotsync.shm", "seg-1", 0, 32)
+
+
+def test_merged_update_info_unpacked_one_dict_per_tensor():
+    h = Harness(size=2, packed=False)
+    h.register_all()
+    h.round(0, n_chunks=1)
+    info = h.engine.bodies[h.engine.calls.index("update_weights")]["update_info"]
+    assert "tensor_sizes" not in info
+    handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
+    assert len(handles) == 2 and all(set(d) == {logical_gpu_uuid(0), logical_gpu_uuid(1)}
+                                     for d in handles)
+    assert handles[1][logical_gpu_uuid(0)] == ("slotsync.shm", "seg-0", 64, 16)
+
+
+def test_dtype_mismatch_rejected_before_engine_sees_it():
+    h = Harness()
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+    h.send(0, chunk(0, 0, 0, dtype="float32"))
+    h.send(1, chunk(0, 0, 1, dtype="float16"))
+    assert "update_weights" not in h.engine.calls
+    for r in range(2):
+        err = h.last(r)
+        assert isinstance(err, Error) and err.phase == "chunk"
+        assert "dtype_names" in err.message and "[1]" in err.message
+    # I4: engine stays paused, not resumed, marked for a full update
+    assert h.engine.paused and "resume" not in h.engine.calls
+    assert h.coord.state is SlotState.FAILED and h.coord.needs_full_update
+    assert h.coord.last_version is None  # I8
+
+
+def test_engine_500_on_chunk_k_every_rank_gets_error_engine_not_resumed():
+    h = Harness()
+    h.register_all()
+    h.engine.fail[("update_weights", 1)] = "HTTP 500: boom on chunk 1"
+    h.round(0, n_chunks=3)
+    for r in range(2):
+        errs = [m for m in h.replies[r] if isinstance(m, Error)]
+        err = errs[0]  # one fatal error per rank; later sends are told the update failed
+        assert err.fatal and err.phase == "engine" and "boom on chunk 1" in err.message
+        assert err.update_id == 0 and err.slot == [0, 2]
+        assert all(not e.fatal and "already failed" in e.message for e in errs[1:])
+    assert "resume" not in h.engine.calls and "finish_weight_update" not in h.engine.calls
+    assert h.engine.paused
+    assert h.ended[-1].outcome == "failed"
+    # next round recovers: finish (tolerated failure), then a full start/update/finish/resume
+    h.engine.calls.clear()
+    h.round(1, n_chunks=1)
+    assert h.engine.calls == [
+        "get_world_size", "init_weight_transfer_engine", "pause", "finish_recover",
+        "start_weight_update", "update_weights", "finish_weight_update", "resume",
+    ]
+    assert h.coord.state is SlotState.IDLE and h.coord.last_version == "v1"
+
+
+def test_recovery_finish_clears_split_engine():
+    # The engine is still active (e.g. some workers kept their session): recovery finish works.
+    h = Harness()
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+    h.send(0, Abort(0, "trainer crashed"))
+    assert all(isinstance(h.last(r), Error) and h.last(r).phase == "abort" for r in range(2))
+    assert h.engine.active  # start happened, no finish
+    h.round(1, n_chunks=1)
+    assert h.engine.calls.count("finish_recover") == 1 and not h.engine.active
+    assert h.coord.last_version == "v1"
+
+
+def test_missing_rank_chunk_deadline_names_rank():
+    h = Harness(timeouts=Timeouts(begin_s=5, chunk_s=3, commit_s=30))
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+    h.send(0, chunk(0, 0, 0))
+    assert h.coord.next_deadline() == pytest.approx(3.0)
+    h.now = 2.9
+    h.run(h.table.poll(h.now))
+    assert not isinstance(h.last(0), Error)
+    h.now = 3.0
+    h.run(h.table.poll(h.now))
+    for r in range(2):
+        err = h.last(r)
+        assert isinstance(err, Error) and err.phase == "chunk" and err.missing_ranks == [1]
+        assert "chunk 0" in err.message and "[1]" in err.message
+    assert h.coord.current is None and h.coord.next_deadline() is None
+
+
+def test_begin_deadline_names_missing_rank():
+    h = Harness(timeouts=Timeouts(begin_s=5, chunk_s=3, commit_s=30))
+    h.register_all()
+    h.send(0, Begin(0, "v"))
+    h.now = 5.0
+    h.run(h.table.poll(h.now))
+    assert isinstance(h.last(0), Error) and h.last(0).missing_ranks == [1]
+
+
+def test_no_deadline_while_engine_call_in_flight():
+    h = Harness(timeouts=Timeouts(1, 1, 1))
+    h.register_all()
+    h.engine.hold = True
+    h.send(0, Begin(0, "v"))
+    h.send(1, Begin(0, "v"))
+    assert h.coord.next_deadline() is None  # the HTTP client's timeout bounds the engine
+
+
+def test_commit_deadline_when_rank_stalls_after_chunks():
+    h = Harness(timeouts=Timeouts(5, 5, 7))
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+        h.send(r, chunk(0, 0, r))
+    h.send(0, Commit(0, 1))
+    h.now = 7.0
+    h.run(h.table.poll(h.now))
+    assert isinstance(h.last(1), Error) and h.last(1).missing_ranks == [1]
+
+
+def test_commit_before_every_chunk_arrived_fails():
+    h = Harness()
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+        h.send(r, chunk(0, 0, r))
+    h.send(0, Commit(0, 2))  # it sent only one chunk
+    err = h.last(1)
+    assert isinstance(err, Error) and err.phase == "commit" and "committed 2 chunks but sent 1" \
+        in err.message
+    assert "finish_weight_update" not in h.engine.calls
+
+
+def test_chunk_after_commit_fails():
+    h = Harness()
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+        h.send(r, chunk(0, 0, r))
+    h.send(0, Commit(0, 1))
+    h.send(0, chunk(0, 1, 0))
+    assert isinstance(h.last(1), Error) and "after commit" in h.last(1).message
+
+
+def test_second_update_refused_while_one_in_flight_and_stale_id():
+    h = Harness()
+    h.register_all()
+    h.send(0, Begin(0, "v"))
+    h.send(0, Begin(1, "w"))
+    err = h.last(0)
+    assert isinstance(err, Error) and not err.fatal and "refusing a second update" in err.message
+    assert h.engine.calls.count("start_weight_update") == 1  # I1
+    h.send(1, Begin(0, "v"))
+    for k in range(1):
+        for r in range(2):
+            h.send(r, chunk(0, k, r))
+    for r in range(2):
+        h.send(r, Commit(0, 1))
+    assert isinstance(h.last(0), Ack) and h.last(0).phase == "commit"
+    h.send(0, Begin(0, "again"))  # I7: an id of an earlier round
+    assert isinstance(h.last(0), Error) and "stale update id 0" in h.last(0).message
+
+
+def test_version_disagreement_fails():
+    h = Harness()
+    h.register_all()
+    h.send(0, Begin(0, "v1"))
+    h.send(1, Begin(0, "v2"))
+    assert isinstance(h.last(1), Error) and "'v2'" in h.last(1).message
+
+
+def test_world_size_mismatch_refused_before_start():
+    h = Harness()
+    h.engine.world_size = 4
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+    assert "start_weight_update" not in h.engine.calls
+    assert "world size 4" in h.last(0).message
+
+
+def test_registration_conflicts():
+    t = SlotTable()
+    a = t.on_message(ident(0), reg(0, url="http://a:1"), 0.0)
+    assert isinstance(a[0].msg, Registered)
+    b = t.on_message(ident(1), reg(1, url="http://b:2"), 0.0)
+    assert isinstance(b[0].msg, Error)
+    assert "http://b:2" in b[0].msg.message and "http://a:1" in b[0].msg.message
+    c = t.on_message(ident(1), reg(1, version=PROTOCOL_VERSION + 1), 0.0)
+    assert "protocol version mismatch" in c[0].msg.message
+    assert f"speaks {PROTOCOL_VERSION + 1}" in c[0].msg.message
+    d = t.on_message(ident(1), reg(1, url="http://a:1", uuid=logical_gpu_uuid(0)), 0.0)
+    assert "already held by rank 0" in d[0].msg.message
+    e = t.on_message(ident(3), reg(3, start=1, size=4), 0.0)
+    assert "overlaps" in e[0].msg.message
+    f = t.on_message(ident(9), Begin(0, "v"), 0.0)
+    assert "has not registered" in f[0].msg.message
+
+
+def test_begin_before_slot_complete_is_refused_with_missing_ranks():
+    h = Harness()
+    h.send(0, reg(0))
+    h.send(0, Begin(0, "v"))
+    err = h.last(0)
+    assert isinstance(err, Error) and err.missing_ranks == [1] and not h.engine.calls
+
+
+def test_late_engine_result_of_failed_update_is_dropped():
+    h = Harness(timeouts=Timeouts(1, 1, 1))
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+    h.engine.hold = True
+    for r in range(2):
+        h.send(r, chunk(0, 0, r))
+    call = h.pending_calls.pop()
+    h.send(0, Abort(0, "x"))
+    assert h.coord.on_engine_result(call.call_id, True, {}, "", h.now) == []
+
+
+def test_daemon_stop_fails_update_and_leaves_engine_paused():
+    h = Harness()
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+    h.run(h.table.shutdown(h.now, "SIGTERM"))
+    assert all(h.last(r).phase == "shutdown" for r in range(2))
+    assert h.engine.paused and h.coord.needs_full_update
+
+
+def test_reregistration_during_update_fails_it():
+    h = Harness()
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+    h.send(1, reg(1))
+    assert any(isinstance(m, Error) and "re-registered" in m.message for m in h.replies[0])
+    assert isinstance(h.last(1), Registered) and h.last(1).next_update_id == 1

@@ -1,0 +1,417 @@
+"""Reference engine (slotsync.engine) against vLLM 0.33's weight-transfer contract.
+
+One 2-worker CPU engine serves the whole module (each worker process imports torch, so
+engines are expensive on a small machine); ``clean`` brings it back to a known state before
+each test. Handles are the CPU shared-memory stand-in (``ShmHandle``), pickled by the daemon's
+own writer (``slotsync.daemon.vllm_pickle``), keyed by each worker's logical GPU UUID.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from slotsync.daemon.vllm_pickle import b64, pickle_packed, pickle_unpacked
+from slotsync.engine.checksum import tensor_checksum
+from slotsync.engine.launcher import EngineStartError, ReferenceEngine
+from slotsync.protocol.wire import ShmHandle, logical_gpu_uuid
+
+ALREADY_ACTIVE = "start_weight_update called while a weight update is already active"
+FINISH_NO_START = "finish_weight_update called without a matching start_weight_update"
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _bytes_of(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).split(".")[-1]
+
+
+class Segments:
+    """Shared-memory segments created by a test (closed and unlinked at teardown)."""
+
+    def __init__(self) -> None:
+        self.segs: list[shared_memory.SharedMemory] = []
+
+    def put(self, data: bytes, size: int | None = None) -> shared_memory.SharedMemory:
+        shm = shared_memory.SharedMemory(create=True, size=max(1, size or len(data)))
+        shm.buf[: len(data)] = data
+        self.segs.append(shm)
+        return shm
+
+    def close(self) -> None:
+        for s in self.segs:
+            s.close()
+            s.unlink()
+
+
+@pytest.fixture
+def segs() -> Iterator[Segments]:
+    s = Segments()
+    yield s
+    s.close()
+
+
+def unpacked_info(
+    tensors: dict[str, torch.Tensor], uuids: list[str], segs: Segments
+) -> dict[str, Any]:
+    """update_info for an unpacked chunk: one segment per (tensor, worker)."""
+    per_tensor = []
+    for t in tensors.values():
+        data = _bytes_of(t)
+        per_tensor.append(
+            {u: ShmHandle(segment=segs.put(data).name, offset=0, nbytes=len(data)) for u in uuids}
+        )
+    return {
+        "names": list(tensors),
+        "dtype_names": [_dtype_name(t) for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()],
+        "ipc_handles_pickled": b64(pickle_unpacked(per_tensor)),
+    }
+
+
+def packed_info(tensors: dict[str, torch.Tensor], by_uuid: dict[str, ShmHandle]) -> dict[str, Any]:
+    """update_info for a packed chunk whose buffer handles are ``by_uuid``."""
+    return {
+        "names": list(tensors),
+        "dtype_names": [_dtype_name(t) for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()],
+        "tensor_sizes": [t.numel() * t.element_size() for t in tensors.values()],
+        "ipc_handles_pickled": b64(pickle_packed(by_uuid)),
+    }
+
+
+def stats(eng: ReferenceEngine) -> dict[str, Any]:
+    status, body = eng.request("GET", "/_slotsync/stats")
+    assert status == 200, body
+    return body
+
+
+def err_message(body: Any) -> str:
+    return body["error"]["message"]
+
+
+def checksums(eng: ReferenceEngine) -> dict[str, dict[str, str]]:
+    status, body = eng.request("POST", "/weight_checker", {"action": "checksum"})
+    assert status == 200, body
+    return body["checksums"]
+
+
+def sample_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.layers.0.mlp.up_proj.weight": torch.randn(4, 3, generator=g),
+        "model.norm.weight": torch.randn(5, generator=g).to(torch.bfloat16),
+        "model.embed_tokens.weight": torch.randint(-100, 100, (2, 2, 2), generator=g).to(
+            torch.int32
+        ),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# fixtures
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[ReferenceEngine]:
+    with ReferenceEngine(workers=2, startup_timeout_s=90) as eng:
+        yield eng
+
+
+@pytest.fixture
+def eng(engine: ReferenceEngine) -> ReferenceEngine:
+    """The module's engine, with no faults, no active update, resumed, unpacked."""
+    engine.request("POST", "/_slotsync/fault", {"clear": True})
+    engine.request("POST", "/finish_weight_update")  # tolerate 500 (nothing active)
+    assert not any(w["active"] for w in stats(engine)["workers"])
+    engine.request("POST", "/resume")
+    status, _ = engine.request("POST", "/init_weight_transfer_engine", {"init_info": {}})
+    assert status == 200
+    return engine
+
+
+# --------------------------------------------------------------------------------------------
+# tests
+# --------------------------------------------------------------------------------------------
+
+
+def test_fresh_engine_reports_defaults(engine: ReferenceEngine) -> None:
+    assert engine.request("GET", "/get_world_size") == (200, {"world_size": 2})
+    assert engine.request("GET", "/weight_info") == (200, {"weight_version": "default"})
+    assert engine.request("GET", "/is_paused") == (200, {"is_paused": False})
+    s = stats(engine)
+    assert [w["gpu_uuid"] for w in s["workers"]] == [logical_gpu_uuid(0), logical_gpu_uuid(1)]
+    assert engine.gpu_uuids == [logical_gpu_uuid(0), logical_gpu_uuid(1)]
+
+
+def test_start_finish_state_machine(eng: ReferenceEngine) -> None:
+    assert eng.request("POST", "/start_weight_update") == (
+        200,
+        {"message": "Weight update started"},
+    )
+    status, body = eng.request("POST", "/start_weight_update")
+    assert status == 500
+    assert body["error"]["type"] == "InternalServerError" and body["error"]["code"] == 500
+    assert body["error"]["param"] is None
+    msg = err_message(body)
+    assert msg.startswith("Call to collective_rpc method failed: Worker failed with error '")
+    assert ALREADY_ACTIVE in msg and "Call finish_weight_update first." in msg
+    assert msg.endswith("please check the stack trace above for the root cause")
+    status, body = eng.request("POST", "/finish_weight_update", {"weight_version": "step-1"})
+    assert (status, body) == (200, {"message": "Weight update finished"})
+    assert eng.request("GET", "/weight_info") == (200, {"weight_version": "step-1"})
+    status, body = eng.request("POST", "/finish_weight_update", {"weight_version": "bad"})
+    assert status == 500 and FINISH_NO_START in err_message(body)
+    assert eng.request("GET", "/weight_info") == (200, {"weight_version": "step-1"})
+    status, body = eng.request("POST", "/update_weights", {"update_info": {"names": []}})
+    assert status == 500
+    assert "start_weight_update must be called before update_weights" in err_message(body)
+    w = stats(eng)["workers"]
+    assert all(x["start_count"] >= 1 and x["finish_count"] >= 1 for x in w)
+
+
+def test_pause_resume(eng: ReferenceEngine) -> None:
+    assert eng.request("POST", "/pause?mode=keep") == (200, {"status": "paused"})
+    assert eng.request("GET", "/is_paused") == (200, {"is_paused": True})
+    assert eng.request("POST", "/resume") == (200, {"status": "resumed"})
+    assert eng.request("GET", "/is_paused") == (200, {"is_paused": False})
+    status, body = eng.request("POST", "/pause?mode=sideways")
+    assert status == 422 and body["detail"][0]["loc"] == ["query", "mode"]
+    s = stats(eng)
+    assert s["pause_count"] >= 1 and s["resume_count"] >= 1
+
+
+def test_bad_bodies_are_400(eng: ReferenceEngine) -> None:
+    assert eng.request("POST", "/update_weights", {}) == (
+        400,
+        {"detail": "Missing 'update_info' in request body"},
+    )
+    assert eng.request("POST", "/init_weight_transfer_engine", {}) == (
+        400,
+        {"detail": "Missing 'init_info' in request body"},
+    )
+    status, body = eng.request("POST", "/init_weight_transfer_engine", {"init_info": {"x": 1}})
+    assert status == 500 and "unexpected keyword argument 'x'" in err_message(body)
+
+
+def test_unpacked_shm_update_end_to_end(eng: ReferenceEngine, segs: Segments) -> None:
+    tensors = sample_tensors(1)
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    info = unpacked_info(tensors, eng.gpu_uuids, segs)
+    assert eng.request("POST", "/update_weights", {"update_info": info}) == (
+        200,
+        {"message": "Weights updated"},
+    )
+    # parameters are on the meta device until finish
+    status, body = eng.request("POST", "/weight_checker", {"action": "checksum"})
+    assert status == 500 and "meta device" in err_message(body)
+    assert eng.request("POST", "/finish_weight_update", {"weight_version": "u1"})[0] == 200
+    assert eng.request("GET", "/weight_info")[1] == {"weight_version": "u1"}
+    want = {n: tensor_checksum(t) for n, t in tensors.items()}
+    sums = checksums(eng)
+    assert set(sums) == set(eng.gpu_uuids)
+    for u in eng.gpu_uuids:
+        assert {n: sums[u][n] for n in want} == want
+    status, body = eng.request("POST", "/weight_checker", {"action": "compare", "baseline": want})
+    assert (status, body) == (200, {"match": True, "mismatches": []})
+    bad = {**want, "model.norm.weight": "0" * 64}
+    status, body = eng.request("POST", "/weight_checker", {"action": "compare", "baseline": bad})
+    assert status == 200 and body["match"] is False
+    assert {m["gpu_uuid"] for m in body["mismatches"]} == set(eng.gpu_uuids)
+    assert eng.request("POST", "/weight_checker", {"action": "reset"})[0] == 200
+    w = stats(eng)["workers"]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert all(x["bytes_loaded"] >= nbytes and x["servable"] for x in w)
+
+
+def test_packed_shm_update_reuses_buffer(eng: ReferenceEngine, segs: Segments) -> None:
+    """Two chunks through one buffer per worker, overwritten between chunks (the engine
+    clones each tensor out before answering)."""
+    assert (
+        eng.request("POST", "/init_weight_transfer_engine", {"init_info": {"packed": True}})[0]
+        == 200
+    )
+    assert stats(eng)["packed"] is True
+    tensors = sample_tensors(2)
+    items = list(tensors.items())
+    chunks = [dict(items[:2]), dict(items[2:])]
+    cap = 4096
+    bufs = {u: segs.put(b"", size=cap) for u in eng.gpu_uuids}
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    before = {w["index"]: w["update_count"] for w in stats(eng)["workers"]}
+    for chunk in chunks:
+        data = b"".join(_bytes_of(t) for t in chunk.values())
+        for shm in bufs.values():
+            shm.buf[: len(data)] = data
+        by_uuid = {u: ShmHandle(segment=shm.name, offset=0, nbytes=cap) for u, shm in bufs.items()}
+        status, body = eng.request(
+            "POST", "/update_weights", {"update_info": packed_info(chunk, by_uuid)}
+        )
+        assert status == 200, body
+    for shm in bufs.values():  # scribble: must not affect what was loaded
+        shm.buf[:cap] = b"\xff" * cap
+    assert eng.request("POST", "/finish_weight_update", {"weight_version": "p1"})[0] == 200
+    want = {n: tensor_checksum(t) for n, t in tensors.items()}
+    status, body = eng.request("POST", "/weight_checker", {"action": "compare", "baseline": want})
+    assert (status, body) == (200, {"match": True, "mismatches": []})
+    after = {w["index"]: w["update_count"] for w in stats(eng)["workers"]}
+    assert all(after[i] - before[i] == 2 for i in after)
+
+
+def test_per_rank_update_info_list(eng: ReferenceEngine, segs: Segments) -> None:
+    tensors = {"w": torch.arange(6, dtype=torch.float16).reshape(2, 3)}
+    infos = [unpacked_info(tensors, [u], segs) for u in eng.gpu_uuids]
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    assert eng.request("POST", "/update_weights", {"update_info": infos})[0] == 200
+    assert eng.request("POST", "/finish_weight_update")[0] == 200
+    assert all(s["w"] == tensor_checksum(tensors["w"]) for s in checksums(eng).values())
+
+
+def test_missing_uuid_splits_engine(eng: ReferenceEngine, segs: Segments) -> None:
+    u0, u1 = eng.gpu_uuids
+    tensors = {"w": torch.ones(3)}
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    status, body = eng.request(
+        "POST", "/update_weights", {"update_info": unpacked_info(tensors, [u0], segs)}
+    )
+    assert status == 500
+    msg = err_message(body)
+    assert f"IPC handle not found for GPU UUID {u1}. Available UUIDs: ['{u0}']" in msg
+    active = {w["gpu_uuid"]: w["active"] for w in stats(eng)["workers"]}
+    assert active == {u0: True, u1: False}  # split: the failing worker ended its session
+    status, body = eng.request("POST", "/start_weight_update")
+    assert status == 500 and ALREADY_ACTIVE in err_message(body)
+    # start succeeded on worker 1 and failed on worker 0: now both are active
+    assert all(w["active"] for w in stats(eng)["workers"])
+    assert eng.request("POST", "/finish_weight_update")[0] == 200
+
+
+def test_worker_fault_on_chunk_k_then_recovery(eng: ReferenceEngine, segs: Segments) -> None:
+    status, _ = eng.request(
+        "POST",
+        "/_slotsync/fault",
+        {"route": "update_weights", "after": 1, "workers": [1], "message": "boom on chunk 1"},
+    )
+    assert status == 200
+    uuids = eng.gpu_uuids
+    t0, t1 = {"a": torch.zeros(2)}, {"b": torch.ones(2)}
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    ok = eng.request("POST", "/update_weights", {"update_info": unpacked_info(t0, uuids, segs)})
+    assert ok[0] == 200
+    status, body = eng.request(
+        "POST", "/update_weights", {"update_info": unpacked_info(t1, uuids, segs)}
+    )
+    assert status == 500 and "boom on chunk 1" in err_message(body)
+    assert [w["active"] for w in stats(eng)["workers"]] == [True, False]
+    # daemon-style recovery: finish tolerating the 500 from the reset worker, then full redo
+    status, body = eng.request("POST", "/finish_weight_update", {"weight_version": "x"})
+    assert status == 500 and FINISH_NO_START in err_message(body)
+    assert eng.request("GET", "/weight_info")[1]["weight_version"] != "x"
+    assert not any(w["active"] for w in stats(eng)["workers"])
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    for t in (t0, t1):
+        info = unpacked_info(t, uuids, segs)
+        assert eng.request("POST", "/update_weights", {"update_info": info})[0] == 200
+    assert eng.request("POST", "/finish_weight_update", {"weight_version": "r2"})[0] == 200
+    assert eng.request("GET", "/weight_info")[1] == {"weight_version": "r2"}
+    sums = checksums(eng)
+    assert all(s["b"] == tensor_checksum(t1["b"]) for s in sums.values())
+
+
+def test_http_level_faults(eng: ReferenceEngine) -> None:
+    before = [w["start_count"] for w in stats(eng)["workers"]]
+    eng.request("POST", "/_slotsync/fault", {"route": "start_weight_update", "status": 503})
+    status, body = eng.request("POST", "/start_weight_update")
+    assert status == 503 and body["error"]["type"] == "InternalServerError"
+    assert [w["start_count"] for w in stats(eng)["workers"]] == before  # no fan-out
+    assert not any(w["active"] for w in stats(eng)["workers"])
+    eng.request("POST", "/_slotsync/fault", {"route": "pause", "message": "cannot pause"})
+    assert eng.request("POST", "/pause?mode=keep") == (500, {"error": "cannot pause"})
+    assert eng.request("POST", "/pause?mode=keep")[0] == 200  # times=1
+    eng.request(
+        "POST", "/_slotsync/fault", {"route": "get_world_size", "hang_s": 0.3, "status": 200}
+    )
+    t = time.monotonic()
+    assert eng.request("GET", "/get_world_size") == (200, {"world_size": 2})
+    assert time.monotonic() - t >= 0.3
+
+
+def test_update_info_validation(eng: ReferenceEngine, segs: Segments) -> None:
+    tensors = {"w": torch.ones(2, 2)}
+    info = unpacked_info(tensors, eng.gpu_uuids, segs)
+    cases = [
+        ({**info, "shapes": []}, "`shapes` should be of the same size as `names`"),
+        ({**info, "extra": 1}, "unexpected keyword argument 'extra'"),
+        ({k: v for k, v in info.items() if k != "ipc_handles_pickled"}, "must be provided"),
+        ({**info, "shapes": [[3, 3]]}, "is 36 bytes"),
+    ]
+    for bad, text in cases:
+        assert eng.request("POST", "/start_weight_update")[0] == 200
+        status, body = eng.request("POST", "/update_weights", {"update_info": bad})
+        assert status == 500 and text in err_message(body), body
+        assert not any(w["active"] for w in stats(eng)["workers"])  # session ended
+    # packed flag says packed, chunk is unpacked
+    eng.request("POST", "/init_weight_transfer_engine", {"init_info": {"packed": True}})
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    status, body = eng.request("POST", "/update_weights", {"update_info": info})
+    assert status == 500 and "packed transfer" in err_message(body)
+
+
+def test_shutdown_refused_during_update(eng: ReferenceEngine) -> None:
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    assert eng.request("POST", "/shutdown_weight_transfer_engine")[0] == 500
+    assert eng.request("POST", "/finish_weight_update")[0] == 200
+    assert eng.request("POST", "/shutdown_weight_transfer_engine")[0] == 200
+
+
+def test_model_engine_is_strict(tmp_path: Path, segs: Segments) -> None:
+    """One worker with --model: unknown names and shape mismatches fail; the 500 message is
+    not wrapped in 'Worker failed with error' (world size 1)."""
+    from safetensors.torch import save_file
+
+    model = {"w": torch.arange(4, dtype=torch.float32), "b": torch.zeros(2, dtype=torch.bfloat16)}
+    save_file(model, str(tmp_path / "m.safetensors"))
+    with ReferenceEngine(workers=1, model=tmp_path / "m.safetensors") as eng:
+        sums = checksums(eng)[eng.gpu_uuids[0]]
+        assert sums == {n: tensor_checksum(t) for n, t in model.items()}
+        uuids = eng.gpu_uuids
+        for tensors, text in (
+            ({"nope": torch.ones(4)}, "unknown weight name 'nope'"),
+            ({"w": torch.ones(5)}, "model has torch.float32 [4]"),
+        ):
+            assert eng.request("POST", "/start_weight_update")[0] == 200
+            info = unpacked_info(tensors, uuids, segs)
+            status, body = eng.request("POST", "/update_weights", {"update_info": info})
+            assert status == 500
+            assert err_message(body).startswith("Call to collective_rpc method failed: ")
+            assert text in err_message(body) and "Worker failed" not in err_message(body)
+        new_w = torch.full((4,), 7.0)
+        assert eng.request("POST", "/start_weight_update")[0] == 200
+        info = unpacked_info({"w": new_w}, uuids, segs)
+        assert eng.request("POST", "/update_weights", {"update_info": info})[0] == 200
+        assert eng.request("POST", "/finish_weight_update")[0] == 200
+        assert checksums(eng)[uuids[0]]["w"] == tensor_checksum(new_w)
+
+
+def test_launcher_reports_startup_failure(tmp_path: Path) -> None:
+    with pytest.raises(EngineStartError, match="exited with code"):
+        ReferenceEngine(workers=1, model=tmp_path / "missing.safetensors", startup_timeout_s=60)
+
+
+def test_checksum_is_device_and_stride_independent() -> None:
+    t = torch.randn(3, 4)
+    assert tensor_checksum(t) == tensor_checksum(t.t().contiguous().t())
+    assert tensor_checksum(t.to(torch.bfloat16)) != tensor_checksum(t)
+    assert len(tensor_checksum(t)) == 64
