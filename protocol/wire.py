@@ -356,7 +356,8 @@ def decode_to_daemon(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES_DEFAULT) -
         raise ProtocolError(f"message of {len(frame)} bytes exceeds the {max_bytes}-byte cap")
     try:
         return _to_daemon.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
+        # UnicodeDecodeError: msgspec lets invalid UTF-8 in a tag through (found by fuzzing)
         raise ProtocolError(f"bad message: {e}") from None
 
 
@@ -368,5 +369,5 @@ def decode_from_daemon(frame: bytes) -> FromDaemon:
     """
     try:
         return _from_daemon.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
         raise ProtocolError(f"bad reply from daemon: {e}") from None

@@ -1,0 +1,158 @@
+"""The wire codec: round trips, validation on decode, UUID normalization, fuzzed input."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from slotsync.protocol.wire import (
+    PROTOCOL_VERSION,
+    Ack,
+    Begin,
+    Chunk,
+    Commit,
+    CudaIpcHandle,
+    Error,
+    ProtocolError,
+    Register,
+    ShmHandle,
+    decode_from_daemon,
+    decode_to_daemon,
+    encode,
+    logical_gpu_uuid,
+    normalize_gpu_uuid,
+)
+
+UUID = "8a1e2c3d-4b5f-6789-abcd-ef0123456789"
+
+
+def cuda_handle(**kw) -> CudaIpcHandle:
+    f = dict(tensor_class="torch.Tensor", size=(4,), stride=(1,), storage_offset=0,
+             storage_class="torch.storage.TypedStorage", dtype="bfloat16", device=0,
+             ipc_handle=b"h" * 64, storage_size_bytes=8, storage_offset_bytes=0,
+             requires_grad=False, ref_counter_handle=b"r" * 10, ref_counter_offset=0,
+             event_handle=None, event_sync_required=True)
+    f.update(kw)
+    return CudaIpcHandle(**f)
+
+
+def test_round_trip_every_message():
+    msgs = [
+        Register(PROTOCOL_VERSION, 1, UUID, 0, 2, "http://x:1", True, "cuda", "host", 7),
+        Begin(3, "step-3"),
+        Chunk(3, 0, ["w"], ["bfloat16"], [[4]], [8], [cuda_handle()]),
+        Commit(3, 1),
+    ]
+    for m in msgs:
+        assert decode_to_daemon(encode(m)) == m
+    for m in [Ack(3, "chunk", 0), Error("chunk", "bad", [0, 2], 3, [1])]:
+        assert decode_from_daemon(encode(m)) == m
+
+
+@pytest.mark.parametrize("raw,want", [
+    ("GPU-8A1E2C3D-4B5F-6789-ABCD-EF0123456789", UUID),
+    (UUID, UUID),
+    ("  gpu-" + UUID + " ", UUID),
+])
+def test_gpu_uuid_normalized_to_torch_format(raw, want):
+    assert normalize_gpu_uuid(raw) == want
+
+
+def test_register_normalizes_uuid_and_rejects_garbage():
+    r = Register(PROTOCOL_VERSION, 0, "GPU-" + UUID.upper(), 0, 1, "u", True, "cuda")
+    assert decode_to_daemon(encode(r)).gpu_uuid == UUID
+    bad = msgspec.msgpack.encode({"type": "register", "protocol_version": 1, "rank": 0,
+                                  "gpu_uuid": "GPU-xyz", "slot_start": 0, "slot_size": 1,
+                                  "engine_url": "u", "packed": True, "transport": "cuda"})
+    with pytest.raises(ProtocolError, match="not a GPU UUID"):
+        decode_to_daemon(bad)
+
+
+def test_rank_outside_its_slot_rejected():
+    bad = msgspec.msgpack.encode({"type": "register", "protocol_version": 1, "rank": 5,
+                                  "gpu_uuid": UUID, "slot_start": 0, "slot_size": 4,
+                                  "engine_url": "u", "packed": True, "transport": "cuda"})
+    with pytest.raises(ProtocolError, match=r"rank 5 is outside its own slot \[0, 4\)"):
+        decode_to_daemon(bad)
+
+
+def test_chunk_validation_names_the_field():
+    def enc(**kw):
+        d = {"type": "chunk", "update_id": 0, "index": 0, "names": ["a"],
+             "dtype_names": ["float32"], "shapes": [[2]], "tensor_sizes": [8],
+             "handles": [{"type": "shm", "segment": "s", "offset": 0, "nbytes": 8}]}
+        d.update(kw)
+        return msgspec.msgpack.encode(d)
+
+    decode_to_daemon(enc())
+    with pytest.raises(ProtocolError, match="tensor_sizes says 4 bytes"):
+        decode_to_daemon(enc(tensor_sizes=[4]))
+    with pytest.raises(ProtocolError, match="unsupported dtype 'complex32'"):
+        decode_to_daemon(enc(dtype_names=["complex32"]))
+    with pytest.raises(ProtocolError, match="shapes has 2 entries"):
+        decode_to_daemon(enc(shapes=[[2], [2]]))
+    with pytest.raises(ProtocolError, match=r"Expected `int`, got `str` - at `\$.update_id`"):
+        decode_to_daemon(enc(update_id="x"))
+    with pytest.raises(ProtocolError, match="unknown field"):
+        decode_to_daemon(enc(surprise=1))
+    with pytest.raises(ProtocolError, match="packed buffer handle covers 4 bytes"):
+        decode_to_daemon(enc(names=["a", "b"], dtype_names=["float32"] * 2, shapes=[[2], [2]],
+                             tensor_sizes=[8, 8],
+                             handles=[{"type": "shm", "segment": "s", "offset": 0,
+                                       "nbytes": 4}]))
+    with pytest.raises(ProtocolError, match="bad shared-memory segment name"):
+        decode_to_daemon(enc(handles=[{"type": "shm", "segment": "../etc", "offset": 0,
+                                       "nbytes": 8}]))
+
+
+def test_handle_record_rejects_bad_lengths_and_classes():
+    raw = msgspec.structs.asdict(cuda_handle())
+    raw["type"] = "cuda"
+    dec = msgspec.msgpack.Decoder(CudaIpcHandle)
+    for key, value, text in [
+        ("ipc_handle", b"", r"length >= 1 - at `\$.ipc_handle`"),
+        ("ipc_handle", b"x" * 300, "length <= 256"),
+        ("tensor_class", "os.system", "Invalid enum value 'os.system'"),
+        ("dtype", "object", "unsupported dtype"),
+        ("stride", [1, 1], "size has 1 dims but stride has 2"),
+    ]:
+        bad = dict(raw, **{key: value})
+        with pytest.raises(msgspec.ValidationError, match=text):
+            dec.decode(msgspec.msgpack.encode(bad))
+
+
+def test_oversize_frame_refused_before_decoding():
+    with pytest.raises(ProtocolError, match="exceeds the 1024-byte cap"):
+        decode_to_daemon(b"\x00" * 2000, max_bytes=1024)
+
+
+def test_logical_uuids_are_stable_and_valid():
+    assert logical_gpu_uuid(3) == logical_gpu_uuid(3) != logical_gpu_uuid(4)
+    assert normalize_gpu_uuid(logical_gpu_uuid(3)) == logical_gpu_uuid(3)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes_never_crash_decoder(data):
+    try:
+        decode_to_daemon(data)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_fuzz_truncated_and_mutated_valid_frames(data):
+    frame = encode(Chunk(1, 0, ["a", "b"], ["float32", "int8"], [[2], [3]], [8, 3],
+                         [ShmHandle("seg", 0, 11)]))
+    cut = data.draw(st.integers(0, len(frame)))
+    pos = data.draw(st.integers(0, len(frame) - 1))
+    val = data.draw(st.integers(0, 255))
+    mutated = bytearray(frame[:cut])
+    if pos < len(mutated):
+        mutated[pos] = val
+    try:
+        decode_to_daemon(bytes(mutated))
+    except ProtocolError:
+        pass
