@@ -50,7 +50,8 @@ class ReferenceEngine:
         host, port: where to listen; ``port=None`` picks a free one.
         startup_timeout_s: bound on the wait for ``/get_world_size`` to answer (seconds).
         env: extra environment variables for the subprocess.
-        log_path: file receiving the subprocess's stdout and stderr (default: a temp file).
+        log_path: file receiving the subprocess's stdout and stderr (default: a temp file,
+            deleted by :meth:`stop`).
 
     The engine starts in the constructor unless ``start=False``; :meth:`stop` (also run by
     the context manager) terminates it, then kills it after a grace period.
@@ -79,6 +80,7 @@ class ReferenceEngine:
         self._cuda_devices = list(cuda_devices) if cuda_devices is not None else None
         self._model = str(model) if model is not None else None
         self._env = env or {}
+        self._owns_log = log_path is None
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix="slotsync-engine-", suffix=".log")
             os.close(fd)
@@ -143,9 +145,10 @@ class ReferenceEngine:
         while True:
             rc = self.proc.poll()
             if rc is not None:
+                tail = self.log_tail()
+                self.stop()
                 raise EngineStartError(
-                    f"reference engine exited with code {rc} during startup; output tail:\n"
-                    f"{self.log_tail()}"
+                    f"reference engine exited with code {rc} during startup; output tail:\n{tail}"
                 )
             try:
                 status, _ = self.request("GET", "/get_world_size", timeout=2.0)
@@ -154,10 +157,11 @@ class ReferenceEngine:
             except OSError:
                 pass
             if time.monotonic() > deadline:
+                tail = self.log_tail()
                 self.stop()
                 raise EngineStartError(
                     f"reference engine did not answer {self.url}/get_world_size within "
-                    f"{self.startup_timeout_s:.0f} s; output tail:\n{self.log_tail()}"
+                    f"{self.startup_timeout_s:.0f} s; output tail:\n{tail}"
                 )
             time.sleep(0.1)
 
@@ -183,16 +187,18 @@ class ReferenceEngine:
             return status, raw.decode(errors="replace")
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM, wait ``grace_s`` seconds, then SIGKILL. Idempotent."""
+        """SIGTERM, wait ``grace_s`` seconds, then SIGKILL; removes an auto-created log.
+        Idempotent."""
         p = self.proc
-        if p is None or p.poll() is not None:
-            return
-        p.terminate()
-        try:
-            p.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        if p is not None and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self._owns_log:
+            self.log_path.unlink(missing_ok=True)
 
     def __enter__(self) -> ReferenceEngine:
         return self

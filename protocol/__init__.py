@@ -23,7 +23,7 @@ if TYPE_CHECKING:
         gpu_uuid_of,
     )
     from slotsync.protocol.groups import new_slot_groups
-    from slotsync.protocol.publisher import PublishStats, Publisher
+    from slotsync.protocol.publisher import Publisher, PublishStats
 
 _LAZY = {
     "Publisher": "slotsync.protocol.publisher",

@@ -157,8 +157,13 @@ class Publisher:
 
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-        self._sock.connect(endpoint)
+        try:
+            self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+            self._sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise ValueError(f"cannot connect to daemon endpoint {endpoint!r}: {e}") from e
         self._finalizer = weakref.finalize(
             self, _release, self._sock, self._ctx, self._segments, self._staging
         )
@@ -271,8 +276,9 @@ class Publisher:
 
         Packed: the tensors are copied into the staging buffer (vLLM packed layout) and sent
         as one handle; the buffer is free again when this returns. Unpacked: one handle per
-        tensor (CUDA: a contiguous copy on ``device`` where needed; shm: a per-chunk segment);
-        the exports stay alive until the commit's ack.
+        tensor (CUDA: a contiguous copy on ``device`` where needed, else the tensor's own
+        memory; shm: a per-chunk segment); the exports stay alive until the commit's ack, and
+        the caller must not modify the tensors (optimizer step) before ``commit`` returns.
 
         Args:
             named_tensors: ``(name, tensor)`` pairs in checkpoint (Hugging Face) names; any

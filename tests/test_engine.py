@@ -67,17 +67,16 @@ def unpacked_info(
     tensors: dict[str, torch.Tensor], uuids: list[str], segs: Segments
 ) -> dict[str, Any]:
     """update_info for an unpacked chunk: one segment per (tensor, worker)."""
-    per_tensor = []
+    by_rank: list[list[ShmHandle]] = [[] for _ in uuids]
     for t in tensors.values():
         data = _bytes_of(t)
-        per_tensor.append(
-            {u: ShmHandle(segment=segs.put(data).name, offset=0, nbytes=len(data)) for u in uuids}
-        )
+        for handles in by_rank:
+            handles.append(ShmHandle(segment=segs.put(data).name, offset=0, nbytes=len(data)))
     return {
         "names": list(tensors),
         "dtype_names": [_dtype_name(t) for t in tensors.values()],
         "shapes": [list(t.shape) for t in tensors.values()],
-        "ipc_handles_pickled": b64(pickle_unpacked(per_tensor)),
+        "ipc_handles_pickled": b64(pickle_unpacked(uuids, by_rank)),
     }
 
 

@@ -8,7 +8,6 @@ import sys
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from slotsync.protocol.topology import EngineSlot, SlotTopology, TopologyError
 
 

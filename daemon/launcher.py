@@ -1,0 +1,115 @@
+"""Start and stop ``slotsyncd`` as a subprocess (for the demo, tests and benchmarks).
+
+Example::
+
+    with DaemonProcess(runtime_dir=tmp) as d:
+        d.endpoint        # "ipc:///.../slotsyncd.sock", what publishers connect to
+        d.status_url      # "http://127.0.0.1:<port>"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from types import TracebackType
+
+
+class DaemonStartError(RuntimeError):
+    """``slotsyncd`` exited or did not print its ready line in time."""
+
+
+class DaemonProcess:
+    """``python -m slotsync.daemon`` in a subprocess.
+
+    Args:
+        runtime_dir: folder for the ZeroMQ socket (default: a new temporary folder).
+        args: extra ``slotsyncd`` flags, e.g. ``["--chunk-timeout-s", "5"]``.
+        startup_timeout_s: bound on the wait for the ready line, seconds.
+        log_path: file receiving the daemon's stderr (default: a temporary file).
+    """
+
+    def __init__(
+        self,
+        runtime_dir: str | None = None,
+        args: list[str] | None = None,
+        startup_timeout_s: float = 30.0,
+        log_path: str | None = None,
+    ) -> None:
+        self._tmp = None
+        if runtime_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="slotsyncd-")
+            runtime_dir = self._tmp.name
+        self.runtime_dir = runtime_dir
+        self.log_path = log_path or os.path.join(runtime_dir, "slotsyncd.log")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "slotsync.daemon", "--runtime-dir", runtime_dir,
+               "--status-port", "0", *(args or [])]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.endpoint = ""
+        self.status_port = 0
+        deadline = time.monotonic() + startup_timeout_s
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if line.startswith("slotsyncd ready"):
+                fields = dict(kv.split("=", 1) for kv in line.split()[2:])
+                self.endpoint = fields["endpoint"]
+                self.status_port = int(fields["status_port"])
+                break
+            if not line or time.monotonic() > deadline:
+                self.stop()
+                raise DaemonStartError(
+                    f"slotsyncd did not start: {self.log_tail()}"
+                )
+
+    @property
+    def status_url(self) -> str:
+        return f"http://127.0.0.1:{self.status_port}"
+
+    def status(self) -> dict:
+        """GET ``/status`` as a dict."""
+        with urllib.request.urlopen(self.status_url + "/status", timeout=10) as r:
+            return json.loads(r.read())
+
+    def metrics(self) -> str:
+        """GET ``/metrics`` (Prometheus text)."""
+        with urllib.request.urlopen(self.status_url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def log_tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        if not self._log.closed:
+            self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> DaemonProcess:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()

@@ -1,0 +1,3 @@
+from slotsync.cli import main
+
+main()

@@ -1,0 +1,41 @@
+"""``slotsync``: user commands. ``slotsync demo`` runs the main job end to end."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from slotsync import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slotsync",
+        description="slotsync: per-node weight sync from trainer ranks into colocated vLLM "
+        "engines. The daemon itself is `slotsyncd`.",
+    )
+    p.add_argument("--version", action="version", version=f"slotsync {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    from slotsync import demo
+
+    d = sub.add_parser(
+        "demo", help="run daemon + reference engine + trainer ranks on real model weights",
+        description=demo.__doc__.split("\n\n")[1] if demo.__doc__ else None,
+    )
+    demo.build_parser(d)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from slotsync import demo
+
+        sys.exit(demo.main_from_args(args))
+    parser.print_help()
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

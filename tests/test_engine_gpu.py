@@ -1,0 +1,139 @@
+"""Reference engine with real CUDA IPC handles (needs a CUDA GPU; skipped otherwise).
+
+A separate producer process (standing in for a trainer rank) puts tensors on cuda:0 and exports
+them with ``torch.multiprocessing.reductions.reduce_tensor``; the test turns the exported args
+into ``CudaIpcHandle`` records, pickles them with the daemon's writer, and an engine with two
+workers on cuda:0 (two logical GPU UUIDs sharing the GPU) maps and loads them, unpacked and
+packed. Checksums must equal the producer's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+from slotsync.daemon.vllm_pickle import b64, pickle_packed, pickle_unpacked
+from slotsync.engine.checksum import tensor_checksum
+from slotsync.engine.launcher import ReferenceEngine
+from slotsync.protocol.wire import CudaIpcHandle, logical_gpu_uuid
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def handle_record(t: torch.Tensor) -> dict[str, Any]:
+    """``reduce_tensor(t)[1]`` as the keyword arguments of ``CudaIpcHandle`` (field order of
+    ``rebuild_cuda_tensor``, torch 2.x)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(t)
+    (
+        tensor_cls, size, stride, storage_offset, storage_cls, dtype, device, ipc_handle,
+        storage_size_bytes, storage_offset_bytes, requires_grad, ref_counter_handle,
+        ref_counter_offset, event_handle, event_sync_required,
+    ) = args  # fmt: skip
+    return {
+        "tensor_class": _qualname(tensor_cls),
+        "size": tuple(size),
+        "stride": tuple(stride),
+        "storage_offset": int(storage_offset),
+        "storage_class": _qualname(storage_cls),
+        "dtype": str(dtype).split(".")[-1],
+        "device": int(device),
+        "ipc_handle": bytes(ipc_handle),
+        "storage_size_bytes": int(storage_size_bytes),
+        "storage_offset_bytes": int(storage_offset_bytes),
+        "requires_grad": bool(requires_grad),
+        "ref_counter_handle": bytes(ref_counter_handle),
+        "ref_counter_offset": int(ref_counter_offset),
+        "event_handle": None if event_handle is None else bytes(event_handle),
+        "event_sync_required": bool(event_sync_required),
+    }
+
+
+def producer_main(conn: Connection) -> None:
+    """Trainer-rank stand-in: export tensors (unpacked) and one packed buffer, keep them alive
+    until told to stop, then ``ipc_collect``."""
+    torch.cuda.set_device(0)
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 32, generator=g).to(
+            torch.bfloat16
+        ),
+        "model.norm.weight": torch.randn(32, generator=g),
+    }
+    cuda = {n: t.cuda().contiguous() for n, t in tensors.items()}
+    packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in cuda.values()])
+    torch.cuda.synchronize()
+    conn.send(
+        {
+            "names": list(cuda),
+            "dtype_names": [str(t.dtype).split(".")[-1] for t in cuda.values()],
+            "shapes": [list(t.shape) for t in cuda.values()],
+            "tensor_sizes": [t.numel() * t.element_size() for t in cuda.values()],
+            "checksums": {n: tensor_checksum(t) for n, t in cuda.items()},
+            "unpacked": [handle_record(t) for t in cuda.values()],
+            "packed": handle_record(packed),
+        }
+    )
+    conn.recv()  # until the engine finished with the memory
+    del cuda, packed
+    torch.cuda.ipc_collect()
+    conn.send("bye")
+
+
+@pytest.fixture(scope="module")
+def exported() -> Iterator[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=producer_main, args=(child,), daemon=True)
+    proc.start()
+    if not parent.poll(120):
+        proc.kill()
+        pytest.fail("producer did not export its tensors in time")
+    yield parent.recv()
+    parent.send("stop")
+    parent.poll(30)
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_ipc_load_two_logical_workers(exported: dict[str, Any], packed: bool) -> None:
+    uuids = [logical_gpu_uuid(0), logical_gpu_uuid(1)]
+    meta = {k: exported[k] for k in ("names", "dtype_names", "shapes")}
+    if packed:
+        h = CudaIpcHandle(**exported["packed"])
+        info = {
+            **meta,
+            "tensor_sizes": exported["tensor_sizes"],
+            "ipc_handles_pickled": b64(pickle_packed({u: h for u in uuids})),
+        }
+    else:
+        hs = [CudaIpcHandle(**r) for r in exported["unpacked"]]
+        info = {**meta, "ipc_handles_pickled": b64(pickle_unpacked(uuids, [hs, hs]))}
+    with ReferenceEngine(
+        workers=2, device="cuda", cuda_devices=[0, 0], gpu_uuids=uuids, startup_timeout_s=180
+    ) as eng:
+        init = {"init_info": {"packed": packed}}
+        assert eng.request("POST", "/init_weight_transfer_engine", init)[0] == 200
+        assert eng.request("POST", "/start_weight_update")[0] == 200
+        status, body = eng.request("POST", "/update_weights", {"update_info": info})
+        assert status == 200, body
+        assert eng.request("POST", "/finish_weight_update", {"weight_version": "g1"})[0] == 200
+        want = exported["checksums"]
+        status, body = eng.request(
+            "POST", "/weight_checker", {"action": "compare", "baseline": want}
+        )
+        assert (status, body) == (200, {"match": True, "mismatches": []})

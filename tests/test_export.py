@@ -1,0 +1,208 @@
+"""Handle records and staging buffers (CPU: shared memory; CUDA records from fake args)."""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from slotsync.protocol import wire
+from slotsync.protocol.export import (
+    ShmSegment,
+    ShmStagingBuffer,
+    cuda_ipc_handle,
+    dtype_name,
+    handle_from_reduce_args,
+    raw_bytes,
+)
+
+
+def _named() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("model.embed.weight", torch.randn(3, 5, generator=g).to(torch.bfloat16)),
+        ("model.mask", torch.tensor([[True, False, True], [False, False, True]])),
+        ("model.counts", torch.arange(-4, 3, dtype=torch.int64)),
+        ("model.scalar", torch.tensor(2.5, dtype=torch.float32)),
+        ("model.empty", torch.zeros(0, 4, dtype=torch.float16)),
+        ("model.t", torch.randn(4, 3, generator=g).t()),  # non-contiguous
+    ]
+
+
+def _shm_bytes(name: str, offset: int, nbytes: int) -> bytes:
+    """What a reader (the daemon's engine) sees, read straight from /dev/shm."""
+    with open(f"/dev/shm/{name}", "rb") as f:
+        f.seek(offset)
+        return f.read(nbytes)
+
+
+def _expected(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_raw_bytes_is_vllm_packed_layout() -> None:
+    for _, t in _named():
+        b = raw_bytes(t)
+        assert b.dtype == torch.uint8 and b.dim() == 1
+        assert b.numel() == t.numel() * t.element_size()
+        assert b.numpy().tobytes() == _expected(t)
+
+
+def test_bool_and_bfloat16_roundtrip_bit_exact() -> None:
+    bf = torch.tensor([1.5, -2.0, 3.140625], dtype=torch.bfloat16)
+    assert torch.equal(raw_bytes(bf).view(torch.bfloat16), bf)
+    m = torch.tensor([True, False, True])
+    assert raw_bytes(m).tolist() == [1, 0, 1]
+
+
+def test_dtype_names() -> None:
+    assert dtype_name(torch.bfloat16) == "bfloat16"
+    assert dtype_name(torch.bool) == "bool"
+    with pytest.raises(ValueError, match="complex64"):
+        dtype_name(torch.complex64)
+
+
+def test_shm_staging_packed_roundtrip() -> None:
+    named = _named()
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    buf = ShmStagingBuffer(total + 100, rank=3)
+    try:
+        name = buf.segment.name
+        assert name.startswith(f"slotsync-{os.getpid()}-r3-")
+        layout = buf.fill(named)
+        assert layout.names == [n for n, _ in named]
+        assert layout.dtype_names == ["bfloat16", "bool", "int64", "float32", "float16",
+                                      "float32"]
+        assert layout.shapes == [[3, 5], [2, 3], [7], [], [0, 4], [3, 4]]
+        assert layout.tensor_sizes == [30, 6, 56, 4, 0, 48]
+        h = buf.handle()
+        assert h == wire.ShmHandle(segment=name, offset=0, nbytes=total)
+        want = b"".join(_expected(t) for _, t in named)
+        assert _shm_bytes(name, 0, total) == want
+        # the chunk validates as a wire message with this one handle
+        chunk = wire.Chunk(update_id=0, index=0, handles=[h], **layout._asdict())
+        assert chunk.nbytes == total
+        assert wire.decode_to_daemon(wire.encode(chunk)) == chunk
+        # refill with a smaller chunk: offsets restart at 0
+        layout2 = buf.fill(named[2:3])
+        assert buf.handle().nbytes == 56
+        assert _shm_bytes(name, 0, 56) == _expected(named[2][1])
+        assert layout2.tensor_sizes == [56]
+    finally:
+        buf.close()
+    assert not Path(f"/dev/shm/{name}").exists()
+
+
+def test_staging_overflow_names_sizes() -> None:
+    buf = ShmStagingBuffer(16)
+    try:
+        with pytest.raises(ValueError, match="needs 32 bytes but the staging buffer holds 16"):
+            buf.fill([("a", torch.zeros(4, dtype=torch.float64))])
+    finally:
+        buf.close()
+
+
+def test_shm_segment_handle_and_unlink() -> None:
+    seg = ShmSegment(64, rank=1)
+    path = Path("/dev/shm") / seg.name
+    assert path.exists()
+    assert seg.tensor is not None and seg.tensor.shape == (64,)
+    seg.tensor[10:14] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert _shm_bytes(seg.name, 10, 4) == bytes([1, 2, 3, 4])
+    assert seg.handle(10, 4) == wire.ShmHandle(segment=seg.name, offset=10, nbytes=4)
+    assert seg.handle(60).nbytes == 4
+    with pytest.raises(ValueError, match="outside segment"):
+        seg.handle(60, 8)
+    seg.close_and_unlink()
+    seg.close_and_unlink()  # idempotent
+    assert seg.closed and not path.exists()
+    with pytest.raises(ValueError, match="closed"):
+        seg.handle()
+
+
+def test_zero_byte_segment() -> None:
+    seg = ShmSegment(0)
+    try:
+        assert seg.handle().nbytes == 0
+        assert seg.tensor is not None and seg.tensor.numel() == 0
+    finally:
+        seg.close_and_unlink()
+
+
+def test_no_segments_left_behind() -> None:
+    assert glob.glob(f"/dev/shm/slotsync-{os.getpid()}-*") == []
+
+
+def _fake_reduce_args(tensor_cls: type = torch.Tensor,
+                      storage_cls: type = torch.storage.TypedStorage) -> tuple:
+    """The shape of reduce_tensor(t)[1] for a CUDA tensor (torch 2.x), with fake handles."""
+    return (
+        tensor_cls, torch.Size([2, 3]), (3, 1), 0, storage_cls, torch.bfloat16, 0,
+        b"\x02" * 66, 12, 0, False, b"/torch_1234_0_0", 0, b"\x03" * 64, True,
+    )
+
+
+def test_handle_from_reduce_args_fields() -> None:
+    h = handle_from_reduce_args(_fake_reduce_args())
+    assert h.tensor_class == "torch.Tensor"
+    assert h.storage_class == "torch.storage.TypedStorage"
+    assert h.size == (2, 3) and h.stride == (3, 1)
+    assert h.dtype == "bfloat16" and h.device == 0
+    assert h.storage_size_bytes == 12 and h.nbytes == 12
+    assert h.ref_counter_handle == b"/torch_1234_0_0"
+    assert h.event_handle == b"\x03" * 64 and h.event_sync_required is True
+    # round-trips through the wire as part of a chunk
+    chunk = wire.Chunk(update_id=1, index=0, names=["w"], dtype_names=["bfloat16"],
+                       shapes=[[2, 3]], tensor_sizes=[12], handles=[h])
+    assert wire.decode_to_daemon(wire.encode(chunk)) == chunk
+
+
+def test_handle_from_reduce_args_parameter_and_untyped_storage() -> None:
+    h = handle_from_reduce_args(
+        _fake_reduce_args(torch.nn.Parameter, torch.UntypedStorage)
+    )
+    assert h.tensor_class == "torch.nn.parameter.Parameter"
+    assert h.storage_class == "torch.storage.UntypedStorage"
+
+
+def test_handle_from_reduce_args_rejects_other_classes() -> None:
+    class MyTensor(torch.Tensor):
+        pass
+
+    with pytest.raises(ValueError, match="tensor class .*MyTensor is not allowed"):
+        handle_from_reduce_args(_fake_reduce_args(MyTensor))
+    with pytest.raises(ValueError, match="3 fields, expected the 15"):
+        handle_from_reduce_args(_fake_reduce_args()[:3])
+
+
+def test_class_names_are_allow_listed() -> None:
+    # the mapping f"{cls.__module__}.{cls.__qualname__}" gives exactly wire.py's names
+    for cls in (torch.Tensor, torch.nn.Parameter):
+        assert f"{cls.__module__}.{cls.__qualname__}" in wire.TENSOR_CLASSES
+    for cls in (torch.storage.TypedStorage, torch.UntypedStorage):
+        assert f"{cls.__module__}.{cls.__qualname__}" in wire.STORAGE_CLASSES
+    assert type(torch.zeros(1)._typed_storage()) is torch.storage.TypedStorage
+
+
+def test_cuda_ipc_handle_refuses_cpu_tensor() -> None:
+    with pytest.raises(ValueError, match="needs a CUDA tensor"):
+        cuda_ipc_handle(torch.zeros(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ipc_handle_real() -> None:
+    from slotsync.protocol.export import CudaStagingBuffer, gpu_uuid_of
+
+    t = torch.arange(6, dtype=torch.bfloat16, device="cuda").view(2, 3)
+    h = cuda_ipc_handle(t)
+    assert h.size == (2, 3) and h.dtype == "bfloat16" and h.tensor_class == "torch.Tensor"
+    assert len(gpu_uuid_of(0)) == 36
+    buf = CudaStagingBuffer(1024, "cuda:0")
+    layout = buf.fill(_named())
+    hb = buf.handle()
+    assert hb.dtype == "uint8" and hb.nbytes == sum(layout.tensor_sizes)
+    want = b"".join(_expected(t) for _, t in _named())
+    assert buf.tensor[: len(want)].cpu().numpy().tobytes() == want

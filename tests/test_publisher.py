@@ -1,0 +1,351 @@
+"""Publisher against a scripted fake daemon (zmq ROUTER in a thread), shm transport."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from slotsync.protocol import wire
+from slotsync.protocol.errors import SlotsyncError, SlotsyncTimeout
+from slotsync.protocol.publisher import Publisher, PublishStats
+
+Script = Callable[[wire.ToDaemon], list[wire.FromDaemon]]
+ENGINE = "http://127.0.0.1:8000"
+NEXT_ID = 7
+
+
+def _read_shm(h: wire.ShmHandle) -> bytes:
+    with open(f"/dev/shm/{h.segment}", "rb") as f:
+        f.seek(h.offset)
+        return f.read(h.nbytes)
+
+
+class FakeDaemon:
+    """A ROUTER socket that decodes (and so validates) every message like the real daemon,
+    records it, reads the shared memory a chunk points at, and answers from ``script``."""
+
+    def __init__(self, endpoint: str, script: Script) -> None:
+        self.endpoint = endpoint
+        self.script = script
+        self.received: list[wire.ToDaemon] = []
+        self.chunk_data: list[dict[str, bytes]] = []  # per chunk: name -> bytes read
+        self.packed: bool | None = None
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.bind(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            ident, frame = self._sock.recv_multipart()  # one frame, no delimiter
+            msg = wire.decode_to_daemon(frame)
+            self.received.append(msg)
+            if isinstance(msg, wire.Register):
+                self.packed = msg.packed
+            if isinstance(msg, wire.Chunk):
+                self.chunk_data.append(self._read_chunk(msg))
+            for reply in self.script(msg):
+                self._sock.send_multipart([ident, wire.encode(reply)])
+
+    def _read_chunk(self, c: wire.Chunk) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        if self.packed:
+            (h,) = c.handles
+            assert isinstance(h, wire.ShmHandle) and h.offset == 0
+            blob = _read_shm(h)
+            off = 0
+            for name, n in zip(c.names, c.tensor_sizes, strict=True):
+                out[name] = blob[off : off + n]
+                off += n
+        else:
+            for name, h in zip(c.names, c.handles, strict=True):
+                assert isinstance(h, wire.ShmHandle)
+                out[name] = _read_shm(h)
+        return out
+
+    def of_type(self, cls: type) -> list:
+        return [m for m in self.received if isinstance(m, cls)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def happy(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+    if isinstance(msg, wire.Register):
+        return [wire.Registered(rank=msg.rank, slot_start=msg.slot_start,
+                                slot_size=msg.slot_size, next_update_id=NEXT_ID)]
+    if isinstance(msg, wire.Begin):
+        return [wire.Ack(update_id=msg.update_id, phase="begin")]
+    if isinstance(msg, wire.Chunk):
+        return [wire.Ack(update_id=msg.update_id, phase="chunk", index=msg.index)]
+    if isinstance(msg, wire.Commit):
+        return [wire.Ack(update_id=msg.update_id, phase="commit")]
+    return []
+
+
+@pytest.fixture
+def endpoint(tmp_path: Path) -> str:
+    path = tmp_path / "d.sock"
+    if len(str(path)) > 100:  # AF_UNIX path limit
+        pytest.skip("tmp_path too long for an ipc:// endpoint")
+    return f"ipc://{path}"
+
+
+@pytest.fixture
+def make_daemon(endpoint: str) -> Iterator[Callable[[Script], FakeDaemon]]:
+    daemons: list[FakeDaemon] = []
+
+    def make(script: Script = happy) -> FakeDaemon:
+        d = FakeDaemon(endpoint, script)
+        daemons.append(d)
+        return d
+
+    yield make
+    for d in daemons:
+        d.close()
+
+
+def _publisher(endpoint: str, **kw: object) -> Publisher:
+    kw.setdefault("transport", "shm")
+    kw.setdefault("timeout_s", 5.0)
+    return Publisher(endpoint, 1, (0, 2), ENGINE, **kw)  # type: ignore[arg-type]
+
+
+def _tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        ("model.embed_tokens.weight", torch.randn(16, 8, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.mask", torch.rand(5, 3, generator=g) > 0.5),
+        ("model.layers.0.idx", torch.arange(10, dtype=torch.int64)),
+        ("model.layers.0.w", torch.randn(8, 6, generator=g).t()),  # non-contiguous fp32
+        ("model.norm.weight", torch.ones(8, dtype=torch.float16)),
+    ]
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _no_segments() -> list[str]:
+    return glob.glob(f"/dev/shm/slotsync-{os.getpid()}-*")
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_happy_path(make_daemon: Callable[..., FakeDaemon], endpoint: str,
+                    packed: bool, caplog: pytest.LogCaptureFixture) -> None:
+    daemon = make_daemon()
+    named = _tensors()
+    staging = 300  # bytes: forces several chunks
+    with _publisher(endpoint, packed=packed, staging_bytes=staging) as pub:
+        reg = pub.register()
+        assert reg.next_update_id == NEXT_ID
+        with caplog.at_level(logging.DEBUG, logger="slotsync.protocol.publisher"):
+            stats = pub.publish(iter(named), weight_version="step-1")
+        assert isinstance(stats, PublishStats)
+        total = sum(len(_raw(t)) for _, t in named)
+        assert stats.bytes == total and stats.seconds > 0
+        # greedy cut in iteration order: 256+15 | 80+192+16 bytes, each <= staging
+        chunks = daemon.of_type(wire.Chunk)
+        assert [c.names for c in chunks] == [
+            ["model.embed_tokens.weight", "model.layers.0.mask"],
+            ["model.layers.0.idx", "model.layers.0.w", "model.norm.weight"],
+        ]
+        assert [c.nbytes for c in chunks] == [271, 288]
+        assert stats.chunks == 2
+        assert all(c.nbytes <= staging for c in chunks)
+        assert [c.index for c in chunks] == [0, 1]
+        assert {c.update_id for c in chunks} == {NEXT_ID}
+        assert all(len(c.handles) == (1 if packed else len(c.names)) for c in chunks)
+        # what the daemon read from shared memory equals the tensors' bytes
+        seen = {k: v for d in daemon.chunk_data for k, v in d.items()}
+        assert seen == {n: _raw(t) for n, t in named}
+        assert any("chunk 1 acknowledged" in r.getMessage() for r in caplog.records)
+        commit = daemon.of_type(wire.Commit)
+        assert [(c.update_id, c.num_chunks) for c in commit] == [(NEXT_ID, 2)]
+        if not packed:  # per-update segments are unlinked once the commit is acked
+            assert _no_segments() == []
+        # the next round uses the next update id
+        pub.publish(named[:1], weight_version="step-2")
+        assert [b.update_id for b in daemon.of_type(wire.Begin)] == [NEXT_ID, NEXT_ID + 1]
+        assert [b.weight_version for b in daemon.of_type(wire.Begin)] == ["step-1", "step-2"]
+    assert _no_segments() == []
+    reg_msg = daemon.of_type(wire.Register)[0]
+    assert reg_msg.rank == 1 and (reg_msg.slot_start, reg_msg.slot_size) == (0, 2)
+    assert reg_msg.gpu_uuid == wire.logical_gpu_uuid(1)
+    assert reg_msg.transport == "shm" and reg_msg.packed is packed
+    assert reg_msg.protocol_version == wire.PROTOCOL_VERSION and reg_msg.pid == os.getpid()
+    assert reg_msg.engine_url == ENGINE
+    assert daemon.of_type(wire.Abort) == []
+
+
+def test_daemon_error_on_chunk(make_daemon: Callable[..., FakeDaemon], endpoint: str) -> None:
+    def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Chunk) and msg.index == 1:
+            return [wire.Error(phase="chunk", message="rank 0 never sent chunk 1",
+                               slot=[0, 2], update_id=msg.update_id, missing_ranks=[0])]
+        return happy(msg)
+
+    daemon = make_daemon(script)
+    with _publisher(endpoint, staging_bytes=300) as pub:
+        with pytest.raises(SlotsyncError) as ei:
+            pub.publish(_tensors(), "v1")
+        e = ei.value
+        assert not isinstance(e, SlotsyncTimeout)
+        assert e.phase == "chunk" and e.slot == (0, 2) and e.update_id == NEXT_ID
+        assert e.missing_ranks == (0,) and e.message == "rank 0 never sent chunk 1"
+        assert "missing ranks [0]" in str(e) and "slot [0, 2)" in str(e)
+        assert pub.update_id is None
+        assert daemon.of_type(wire.Commit) == []
+        assert daemon.of_type(wire.Abort) == []  # the daemon already failed the update
+        # the failed update's id is not reused (I7)
+        pub.publish(_tensors()[:1], "v2")
+        assert daemon.of_type(wire.Begin)[-1].update_id == NEXT_ID + 1
+    assert _no_segments() == []
+
+
+def test_no_reply_times_out(make_daemon: Callable[..., FakeDaemon], endpoint: str) -> None:
+    def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        return [] if isinstance(msg, wire.Chunk) else happy(msg)
+
+    daemon = make_daemon(script)
+    with _publisher(endpoint, timeout_s=0.5) as pub:
+        t0 = time.monotonic()
+        with pytest.raises(SlotsyncTimeout) as ei:
+            pub.publish(_tensors(), "v1")
+        elapsed = time.monotonic() - t0
+        assert 0.45 <= elapsed < 2.0
+        e = ei.value
+        assert isinstance(e, TimeoutError) and isinstance(e, SlotsyncError)
+        assert e.phase == "chunk" and e.update_id == NEXT_ID and e.timeout_s == 0.5
+        assert "Ack(chunk, index=0)" in str(e) and endpoint in str(e)
+        time.sleep(0.1)
+        aborts = daemon.of_type(wire.Abort)
+        assert [a.update_id for a in aborts] == [NEXT_ID]
+        assert "SlotsyncTimeout" in aborts[0].reason
+    assert _no_segments() == []
+
+
+def test_no_daemon_register_times_out(endpoint: str) -> None:
+    with _publisher(endpoint, timeout_s=0.3) as pub:
+        with pytest.raises(SlotsyncTimeout, match=r"no Registered from the daemon"):
+            pub.register()
+
+
+def test_tensor_larger_than_staging(make_daemon: Callable[..., FakeDaemon],
+                                    endpoint: str) -> None:
+    daemon = make_daemon()
+    with _publisher(endpoint, staging_bytes=100) as pub:
+        named = [("small", torch.zeros(4)), ("big.weight", torch.zeros(64))]
+        with pytest.raises(ValueError, match=r"'big.weight' is 256 bytes, larger than the "
+                                             r"staging buffer of 100 bytes"):
+            pub.publish(named, "v1")
+        time.sleep(0.1)
+        assert [a.update_id for a in daemon.of_type(wire.Abort)] == [NEXT_ID]
+        assert pub.update_id is None
+    assert _no_segments() == []
+
+
+def test_register_error(make_daemon: Callable[..., FakeDaemon], endpoint: str) -> None:
+    def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Register):
+            return [wire.Error(phase="register", message="slot disagrees with rank 0",
+                               slot=[0, 2])]
+        return []
+
+    make_daemon(script)
+    with _publisher(endpoint) as pub, pytest.raises(SlotsyncError, match="disagrees") as ei:
+        pub.register()
+    assert ei.value.phase == "register" and ei.value.update_id is None
+
+
+def test_stale_replies_ignored_and_pending_error_raised(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str
+) -> None:
+    def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Begin):
+            return [
+                wire.Ack(update_id=msg.update_id - 1, phase="begin"),  # stale
+                wire.Error(phase="commit", message="old", update_id=msg.update_id - 3),
+                wire.Ack(update_id=msg.update_id, phase="begin"),
+            ]
+        if isinstance(msg, wire.Chunk):
+            # the ack, then an unsolicited failure of this update (e.g. the engine died)
+            return [wire.Ack(update_id=msg.update_id, phase="chunk", index=msg.index),
+                    wire.Error(phase="engine", message="engine went away", slot=[0, 2],
+                               update_id=msg.update_id)]
+        return happy(msg)
+
+    daemon = make_daemon(script)
+    with _publisher(endpoint) as pub:
+        uid = pub.begin("v1")
+        assert uid == NEXT_ID
+        pub.send_chunk([("a", torch.ones(3))])
+        time.sleep(0.1)  # let the Error arrive
+        with pytest.raises(SlotsyncError, match="engine went away") as ei:
+            pub.send_chunk([("b", torch.ones(3))])
+        assert ei.value.phase == "engine"
+        assert len(daemon.of_type(wire.Chunk)) == 1  # checked before sending
+        assert pub.update_id is None
+
+
+def test_send_chunk_misuse(make_daemon: Callable[..., FakeDaemon], endpoint: str) -> None:
+    make_daemon()
+    with _publisher(endpoint) as pub:
+        with pytest.raises(RuntimeError, match="no update is open"):
+            pub.send_chunk([("a", torch.ones(1))])
+        pub.begin("v")
+        with pytest.raises(RuntimeError, match="still open"):
+            pub.begin("v")
+        with pytest.raises(ValueError, match="duplicate"):
+            pub.send_chunk([("a", torch.ones(1)), ("a", torch.ones(1))])
+        with pytest.raises(ValueError, match="at least one"):
+            pub.send_chunk([])
+        pub.abort("test")
+        assert pub.update_id is None
+
+
+def test_close_leaves_no_shm(make_daemon: Callable[..., FakeDaemon], endpoint: str) -> None:
+    def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        return [] if isinstance(msg, wire.Commit) else happy(msg)
+
+    make_daemon(script)
+    for packed in (True, False):
+        pub = _publisher(endpoint, packed=packed, staging_bytes=4096)
+        pub.begin("v")
+        pub.send_chunk(_tensors())
+        assert _no_segments() != []  # staging or per-update segment exists
+        pub.close()  # with the update still open: aborted, everything unlinked
+        pub.close()
+        assert pub.closed
+        assert _no_segments() == []
+        with pytest.raises(RuntimeError, match="closed"):
+            pub.begin("v")
+
+
+def test_publisher_argument_checks(endpoint: str) -> None:
+    with pytest.raises(ValueError, match="rank 3 is not in its engine slot"):
+        Publisher(endpoint, 3, (0, 2), ENGINE, transport="shm")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        Publisher(endpoint, 0, (0, 2), ENGINE, transport="cuda", device="cpu")
+    pub = Publisher(endpoint, 0, (0, 2), ENGINE, device="cpu",
+                    gpu_uuid="GPU-AAAAAAAA-0000-0000-0000-000000000001")
+    try:
+        assert pub.transport == "shm"
+        assert pub.gpu_uuid == "aaaaaaaa-0000-0000-0000-000000000001"
+    finally:
+        pub.close()
