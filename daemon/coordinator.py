@@ -273,7 +273,7 @@ class SlotCoordinator:
                 ),
             )
         )
-        return actions
+        return actions + self._advance(now)  # a begin may have waited for this rank
 
     def on_message(self, rank: int, msg: Begin | Chunk | Commit | Abort, now: float) -> list:
         """A registered rank of this slot sent ``msg``. Returns actions."""
@@ -473,22 +473,6 @@ class SlotCoordinator:
                 f"{self.next_update_id}",
                 msg.update_id,
             )
-        if len(self.ranks) < self.size:
-            missing = sorted(set(range(self.start, self.end)) - set(self.ranks))
-            return [
-                Reply(
-                    self.ranks[rank].identity,
-                    Error(
-                        "begin",
-                        f"slot [{self.start}, {self.end}) is incomplete: "
-                        f"rank(s) {missing} have not registered",
-                        list(self.slot),
-                        msg.update_id,
-                        missing,
-                        False,
-                    ),
-                )
-            ]
         u = _Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now)
         steps = ["get_world_size"]
         if not self.engine_initialized:
@@ -567,6 +551,8 @@ class SlotCoordinator:
         if u is None or self._inflight is not None:
             return []
         if u.steps:
+            if len(self.ranks) < self.size:
+                return []  # wait for the slot's last registrations (begin deadline bounds it)
             route = u.steps.pop(0)
             body = {"init_info": {"packed": self.packed}} if route.startswith("init") else None
             return self._call(u, route, body)

@@ -408,10 +408,22 @@ def test_registration_conflicts():
     assert "has not registered" in f[0].msg.message
 
 
-def test_begin_before_slot_complete_is_refused_with_missing_ranks():
-    h = Harness()
+def test_begin_waits_for_slot_registration_then_starts():
+    h = Harness(timeouts=Timeouts(begin_s=5, chunk_s=5, commit_s=5))
     h.send(0, reg(0))
     h.send(0, Begin(0, "v"))
+    assert not h.engine.calls  # the slot is incomplete: nothing touches the engine yet
+    h.send(1, reg(1))
+    assert h.engine.calls[-1] == "start_weight_update"
+    assert isinstance(h.last(0), Ack) and h.last(0).phase == "begin"
+
+
+def test_begin_deadline_names_unregistered_rank():
+    h = Harness(timeouts=Timeouts(begin_s=5, chunk_s=5, commit_s=5))
+    h.send(0, reg(0))
+    h.send(0, Begin(0, "v"))
+    h.now = 5.0
+    h.run(h.table.poll(h.now))
     err = h.last(0)
     assert isinstance(err, Error) and err.missing_ranks == [1] and not h.engine.calls
 

@@ -1,0 +1,87 @@
+"""A scripted trainer rank for integration tests (run in a spawned process).
+
+``run_rank`` publishes synthetic tensors through a real ``Publisher`` and reports what the rank
+saw on a queue: ``("registered", rank)``, ``("round", rank, k, "ok", chunks, nbytes)`` or
+``("round", rank, k, "error", phase, message, missing_ranks)``, ``("register_error", ...)``,
+then ``("exit", rank)``. ``script`` keys bend the behaviour to inject faults:
+
+* ``rounds``: how many rounds (default 1);
+* ``stop_before_chunk``: ``(round, k)``: send chunks < k, then sleep instead of chunk k;
+* ``dtype_of``: ``{name: dtype}``: this rank casts those tensors (a dtype mismatch);
+* ``engine_url``: override the engine URL this rank registers with;
+* ``register_delay_s``: sleep before registering.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def make_tensors(seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("layers.0.attn.qkv.weight", torch.randn(64, 48, generator=g).to(torch.bfloat16)),
+        ("layers.0.mlp.up.weight", torch.randn(128, 64, generator=g)),
+        ("layers.0.norm.weight", torch.randn(64, generator=g).to(torch.float16)),
+        ("layers.1.mlp.up.weight", torch.randn(128, 64, generator=g)),
+        ("layers.1.mask", torch.rand(32, generator=g) > 0.5),
+        ("lm_head.weight", torch.randn(100, 64, generator=g)),
+    ]
+
+
+def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
+    import torch
+    from slotsync.protocol.errors import SlotsyncError
+    from slotsync.protocol.publisher import Publisher
+
+    url = script.get("engine_url", engine_url)
+    time.sleep(script.get("register_delay_s", 0))
+    pub = Publisher(endpoint, rank, slot, url, packed=packed, transport="shm",
+                    staging_bytes=40_000, timeout_s=script.get("timeout_s", 20.0))
+    try:
+        try:
+            pub.register()
+        except SlotsyncError as e:
+            results.put(("register_error", rank, e.phase, e.message))
+            return
+        results.put(("registered", rank))
+        stop = script.get("stop_before_chunk")
+        for k in range(1, script.get("rounds", 1) + 1):
+            named = make_tensors(k)
+            for name, dt in script.get("dtype_of", {}).items():
+                named = [(n, t.to(getattr(torch, dt)) if n == name else t) for n, t in named]
+            try:
+                if stop and stop[0] == k:
+                    pub.begin(f"v{k}")
+                    for i, chunk in enumerate(_chunks(named, 40_000)):
+                        if i == stop[1]:
+                            time.sleep(script.get("stall_s", 30))
+                            break
+                        pub.send_chunk(chunk)
+                    pub.commit()
+                    results.put(("round", rank, k, "ok", -1, -1))
+                else:
+                    st = pub.publish(named, f"v{k}")
+                    results.put(("round", rank, k, "ok", st.chunks, st.bytes))
+            except SlotsyncError as e:
+                results.put(("round", rank, k, "error", e.phase, e.message,
+                             list(e.missing_ranks)))
+    finally:
+        pub.close()
+        results.put(("exit", rank))
+
+
+def _chunks(named, limit):
+    out, cur, size = [], [], 0
+    for n, t in named:
+        b = t.numel() * t.element_size()
+        if cur and size + b > limit:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append((n, t))
+        size += b
+    if cur:
+        out.append(cur)
+    return out
