@@ -82,6 +82,7 @@ def producer_main(conn: Connection) -> None:
             "shapes": [list(t.shape) for t in cuda.values()],
             "tensor_sizes": [t.numel() * t.element_size() for t in cuda.values()],
             "checksums": {n: tensor_checksum(t) for n, t in cuda.items()},
+            "gpu_uuid": str(torch.cuda.get_device_properties(0).uuid),
             "unpacked": [handle_record(t) for t in cuda.values()],
             "packed": handle_record(packed),
         }
@@ -137,3 +138,22 @@ def test_cuda_ipc_load_two_logical_workers(exported: dict[str, Any], packed: boo
             "POST", "/weight_checker", {"action": "compare", "baseline": want}
         )
         assert (status, body) == (200, {"match": True, "mismatches": []})
+
+
+def test_default_uuid_is_the_real_one(exported: dict[str, Any]) -> None:
+    """Without --gpu-uuids a CUDA worker answers to torch's UUID of its device."""
+    real = exported["gpu_uuid"]
+    hs = [CudaIpcHandle(**r) for r in exported["unpacked"]]
+    info = {
+        **{k: exported[k] for k in ("names", "dtype_names", "shapes")},
+        "ipc_handles_pickled": b64(pickle_unpacked([real], [hs])),
+    }
+    with ReferenceEngine(workers=1, device="cuda", startup_timeout_s=180) as eng:
+        assert eng.gpu_uuids == [real]
+        assert eng.request("POST", "/init_weight_transfer_engine", {"init_info": {}})[0] == 200
+        assert eng.request("POST", "/start_weight_update")[0] == 200
+        status, body = eng.request("POST", "/update_weights", {"update_info": info})
+        assert status == 200, body
+        assert eng.request("POST", "/finish_weight_update")[0] == 200
+        sums = eng.request("POST", "/weight_checker", {"action": "checksum"})[1]["checksums"]
+        assert sums == {real: dict(sorted(exported["checksums"].items()))}
