@@ -9,7 +9,9 @@ then ``("exit", rank)``. ``script`` keys bend the behaviour to inject faults:
 * ``stop_before_chunk``: ``(round, k)``: send chunks < k, then sleep instead of chunk k;
 * ``dtype_of``: ``{name: dtype}``: this rank casts those tensors (a dtype mismatch);
 * ``engine_url``: override the engine URL this rank registers with;
-* ``register_delay_s``: sleep before registering.
+* ``register_delay_s``: sleep before registering;
+* ``cuda``: publish CUDA tensors over CUDA IPC (GPU tests), with ``logical_gpu_uuid(rank)`` so
+  several ranks can share one physical GPU.
 """
 
 from __future__ import annotations
@@ -35,10 +37,15 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
     import torch
     from slotsync.protocol.errors import SlotsyncError
     from slotsync.protocol.publisher import Publisher
+    from slotsync.protocol.wire import logical_gpu_uuid
 
     url = script.get("engine_url", engine_url)
     time.sleep(script.get("register_delay_s", 0))
-    pub = Publisher(endpoint, rank, slot, url, packed=packed, transport="shm",
+    cuda = script.get("cuda", False)
+    pub = Publisher(endpoint, rank, slot, url, packed=packed,
+                    transport="cuda" if cuda else "shm",
+                    device="cuda:0" if cuda else None,
+                    gpu_uuid=logical_gpu_uuid(rank - slot[0]) if cuda else None,
                     staging_bytes=40_000, timeout_s=script.get("timeout_s", 20.0))
     try:
         try:
@@ -50,6 +57,8 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
         stop = script.get("stop_before_chunk")
         for k in range(1, script.get("rounds", 1) + 1):
             named = make_tensors(k)
+            if cuda:
+                named = [(n, t.to("cuda:0")) for n, t in named]
             for name, dt in script.get("dtype_of", {}).items():
                 named = [(n, t.to(getattr(torch, dt)) if n == name else t) for n, t in named]
             try:

@@ -1,0 +1,40 @@
+"""CUDA IPC end to end on one GPU: daemon + reference engine (2 workers on cuda:0 with two
+logical GPU UUIDs) + 2 trainer processes exporting CUDA tensors. Skips without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
+from slotsync.engine.checksum import tensor_checksum  # noqa: E402
+from slotsync.engine.launcher import ReferenceEngine  # noqa: E402
+from slotsync.protocol.wire import logical_gpu_uuid  # noqa: E402
+from test_integration import rounds, run_ranks  # noqa: E402
+from trainer_script import make_tensors  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_cuda_ipc_rounds_land_in_every_worker(packed):
+    uuids = [logical_gpu_uuid(i) for i in range(2)]
+    with ReferenceEngine(workers=2, device="cuda", gpu_uuids=uuids, cuda_devices=[0, 0]) as eng, \
+            DaemonProcess() as d:
+        ev = run_ranks(d, eng.url, packed, [{"rounds": 3, "cuda": True}] * 2, timeout_s=180)
+        for r in range(2):
+            assert [e[3] for e in rounds(ev, r)] == ["ok"] * 3, ev
+        want = {n: tensor_checksum(t) for n, t in make_tensors(3)}
+        _, body = eng.request("POST", "/weight_checker", {"action": "checksum"})
+        assert set(body["checksums"]) == set(uuids)
+        for sums in body["checksums"].values():
+            assert {n: sums[n] for n in want} == want
+        _, stats = eng.request("GET", "/_slotsync/stats")
+        assert [w["start_count"] for w in stats["workers"]] == [3, 3]
+        assert [w["finish_count"] for w in stats["workers"]] == [3, 3]
+        assert all(w["device"].startswith("cuda") for w in stats["workers"])
+        assert eng.request("GET", "/weight_info")[1]["weight_version"] == "v3"

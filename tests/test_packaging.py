@@ -1,0 +1,53 @@
+"""Both installs work: the editable install in use, and a built wheel installed on its own
+(the folder layout maps protocol/, daemon/, engine/ onto slotsync.* import names)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_editable_install_maps_folders_to_namespaced_packages():
+    import slotsync.daemon.coordinator as c
+    import slotsync.engine.server as s
+    import slotsync.protocol.wire as w
+
+    assert Path(w.__file__).parent == ROOT / "protocol"
+    assert Path(c.__file__).parent == ROOT / "daemon"
+    assert Path(s.__file__).parent == ROOT / "engine"
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_runs(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(dist), str(ROOT)], check=True)
+    (wheel,) = dist.glob("slotsync-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for want in ("slotsync/protocol/wire.py", "slotsync/daemon/service.py",
+                 "slotsync/engine/worker.py", "slotsync/cli.py"):
+        assert want in names
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry).decode()
+    assert "slotsyncd = slotsync.daemon.main:main" in text
+    assert "slotsync = slotsync.cli:main" in text
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(target), str(wheel)], check=True)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    code = ("import slotsync.daemon.service, slotsync.protocol.wire, sys; "
+            "print(slotsync.protocol.wire.__file__); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, check=True).stdout.split()
+    assert out[0].startswith(str(target)) and out[1] == "False"
+    helptext = subprocess.run([sys.executable, "-m", "slotsync.daemon", "--help"],
+                              capture_output=True, text=True, env=env, cwd=tmp_path,
+                              check=True).stdout
+    assert "--chunk-timeout-s" in helptext
