@@ -385,6 +385,10 @@ class Publisher:
         self._check_usable()
         if self._update_id is not None:
             raise RuntimeError(f"update {self._update_id} is still open; commit or abort it first")
+        if isinstance(named_tensors, Sequence):
+            # A list can be checked before begin, so a bad input never pauses the engine.
+            for name, t in named_tensors:
+                self._check_fits(name, nbytes_of(t))
         t0 = time.perf_counter()
         try:
             self.begin(weight_version)
@@ -396,11 +400,7 @@ class Publisher:
                     raise ValueError(f"tensor {name!r} appears twice in one update")
                 seen.add(name)
                 n = nbytes_of(t)
-                if n > self.staging_bytes:
-                    raise ValueError(
-                        f"tensor {name!r} is {n} bytes, larger than the staging buffer of "
-                        f"{self.staging_bytes} bytes (raise staging_bytes)"
-                    )
+                self._check_fits(name, n)
                 if chunk and size + n > self.staging_bytes:
                     self.send_chunk(chunk)
                     chunk, size = [], 0
@@ -415,6 +415,13 @@ class Publisher:
                 self.abort(f"{type(e).__name__}: {e}")
             raise
         return PublishStats(chunks=chunks, bytes=nbytes, seconds=time.perf_counter() - t0)
+
+    def _check_fits(self, name: str, n: int) -> None:
+        if n > self.staging_bytes:
+            raise ValueError(
+                f"tensor {name!r} is {n} bytes, larger than the staging buffer of "
+                f"{self.staging_bytes} bytes (raise staging_bytes)"
+            )
 
     def close(self) -> None:
         """Abort an open update, close the socket and unlink every shared-memory segment this

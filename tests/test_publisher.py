@@ -255,6 +255,13 @@ def test_tensor_larger_than_staging(make_daemon: Callable[..., FakeDaemon],
                                              r"staging buffer of 100 bytes"):
             pub.publish(named, "v1")
         time.sleep(0.1)
+        # a list is checked before begin: the engine is never paused for a bad input
+        assert daemon.of_type(wire.Begin) == [] and daemon.of_type(wire.Abort) == []
+        assert pub.update_id is None
+        # a generator is checked as it is consumed: the open update is aborted
+        with pytest.raises(ValueError, match=r"'big.weight' is 256 bytes"):
+            pub.publish(iter(named), "v1")
+        time.sleep(0.1)
         assert [a.update_id for a in daemon.of_type(wire.Abort)] == [NEXT_ID]
         assert pub.update_id is None
     assert _no_segments() == []
