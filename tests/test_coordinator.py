@@ -2,6 +2,19 @@
 
 A scripted engine answers each ``EngineCall`` like vLLM (tracking its own state), so each test
 reads as a sequence of rank events and checks the actions and the engine's call log.
+
+Invariants (design.md) and the tests that hold them:
+I1 one update per engine, one start + one finish: test_happy_round_order_and_acks,
+   test_second_update_refused_while_one_in_flight_and_stale_id;
+I2 complete and consistent chunks only: test_chunk_waits_for_every_rank_...,
+   test_dtype_mismatch_rejected_before_engine_sees_it, test_world_size_mismatch_...;
+I3 acks after the engine consumed: test_chunk_waits_for_every_rank_and_acks_only_after_...;
+I4 pause before start, no resume after failure: test_happy_round_order_and_acks,
+   test_engine_500_on_chunk_k_..., test_daemon_stop_fails_update_and_leaves_engine_paused;
+I5 deadlines name what is missing: test_*_deadline_*;
+I6 no unpickling, no torch in the daemon: tests/test_vllm_pickle.py;
+I7 state keyed by update id: test_late_engine_result_of_failed_update_is_dropped, stale ids;
+I8 version only with a successful finish: test_dtype_mismatch_..., test_engine_500_....
 """
 
 from __future__ import annotations

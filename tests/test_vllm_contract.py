@@ -8,6 +8,7 @@ unpickling of ``ipc_handles_pickled`` included (``VLLM_ALLOW_INSECURE_SERIALIZAT
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -31,7 +32,9 @@ def engine_stub():
 
 
 def handle(nbytes: int, dtype: str = "uint8", size=None, device: int = 0) -> CudaIpcHandle:
-    return CudaIpcHandle("torch.Tensor", size or (nbytes,), (1,), 0,
+    size = size or (nbytes,)
+    stride = tuple(math.prod(size[i + 1:]) for i in range(len(size)))
+    return CudaIpcHandle("torch.Tensor", size, stride, 0,
                          "torch.storage.TypedStorage", dtype, device, b"\x07" * 66, nbytes, 0,
                          False, b"/torch_1_2", 0, b"\x09" * 64, True)
 

@@ -70,3 +70,14 @@ def test_daemon_never_imports_torch():
             "slotsync.daemon.vllm_pickle; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_no_unpickling_of_producer_input():
+    # I6: the daemon and the wire codec never load a pickle; the only pickle is the one the
+    # daemon writes for vLLM.
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for path in [*sorted((root / "daemon").glob("*.py")), root / "protocol" / "wire.py"]:
+        text = path.read_text()
+        assert "pickle.load" not in text and "import pickle" not in text, path
