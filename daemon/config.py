@@ -1,6 +1,13 @@
-"""Daemon configuration: defaults < TOML file (``--config``) < command-line flags.
+"""Daemon configuration.
 
+Precedence, lowest first: built-in defaults < TOML file (``--config FILE`` or
+``SLOTSYNC_CONFIG``) < ``SLOTSYNC_<OPTION>`` environment variables < command-line flags.
 Every option is a field of ``Config``; ``slotsyncd --help`` lists them with their defaults.
+Invalid configuration is refused at start with the option (and its source) named.
+
+The optional engine table (TOML ``[[engines]]`` with ``url``, ``slot_start``, ``slot_size``)
+declares each engine slot ahead of registration: ranks must then register with the declared
+slot and URL, ``/status`` shows slots with no rank yet, and SIGHUP re-reads the table.
 """
 
 from __future__ import annotations
@@ -8,10 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from slotsync.protocol.wire import MAX_MESSAGE_BYTES_DEFAULT
+
+SOCKET_NAME = "slotsyncd.sock"
+ENV_PREFIX = "SLOTSYNC_"
 
 
 def default_runtime_dir() -> str:
@@ -25,12 +35,22 @@ def default_runtime_dir() -> str:
     return f"/tmp/slotsync-{os.getuid()}"
 
 
-SOCKET_NAME = "slotsyncd.sock"
-
-
 def default_endpoint() -> str:
-    """The ZeroMQ endpoint a publisher connects to by default: ``ipc://<runtime_dir>/slotsyncd.sock``."""
+    """The endpoint a publisher connects to by default: ``ipc://<runtime_dir>/slotsyncd.sock``."""
     return f"ipc://{os.path.join(default_runtime_dir(), SOCKET_NAME)}"
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One declared engine: its slot ``[slot_start, slot_start + slot_size)`` and URL."""
+
+    url: str
+    slot_start: int
+    slot_size: int
+
+    @property
+    def slot(self) -> tuple[int, int]:
+        return (self.slot_start, self.slot_start + self.slot_size)
 
 
 @dataclass
@@ -45,8 +65,12 @@ class Config:
     chunk_timeout_s: float = 120.0  # first copy of chunk k -> every rank sent chunk k
     commit_timeout_s: float = 600.0  # last progress -> next chunk or every commit
     engine_timeout_s: float = 300.0  # one vLLM HTTP request
+    shutdown_grace_s: float = 60.0  # SIGTERM: how long an update in flight may still finish
     max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT  # cap on one frame from a rank
     log_level: str = "info"
+    log_format: str = "text"  # "text" (key=value) or "json" (one object per line)
+    engines: list[EngineEntry] = field(default_factory=list)  # TOML [[engines]] only
+    config_file: str = ""  # where the options came from (for SIGHUP); set by load_config
 
     def endpoint(self) -> str:
         """The ZeroMQ ROUTER endpoint to bind."""
@@ -56,16 +80,51 @@ class Config:
 
     def validate(self) -> None:
         """Raises ValueError naming the first invalid option."""
-        for name in ("begin_timeout_s", "chunk_timeout_s", "commit_timeout_s", "engine_timeout_s"):
+        for name in ("begin_timeout_s", "chunk_timeout_s", "commit_timeout_s",
+                     "engine_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not -1 <= self.status_port <= 65535:
             raise ValueError(f"status_port must be -1..65535, got {self.status_port}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text|json, got {self.log_format!r}")
+        if self.endpoint().startswith("ipc://") and len(self.endpoint()) - 6 > 107:
+            raise ValueError(f"socket path {self.endpoint()[6:]!r} is longer than the 107 "
+                             "bytes a Unix socket path may have")
+        check_engine_table(self.engines)
 
+    def describe(self) -> dict:
+        """The effective options as a JSON-able dict (``--check-config`` prints it)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engines"}
+        d["endpoint"] = self.endpoint()
+        d["engines"] = [vars(e) for e in self.engines]
+        return d
+
+
+def check_engine_table(engines: list[EngineEntry]) -> None:
+    """Raises ValueError for non-positive sizes, overlapping slots or a repeated URL."""
+    seen: list[EngineEntry] = []
+    for e in engines:
+        if e.slot_start < 0 or e.slot_size <= 0:
+            raise ValueError(f"engines: slot [{e.slot_start}, {e.slot_start + e.slot_size}) of "
+                             f"{e.url!r} is empty or negative")
+        for o in seen:
+            if o.slot_start < e.slot[1] and e.slot_start < o.slot[1]:
+                raise ValueError(f"engines: slot {list(e.slot)} of {e.url!r} overlaps slot "
+                                 f"{list(o.slot)} of {o.url!r}")
+            if o.url == e.url:
+                raise ValueError(f"engines: URL {e.url!r} names two slots")
+        seen.append(e)
+
+
+# Options that can be set (flags, env, TOML); "engines" and "config_file" are TOML/internal.
+_SCALARS = [f for f in fields(Config) if f.name not in ("engines", "config_file")]
 
 _HELP = {
     "runtime_dir": "folder for the ZeroMQ socket (default: $SLOTSYNC_RUNTIME_DIR, "
@@ -79,9 +138,17 @@ _HELP = {
     "commit_timeout_s": "seconds without progress before an update waiting for chunks or "
     "commits fails",
     "engine_timeout_s": "seconds one vLLM HTTP request may take",
+    "shutdown_grace_s": "on SIGTERM/SIGINT, seconds an update in flight may take to finish "
+    "before it is failed (ranks told, engine left paused)",
     "max_message_bytes": "largest frame accepted from a rank, bytes",
     "log_level": "debug, info, warning or error",
+    "log_format": "text (key=value) or json (one object per line)",
 }
+
+
+def _typ(f) -> type:
+    name = f.type if isinstance(f.type, str) else f.type.__name__
+    return {"int": int, "float": float, "str": str}[name]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,56 +156,114 @@ def build_parser() -> argparse.ArgumentParser:
         prog="slotsyncd",
         description="slotsync node daemon: aggregates trainer ranks' CUDA IPC handles per "
         "engine slot and drives each vLLM engine's weight update over HTTP.",
-        epilog="Precedence: defaults < --config TOML file (flat keys named like the options, "
-        "with underscores) < flags.",
+        epilog="Precedence: defaults < TOML file (--config or $SLOTSYNC_CONFIG; flat keys named "
+        "like the options with underscores, plus [[engines]] tables with url, slot_start, "
+        "slot_size) < SLOTSYNC_<OPTION> environment variables (e.g. SLOTSYNC_STATUS_PORT) < "
+        "flags. Signals: SIGTERM/SIGINT stop (updates in flight get --shutdown-grace-s to "
+        "finish), SIGHUP re-reads the engine table from the config file.",
     )
     p.add_argument("--config", type=Path, help="TOML file with any of the options below")
+    p.add_argument("--check-config", action="store_true",
+                   help="validate the configuration, print it as JSON and exit")
     defaults = Config()
-    for f in fields(Config):
-        typ = {"int": int, "float": float, "str": str}[
-            f.type if isinstance(f.type, str) else f.type.__name__
-        ]
+    for f in _SCALARS:
         p.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=typ,
-            default=None,
-            help=f"{_HELP[f.name]} (default: {getattr(defaults, f.name)!r})",
+            "--" + f.name.replace("_", "-"), dest=f.name, type=_typ(f), default=None,
+            help=f"{_HELP[f.name]} (default: {getattr(defaults, f.name)!r}; "
+            f"env {ENV_PREFIX}{f.name.upper()})",
         )
     return p
 
 
-def load_config(argv: list[str] | None = None) -> Config:
-    """Parse flags and the optional TOML file into a validated ``Config``.
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the option and where it came from."""
+
+
+def read_config_file(path: Path, cfg: Config | None = None) -> Config:
+    """Apply a TOML file's options onto ``cfg`` (a new default ``Config`` if None).
 
     Raises:
-        SystemExit: via argparse, with the option named, for unknown keys, bad types or
+        ConfigError: unreadable file, bad TOML, unknown key, wrong type, bad engine entry.
+    """
+    cfg = cfg or Config()
+    known = {f.name: f for f in _SCALARS}
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    for k, v in data.items():
+        if k == "engines":
+            cfg.engines = _engine_table(path, v)
+            continue
+        if k not in known:
+            raise ConfigError(f"config file {path}: unknown option {k!r}")
+        want = _typ(known[k])
+        if want is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if not isinstance(v, want) or isinstance(v, bool):
+            raise ConfigError(f"config file {path}: option {k!r} must be {want.__name__}, "
+                              f"got {v!r}")
+        setattr(cfg, k, v)
+    cfg.config_file = str(path)
+    return cfg
+
+
+def _engine_table(path: Path, v: object) -> list[EngineEntry]:
+    if not isinstance(v, list):
+        raise ConfigError(f"config file {path}: 'engines' must be an array of tables "
+                          "([[engines]])")
+    out = []
+    for i, e in enumerate(v):
+        if not isinstance(e, dict) or set(e) != {"url", "slot_start", "slot_size"}:
+            raise ConfigError(f"config file {path}: engines[{i}] must have exactly url, "
+                              f"slot_start, slot_size; got {e!r}")
+        if not isinstance(e["url"], str) or not all(
+            isinstance(e[k], int) and not isinstance(e[k], bool)
+            for k in ("slot_start", "slot_size")
+        ):
+            raise ConfigError(f"config file {path}: engines[{i}]: url must be a string, "
+                              "slot_start and slot_size integers")
+        out.append(EngineEntry(e["url"], e["slot_start"], e["slot_size"]))
+    return out
+
+
+def load_config(argv: list[str] | None = None,
+                environ: dict[str, str] | None = None) -> tuple[Config, bool]:
+    """Parse defaults, file, environment and flags into a validated ``Config``.
+
+    Returns:
+        ``(config, check_only)``: ``check_only`` is True for ``--check-config``.
+
+    Raises:
+        SystemExit: via argparse (status 2), naming the option, for unknown keys, bad types or
             invalid values.
     """
+    env = os.environ if environ is None else environ
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg = Config()
-    known = {f.name: f for f in fields(Config)}
-    if args.config is not None:
-        try:
-            data = tomllib.loads(args.config.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            parser.error(f"--config {args.config}: {e}")
-        for k, v in data.items():
-            if k not in known:
-                parser.error(f"--config {args.config}: unknown option {k!r}")
-            want = type(getattr(cfg, k))
-            if want is float and isinstance(v, int) and not isinstance(v, bool):
-                v = float(v)
-            if not isinstance(v, want) or isinstance(v, bool):
-                parser.error(f"--config {args.config}: option {k!r} must be {want.__name__}")
-            setattr(cfg, k, v)
-    for k in known:
-        v = getattr(args, k)
+    path = args.config or (Path(env[ENV_PREFIX + "CONFIG"]) if env.get(ENV_PREFIX + "CONFIG")
+                           else None)
+    try:
+        if path is not None:
+            read_config_file(path, cfg)
+        for f in _SCALARS:
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            try:
+                setattr(cfg, f.name, _typ(f)(raw))
+            except ValueError:
+                raise ConfigError(f"environment {ENV_PREFIX}{f.name.upper()}={raw!r}: not "
+                                  f"a valid {_typ(f).__name__}") from None
+    except ConfigError as e:
+        parser.error(str(e))
+    for f in _SCALARS:
+        v = getattr(args, f.name)
         if v is not None:
-            setattr(cfg, k, v)
+            setattr(cfg, f.name, v)
     try:
         cfg.validate()
     except ValueError as e:
         parser.error(str(e))
-    return cfg
+    return cfg, bool(args.check_config)

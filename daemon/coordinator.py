@@ -176,6 +176,7 @@ class SlotCoordinator:
         self.engine_calls: dict[str, int] = {}  # route -> calls issued (for status and tests)
         self._call_id = 0
         self._inflight: EngineCall | None = None
+        self._pending_url: str | None = None  # engine table reload during an update
 
     # ------------------------------------------------------------------ properties
 
@@ -377,6 +378,19 @@ class SlotCoordinator:
         if self.current is None:
             return []
         return self._fail(now, "shutdown", reason, [])
+
+    def set_engine_url(self, url: str) -> None:
+        """Point the slot at another engine (engine table reload): at once when idle, else
+        when the update in flight ends. The new engine is initialized before its first
+        update."""
+        if self.current is None:
+            self.engine_url = url
+            self.engine_initialized = False
+            self.engine_dirty = False
+            self.engine_paused = False
+            self._pending_url = None
+        else:
+            self._pending_url = url
 
     # ------------------------------------------------------------------ status
 
@@ -634,6 +648,8 @@ class SlotCoordinator:
         self.updates_failed += 1
         self.last_duration_s = now - u.started_at
         err = Error(phase, message, list(self.slot), u.update_id, list(missing))
+        if self._pending_url is not None:
+            self.set_engine_url(self._pending_url)
         actions: list[Action] = [Reply(i.identity, err) for i in self._by_rank()]
         actions.append(
             UpdateEnded(
@@ -663,6 +679,8 @@ class SlotCoordinator:
             else None
         )
         self.updates_ok += 1
+        if self._pending_url is not None:
+            self.set_engine_url(self._pending_url)
         acks: list[Action] = [
             Reply(i.identity, Ack(u.update_id, "commit", -1, now - u.started_at))
             for i in self._by_rank()

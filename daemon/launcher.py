@@ -31,6 +31,7 @@ class DaemonProcess:
         args: extra ``slotsyncd`` flags, e.g. ``["--chunk-timeout-s", "5"]``.
         startup_timeout_s: bound on the wait for the ready line, seconds.
         log_path: file receiving the daemon's stderr (default: a temporary file).
+        env: extra environment variables for the daemon.
     """
 
     def __init__(
@@ -39,17 +40,20 @@ class DaemonProcess:
         args: list[str] | None = None,
         startup_timeout_s: float = 30.0,
         log_path: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self._tmp = None
         if runtime_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="slotsyncd-")
             runtime_dir = self._tmp.name
         self.runtime_dir = runtime_dir
+        os.makedirs(runtime_dir, mode=0o770, exist_ok=True)
         self.log_path = log_path or os.path.join(runtime_dir, "slotsyncd.log")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "slotsync.daemon", "--runtime-dir", runtime_dir,
                "--status-port", "0", *(args or [])]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env={**os.environ, **(env or {})})
         self.endpoint = ""
         self.status_port = 0
         deadline = time.monotonic() + startup_timeout_s
@@ -63,9 +67,7 @@ class DaemonProcess:
                 break
             if not line or time.monotonic() > deadline:
                 self.stop()
-                raise DaemonStartError(
-                    f"slotsyncd did not start: {self.log_tail()}"
-                )
+                raise DaemonStartError(f"slotsyncd did not start: {self.log_tail()}")
 
     @property
     def status_url(self) -> str:
@@ -82,7 +84,9 @@ class DaemonProcess:
             return r.read().decode()
 
     def log_tail(self, n: int = 4000) -> str:
-        self._log.flush()
+        """The last ``n`` characters of the daemon's log."""
+        if not self._log.closed:
+            self._log.flush()
         try:
             with open(self.log_path, "rb") as f:
                 return f.read()[-n:].decode(errors="replace")

@@ -3,27 +3,38 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import sys
 
 from slotsync.daemon.config import Config, load_config
+from slotsync.daemon.logs import configure_logging, log_event
 from slotsync.daemon.service import Daemon, DaemonAlreadyRunning
 
 
 async def serve(config: Config) -> int:
-    """Run a daemon with ``config`` until a stop signal; returns the exit status."""
+    """Run a daemon with ``config`` until a stop signal; returns the exit status.
+
+    SIGTERM / SIGINT: graceful shutdown (updates in flight get ``shutdown_grace_s``); a second
+    one stops at once. SIGHUP: re-read the engine table from the config file.
+    """
     daemon = Daemon(config)
+    log = logging.getLogger("slotsync.daemon")
     try:
         await daemon.start()
     except DaemonAlreadyRunning as e:
-        logging.getLogger("slotsync.daemon").error("%s; refusing to start", e)
+        log_event(log, logging.ERROR, "refusing_to_start", reason=str(e))
+        return 1
+    except OSError as e:
+        log_event(log, logging.ERROR, "cannot_bind", error=str(e))
         return 1
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(
-            sig, lambda s=sig: asyncio.ensure_future(daemon.stop(f"received {s.name}"))
+            sig, lambda s=sig: asyncio.ensure_future(daemon.shutdown(f"received {s.name}"))
         )
+    loop.add_signal_handler(signal.SIGHUP, daemon.reload)
     # One line on stdout that wrappers (the demo, tests) can parse.
     print(
         f"slotsyncd ready endpoint={daemon.endpoint} status_port={daemon.status_port}", flush=True
@@ -33,12 +44,12 @@ async def serve(config: Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = load_config(argv)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    config, check_only = load_config(argv)
+    if check_only:
+        print(json.dumps(config.describe(), indent=2))
+        print("configuration OK", file=sys.stderr)
+        sys.exit(0)
+    configure_logging(config.log_level, config.log_format)
     try:
         import uvloop
 

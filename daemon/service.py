@@ -19,14 +19,24 @@ import logging
 import os
 import socket
 import time
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
-from slotsync.daemon.config import Config
-from slotsync.daemon.coordinator import Action, EngineCall, Reply, Timeouts, UpdateEnded
+from slotsync.daemon.config import Config, ConfigError, read_config_file
+from slotsync.daemon.coordinator import (
+    Action,
+    EngineCall,
+    Reply,
+    SlotState,
+    Timeouts,
+    UpdateEnded,
+)
+from slotsync.daemon.logs import log_event
 from slotsync.daemon.metrics import Metrics
 from slotsync.daemon.slot_table import SlotTable
 from slotsync.daemon.status_server import StatusServer
+from slotsync.daemon.systemd import Notifier
 from slotsync.daemon.vllm_client import EngineError, VllmClient
 from slotsync.protocol.wire import Error, ProtocolError, decode_to_daemon, encode
 
@@ -89,6 +99,10 @@ class Daemon:
         self._stopped = asyncio.Event()
         self._status: StatusServer | None = None
         self._loops: list[asyncio.Task] = []
+        self.notifier = Notifier()
+        self._last_update: str = ""
+        if config.engines:
+            self.table.set_engine_table({e.slot: e.url for e in config.engines})
 
     @property
     def status_port(self) -> int | None:
@@ -120,14 +134,64 @@ class Daemon:
             asyncio.create_task(self._recv_loop(), name="slotsync-intake"),
             asyncio.create_task(self._timer_loop(), name="slotsync-timers"),
         ]
-        log.info(
-            "listening endpoint=%s status=%s",
-            self.endpoint,
-            f"http://{self.config.status_host}:{self.status_port}" if self._status else "off",
+        if self.notifier.watchdog_s:
+            self._loops.append(asyncio.create_task(self._watchdog_loop(), name="slotsync-wd"))
+        log_event(
+            log, logging.INFO, "listening", endpoint=self.endpoint,
+            status=f"http://{self.config.status_host}:{self.status_port}" if self._status
+            else "off", engines=len(self.config.engines),
         )
+        # Only now, with both sockets bound, may systemd start the units that need us.
+        self.notifier.notify(READY=1, STATUS=self.status_line())
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+    async def shutdown(self, reason: str, grace_s: float | None = None) -> None:
+        """Graceful stop: refuse new registrations and updates, give updates in flight up to
+        ``grace_s`` (default ``config.shutdown_grace_s``) to finish, then fail the rest (ranks
+        told, engines left paused and marked, design.md I4) and close."""
+        if self.table.draining:
+            await self.stop(reason)  # a second signal: stop now
+            return
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        self.table.draining = True
+        self.notifier.notify(STOPPING=1, STATUS=f"stopping ({reason})")
+        n = self.table.updates_in_flight()
+        log_event(log, logging.INFO, "shutdown", reason=reason, updates_in_flight=n,
+                  grace_s=grace)
+        deadline = time.monotonic() + grace
+        while self.table.updates_in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # (the timer loop owns _wake)
+        left = self.table.updates_in_flight()
+        await self.stop(f"{reason}; shutdown grace of {grace:g} s expired" if left else reason)
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the engine table from the config file (other options need a
+        restart). A bad file is logged and the running table kept."""
+        if not self.config.config_file:
+            log_event(log, logging.WARNING, "reload_skipped", reason="no config file")
+            return
+        try:
+            fresh = read_config_file(Path(self.config.config_file))
+            from slotsync.daemon.config import check_engine_table
+
+            check_engine_table(fresh.engines)
+        except (ConfigError, ValueError) as e:
+            log_event(log, logging.ERROR, "reload_failed", error=str(e))
+            return
+        changes = self.table.set_engine_table({e.slot: e.url for e in fresh.engines})
+        self.config.engines = fresh.engines
+        log_event(log, logging.INFO, "reload", changes=changes or ["none"])
+        self._after_actions()
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS=: slots, ranks, updates and the last update."""
+        slots = self.table.slots.values()
+        failed = sum(c.state is SlotState.FAILED for c in slots)
+        line = (f"{len(self.table.slots)} slots, {self.table.connected_ranks()} ranks, "
+                f"{self.table.updates_in_flight()} updating, {failed} failed")
+        return line + (f"; last: {self._last_update}" if self._last_update else "")
 
     async def stop(self, reason: str = "daemon stopping") -> None:
         """Fail updates in flight, tell their ranks, close sockets and sessions."""
@@ -141,8 +205,10 @@ class Daemon:
         await asyncio.gather(*self._loops, *self._tasks, return_exceptions=True)
         for c in self._clients.values():
             await c.close()
+        self.notifier.close()
         if self._status is not None:
             await self._status.stop()
+
         if self._sock is not None:
             self._sock.close(linger=0)
             if self.endpoint.startswith("ipc://"):
@@ -179,19 +245,34 @@ class Daemon:
                 msg = decode_to_daemon(payload, self.config.max_message_bytes)
             except ProtocolError as e:
                 self.metrics.bad_messages.inc()
-                log.warning("rejected message from %s: %s", identity.hex(), e)
+                log_event(log, logging.WARNING, "rejected_message", peer=identity.hex(),
+                          error=str(e))
                 await self._send(identity, Error("decode", str(e), fatal=False))
                 continue
             await self._execute(self.table.on_message(identity, msg, time.monotonic()))
 
+    async def _wait_wake(self, timeout: float | None) -> None:
+        """Sleep until ``_wake`` is set or ``timeout`` passes. ``asyncio.timeout`` rather than
+        ``wait_for``: on 3.11 ``wait_for`` can swallow a cancellation that races with the
+        inner wait completing, and the daemon then never stops."""
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._wake.wait()
+
     async def _timer_loop(self) -> None:
         while True:
             deadline = self.table.next_deadline()
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            await self._wait_wake(None if deadline is None else
+                                  max(0.0, deadline - time.monotonic()))
             await self._execute(self.table.poll(time.monotonic()))
+
+    async def _watchdog_loop(self) -> None:
+        # WATCHDOG=1 from the event loop itself, at half the interval: a stuck loop stops it.
+        assert self.notifier.watchdog_s
+        while True:
+            self.notifier.notify(WATCHDOG=1)
+            await asyncio.sleep(self.notifier.watchdog_s / 2)
 
     async def _send(self, identity: bytes, msg) -> None:
         assert self._sock is not None
@@ -210,8 +291,12 @@ class Daemon:
                 t.add_done_callback(self._tasks.discard)
             elif isinstance(a, UpdateEnded):
                 self._record(a)
+        self._after_actions()
+
+    def _after_actions(self) -> None:
         self.metrics.ranks_connected.set(self.table.connected_ranks())
-        self.metrics.in_flight.set(sum(c.current is not None for c in self.table.slots.values()))
+        self.metrics.in_flight.set(self.table.updates_in_flight())
+        self.notifier.status(self.status_line())
         self._wake.set()  # deadlines may have moved
 
     async def _engine_call(self, call: EngineCall) -> None:
@@ -221,7 +306,8 @@ class Daemon:
         if client is None:
             client = VllmClient(url, self.config.engine_timeout_s, self.metrics.observe_request)
             self._clients[url] = client
-        log.debug("engine call slot=%s update=%d route=%s", call.slot, call.update_id, call.route)
+        log_event(log, logging.DEBUG, "engine_call", slot=list(call.slot),
+                  update_id=call.update_id, route=call.route)
         try:
             result = await client.call(call.route, call.body)
             ok, err = True, ""
@@ -235,18 +321,12 @@ class Daemon:
         self.metrics.chunks.inc(e.chunks)
         self.metrics.bytes.inc(e.nbytes)
         level = logging.INFO if e.outcome == "success" else logging.ERROR
-        log.log(
-            level,
-            "update_end slot=[%d,%d) engine=%s update=%d version=%s outcome=%s seconds=%.3f "
-            "chunks=%d bytes=%d%s",
-            e.slot[0],
-            e.slot[1],
-            e.engine_url,
-            e.update_id,
-            e.weight_version,
-            e.outcome,
-            e.seconds,
-            e.chunks,
-            e.nbytes,
-            f" error={e.error!r}" if e.error else "",
-        )
+        slot = f"[{e.slot[0]},{e.slot[1]})"
+        fields = dict(slot=slot, engine=e.engine_url, update_id=e.update_id,
+                      version=e.weight_version, outcome=e.outcome,
+                      duration_s=round(e.seconds, 4), chunks=e.chunks, bytes=e.nbytes)
+        if e.error:
+            fields["error"] = e.error
+        log_event(log, level, "update_end", **fields)
+        self._last_update = (f"slot {slot} update {e.update_id} {e.weight_version} "
+                             f"{e.outcome} in {e.seconds:.2f} s")

@@ -8,7 +8,7 @@ overlaps an existing different slot is refused.
 from __future__ import annotations
 
 from slotsync.daemon.coordinator import Action, Reply, SlotCoordinator, Timeouts
-from slotsync.protocol.wire import Error, Register, ToDaemon
+from slotsync.protocol.wire import Begin, Error, Register, ToDaemon
 
 
 class SlotTable:
@@ -23,14 +23,50 @@ class SlotTable:
         self.timeouts = timeouts or Timeouts()
         self.daemon_version = daemon_version
         self.slots: dict[tuple[int, int], SlotCoordinator] = {}
+        self.declared: dict[tuple[int, int], str] = {}  # engine table: slot -> URL (optional)
+        self.draining = False  # shutting down: no new registrations or updates
         self._rank_of: dict[bytes, int] = {}  # socket identity -> rank
         self._slot_of_rank: dict[int, SlotCoordinator] = {}
+
+    def set_engine_table(self, table: dict[tuple[int, int], str]) -> list[str]:
+        """Declare (or re-declare, on SIGHUP) the engine slots and their URLs.
+
+        New slots are created empty; a changed URL applies to an idle slot at once and to a
+        slot with an update in flight when that update ends; a slot no longer declared is
+        dropped if no rank is registered in it (else kept, and reported). Returns one line per
+        change, for the log.
+        """
+        changes: list[str] = []
+        for key, url in sorted(table.items()):
+            c = self.slots.get(key)
+            if c is None:
+                self.slots[key] = c = SlotCoordinator(key[0], key[1] - key[0], self.timeouts,
+                                                      self.daemon_version)
+                c.engine_url = url
+                changes.append(f"slot [{key[0]}, {key[1]}) declared for {url}")
+            elif c.engine_url != url:
+                changes.append(f"slot [{key[0]}, {key[1]}) engine {c.engine_url} -> {url}"
+                               + (" (after the update in flight)" if c.current else ""))
+                c.set_engine_url(url)
+        for key in sorted(set(self.declared) - set(table)):
+            c = self.slots.get(key)
+            if c is not None and not c.ranks:
+                del self.slots[key]
+                changes.append(f"slot [{key[0]}, {key[1]}) removed")
+            else:
+                changes.append(f"slot [{key[0]}, {key[1]}) no longer declared but has ranks; kept")
+        self.declared = dict(table)
+        return changes
 
     def on_message(self, identity: bytes, msg: ToDaemon, now: float) -> list[Action]:
         """Dispatch one decoded message from socket ``identity``."""
         if isinstance(msg, Register):
             return self._register(identity, msg, now)
         rank = self._rank_of.get(identity)
+        if self.draining and isinstance(msg, Begin):
+            slot = self._slot_of_rank[rank].slot if rank is not None else (0, 0)
+            return [Reply(identity, Error("begin", "the daemon is shutting down; no new update "
+                                          "starts", list(slot), msg.update_id, [], False))]
         if rank is None:
             return [
                 Reply(
@@ -61,6 +97,9 @@ class SlotTable:
     def connected_ranks(self) -> int:
         return len(self._rank_of)
 
+    def updates_in_flight(self) -> int:
+        return sum(c.current is not None for c in self.slots.values())
+
     def shutdown(self, now: float, reason: str) -> list[Action]:
         """Fail every update in flight (daemon stopping)."""
         out: list[Action] = []
@@ -70,6 +109,20 @@ class SlotTable:
 
     def _register(self, identity: bytes, msg: Register, now: float) -> list[Action]:
         key = (msg.slot_start, msg.slot_start + msg.slot_size)
+        if self.draining:
+            return [Reply(identity, Error("register", "the daemon is shutting down", list(key),
+                                          fatal=False))]
+        if self.declared:
+            want = self.declared.get(key)
+            if want is None:
+                table = ", ".join(f"[{s}, {e}) {u}" for (s, e), u in sorted(self.declared.items()))
+                return [Reply(identity, Error(
+                    "register", f"rank {msg.rank} claims slot [{key[0]}, {key[1]}), which the "
+                    f"daemon's engine table does not declare (declared: {table})", list(key)))]
+            if msg.engine_url != want:
+                return [Reply(identity, Error(
+                    "register", f"rank {msg.rank} names engine {msg.engine_url!r} but the "
+                    f"engine table declares {want!r} for slot [{key[0]}, {key[1]})", list(key)))]
         coord = self.slots.get(key)
         if coord is None:
             for (s, e), c in self.slots.items():
@@ -95,6 +148,6 @@ class SlotTable:
                     del self._rank_of[ident]
             self._rank_of[identity] = msg.rank
             self._slot_of_rank[msg.rank] = coord
-        elif not coord.ranks:
+        elif not coord.ranks and key not in self.declared:
             del self.slots[key]  # refused first registration: leave no empty slot behind
         return actions

@@ -23,6 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=demo.__doc__.split("\n\n")[1] if demo.__doc__ else None,
     )
     demo.build_parser(d)
+    from slotsync import status_cli
+
+    st = sub.add_parser("status", help="show the daemon's slots (exit 1 if one failed, 2 if "
+                        "the daemon is unreachable)", description=status_cli.__doc__)
+    status_cli.build_parser(st)
     return p
 
 
@@ -33,6 +38,10 @@ def main(argv: list[str] | None = None) -> None:
         from slotsync import demo
 
         sys.exit(demo.main_from_args(args))
+    if args.command == "status":
+        from slotsync import status_cli
+
+        sys.exit(status_cli.main_from_args(args))
     parser.print_help()
     sys.exit(2)
 

@@ -39,8 +39,9 @@ def fresh_engine(engine):
     engine.request("POST", "/resume")
 
 
-def run_ranks(daemon, engine_url, packed, scripts, timeout_s=90.0):
-    """Run one process per script (rank = index); returns {rank: [events]}."""
+def run_ranks(daemon, engine_url, packed, scripts, timeout_s=90.0, on_event=None):
+    """Run one process per script (rank = index); returns {rank: [events]}.
+    ``on_event(event)`` is called for each event as it arrives (to act mid-round)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     n = len(scripts)
@@ -58,6 +59,8 @@ def run_ranks(daemon, engine_url, packed, scripts, timeout_s=90.0):
             continue
         events[ev[1]].append(ev)
         exited += ev[0] == "exit"
+        if on_event is not None:
+            on_event(ev)
     for p in procs:
         p.join(10)
         if p.is_alive():

@@ -7,6 +7,7 @@ then ``("exit", rank)``. ``script`` keys bend the behaviour to inject faults:
 
 * ``rounds``: how many rounds (default 1);
 * ``stop_before_chunk``: ``(round, k)``: send chunks < k, then sleep instead of chunk k;
+* ``delay_before_chunk``: ``(round, k, seconds)``: sleep that long before chunk k, then go on;
 * ``dtype_of``: ``{name: dtype}``: this rank casts those tensors (a dtype mismatch);
 * ``engine_url``: override the engine URL this rank registers with;
 * ``register_delay_s``: sleep before registering;
@@ -62,7 +63,19 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
             for name, dt in script.get("dtype_of", {}).items():
                 named = [(n, t.to(getattr(torch, dt)) if n == name else t) for n, t in named]
             try:
-                if stop and stop[0] == k:
+                delay = script.get("delay_before_chunk")
+                if delay and delay[0] == k:
+                    pub.begin(f"v{k}")
+                    sent = 0
+                    for i, chunk in enumerate(_chunks(named, 40_000)):
+                        if i == delay[1]:
+                            results.put(("stalling", rank, k))
+                            time.sleep(delay[2])
+                        pub.send_chunk(chunk)
+                        sent += 1
+                    pub.commit()
+                    results.put(("round", rank, k, "ok", sent, -1))
+                elif stop and stop[0] == k:
                     pub.begin(f"v{k}")
                     for i, chunk in enumerate(_chunks(named, 40_000)):
                         if i == stop[1]:

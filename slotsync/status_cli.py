@@ -1,0 +1,80 @@
+"""``slotsync status``: one table of the daemon's slots, from its ``/status`` endpoint.
+
+Exit status: 0 when every slot is healthy, 1 when a slot is ``failed`` (engine paused,
+needing a full update), 2 when the daemon cannot be reached or answers garbage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+
+DEFAULT_URL = "http://127.0.0.1:9460"
+
+
+def fetch_status(url: str, timeout_s: float = 5.0) -> dict:
+    """GET ``<url>/status`` as a dict.
+
+    Raises:
+        OSError: no connection / timeout / HTTP error; ValueError: not JSON.
+    """
+    with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def _dur(s: float | None) -> str:
+    return "-" if s is None else f"{s:.2f}s"
+
+
+def render_table(status: dict) -> str:
+    """The slots as an aligned text table (one row per slot)."""
+    head = ["SLOT", "ENGINE", "RANKS", "STATE", "VERSION", "LAST UPDATE", "LAST ERROR"]
+    rows = []
+    for s in status.get("slots", []):
+        cur = s.get("current_update")
+        version = s.get("last_version") or "-"
+        if cur:
+            version = f"{version} -> {cur['weight_version']}"
+        err = s.get("last_error") or "-"
+        rows.append([
+            f"[{s['slot'][0]},{s['slot'][1]})", s.get("engine_url") or "-",
+            f"{len(s.get('ranks_registered', []))}/{s['ranks_expected']}", s["state"],
+            version, _dur(s.get("last_duration_s")), err if len(err) <= 80 else err[:77] + "...",
+        ])
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    lines = [
+        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [head, *rows]
+    ]
+    summary = (f"slotsyncd {status.get('version', '?')} at {status.get('endpoint', '?')}: "
+               f"{len(rows)} slot(s), {status.get('ranks_connected', 0)} rank(s) connected")
+    return "\n".join([summary, *lines]) if rows else summary + "\n(no slots yet)"
+
+
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="slotsync status")
+    p.add_argument("--url", default=os.environ.get("SLOTSYNC_STATUS_URL", DEFAULT_URL),
+                   help=f"the daemon's status server (default: $SLOTSYNC_STATUS_URL or "
+                   f"{DEFAULT_URL})")
+    p.add_argument("--json", action="store_true", help="print the raw /status JSON")
+    p.add_argument("--timeout-s", type=float, default=5.0, help="request timeout (5)")
+    return p
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    try:
+        status = fetch_status(args.url, args.timeout_s)
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        print(f"slotsync status: cannot read {args.url}/status: {reason}", file=sys.stderr)
+        return 2
+    print(json.dumps(status, indent=2) if args.json else render_table(status))
+    failed = [s for s in status.get("slots", []) if s.get("state") == "failed"]
+    if failed and not args.json:
+        print(f"{len(failed)} slot(s) failed: engine paused until a complete update succeeds",
+              file=sys.stderr)
+    return 1 if failed else 0
