@@ -1,0 +1,1 @@
+"""``slotsync bench``: benchmarks of the control plane (CPU) and the data plane (GPU)."""
