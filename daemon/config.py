@@ -59,6 +59,7 @@ class Config:
 
     runtime_dir: str = ""  # folder of the ZeroMQ socket; "" = default_runtime_dir()
     socket: str = ""  # full ipc:// endpoint; overrides runtime_dir when set
+    state_dir: str = ""  # durable in-flight record (inflight.json); "" = the runtime dir
     status_host: str = "127.0.0.1"  # status server (/healthz, /status, /metrics) bind address
     status_port: int = 9460  # 0 = pick a free port (printed at start); -1 = no status server
     begin_timeout_s: float = 120.0  # first begin -> every rank of the slot begun
@@ -77,6 +78,11 @@ class Config:
         if self.socket:
             return self.socket if "://" in self.socket else f"ipc://{self.socket}"
         return f"ipc://{os.path.join(self.runtime_dir or default_runtime_dir(), SOCKET_NAME)}"
+
+    def state_path(self) -> str:
+        """The durable in-flight record's path."""
+        base = self.state_dir or self.runtime_dir or default_runtime_dir()
+        return os.path.join(base, "inflight.json")
 
     def validate(self) -> None:
         """Raises ValueError naming the first invalid option."""
@@ -103,6 +109,7 @@ class Config:
         """The effective options as a JSON-able dict (``--check-config`` prints it)."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engines"}
         d["endpoint"] = self.endpoint()
+        d["state_file"] = self.state_path()
         d["engines"] = [vars(e) for e in self.engines]
         return d
 
@@ -131,6 +138,9 @@ _HELP = {
     "$RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/slotsync or /tmp/slotsync-<uid>)",
     "socket": "full ZeroMQ endpoint to bind, e.g. ipc:///run/slotsync/slotsyncd.sock "
     "(overrides --runtime-dir)",
+    "state_dir": "folder of the durable in-flight record inflight.json, which tells a restarted "
+    "daemon which engines it left mid-update (default: the runtime dir; under systemd use "
+    "StateDirectory, since RuntimeDirectory is emptied on restart)",
     "status_host": "bind address of the status server",
     "status_port": "port of the status server (0: any free port, -1: none)",
     "begin_timeout_s": "seconds from a slot's first begin until every rank must have begun",

@@ -192,10 +192,10 @@ class SlotCoordinator:
     def state(self) -> SlotState:
         if self.current is not None:
             return SlotState.UPDATING
+        if self.needs_full_update:  # before "registering": the engine is paused either way
+            return SlotState.FAILED
         if len(self.ranks) < self.size:
             return SlotState.REGISTERING
-        if self.needs_full_update:
-            return SlotState.FAILED
         return SlotState.IDLE
 
     def next_deadline(self) -> float | None:
@@ -379,6 +379,37 @@ class SlotCoordinator:
             return []
         return self._fail(now, "shutdown", reason, [])
 
+    def restore_dirty(self, engine_url: str, update_id: int, weight_version: str,
+                      state: str) -> None:
+        """A previous daemon left this slot's engine mid-update (durable record): keep it
+        paused and marked as needing a full update; the next round first ends any half-open
+        session (finish, tolerating the 500), then sends everything (design.md I4)."""
+        self.engine_url = engine_url
+        self.engine_dirty = True
+        self.engine_paused = True
+        self.needs_full_update = True
+        self.engine_initialized = False
+        self.next_update_id = max(self.next_update_id, update_id + 1)
+        self.last_outcome = "failed"
+        self._failed = (update_id, "the daemon restarted during this update")
+        self.last_error = (
+            f"slot [{self.start}, {self.end}) update {update_id} ({weight_version!r}) was "
+            f"{'in flight' if state == 'in_flight' else 'failed'} when the previous daemon "
+            "stopped; the engine stays paused and needs a full update"
+        )
+
+    def dirty_state(self) -> tuple[str, int, str] | None:
+        """``(state, update_id, weight_version)`` if the engine may hold half-loaded weights:
+        ``"in_flight"`` once start was sent until finish returned, ``"failed"`` after a failed
+        update until a full update succeeds; else None."""
+        u = self.current
+        if u is not None and u.start_sent and not u.finished:
+            return ("in_flight", u.update_id, u.weight_version)
+        if self.needs_full_update and (self.engine_dirty or self.engine_paused):
+            uid, _ = self._failed if self._failed else (self.next_update_id - 1, "")
+            return ("failed", uid, "")
+        return None
+
     def set_engine_url(self, url: str) -> None:
         """Point the slot at another engine (engine table reload): at once when idle, else
         when the update in flight ends. The new engine is initialized before its first
@@ -421,6 +452,7 @@ class SlotCoordinator:
             "gpu_uuids": {str(r): i.gpu_uuid for r, i in sorted(self.ranks.items())},
             "engine_paused": self.engine_paused,
             "needs_full_update": self.needs_full_update,
+            "engine_may_be_mid_update": self.engine_dirty,
             "next_update_id": self.next_update_id,
             "current_update": cur,
             "last_version": self.last_version,

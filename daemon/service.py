@@ -32,6 +32,7 @@ from slotsync.daemon.coordinator import (
     Timeouts,
     UpdateEnded,
 )
+from slotsync.daemon.inflight_record import DirtyEngine, InflightRecord
 from slotsync.daemon.logs import log_event
 from slotsync.daemon.metrics import Metrics
 from slotsync.daemon.slot_table import SlotTable
@@ -103,6 +104,8 @@ class Daemon:
         self._last_update: str = ""
         if config.engines:
             self.table.set_engine_table({e.slot: e.url for e in config.engines})
+        self.record = InflightRecord(config.state_path())
+        self.restored: list[DirtyEngine] = []
 
     @property
     def status_port(self) -> int | None:
@@ -119,6 +122,13 @@ class Daemon:
             path = self.endpoint[len("ipc://") :]
             os.makedirs(os.path.dirname(path) or ".", mode=0o770, exist_ok=True)
             _claim_ipc_path(path)
+        # Engines a killed predecessor left mid-update stay paused and need a full update.
+        self.restored = self.record.load()
+        for d in self.restored:
+            self.table.restore(d.slot, d.engine_url, d.update_id, d.weight_version, d.state)
+            log_event(log, logging.WARNING, "engine_left_mid_update", slot=list(d.slot),
+                      engine=d.engine_url, update_id=d.update_id, version=d.weight_version,
+                      state=d.state)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
@@ -281,7 +291,13 @@ class Daemon:
         except zmq.ZMQError as e:  # peer gone: nothing to tell it
             log.debug("cannot reply to %s: %s", identity.hex(), e)
 
+    def _persist(self) -> None:
+        """Rewrite the durable record if the set of possibly mid-update engines changed. Runs
+        before any action goes out, so the record names an engine before its start is sent."""
+        self.record.save([DirtyEngine(*d) for d in self.table.dirty_engines()])
+
     async def _execute(self, actions: list[Action]) -> None:
+        self._persist()
         for a in actions:
             if isinstance(a, Reply):
                 await self._send(a.identity, a.msg)

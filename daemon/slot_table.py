@@ -50,7 +50,7 @@ class SlotTable:
                 c.set_engine_url(url)
         for key in sorted(set(self.declared) - set(table)):
             c = self.slots.get(key)
-            if c is not None and not c.ranks:
+            if c is not None and not c.ranks and c.dirty_state() is None:
                 del self.slots[key]
                 changes.append(f"slot [{key[0]}, {key[1]}) removed")
             else:
@@ -105,6 +105,25 @@ class SlotTable:
         out: list[Action] = []
         for c in self.slots.values():
             out += c.on_daemon_stop(now, reason)
+        return out
+
+    def restore(self, slot: tuple[int, int], engine_url: str, update_id: int,
+                weight_version: str, state: str) -> None:
+        """Recreate a slot that a previous daemon left mid-update (see inflight_record)."""
+        c = self.slots.get(slot)
+        if c is None:
+            c = self.slots[slot] = SlotCoordinator(slot[0], slot[1] - slot[0], self.timeouts,
+                                                   self.daemon_version)
+        c.restore_dirty(engine_url, update_id, weight_version, state)
+
+    def dirty_engines(self) -> list[tuple[tuple[int, int], str, int, str, str]]:
+        """``(slot, engine_url, update_id, weight_version, state)`` of every engine that may
+        hold half-loaded weights."""
+        out = []
+        for key, c in sorted(self.slots.items()):
+            d = c.dirty_state()
+            if d is not None:
+                out.append((key, c.engine_url or "", d[1], d[2], d[0]))
         return out
 
     def _register(self, identity: bytes, msg: Register, now: float) -> list[Action]:

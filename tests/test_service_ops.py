@@ -254,3 +254,45 @@ def test_status_cli_exits_1_when_a_slot_failed(clean_engine):
         out = _status_cli("--url", d.status_url)
         assert out.returncode == 1 and "failed" in out.stdout
         assert "1 slot(s) failed" in out.stderr
+
+
+# ------------------------------------------------------------------ crash recovery
+
+
+@pytest.mark.slow
+def test_sigkill_mid_update_then_restart_keeps_engine_paused_and_recovers(tmp_path,
+                                                                          clean_engine):
+    from test_integration import rounds, run_ranks
+
+    rt = str(tmp_path / "rt")
+    d = DaemonProcess(runtime_dir=rt, args=FAST)
+    killed = []
+
+    def kill_when_stalling(ev):
+        if ev[0] == "stalling" and not killed:
+            killed.append(True)
+            d.proc.kill()  # SIGKILL: no chance to clean up
+
+    ev = run_ranks(d, clean_engine.url, True,
+                   [{"rounds": 1, "timeout_s": 4},
+                    {"rounds": 1, "delay_before_chunk": (1, 1, 1.0), "timeout_s": 4}],
+                   on_event=kill_when_stalling)
+    d.stop()
+    assert all(rounds(ev, r)[0][3] == "error" for r in range(2))  # nobody waits forever
+    record = json.loads((tmp_path / "rt" / "inflight.json").read_text())
+    assert record["slots"][0]["slot"] == [0, 2] and record["slots"][0]["state"] == "in_flight"
+    stats = clean_engine.request("GET", "/_slotsync/stats")[1]
+    assert stats["paused"] is True and all(w["active"] for w in stats["workers"])
+
+    with DaemonProcess(runtime_dir=rt, args=FAST) as d2:
+        (slot,) = d2.status()["slots"]
+        assert slot["state"] == "failed" and slot["needs_full_update"] is True
+        assert "previous daemon stopped" in slot["last_error"]
+        assert slot["next_update_id"] == 1
+        ev = run_ranks(d2, clean_engine.url, True, [{"rounds": 1}, {"rounds": 1}])
+        assert [e[3] for e in rounds(ev, 0)] == ["ok"], ev
+        (slot,) = d2.status()["slots"]
+        assert slot["state"] == "idle" and slot["engine_calls"].get("finish_recover") == 1
+        assert json.loads((tmp_path / "rt" / "inflight.json").read_text())["slots"] == []
+    stats = clean_engine.request("GET", "/_slotsync/stats")[1]
+    assert stats["paused"] is False and not any(w["active"] for w in stats["workers"])

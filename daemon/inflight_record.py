@@ -1,0 +1,92 @@
+"""A small durable record of engines that may be mid-update, so a daemon killed with SIGKILL
+learns on restart which engines it left paused with half-loaded weights.
+
+The record is ``<state_dir>/inflight.json``, rewritten atomically (temp file, fsync, rename)
+whenever the set of such engines changes, and always *before* ``/start_weight_update`` is sent
+(the coordinator marks the update as started before the call goes out). It lists every slot
+whose engine is between start and a successful finish, or failed and not yet recovered::
+
+    {"format": 1, "slots": [{"slot": [0, 8], "engine_url": "http://...", "update_id": 7,
+      "weight_version": "step-7", "since": 1764403200.0, "state": "in_flight" | "failed"}]}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class DirtyEngine:
+    """An engine that may hold half-loaded weights (design.md I4)."""
+
+    slot: tuple[int, int]
+    engine_url: str
+    update_id: int
+    weight_version: str
+    state: str  # "in_flight" or "failed"
+    since: float = 0.0  # wall-clock seconds since the epoch
+
+    def key(self) -> tuple:
+        return (self.slot, self.engine_url, self.update_id, self.state)
+
+
+class InflightRecord:
+    """Reads and writes the record file. ``path`` None disables it (tests, no state dir)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        self.path = Path(path) if path else None
+        self._last: tuple | None = None
+
+    def load(self) -> list[DirtyEngine]:
+        """The engines a previous daemon left mid-update; [] if none or no file.
+
+        Raises:
+            ValueError: the file exists but is not a record this version understands.
+        """
+        if self.path is None or not self.path.exists():
+            return []
+        try:
+            data = json.loads(self.path.read_text())
+            if data.get("format") != FORMAT:
+                raise ValueError(f"unknown format {data.get('format')!r}")
+            return [
+                DirtyEngine((int(d["slot"][0]), int(d["slot"][1])), str(d["engine_url"]),
+                            int(d["update_id"]), str(d["weight_version"]), str(d["state"]),
+                            float(d.get("since", 0.0)))
+                for d in data["slots"]
+            ]
+        except (OSError, KeyError, TypeError, IndexError, json.JSONDecodeError) as e:
+            raise ValueError(f"in-flight record {self.path} is unreadable: {e}") from None
+
+    def save(self, engines: list[DirtyEngine]) -> bool:
+        """Write the record if it changed; returns whether it wrote."""
+        if self.path is None:
+            return False
+        key = tuple(sorted(e.key() for e in engines))
+        if key == self._last:
+            return False
+        body = {"format": FORMAT, "slots": [
+            {"slot": list(e.slot), "engine_url": e.engine_url, "update_id": e.update_id,
+             "weight_version": e.weight_version, "state": e.state, "since": e.since or time.time()}
+            for e in sorted(engines, key=lambda e: e.slot)
+        ]}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump(body, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        dfd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)  # make the rename itself durable
+        finally:
+            os.close(dfd)
+        self._last = key
+        return True
