@@ -68,6 +68,8 @@ class Config:
     engine_timeout_s: float = 300.0  # one vLLM HTTP request
     shutdown_grace_s: float = 60.0  # SIGTERM: how long an update in flight may still finish
     max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT  # cap on one frame from a rank
+    allow_uids: str = ""  # peers allowed by user id (comma list); "" = the daemon's own uid
+    allow_gids: str = ""  # peers allowed by group id (comma list); "" = the daemon's own gid
     log_level: str = "info"
     log_format: str = "text"  # "text" (key=value) or "json" (one object per line)
     engines: list[EngineEntry] = field(default_factory=list)  # TOML [[engines]] only
@@ -84,8 +86,21 @@ class Config:
         base = self.state_dir or self.runtime_dir or default_runtime_dir()
         return os.path.join(base, "inflight.json")
 
+    def allowed_ids(self) -> tuple[set[int], set[int]]:
+        """The peer allow-list ``(uids, gids)``; root (uid 0) is always allowed, since it can
+        read any process's memory anyway."""
+        def ids(text: str, default: int) -> set[int]:
+            return {int(x) for x in text.split(",") if x.strip()} if text.strip() else {default}
+
+        return ids(self.allow_uids, os.getuid()) | {0}, ids(self.allow_gids, os.getgid())
+
     def validate(self) -> None:
         """Raises ValueError naming the first invalid option."""
+        for name in ("allow_uids", "allow_gids"):
+            if any(not x.strip().isdigit() for x in getattr(self, name).split(",")
+                   if getattr(self, name).strip()):
+                raise ValueError(f"{name} must be a comma-separated list of numeric ids, got "
+                                 f"{getattr(self, name)!r}")
         for name in ("begin_timeout_s", "chunk_timeout_s", "commit_timeout_s",
                      "engine_timeout_s"):
             if getattr(self, name) <= 0:
@@ -151,6 +166,10 @@ _HELP = {
     "shutdown_grace_s": "on SIGTERM/SIGINT, seconds an update in flight may take to finish "
     "before it is failed (ranks told, engine left paused)",
     "max_message_bytes": "largest frame accepted from a rank, bytes",
+    "allow_uids": "user ids whose processes may connect (comma list; default: the daemon's "
+    "own; root always)",
+    "allow_gids": "group ids whose processes may connect (comma list; default: the daemon's "
+    "own primary group)",
     "log_level": "debug, info, warning or error",
     "log_format": "text (key=value) or json (one object per line)",
 }

@@ -35,6 +35,7 @@ from slotsync.daemon.coordinator import (
 from slotsync.daemon.inflight_record import DirtyEngine, InflightRecord
 from slotsync.daemon.logs import log_event
 from slotsync.daemon.metrics import Metrics
+from slotsync.daemon.peer_auth import ZAP_DOMAIN, ZapHandler
 from slotsync.daemon.slot_table import SlotTable
 from slotsync.daemon.status_server import StatusServer
 from slotsync.daemon.systemd import Notifier
@@ -94,6 +95,7 @@ class Daemon:
         self.started_at = time.time()
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
+        self._zap: ZapHandler | None = None
         self._clients: dict[str, VllmClient] = {}
         self._tasks: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
@@ -129,11 +131,20 @@ class Daemon:
             log_event(log, logging.WARNING, "engine_left_mid_update", slot=list(d.slot),
                       engine=d.engine_url, update_id=d.update_id, version=d.weight_version,
                       state=d.state)
+        uids, gids = self.config.allowed_ids()
+        # The ZAP handler must be bound before the ROUTER, or peers get in unchecked.
+        self._zap = ZapHandler(self._ctx, uids, gids,
+                               on_refused=lambda _r: self.metrics.bad_messages.inc())
+        self._zap.start()
         sock = self._ctx.socket(zmq.ROUTER)
+        sock.zap_domain = ZAP_DOMAIN
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting rank may reuse its identity
         sock.bind(self.endpoint)
+        if self.endpoint.startswith("ipc://"):
+            # Group members (the trainer ranks) must be able to connect; others not at all.
+            os.chmod(self.endpoint[len("ipc://"):], 0o770)
         self._sock = sock
         if self.config.status_port >= 0:
             self._status = StatusServer(
@@ -219,6 +230,8 @@ class Daemon:
         if self._status is not None:
             await self._status.stop()
 
+        if self._zap is not None:
+            await self._zap.stop()
         if self._sock is not None:
             self._sock.close(linger=0)
             if self.endpoint.startswith("ipc://"):
