@@ -91,6 +91,7 @@ class Daemon:
             Timeouts(config.begin_timeout_s, config.chunk_timeout_s, config.commit_timeout_s),
             __version__,
         )
+        self.metrics.watch(self.table)  # slot/rank/in-flight gauges read the table per scrape
         self.endpoint = config.endpoint()
         self.started_at = time.time()
         self._ctx = zmq.asyncio.Context()
@@ -323,8 +324,6 @@ class Daemon:
         self._after_actions()
 
     def _after_actions(self) -> None:
-        self.metrics.ranks_connected.set(self.table.connected_ranks())
-        self.metrics.in_flight.set(self.table.updates_in_flight())
         self.notifier.status(self.status_line())
         self._wake.set()  # deadlines may have moved
 
@@ -345,10 +344,7 @@ class Daemon:
         await self._execute(coord.on_engine_result(call.call_id, ok, result, err, time.monotonic()))
 
     def _record(self, e: UpdateEnded) -> None:
-        self.metrics.updates.labels(e.outcome).inc()
-        self.metrics.update_duration.observe(e.seconds)
-        self.metrics.chunks.inc(e.chunks)
-        self.metrics.bytes.inc(e.nbytes)
+        self.metrics.update_ended(e)
         level = logging.INFO if e.outcome == "success" else logging.ERROR
         slot = f"[{e.slot[0]},{e.slot[1]})"
         fields = dict(slot=slot, engine=e.engine_url, update_id=e.update_id,
