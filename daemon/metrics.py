@@ -49,6 +49,7 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
+
 from slotsync.daemon.coordinator import SlotState
 from slotsync.daemon.vllm_client import ROUTES
 

@@ -18,6 +18,7 @@ import logging
 
 import zmq
 import zmq.asyncio
+
 from slotsync.daemon.logs import log_event
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27

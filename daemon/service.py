@@ -23,6 +23,8 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
+
+from slotsync import __version__
 from slotsync.daemon.config import Config, ConfigError, read_config_file
 from slotsync.daemon.coordinator import (
     Action,
@@ -41,8 +43,6 @@ from slotsync.daemon.status_server import StatusServer
 from slotsync.daemon.systemd import Notifier
 from slotsync.daemon.vllm_client import EngineError, VllmClient
 from slotsync.protocol.wire import Error, ProtocolError, decode_to_daemon, encode
-
-from slotsync import __version__
 
 log = logging.getLogger("slotsync.daemon")
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from slotsync.daemon.metrics import Metrics
 
 

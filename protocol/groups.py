@@ -10,6 +10,7 @@ one-rank slots need no group.
 from __future__ import annotations
 
 import torch.distributed as dist
+
 from slotsync.protocol.topology import SlotTopology, TopologyError
 
 __all__ = ["new_slot_groups"]

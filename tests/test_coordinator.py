@@ -24,6 +24,7 @@ import pickle
 from dataclasses import dataclass, field
 
 import pytest
+
 from slotsync.daemon.coordinator import (
     EngineCall,
     Reply,

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from slotsync.daemon.vllm_pickle import b64, pickle_packed, pickle_unpacked
 from slotsync.engine.checksum import tensor_checksum
 from slotsync.engine.launcher import ReferenceEngine

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from slotsync.protocol import wire
 from slotsync.protocol.export import (
     ShmSegment,

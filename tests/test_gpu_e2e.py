@@ -10,12 +10,13 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from test_integration import rounds, run_ranks  # noqa: E402
+from trainer_script import make_tensors  # noqa: E402
+
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
 from slotsync.engine.checksum import tensor_checksum  # noqa: E402
 from slotsync.engine.launcher import ReferenceEngine  # noqa: E402
 from slotsync.protocol.wire import logical_gpu_uuid  # noqa: E402
-from test_integration import rounds, run_ranks  # noqa: E402
-from trainer_script import make_tensors  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from slotsync.protocol.groups import new_slot_groups
 from slotsync.protocol.topology import SlotTopology
 

@@ -15,10 +15,11 @@ import pytest
 
 pytest.importorskip("torch")
 
+from trainer_script import make_tensors, run_rank  # noqa: E402
+
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
 from slotsync.engine.checksum import tensor_checksum  # noqa: E402
 from slotsync.engine.launcher import ReferenceEngine  # noqa: E402
-from trainer_script import make_tensors, run_rank  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
+
 from slotsync.daemon.coordinator import SlotState, Timeouts
 from slotsync.daemon.metrics import Metrics
 from slotsync.daemon.slot_table import SlotTable
@@ -222,9 +223,10 @@ def scraped_round(tmp_path_factory):
         pytest.skip("neither promtool nor prometheus installed (Debian: apt-get install "
                     "prometheus)")
     pytest.importorskip("torch")
+    from test_integration import run_ranks
+
     from slotsync.daemon.launcher import DaemonProcess
     from slotsync.engine.launcher import ReferenceEngine
-    from test_integration import run_ranks
 
     binary = shutil.which("prometheus")
     tmp = tmp_path_factory.mktemp("prometheus")

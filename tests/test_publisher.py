@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+
 from slotsync.protocol import wire
 from slotsync.protocol.errors import SlotsyncError, SlotsyncTimeout
 from slotsync.protocol.publisher import Publisher, PublishStats

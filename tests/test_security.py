@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import pytest
+
 from slotsync.daemon.config import Config
 from slotsync.daemon.launcher import DaemonProcess
 from slotsync.daemon.peer_auth import decide, parse_peer

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+
 from slotsync.daemon.config import Config, EngineEntry, load_config
 from slotsync.daemon.launcher import DaemonProcess, DaemonStartError
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from slotsync.protocol.topology import EngineSlot, SlotTopology, TopologyError
 
 

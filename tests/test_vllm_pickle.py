@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from slotsync.daemon.vllm_pickle import b64, pickle_packed, pickle_unpacked
 from slotsync.protocol.wire import CudaIpcHandle, ShmHandle
 

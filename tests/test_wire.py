@@ -6,6 +6,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from slotsync.protocol.wire import (
     PROTOCOL_VERSION,
     Ack,
