@@ -13,6 +13,7 @@ slot and URL, ``/status`` shows slots with no rank yet, and SIGHUP re-reads the 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -101,6 +102,10 @@ class Config:
                    if getattr(self, name).strip()):
                 raise ValueError(f"{name} must be a comma-separated list of numeric ids, got "
                                  f"{getattr(self, name)!r}")
+        for name in ("begin_timeout_s", "chunk_timeout_s", "commit_timeout_s",
+                     "engine_timeout_s", "shutdown_grace_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         for name in ("begin_timeout_s", "chunk_timeout_s", "commit_timeout_s",
                      "engine_timeout_s"):
             if getattr(self, name) <= 0:
@@ -198,8 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     for f in _SCALARS:
         p.add_argument(
             "--" + f.name.replace("_", "-"), dest=f.name, type=_typ(f), default=None,
-            help=f"{_HELP[f.name]} (default: {getattr(defaults, f.name)!r}; "
-            f"env {ENV_PREFIX}{f.name.upper()})",
+            help=f"{_HELP[f.name]} ("
+            + (f"default: {getattr(defaults, f.name)!r}; " if getattr(defaults, f.name) != ""
+               else "")
+            + f"env {ENV_PREFIX}{f.name.upper()})",
         )
     return p
 

@@ -136,6 +136,7 @@ class _Update:
     last_progress: float = 0.0
     finishing: bool = False
     finished: bool = False  # /finish_weight_update returned 200
+    start_retried: bool = False  # start met an unrecorded session once and was retried
 
 
 class SlotCoordinator:
@@ -215,7 +216,13 @@ class SlotCoordinator:
         """
 
         def refuse(text: str) -> list[Action]:
-            return [Reply(identity, Error("register", text, list(self.slot), None, []))]
+            out: list[Action] = [Reply(identity, Error("register", text, list(self.slot), None,
+                                                       []))]
+            if self.current is not None and not self.current.start_sent:
+                # A begin is waiting for this slot's registrations: tell every rank now
+                # rather than let them sit until the begin deadline.
+                out += self._fail(now, "register", text, [msg.rank])
+            return out
 
         if msg.protocol_version != PROTOCOL_VERSION:
             return refuse(
@@ -313,6 +320,14 @@ class SlotCoordinator:
             if route == "resume":
                 # Weights are complete and the version is recorded; the engine stays paused.
                 return self._complete(now, resume_error=error)
+            if (route == "start_weight_update" and "already active" in error
+                    and not u.start_retried):
+                # The engine holds a session nobody recorded (e.g. a daemon restarted without
+                # its state dir): end it, tolerating the 500, and start once more.
+                u.start_retried = True
+                u.start_sent = True  # the engine may be mid-update: record it as such
+                u.steps = ["finish_recover", "start_weight_update"]
+                return self._advance(now)
             return self._fail(now, "engine", f"vLLM {route} failed: {error}", [])
         u.last_progress = now
         if route == "get_world_size":
@@ -620,7 +635,7 @@ class SlotCoordinator:
                 )
             except ChunkMismatch as e:
                 # I2: the engine never sees an inconsistent chunk.
-                return self._fail(now, "chunk", str(e), e.ranks)
+                return self._fail(now, "chunk", str(e), [])  # ranks differ; none is missing
             return self._call(u, "update_weights", {"update_info": merged.update_info})
         if (
             len(u.committed) == self.size

@@ -21,6 +21,7 @@ import socket
 import time
 from pathlib import Path
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -42,7 +43,7 @@ from slotsync.daemon.slot_table import SlotTable
 from slotsync.daemon.status_server import StatusServer
 from slotsync.daemon.systemd import Notifier
 from slotsync.daemon.vllm_client import EngineError, VllmClient
-from slotsync.protocol.wire import Error, ProtocolError, decode_to_daemon, encode
+from slotsync.protocol.wire import Error, ProtocolError, Registered, decode_to_daemon, encode
 
 log = logging.getLogger("slotsync.daemon")
 
@@ -111,8 +112,9 @@ class Daemon:
         self.restored: list[DirtyEngine] = []
 
     @property
-    def status_port(self) -> int | None:
-        return self._status.port if self._status else None
+    def status_port(self) -> int:
+        """The status server's bound port, -1 when it is off."""
+        return self._status.port if self._status else -1
 
     async def start(self) -> None:
         """Bind the ZeroMQ socket and the status server, then start serving.
@@ -140,7 +142,10 @@ class Daemon:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.zap_domain = ZAP_DOMAIN
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        # libzmq drops (silently) a peer whose frame exceeds MAXMSGSIZE; keep that as the guard
+        # against memory exhaustion at twice the cap, so that frames a little over the cap are
+        # still read and answered with a clear error naming the cap.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting rank may reuse its identity
         sock.bind(self.endpoint)
         if self.endpoint.startswith("ipc://"):
@@ -151,7 +156,15 @@ class Daemon:
             self._status = StatusServer(
                 self.config.status_host, self.config.status_port, self.status, self.metrics
             )
-            await self._status.start()
+            try:
+                await self._status.start()
+            except OSError as e:
+                self._status = None
+                await self.stop("status server failed")  # leave no socket file behind
+                raise OSError(
+                    f"cannot serve status on {self.config.status_host}:"
+                    f"{self.config.status_port} (--status-port / --status-host): {e.strerror}"
+                ) from None
         self._loops = [
             asyncio.create_task(self._recv_loop(), name="slotsync-intake"),
             asyncio.create_task(self._timer_loop(), name="slotsync-timers"),
@@ -260,6 +273,8 @@ class Daemon:
             identity, payload = frames[0], frames[-1]
             if len(frames) != 2:
                 self.metrics.bad_messages.inc()
+                log_event(log, logging.WARNING, "rejected_message", peer=identity.hex(),
+                          error=f"{len(frames) - 1} frames")
                 await self._send(
                     identity,
                     Error("decode", f"expected 1 frame, got {len(frames) - 1}", fatal=False),
@@ -314,7 +329,16 @@ class Daemon:
         self._persist()
         for a in actions:
             if isinstance(a, Reply):
-                await self._send(a.identity, a.msg)
+                msg = a.msg
+                if isinstance(msg, Registered):
+                    msg = msgspec.structs.replace(
+                        msg, max_message_bytes=self.config.max_message_bytes)
+                    log_event(log, logging.INFO, "registered", rank=msg.rank,
+                              slot=[msg.slot_start, msg.slot_start + msg.slot_size])
+                elif isinstance(msg, Error) and msg.phase == "register":
+                    log_event(log, logging.WARNING, "registration_refused", peer=a.identity.hex(),
+                              error=msg.message)
+                await self._send(a.identity, msg)
             elif isinstance(a, EngineCall):
                 t = asyncio.create_task(self._engine_call(a))
                 self._tasks.add(t)

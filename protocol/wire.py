@@ -195,6 +195,13 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         self.gpu_uuid = normalize_gpu_uuid(self.gpu_uuid)
+        if not self.engine_url.startswith(("http://", "https://", "unix:///")) or any(
+            c.isspace() for c in self.engine_url
+        ):
+            raise ValueError(
+                f"engine_url {self.engine_url!r} must be http://host:port, https://... or "
+                "unix:///path/to.sock"
+            )
         if not (self.slot_start <= self.rank < self.slot_start + self.slot_size):
             raise ValueError(
                 f"rank {self.rank} is outside its own slot "
@@ -300,6 +307,7 @@ class Registered(msgspec.Struct, tag="registered"):
     next_update_id: int
     protocol_version: int = PROTOCOL_VERSION
     daemon_version: str = ""
+    max_message_bytes: int = 0  # the daemon's frame cap (0: unknown); publishers check it
 
 
 class Ack(msgspec.Struct, tag="ack"):

@@ -473,3 +473,38 @@ def test_reregistration_during_update_fails_it():
     h.send(1, reg(1))
     assert any(isinstance(m, Error) and "re-registered" in m.message for m in h.replies[0])
     assert isinstance(h.last(1), Registered) and h.last(1).next_update_id == 1
+
+
+def test_unrecorded_session_on_engine_is_ended_and_start_retried_once():
+    h = Harness()
+    h.engine.active = True  # e.g. a daemon restarted without its state dir
+    h.register_all()
+    h.round(0, n_chunks=1)
+    assert h.engine.calls[:6] == [
+        "get_world_size", "init_weight_transfer_engine", "pause", "start_weight_update",
+        "finish_recover", "start_weight_update",
+    ]
+    assert isinstance(h.last(0), Ack) and h.last(0).phase == "commit"
+
+
+def test_conflicting_registration_fails_a_waiting_begin_for_every_rank():
+    h = Harness(size=3)
+    h.send(0, reg(0, size=3))
+    h.send(1, reg(1, size=3))
+    h.send(0, Begin(0, "v"))
+    h.send(2, reg(2, size=3, url="http://other:1"))
+    for r in (0, 1, 2):
+        err = h.last(r)
+        assert isinstance(err, Error) and "http://other:1" in err.message, (r, err)
+    assert not h.engine.calls
+
+
+def test_mismatch_names_differing_ranks_but_none_missing():
+    h = Harness()
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+    h.send(0, chunk(0, 0, 0, names=("a", "b")))
+    h.send(1, chunk(0, 0, 1, names=("a", "c")))
+    err = h.last(0)
+    assert err.missing_ranks == [] and "rank(s) [1]" in err.message

@@ -82,6 +82,8 @@ def test_precedence_file_env_flags(tmp_path):
     ("", {"SLOTSYNC_STATUS_PORT": "abc"}, [], "SLOTSYNC_STATUS_PORT='abc'"),
     ("", {}, ["--begin-timeout-s", "-1"], "begin_timeout_s must be > 0"),
     ("", {}, ["--log-format", "xml"], "log_format must be text|json"),
+    ("", {}, ["--chunk-timeout-s", "nan"], "chunk_timeout_s must be a finite number"),
+    ("", {"SLOTSYNC_BEGIN_TIMEOUT_S": "inf"}, [], "begin_timeout_s must be a finite number"),
     ("[[engines]]\nurl='a'\nslot_start=0\nslot_size=4\n[[engines]]\nurl='b'\nslot_start=2\n"
      "slot_size=4\n", {}, [], "overlaps slot"),
 ])
@@ -120,6 +122,45 @@ def test_second_daemon_on_same_socket_refuses(tmp_path):
         with pytest.raises(DaemonStartError, match="another slotsyncd is listening"):
             DaemonProcess(runtime_dir=str(tmp_path), log_path=str(tmp_path / "second.log"))
         assert first.status()["version"]  # the first one still serves
+
+
+def test_status_port_in_use_is_a_clear_error_and_leaves_no_socket(tmp_path):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "slotsync.daemon", "--runtime-dir",
+                          str(tmp_path), "--status-port", str(port)], capture_output=True,
+                         text=True, timeout=30)
+    busy.close()
+    assert out.returncode == 1
+    assert f"cannot serve status on 127.0.0.1:{port} (--status-port" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "slotsyncd.sock").exists()
+
+
+def test_frame_over_the_cap_gets_an_error_naming_the_cap(tmp_path):
+    import zmq
+
+    from slotsync.protocol import wire
+
+    with DaemonProcess(runtime_dir=str(tmp_path), args=["--max-message-bytes", "4096"]) as d:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(d.endpoint)
+        s.send(wire.encode(wire.Register(wire.PROTOCOL_VERSION, 0, wire.logical_gpu_uuid(0), 0,
+                                         1, "http://127.0.0.1:1", True, "shm")))
+        assert s.poll(5000)
+        reg = wire.decode_from_daemon(s.recv())
+        assert reg.max_message_bytes == 4096  # publishers learn the cap at registration
+        s.send(b"\x80" * 6000)
+        assert s.poll(5000)
+        err = wire.decode_from_daemon(s.recv())
+        assert isinstance(err, wire.Error) and "exceeds the 4096-byte cap" in err.message
+        s.close()
+        ctx.term()
+        assert 'slotsync_rejected_messages_total 1.0' in d.metrics()
 
 
 def test_stale_socket_file_is_reclaimed(tmp_path):

@@ -61,11 +61,11 @@ def test_gpu_uuid_normalized_to_torch_format(raw, want):
 
 
 def test_register_normalizes_uuid_and_rejects_garbage():
-    r = Register(PROTOCOL_VERSION, 0, "GPU-" + UUID.upper(), 0, 1, "u", True, "cuda")
+    r = Register(PROTOCOL_VERSION, 0, "GPU-" + UUID.upper(), 0, 1, "http://e:1", True, "cuda")
     assert decode_to_daemon(encode(r)).gpu_uuid == UUID
     bad = msgspec.msgpack.encode({"type": "register", "protocol_version": 1, "rank": 0,
                                   "gpu_uuid": "GPU-xyz", "slot_start": 0, "slot_size": 1,
-                                  "engine_url": "u", "packed": True, "transport": "cuda"})
+                                  "engine_url": "http://e:1", "packed": True, "transport": "cuda"})
     with pytest.raises(ProtocolError, match="not a GPU UUID"):
         decode_to_daemon(bad)
 
@@ -73,7 +73,7 @@ def test_register_normalizes_uuid_and_rejects_garbage():
 def test_rank_outside_its_slot_rejected():
     bad = msgspec.msgpack.encode({"type": "register", "protocol_version": 1, "rank": 5,
                                   "gpu_uuid": UUID, "slot_start": 0, "slot_size": 4,
-                                  "engine_url": "u", "packed": True, "transport": "cuda"})
+                                  "engine_url": "http://e:1", "packed": True, "transport": "cuda"})
     with pytest.raises(ProtocolError, match=r"rank 5 is outside its own slot \[0, 4\)"):
         decode_to_daemon(bad)
 
@@ -157,3 +157,12 @@ def test_fuzz_truncated_and_mutated_valid_frames(data):
         decode_to_daemon(bytes(mutated))
     except ProtocolError:
         pass
+
+
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "not a url", "ftp://x", ""])
+def test_register_refuses_engine_urls_that_are_not_http_or_unix(url):
+    bad = msgspec.msgpack.encode({"type": "register", "protocol_version": 1, "rank": 0,
+                                  "gpu_uuid": UUID, "slot_start": 0, "slot_size": 1,
+                                  "engine_url": url, "packed": True, "transport": "cuda"})
+    with pytest.raises(ProtocolError):
+        decode_to_daemon(bad)
