@@ -32,6 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: the demo's context managers have cleaned up
+        print("slotsync: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def _main(argv: list[str] | None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":

@@ -151,7 +151,8 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
     mode = "packed" if cfg.packed else "unpacked"
     transport = "CUDA IPC" if cfg.device == "cuda" else "shared memory (CPU)"
     say(f"slotsync demo: model {cfg.model} ({cfg.model.stat().st_size / 1e6:.1f} MB), "
-        f"{cfg.ranks} ranks in one engine slot, {cfg.rounds} rounds, {mode}, {transport}")
+        f"{_n(cfg.ranks, 'rank')} in one engine slot, {_n(cfg.rounds, 'round')}, {mode}, "
+        f"{transport}")
     with tempfile.TemporaryDirectory(prefix="slotsync-demo-") as tmp:
         t0 = time.perf_counter()
         with DaemonProcess(runtime_dir=tmp) as daemon, ReferenceEngine(
@@ -215,7 +216,8 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
                 f"start/finish per worker {starts}/{finishes}; paused={stats.get('paused')}")
             if st:
                 s = st[0]
-                say(f"  daemon: slot {s['slot']} state {s['state']}, updates ok "
+                say(f"  daemon: slot [{s['slot'][0]}, {s['slot'][1]}) state {s['state']}, "
+                    f"updates ok "
                     f"{s['updates_succeeded']}, failed {s['updates_failed']}"
                     + (f", last error: {s['last_error']}" if s["last_error"] else ""))
             if failures or done < cfg.ranks:
@@ -224,6 +226,10 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
                 return 1
     say("slotsync demo OK: every round's engine checksums equal the trainers'")
     return 0
+
+
+def _n(k: int, noun: str) -> str:
+    return f"{k} {noun}" + ("" if k == 1 else "s")
 
 
 def _verify(engine, want: dict[str, str], version: str) -> tuple[bool, str]:
@@ -267,23 +273,48 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
-def main_from_args(args: argparse.Namespace) -> int:
-    if args.ranks < 1 or args.rounds < 1:
-        print("slotsync demo: --ranks and --rounds must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        model = args.model or find_default_model()
-    except FileNotFoundError as e:
-        print(f"slotsync demo: {e}", file=sys.stderr)
-        return 2
-    if not Path(model).is_file():
-        print(f"slotsync demo: --model {model}: no such file", file=sys.stderr)
-        return 2
-    device = args.device
-    if device == "auto":
-        import torch
+def _check_model(path: Path) -> str | None:
+    """Why ``path`` cannot serve as the demo's model, or None."""
+    if path.is_dir():
+        return f"--model {path}: is a directory; give the .safetensors file inside it"
+    if not path.is_file():
+        return f"--model {path}: no such file"
+    from safetensors import SafetensorError, safe_open
 
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if not list(f.keys()):
+                return f"--model {path}: holds no tensors"
+    except (SafetensorError, OSError, ValueError) as e:
+        return f"--model {path}: not a safetensors file ({e})"
+    return None
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    def fail(text: str) -> int:
+        print(f"slotsync demo: {text}", file=sys.stderr)
+        return 2
+
+    if args.ranks < 1 or args.rounds < 1:
+        return fail("--ranks and --rounds must be >= 1")
+    if not args.timeout_s > 0:
+        return fail(f"--timeout-s must be > 0, got {args.timeout_s}")
+    if not args.staging_mb * 1024 * 1024 >= 1024:
+        return fail(f"--staging-mb must be at least 1 KiB (0.001), got {args.staging_mb}")
+    try:
+        model = Path(args.model or find_default_model())
+    except FileNotFoundError as e:
+        return fail(str(e))
+    problem = _check_model(model)
+    if problem:
+        return fail(problem)
+    device = args.device
+    import torch
+
+    if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        return fail("--device cuda, but no CUDA device is visible (use --device cpu)")
     cfg = DemoConfig(Path(model), args.ranks, args.rounds, args.packed, device,
                      int(args.staging_mb * 1024 * 1024), args.timeout_s, args.verbose)
     return run_demo(cfg)

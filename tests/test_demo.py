@@ -47,3 +47,17 @@ def test_verify_reports_a_mismatching_worker():
     assert not ok and "worker u1: 1 tensors differ (e.g. b)" in detail
     ok, detail = _verify(_Engine(), {"a": "1", "b": "2"}, "v2")
     assert not ok and "expected 'v2'" in detail
+
+
+@pytest.mark.parametrize("args,text", [
+    (["--model", "README.md"], "not a safetensors file"),
+    (["--model", "tests"], "is a directory"),
+    (["--timeout-s", "0"], "--timeout-s must be > 0"),
+    (["--staging-mb", "0.0001"], "--staging-mb must be at least 1 KiB"),
+    (["--ranks", "0"], "--ranks and --rounds must be >= 1"),
+])
+def test_bad_options_are_refused_before_anything_starts(args, text):
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "slotsync", "demo", *args], capture_output=True,
+                         text=True, cwd=root, timeout=60)
+    assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr
