@@ -34,6 +34,7 @@ from typing import Literal
 
 import torch
 import zmq
+
 from slotsync.protocol import wire
 from slotsync.protocol.errors import SlotsyncError, SlotsyncTimeout
 from slotsync.protocol.export import (
@@ -157,6 +158,11 @@ class Publisher:
 
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
+        # A fixed routing id: after a reconnect (daemon restart, dropped connection) the daemon
+        # (ROUTER_HANDOVER) still knows which registered rank is talking.
+        self._sock.setsockopt(
+            zmq.ROUTING_ID, f"slotsync-r{rank}-p{os.getpid()}-{os.urandom(4).hex()}".encode()
+        )
         try:
             self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
             self._sock.connect(endpoint)
@@ -267,7 +273,20 @@ class Publisher:
         self._num_chunks = 0
         self._bytes = 0
         self._send(wire.Begin(update_id=uid, weight_version=weight_version))
-        self._wait_ack("begin")
+        try:
+            self._wait_ack("begin")
+        except SlotsyncError as e:
+            if not (e.phase == "register" and "has not registered" in e.message):
+                raise
+            # The daemon restarted and forgot us: register again (learning its next update
+            # id) and begin once more.
+            log.info("rank %d: daemon does not know this rank; registering again", self.rank)
+            self._update_id = None
+            self.register()
+            uid = self._next_id
+            self._update_id = uid
+            self._send(wire.Begin(update_id=uid, weight_version=weight_version))
+            self._wait_ack("begin")
         log.debug("rank %d: update %d begun (weight version %s)", self.rank, uid, weight_version)
         return uid
 
@@ -555,8 +574,17 @@ class Publisher:
 
     def _send(self, msg: wire.ToDaemon) -> None:
         self._drain()
+        frame = wire.encode(msg)
+        cap = self.registered.max_message_bytes if self.registered else 0
+        if cap and len(frame) > cap:
+            n = len(msg.names) if isinstance(msg, wire.Chunk) else 0
+            raise ValueError(
+                f"{type(msg).__name__} of {n} tensors encodes to {len(frame)} bytes, over the "
+                f"daemon's max_message_bytes of {cap}: send fewer tensors per chunk (a smaller "
+                "staging_bytes) or raise the daemon's --max-message-bytes"
+            )
         try:
-            self._sock.send(wire.encode(msg))
+            self._sock.send(frame)
         except zmq.Again:
             raise SlotsyncTimeout(
                 type(msg).__name__.lower(),

@@ -338,3 +338,32 @@ def test_sigkill_mid_update_then_restart_keeps_engine_paused_and_recovers(tmp_pa
         assert json.loads((tmp_path / "rt" / "inflight.json").read_text())["slots"] == []
     stats = clean_engine.request("GET", "/_slotsync/stats")[1]
     assert stats["paused"] is False and not any(w["active"] for w in stats["workers"])
+
+
+@pytest.mark.slow
+def test_publisher_reregisters_after_daemon_restart_and_checks_the_frame_cap(tmp_path):
+    torch = pytest.importorskip("torch")
+    from slotsync.engine.launcher import ReferenceEngine
+    from slotsync.protocol.publisher import Publisher
+
+    rt = str(tmp_path / "rt")
+    named = [(f"w{i}", torch.full((4,), float(i))) for i in range(3)]
+    with ReferenceEngine(workers=1) as eng:
+        d1 = DaemonProcess(runtime_dir=rt)
+        with Publisher(d1.endpoint, 0, (0, 1), eng.url, transport="shm", timeout_s=10) as pub:
+            pub.register()
+            pub.publish(named, "v1")
+            d1.stop()
+            with DaemonProcess(runtime_dir=rt):  # same socket path, no memory of the rank
+                pub.publish(named, "v2")  # registers again by itself
+            assert eng.request("GET", "/weight_info")[1]["weight_version"] == "v2"
+        with DaemonProcess(runtime_dir=rt, args=["--max-message-bytes", "4096"]) as d3:
+            many = [(f"layer.{i}.a.rather.long.parameter.name.weight", torch.zeros(1))
+                    for i in range(200)]
+            with Publisher(d3.endpoint, 0, (0, 1), eng.url, transport="shm", packed=False,
+                           timeout_s=10) as pub:
+                pub.register()
+                with pytest.raises(ValueError, match="over the daemon's max_message_bytes of "
+                                                     "4096"):
+                    pub.publish(many, "v3")
+        d1.stop()
