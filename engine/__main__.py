@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=None, help="safetensors file loaded on every worker")
     p.add_argument(
+        "--discard",
+        action="store_true",
+        help="benchmark mode: validate every update_info as usual (unpickle, lengths, GPU "
+        "UUIDs) but map no memory and store nothing",
+    )
+    p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for the workers"
     )
     return p
@@ -93,7 +99,10 @@ def build_specs(args: argparse.Namespace) -> list[WorkerSpec]:
                 raise SystemExit("--device cuda but no CUDA device is visible")
             idx = list(range(n)) if count >= n else [0] * n
         devices = [f"cuda:{i}" for i in idx]
-    return [WorkerSpec(i, devices[i], uuids[i], args.model) for i in range(n)]
+    return [
+        WorkerSpec(i, devices[i], uuids[i], args.model, discard=args.discard)
+        for i in range(n)
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -102,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     specs = build_specs(args)
 
     from aiohttp import web
+
     from slotsync.engine.server import EngineApp, WorkerPool
 
     pool = WorkerPool(specs, startup_timeout_s=args.startup_timeout)

@@ -52,6 +52,7 @@ class ReferenceEngine:
         env: extra environment variables for the subprocess.
         log_path: file receiving the subprocess's stdout and stderr (default: a temp file,
             deleted by :meth:`stop`).
+        discard: start the engine with ``--discard`` (validate updates, load nothing).
 
     The engine starts in the constructor unless ``start=False``; :meth:`stop` (also run by
     the context manager) terminates it, then kills it after a grace period.
@@ -70,8 +71,10 @@ class ReferenceEngine:
         env: dict[str, str] | None = None,
         log_path: str | os.PathLike[str] | None = None,
         start: bool = True,
+        discard: bool = False,
     ) -> None:
         self.workers = workers
+        self.discard = discard
         self.device = device
         self.host = host
         self.port = port or free_port(host)
@@ -119,6 +122,8 @@ class ReferenceEngine:
             cmd += ["--cuda-devices", ",".join(str(i) for i in self._cuda_devices)]
         if self._model is not None:
             cmd += ["--model", self._model]
+        if self.discard:
+            cmd += ["--discard"]
         return cmd
 
     def log_tail(self, n_chars: int = 4000) -> str:

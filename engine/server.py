@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from aiohttp import web
+
 from slotsync.engine.worker import WorkerSpec, worker_main
 
 PAUSE_MODES = ("abort", "wait", "keep")

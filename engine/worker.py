@@ -42,6 +42,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+
 from slotsync.daemon.vllm_pickle import SHM_TAG
 from slotsync.engine.checksum import tensor_checksum
 
@@ -79,12 +80,17 @@ class WorkerSpec:
             (``str(torch.cuda.get_device_properties(i).uuid)``).
         model_path: safetensors file loaded as the initial weights, or ``None`` (then any
             names are accepted by updates and create entries).
+        discard: benchmark mode: ``update_weights`` parses and validates ``update_info``
+            exactly as usual (unpickle, lengths, this worker's GPU UUID present, handle
+            shape, packed sizes) but maps no memory and stores nothing, so a control-plane
+            benchmark can send synthetic handles without a GPU.
     """
 
     index: int
     device: str
     gpu_uuid: str | None
     model_path: str | None
+    discard: bool = False
 
 
 @dataclass
@@ -114,7 +120,16 @@ def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
     n = 1
     for d in shape:
         n *= int(d)
-    return n * torch.empty(0, dtype=dtype).element_size()
+    return n * dtype.itemsize  # (torch.empty(0).element_size() cost ~2 us per tensor)
+
+
+def _check_args(args: Any) -> None:
+    """Discard mode: the handle value must look like one ``_materialize`` would accept."""
+    if isinstance(args, (tuple, list)) and (
+        len(args) == 15 or (len(args) == 4 and args[0] == SHM_TAG)
+    ):
+        return
+    raise ValueError(f"unrecognized IPC handle args of type {type(args).__name__}")
 
 
 def parse_update_info(update_info: Any, packed: bool) -> ParsedUpdate:
@@ -249,6 +264,7 @@ class WorkerState:
                 raise ValueError("a CPU worker needs an explicit (logical) GPU UUID")
             self.gpu_uuid = spec.gpu_uuid
         self.strict = spec.model_path is not None
+        self.discard = spec.discard
         self.weights: dict[str, torch.Tensor] = {}
         if spec.model_path is not None:
             from safetensors.torch import load_file
@@ -298,7 +314,8 @@ class WorkerState:
         try:
             if inject:
                 raise RuntimeError(inject)
-            n = self._load_chunk(parse_update_info(update_info, self.packed))
+            parsed = parse_update_info(update_info, self.packed)
+            n = self._check_only(parsed) if self.discard else self._load_chunk(parsed)
         except BaseException:
             self.active = False
             raise
@@ -381,6 +398,27 @@ class WorkerState:
                 "vLLM 0.27+ expects the args tuple alone"
             )
         raise ValueError(f"unrecognized IPC handle args of type {type(args).__name__}")
+
+    def _check_only(self, p: ParsedUpdate) -> int:
+        """Discard mode: every check of a load that needs no memory; returns the chunk's
+        bytes (as a load would report them) without mapping or storing anything."""
+        if p.tensor_sizes is not None:  # packed
+            _check_args(self._handle_for_me(p.handles))
+            for name, dt, shape, size in zip(
+                p.names, p.dtypes, p.shapes, p.tensor_sizes, strict=True
+            ):
+                want = _nbytes(dt, shape)
+                if size != want:
+                    raise ValueError(
+                        f"tensor {name!r}: tensor_sizes says {size} bytes, shape {shape} of "
+                        f"{dt} is {want} bytes"
+                    )
+            return sum(p.tensor_sizes)
+        total = 0
+        for dt, shape, by_uuid in zip(p.dtypes, p.shapes, p.handles, strict=True):
+            _check_args(self._handle_for_me(by_uuid))
+            total += _nbytes(dt, shape)
+        return total
 
     def _tensors(self, p: ParsedUpdate) -> list[tuple[str, torch.Tensor]]:
         out: list[tuple[str, torch.Tensor]] = []

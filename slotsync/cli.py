@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="show the daemon's slots (exit 1 if one failed, 2 if "
                         "the daemon is unreachable)", description=status_cli.__doc__)
     status_cli.build_parser(st)
+    from slotsync.bench import cli as bench_cli
+
+    b = sub.add_parser("bench", help="control-plane (CPU) and data-plane (GPU) benchmarks")
+    bench_cli.build_parser(b)
     return p
 
 
@@ -46,6 +50,10 @@ def _main(argv: list[str] | None) -> None:
         from slotsync import demo
 
         sys.exit(demo.main_from_args(args))
+    if args.command == "bench":
+        from slotsync.bench import cli as bench_cli
+
+        sys.exit(bench_cli.main_from_args(args))
     if args.command == "status":
         from slotsync import status_cli
 

@@ -1,0 +1,322 @@
+"""``slotsync bench``: control-plane (CPU) and data-plane (GPU) benchmarks.
+
+``slotsync bench control`` runs N trainer-rank processes against a real ``slotsyncd`` and a
+discarding reference engine, side by side with the in-trainer baseline (Gloo
+``all_gather_object`` + coordinator pickle + POST) in the same processes, and prints per-chunk
+and per-round medians, p99 and the ratio slotsync / baseline; ``--sweep`` adds the scaling runs
+(ranks, slots, tensors per round, rounds served) and a PNG plot. ``slotsync bench gpu`` pushes a
+Qwen3-30B-A3B-shaped state dict through publisher, daemon and engine by CUDA IPC and compares
+with a plain device-to-device copy. Both rewrite their section of ``--report`` (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+from slotsync.bench.control import SYSTEMS, Phase, SystemTimes, median, ms, p99, run_session
+from slotsync.bench.model import Qwen3MoeConfig, chunk_specs, qwen3_moe_specs, uniform_specs
+from slotsync.bench.report import command_line, machine_line, table, update_section
+
+MiB = 1 << 20
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``control`` and ``gpu`` subcommands to ``p`` (``slotsync bench``)."""
+    sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
+    c = sub.add_parser("control", help="control plane on CPU: slotsync vs in-trainer baseline",
+                       description=__doc__)
+    c.add_argument("--ranks", type=int, default=8, help="trainer ranks per slot (default 8)")
+    c.add_argument("--slots", type=int, default=1, help="engine slots on the daemon (default 1)")
+    c.add_argument("--rounds", type=int, default=4, help="rounds per system, warm-up included")
+    c.add_argument("--warmup", type=int, default=1, help="first rounds not counted (default 1)")
+    c.add_argument("--tensors", type=int, default=None,
+                   help="N uniform 3 MiB tensors per round instead of Qwen3-30B-A3B")
+    c.add_argument("--layers", type=int, default=48, help="Qwen3-30B-A3B layers (default 48)")
+    c.add_argument("--modes", default="packed,unpacked", help="packed,unpacked (default both)")
+    c.add_argument("--systems", default="slotsync,baseline", help="slotsync,baseline")
+    c.add_argument("--staging-mb", type=int, default=512, help="chunk size in MiB (default 512)")
+    c.add_argument("--engine-url", action="append", default=None,
+                   help="use this engine (one per slot) instead of a discarding reference one")
+    c.add_argument("--sweep", action="store_true",
+                   help="also run the scaling sweep (ranks x tensors, slots, rounds served)")
+    c.add_argument("--sweep-ranks", type=_ints, default=[1, 2, 4, 8])
+    c.add_argument("--sweep-tensors", type=_ints, default=[100, 1000, 10000, 100000])
+    c.add_argument("--sweep-slots", type=_ints, default=[1, 2, 4, 8])
+    c.add_argument("--sweep-rounds", type=int, default=3, help="rounds per sweep point")
+    c.add_argument("--growth-rounds", type=int, default=100,
+                   help="rounds of the rounds-served check (sweep only; default 100)")
+    c.add_argument("--plot", default="bench/scaling.png", help="PNG of the sweep")
+    c.add_argument("--report", default="BENCHMARKS.md", help="Markdown report ('' for none)")
+    g = sub.add_parser("gpu", help="data plane by CUDA IPC vs a plain device-to-device copy",
+                       description=__doc__)
+    g.add_argument("--ranks", type=int, default=1, help="ranks (logical GPUs on cuda:0)")
+    g.add_argument("--layers", type=int, default=16,
+                   help="Qwen3-30B-A3B layers kept (default 16 of 48, to fit on one GPU)")
+    g.add_argument("--experts", type=int, default=128)
+    g.add_argument("--vocab", type=int, default=151936)
+    g.add_argument("--hidden", type=int, default=2048)
+    g.add_argument("--rounds", type=int, default=3, help="rounds per configuration (first "
+                   "not counted)")
+    g.add_argument("--staging-mb", type=_ints, default=[512, 1024, 4096],
+                   help="packed staging sizes in MiB (default 512,1024,4096)")
+    g.add_argument("--no-unpacked", action="store_true", help="skip the unpacked run")
+    g.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: the same path over shared memory (dry run)")
+    g.add_argument("--report", default="BENCHMARKS.md", help="Markdown report ('' for none)")
+    return p
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark; 0 on success, 2 without a subcommand."""
+    if args.bench_command == "control":
+        return control_main(args)
+    if args.bench_command == "gpu":
+        return gpu_main(args)
+    print("usage: slotsync bench {control,gpu} ...  (see --help)", file=sys.stderr)
+    return 2
+
+
+# ------------------------------------------------------------------------------- control
+
+
+def _say(out: list[str], line: str = "") -> None:
+    print(line, flush=True)
+    out.append(line)
+
+
+def _rows_for(times: dict[str, SystemTimes]) -> list[list[str]]:
+    rows = []
+    for s, t in times.items():
+        rows.append([s, ms(median(t.chunk_s)), ms(p99(t.chunk_s)), ms(median(t.engine_s)),
+                     ms(median(t.round_s)), ms(p99(t.round_s)), str(len(t.round_s))])
+    if "slotsync" in times and "baseline" in times:
+        a, b = times["slotsync"], times["baseline"]
+        rows.append(["**ratio** slotsync / baseline",
+                     f"**{median(a.chunk_s) / median(b.chunk_s):.2f}**",
+                     f"{p99(a.chunk_s) / p99(b.chunk_s):.2f}", "",
+                     f"**{median(a.round_s) / median(b.round_s):.2f}**",
+                     f"{p99(a.round_s) / p99(b.round_s):.2f}", ""])
+    return rows
+
+
+HEAD = ["system", "chunk median ms", "chunk p99 ms", "engine call ms/chunk",
+        "round median ms", "round p99 ms", "rounds"]
+
+
+def control_main(args: argparse.Namespace) -> int:
+    """``slotsync bench control``: side by side, then (``--sweep``) scaling."""
+    out: list[str] = []
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    if any(m not in ("packed", "unpacked") for m in modes) or any(
+        s not in SYSTEMS for s in systems
+    ):
+        print("--modes takes packed,unpacked; --systems slotsync,baseline", file=sys.stderr)
+        return 2
+    if args.tensors is None:
+        specs = qwen3_moe_specs(Qwen3MoeConfig(layers=args.layers))
+        what = (f"Qwen3-30B-A3B ({args.layers} layers): {len(specs)} tensors, "
+                f"{sum(s.nbytes for s in specs) / 1e9:.1f} GB bf16 per rank")
+    else:
+        specs = uniform_specs(args.tensors)
+        what = f"{args.tensors} uniform tensors of 768x2048 bf16 (3 MiB)"
+    staging = args.staging_mb * MiB
+    nchunks = len(chunk_specs(specs, staging))
+    _say(out, "## Control plane (CPU): `slotsync bench control`")
+    _say(out)
+    _say(out, f"- command: `{command_line()}`")
+    _say(out, f"- machine: {machine_line()}")
+    _say(out, f"- round: {what}, {args.staging_mb} MiB chunks -> {nchunks} chunks per round; "
+              f"{args.ranks} ranks x {args.slots} slot(s); {args.rounds} rounds per system "
+              f"({args.warmup} warm-up not counted), systems interleaved A/B/B/A")
+    engine = ("`" + " ".join(args.engine_url) + "`" if args.engine_url else
+              "reference engine, `--discard` (parses every update_info, maps nothing)")
+    _say(out, f"- engine: {engine}, {args.ranks} workers per slot")
+    _say(out, "- per chunk: on the slot coordinator, from building the chunk's message to its "
+              "ack (slotsync) / to the barrier after the POST (baseline); per round: slowest "
+              "rank, begin to commit ack (slotsync) / pause+start to finish+resume (baseline); "
+              "engine call: the `/update_weights` HTTP time per chunk (daemon's metric / "
+              "coordinator's clock)")
+    contended = args.ranks * args.slots + args.slots * (args.ranks + 1) + 1
+    import os
+
+    _say(out, f"- **CPU contention**: {contended} busy processes (ranks, engine workers and "
+              f"front, daemon) share {os.cpu_count()} cores; every figure includes that")
+    _say(out)
+    t_all = time.perf_counter()
+    for mode in modes:
+        t0 = time.perf_counter()
+        res = run_session(args.ranks, args.slots, mode == "packed",
+                          [Phase("main", args.tensors, args.rounds, args.warmup, args.layers)],
+                          systems=systems, staging_bytes=staging, engine_urls=args.engine_url)
+        _say(out, f"### {mode} ({time.perf_counter() - t0:.0f} s wall)")
+        _say(out)
+        _say(out, table(HEAD, _rows_for(res["main"])))
+        _say(out)
+    if args.sweep:
+        _sweep(args, out, staging)
+    _say(out, f"_total {time.perf_counter() - t_all:.0f} s_")
+    if args.report:
+        update_section(args.report, "control", "\n".join(out))
+        print(f"wrote section 'control' of {args.report}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace, out: list[str], staging: int) -> None:
+    """Scaling: ranks x tensors per round (packed), slots per daemon, rounds served."""
+    _say(out, "### Scaling (packed, uniform 3 MiB tensors)")
+    _say(out)
+    by_ranks: dict[int, dict[int, dict[str, float]]] = {}
+    rows = []
+    for n in args.sweep_ranks:
+        phases = [Phase(f"t{k}", k, args.sweep_rounds, 1) for k in args.sweep_tensors]
+        res = run_session(n, 1, True, phases, staging_bytes=staging)
+        by_ranks[n] = {}
+        for k in args.sweep_tensors:
+            r = res[f"t{k}"]
+            a, b = median(r["slotsync"].round_s), median(r["baseline"].round_s)
+            by_ranks[n][k] = {"slotsync": a, "baseline": b}
+            rows.append([str(n), str(k), str(len(chunk_specs(uniform_specs(k), staging))),
+                         ms(median(r["slotsync"].chunk_s)), ms(median(r["baseline"].chunk_s)),
+                         ms(a), ms(b), f"{a / b:.2f}"])
+            print(f"  ranks {n} tensors {k}: round {ms(a)} vs {ms(b)} ms", flush=True)
+    _say(out, "Ranks per slot x tensors per round (1 slot):")
+    _say(out)
+    _say(out, table(["ranks", "tensors", "chunks", "slotsync chunk ms", "baseline chunk ms",
+                     "slotsync round ms", "baseline round ms", "ratio"], rows))
+    _say(out)
+    k_slots = 1000
+    rows = []
+    by_slots: dict[int, dict[str, float]] = {}
+    for s in args.sweep_slots:
+        res = run_session(1, s, True, [Phase("s", k_slots, args.sweep_rounds, 1)],
+                          staging_bytes=staging)
+        r = res["s"]
+        a, b = median(r["slotsync"].round_s), median(r["baseline"].round_s)
+        by_slots[s] = {"slotsync": a, "baseline": b}
+        rows.append([str(s), ms(median(r["slotsync"].chunk_s)), ms(median(r["baseline"].chunk_s)),
+                     ms(a), ms(b), f"{a / b:.2f}"])
+        print(f"  slots {s}: round {ms(a)} vs {ms(b)} ms", flush=True)
+    _say(out, f"Slots per daemon (1 rank and one 1-worker engine per slot, {k_slots} tensors):")
+    _say(out)
+    _say(out, table(["slots", "slotsync chunk ms", "baseline chunk ms", "slotsync round ms",
+                     "baseline round ms", "ratio"], rows))
+    _say(out)
+    g = args.growth_rounds
+    res = run_session(2, 1, True, [Phase("g", 1000, g, 0)], systems=("slotsync",),
+                      staging_bytes=staging)
+    t = res["g"]["slotsync"]
+    first = [x for x, r in zip(t.chunk_s, t.chunk_round, strict=True) if r < 10]
+    last = [x for x, r in zip(t.chunk_s, t.chunk_round, strict=True) if r >= g - 10]
+    eng_first, eng_last = t.engine_s[:10], t.engine_s[-10:]
+    _say(out, f"Rounds served ({g} rounds of 1000 tensors, 2 ranks, slotsync only, one daemon):")
+    _say(out)
+    _say(out, table(["rounds", "chunk median ms", "chunk p99 ms", "engine call ms/chunk",
+                     "daemon+wire ms/chunk (chunk - engine)"], [
+        ["first 10", ms(median(first)), ms(p99(first)), ms(median(eng_first)),
+         ms(median(first) - median(eng_first))],
+        [f"last 10 (of {g})", ms(median(last)), ms(p99(last)), ms(median(eng_last)),
+         ms(median(last) - median(eng_last))],
+    ]))
+    _say(out)
+    if args.plot:
+        _plot(args.plot, by_ranks, by_slots)
+        _say(out, f"Plot: `{args.plot}` (time per round against tensors per round, per ranks; "
+                  "and against slots).")
+        _say(out)
+
+
+def _plot(path: str, by_ranks: dict[int, dict[int, dict[str, float]]],
+          by_slots: dict[int, dict[str, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for i, (n, pts) in enumerate(sorted(by_ranks.items())):
+        ks = sorted(pts)
+        color = f"C{i}"
+        ax1.plot(ks, [pts[k]["slotsync"] for k in ks], "o-", color=color,
+                 label=f"slotsync, {n} ranks")
+        ax1.plot(ks, [pts[k]["baseline"] for k in ks], "x--", color=color,
+                 label=f"baseline, {n} ranks")
+    ax1.set(xscale="log", yscale="log", xlabel="tensors per round",
+            ylabel="seconds per round (median)", title="Packed, 1 slot")
+    ax1.legend(fontsize=7)
+    ss = sorted(by_slots)
+    ax2.plot(ss, [by_slots[s]["slotsync"] for s in ss], "o-", label="slotsync")
+    ax2.plot(ss, [by_slots[s]["baseline"] for s in ss], "x--", label="baseline")
+    ax2.set(xlabel="slots per daemon (1 rank each)", ylabel="seconds per round (median)",
+            title="1000 tensors per round")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------- gpu
+
+
+def gpu_main(args: argparse.Namespace) -> int:
+    """``slotsync bench gpu``."""
+    from slotsync.bench.gpu import GpuConfig, run_gpu
+
+    out: list[str] = []
+    model = Qwen3MoeConfig(layers=args.layers, experts=args.experts, vocab=args.vocab,
+                           hidden=args.hidden)
+    specs = qwen3_moe_specs(model)
+    configs = [GpuConfig(f"packed {mb} MiB", True, mb * MiB) for mb in args.staging_mb]
+    if not args.no_unpacked:
+        configs.append(GpuConfig(f"unpacked ({min(args.staging_mb)} MiB chunks)", False,
+                                 min(args.staging_mb) * MiB))
+    _say(out, "## Data plane (GPU): `slotsync bench gpu`")
+    _say(out)
+    _say(out, f"- command: `{command_line()}`")
+    dev = args.device
+    gpu = ""
+    if dev == "cuda":
+        import torch
+
+        gpu = f", GPU {torch.cuda.get_device_name(0)}, torch CUDA {torch.version.cuda}"
+    _say(out, f"- machine: {machine_line()}{gpu}")
+    _say(out, f"- state dict: Qwen3-30B-A3B shapes **with {args.layers} of 48 layers** "
+              f"(so that trainer and engine copies fit on one GPU): {len(specs)} tensors, "
+              f"{sum(s.nbytes for s in specs) / 1e9:.2f} GB bf16 per rank; {args.ranks} rank(s) "
+              f"on {'cuda:0 with logical GPU UUIDs' if dev == 'cuda' else 'CPU (shared memory)'}")
+    _say(out, "- engine: reference engine loading every chunk like vLLM (packed: clone out of "
+              "the mapped buffer, copy into the weight)")
+    _say(out, f"- round = begin .. commit ack, slowest rank; median of rounds 2..{args.rounds}")
+    _say(out)
+    res = run_gpu(configs, ranks=args.ranks, model=model, rounds=args.rounds, device=dev,
+                  log=lambda s: _say(out, "- " + s.strip()))
+    _say(out)
+    total = res.ranks * res.nbytes_per_rank
+    rows = [["plain D2D copy (`dst.copy_(src)`, best of 5)", "1", f"{res.copy_s:.4f}",
+             f"{total / res.copy_s / 1e9:.0f}", "1.0"]]
+    for cfg, secs, chunks in res.rows:
+        m = statistics.median(secs)
+        rows.append([f"{cfg.label} (staging {cfg.staging_bytes // MiB} MiB)", str(chunks),
+                     f"{m:.4f}", f"{total / m / 1e9:.1f}", f"**{m / res.copy_s:.1f}**"])
+    _say(out, table(["path", "chunks/round", "seconds/round", "GB/s", "x copy"], rows))
+    _say(out)
+    if args.report:
+        update_section(args.report, "gpu", "\n".join(out))
+        print(f"wrote section 'gpu' of {args.report}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m slotsync.bench``."""
+    p = argparse.ArgumentParser(prog="python -m slotsync.bench", description=__doc__)
+    build_parser(p)
+    a: Any = p.parse_args(argv)
+    sys.exit(main_from_args(a))

@@ -1,0 +1,477 @@
+"""``slotsync bench control``: the control plane on CPU, slotsync against the in-trainer baseline.
+
+What is measured, side by side in one run (the same rank processes, the same engine, rounds
+interleaved A/B/B/A so that drift hits both alike):
+
+* **slotsync**: every rank is a real process with a ZeroMQ DEALER socket to a real
+  ``slotsyncd`` (``DaemonProcess``) speaking ``slotsync.protocol.wire``: Register once, then per
+  round Begin / Chunk x N / Commit, each step waiting for the daemon's Ack, exactly as
+  ``Publisher`` does. There is no GPU, so each rank turns synthetic ``reduce_tensor`` argument
+  tuples (fake handle bytes, distinct ref-counter offsets per export so that no cache is
+  flattered) into ``CudaIpcHandle`` records with ``export.handle_from_reduce_args`` -- the
+  publisher's own code -- inside the timed region.
+* **baseline** (what slime / vime / verl do inside the trainer today): per chunk every rank
+  ``torch.distributed.all_gather_object``\\ s ``(gpu_uuid, [args, ...])`` over a Gloo group of
+  the slot; the slot coordinator (lowest rank) merges the dicts, ``pickle.dumps`` the real
+  torch-format args (``torch.Tensor``, ``torch.Size``, ``TypedStorage``, ``torch.bfloat16``
+  ...), base64-encodes, POSTs ``/update_weights`` over a kept-alive HTTP connection; then a
+  barrier of the slot (no rank may reuse its buffer before the engine consumed the chunk).
+  Around the chunks: pause(keep) + start, finish(version) + resume, as vLLM's examples.
+
+Both drive the same reference engine (``python -m slotsync.engine --discard``: it parses every
+``update_info`` as usual -- JSON, base64, unpickle, lengths, every worker finds its GPU UUID --
+but maps no memory), or any ``--engine-url`` speaking the vLLM contract.
+
+Times are wall-clock seconds from ``time.perf_counter``: per chunk on the slot coordinator
+(from building the chunk's message to its ack / the barrier after the POST), per round the
+slowest rank's begin-to-commit-ack.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import re
+import statistics
+import time
+import traceback
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from slotsync.bench.model import (
+    Qwen3MoeConfig,
+    TensorSpec,
+    chunk_specs,
+    qwen3_moe_specs,
+    uniform_specs,
+)
+
+SYSTEMS = ("slotsync", "baseline")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One measured configuration inside a rank session: the round's tensors and how many
+    rounds (``warmup`` of them not counted)."""
+
+    label: str
+    tensors: int | None  # None: Qwen3-30B-A3B (``layers`` layers); else uniform 3 MiB tensors
+    rounds: int
+    warmup: int = 1
+    layers: int = 48
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """What every rank process of one session needs (picklable for the spawn context)."""
+
+    ranks_per_slot: int
+    slots: int
+    packed: bool
+    staging_bytes: int
+    endpoint: str
+    engine_urls: tuple[str, ...]
+    status_url: str
+    gloo_port: int
+    phases: tuple[Phase, ...]
+    systems: tuple[str, ...]
+    timeout_s: float = 300.0
+
+    @property
+    def world(self) -> int:
+        return self.ranks_per_slot * self.slots
+
+
+@dataclass
+class SystemTimes:
+    """Measured rounds of one system in one phase (seconds)."""
+
+    chunk_s: list[float] = field(default_factory=list)  # slot coordinator of slot 0
+    chunk_round: list[int] = field(default_factory=list)  # round index of each chunk_s entry
+    round_s: list[float] = field(default_factory=list)  # slowest rank, per measured round
+    engine_s: list[float] = field(default_factory=list)  # engine HTTP time per chunk (mean/round)
+
+
+# ------------------------------------------------------------------------------- rank side
+
+
+def _specs(phase: Phase) -> list[TensorSpec]:
+    if phase.tensors is None:
+        return qwen3_moe_specs(Qwen3MoeConfig(layers=phase.layers))
+    return uniform_specs(phase.tensors)
+
+
+class _FakeExports:
+    """Synthetic ``reduce_tensor(t)[1]`` tuples, standing in for real CUDA exports.
+
+    Every call gives fresh ref-counter offsets (torch allocates one per export), so neither
+    system can hit a cache a real round would miss.
+    """
+
+    def __init__(self, rank: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.rank = rank
+        self.counter = 0
+        self.ipc = bytes([rank % 256]) * 66  # torch: 64-byte cudaIpcMemHandle + framing
+        self.ref = f"/torch_{os.getpid()}_{rank}_ref".encode()
+        self.event = bytes([(rank + 1) % 256]) * 64
+
+    def args(self, shape: Sequence[int], dtype: Any, nbytes: int, offset: int) -> tuple:
+        self.counter += 1
+        stride = []
+        acc = 1
+        for d in reversed(shape):
+            stride.append(acc)
+            acc *= d
+        t = self.torch
+        # New bytes objects per export, as torch's _share_cuda_ returns: pickle's memo must
+        # not share them across handles (it would, for one reused object).
+        tag = self.counter.to_bytes(4, "little")
+        return (t.Tensor, t.Size(shape), tuple(reversed(stride)), 0, t.storage.TypedStorage,
+                dtype, 0, self.ipc[:-4] + tag, nbytes, offset, False, self.ref + b"",
+                self.counter * 8, self.event[:-4] + tag, True)
+
+    def chunk(self, specs: list[TensorSpec], packed: bool) -> list[tuple]:
+        """The chunk's exports: packed one uint8 buffer, unpacked one per tensor."""
+        t = self.torch
+        if packed:
+            total = sum(s.nbytes for s in specs)
+            return [self.args((total,), t.uint8, total, 0)]
+        out, off = [], 0
+        for s in specs:
+            out.append(self.args(s.shape, getattr(t, s.dtype), s.nbytes, off))
+            off += s.nbytes
+        return out
+
+
+class _DaemonLink:
+    """A rank's DEALER socket to slotsyncd: send a wire message, wait for the matching ack."""
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        import zmq
+
+        self.zmq = zmq
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(endpoint)
+        self.timeout_ms = int(timeout_s * 1000)
+
+    def send(self, msg: Any) -> None:
+        from slotsync.protocol import wire
+
+        self.sock.send(wire.encode(msg))
+
+    def wait(self, phase: str, index: int = -1) -> Any:
+        from slotsync.protocol import wire
+
+        while True:
+            if not self.sock.poll(self.timeout_ms):
+                raise TimeoutError(f"no {phase} ack from slotsyncd")
+            m = wire.decode_from_daemon(self.sock.recv())
+            if isinstance(m, wire.Error):
+                raise RuntimeError(f"slotsyncd error in {m.phase}: {m.message}")
+            if isinstance(m, wire.Registered) and phase == "register":
+                return m
+            if isinstance(m, wire.Ack) and m.phase == phase and (index < 0 or m.index == index):
+                return m
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def _engine_seconds(status_url: str) -> tuple[float, float]:
+    """(sum of seconds, count) of the daemon's ``update_weights`` calls, from ``/metrics``."""
+    try:
+        with urllib.request.urlopen(status_url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0, 0.0
+    got = {}
+    for kind in ("sum", "count"):
+        m = re.search(
+            rf'^slotsync_vllm_request_duration_seconds_{kind}\{{[^}}]*route="update_weights"'
+            rf"[^}}]*\}} ([0-9.e+-]+)$",
+            text,
+            re.M,
+        )
+        got[kind] = float(m.group(1)) if m else 0.0
+    return got["sum"], got["count"]
+
+
+class _Http:
+    """One kept-alive HTTP/1.1 connection to an engine (the baseline coordinator's client)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        m = re.match(r"^http://([^:/]+):(\d+)/?$", url)
+        if not m:
+            raise ValueError(f"baseline needs an http://host:port engine URL, got {url!r}")
+        self.conn = http.client.HTTPConnection(m.group(1), int(m.group(2)), timeout=timeout_s)
+
+    def post(self, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        self.conn.request("POST", path, body=data, headers=headers)
+        resp = self.conn.getresponse()
+        raw = resp.read()
+        if resp.status >= 400:
+            raise RuntimeError(f"POST {path} -> {resp.status}: {raw[:500]!r}")
+        return json.loads(raw) if raw else None
+
+
+def _rank_main(rank: int, plan: SessionPlan, results: Any) -> None:
+    """Entry point of one rank process (spawn context); puts ("result", rank, data) or
+    ("error", rank, traceback) on ``results``."""
+    try:
+        results.put(("result", rank, _rank_session(rank, plan)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def _rank_session(rank: int, plan: SessionPlan) -> dict[str, dict[str, dict[str, list]]]:
+    import datetime
+
+    import torch.distributed as dist
+
+    from slotsync.protocol import wire
+    from slotsync.protocol.export import handle_from_reduce_args
+
+    slot = rank // plan.ranks_per_slot
+    start = slot * plan.ranks_per_slot
+    coordinator = rank == start
+    uuid = wire.logical_gpu_uuid(rank - start)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{plan.gloo_port}", rank=rank,
+        world_size=plan.world, timeout=datetime.timedelta(seconds=plan.timeout_s),
+    )  # fmt: skip
+    # new_group is collective: every rank creates every slot's group, in the same order.
+    groups = [dist.new_group(list(range(s * plan.ranks_per_slot, (s + 1) * plan.ranks_per_slot)))
+              for s in range(plan.slots)]
+    group = groups[slot]
+    engine_url = plan.engine_urls[slot]
+    http = _Http(engine_url, plan.timeout_s) if coordinator and "baseline" in plan.systems else None
+    link = None
+    if "slotsync" in plan.systems:
+        link = _DaemonLink(plan.endpoint, plan.timeout_s)
+        link.send(wire.Register(
+            protocol_version=wire.PROTOCOL_VERSION, rank=rank, gpu_uuid=uuid, slot_start=start,
+            slot_size=plan.ranks_per_slot, engine_url=engine_url, packed=plan.packed,
+            transport="cuda", pid=os.getpid(),
+        ))  # fmt: skip
+        next_id = link.wait("register").next_update_id
+    fake = _FakeExports(rank)
+    measure = rank == 0  # slot coordinator of slot 0 records per-chunk times
+    out: dict[str, dict[str, dict[str, list]]] = {}
+
+    def slotsync_round(chunks: list[list[TensorSpec]], uid: int, times: SystemTimes,
+                       r: int, counted: bool) -> float:
+        assert link is not None
+        exports = [fake.chunk(c, plan.packed) for c in chunks]  # stands in for reduce_tensor
+        e0 = _engine_seconds(plan.status_url) if measure and counted else None
+        t_round = time.perf_counter()
+        link.send(wire.Begin(update_id=uid, weight_version=f"bench-{uid}"))
+        link.wait("begin")
+        for k, (c, args) in enumerate(zip(chunks, exports, strict=True)):
+            t0 = time.perf_counter()
+            link.send(wire.Chunk(
+                update_id=uid, index=k, names=[s.name for s in c],
+                dtype_names=[s.dtype for s in c], shapes=[list(s.shape) for s in c],
+                tensor_sizes=[s.nbytes for s in c],
+                handles=[handle_from_reduce_args(a) for a in args],
+            ))  # fmt: skip
+            link.wait("chunk", k)
+            if measure and counted:
+                times.chunk_s.append(time.perf_counter() - t0)
+                times.chunk_round.append(r)
+        link.send(wire.Commit(update_id=uid, num_chunks=len(chunks)))
+        link.wait("commit")
+        dt = time.perf_counter() - t_round
+        if e0 is not None:
+            e1 = _engine_seconds(plan.status_url)
+            if e1[1] > e0[1]:
+                times.engine_s.append((e1[0] - e0[0]) / (e1[1] - e0[1]))
+        return dt
+
+    def baseline_round(chunks: list[list[TensorSpec]], uid: int, times: SystemTimes,
+                       r: int, counted: bool) -> float:
+        exports = [fake.chunk(c, plan.packed) for c in chunks]
+        n = plan.ranks_per_slot
+        post_s = 0.0
+        t_round = time.perf_counter()
+        if http is not None:
+            http.post("/pause?mode=keep")
+            http.post("/start_weight_update")
+        dist.barrier(group)
+        for c, args in zip(chunks, exports, strict=True):
+            t0 = time.perf_counter()
+            gathered: list[Any] = [None] * n
+            dist.all_gather_object(gathered, (uuid, args), group=group)
+            if http is not None:
+                if plan.packed:
+                    handles: Any = {u: a[0] for u, a in gathered}
+                else:
+                    handles = [{u: a[i] for u, a in gathered} for i in range(len(c))]
+                info = {
+                    "names": [s.name for s in c],
+                    "dtype_names": [s.dtype for s in c],
+                    "shapes": [list(s.shape) for s in c],
+                    "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode(),
+                }
+                if plan.packed:
+                    info["tensor_sizes"] = [s.nbytes for s in c]
+                p0 = time.perf_counter()
+                http.post("/update_weights", {"update_info": info})
+                post_s += time.perf_counter() - p0
+            dist.barrier(group)  # the ranks' buffers are free only now
+            if measure and counted:
+                times.chunk_s.append(time.perf_counter() - t0)
+                times.chunk_round.append(r)
+        if http is not None:
+            http.post("/finish_weight_update", {"weight_version": f"baseline-{uid}"})
+            http.post("/resume")
+        dist.barrier(group)
+        if measure and counted and chunks:
+            times.engine_s.append(post_s / len(chunks))
+        return time.perf_counter() - t_round
+
+    run = {"slotsync": slotsync_round, "baseline": baseline_round}
+    try:
+        if http is not None:  # the daemon inits the engine itself; the baseline must too
+            http.post("/init_weight_transfer_engine", {"init_info": {"packed": plan.packed}})
+        for phase in plan.phases:
+            chunks = chunk_specs(_specs(phase), plan.staging_bytes)
+            per = {s: SystemTimes() for s in plan.systems}
+            for r in range(phase.rounds):
+                order = plan.systems if r % 2 == 0 else tuple(reversed(plan.systems))
+                for system in order:
+                    dist.barrier()  # one system at a time, every slot together
+                    counted = r >= phase.warmup
+                    uid = next_id if system == "slotsync" else r
+                    dt = run[system](chunks, uid, per[system], r, counted)
+                    if system == "slotsync":
+                        next_id += 1
+                    if counted:
+                        per[system].round_s.append(dt)
+            out[phase.label] = {s: vars(t) for s, t in per.items()}
+        dist.barrier()
+    finally:
+        if link is not None:
+            link.close()
+        dist.destroy_process_group()
+    return out
+
+
+# ------------------------------------------------------------------------------- parent side
+
+
+def run_session(
+    ranks_per_slot: int,
+    slots: int,
+    packed: bool,
+    phases: Sequence[Phase],
+    *,
+    systems: Sequence[str] = SYSTEMS,
+    staging_bytes: int = 512 << 20,
+    engine_urls: Sequence[str] | None = None,
+    timeout_s: float = 600.0,
+    log: Any = None,
+) -> dict[str, dict[str, SystemTimes]]:
+    """Start a daemon (and, unless ``engine_urls`` is given, one discarding reference engine
+    per slot with ``ranks_per_slot`` workers), run the rank processes through ``phases``, and
+    return ``{phase label: {system: SystemTimes}}``; round times are the slowest rank's.
+
+    Raises:
+        RuntimeError: a rank failed (its traceback is in the message) or timed out.
+    """
+    from slotsync.daemon.launcher import DaemonProcess
+    from slotsync.engine.launcher import ReferenceEngine, free_port
+
+    engines: list[ReferenceEngine] = []
+    try:
+        if engine_urls is None:
+            for _ in range(slots):
+                engines.append(ReferenceEngine(workers=ranks_per_slot, discard=True,
+                                               startup_timeout_s=300))
+            urls = tuple(e.url for e in engines)
+        else:
+            if len(engine_urls) != slots:
+                raise ValueError(f"{len(engine_urls)} engine URLs for {slots} slots")
+            urls = tuple(engine_urls)
+        with DaemonProcess(args=["--log-level", "warning"]) as daemon:
+            plan = SessionPlan(
+                ranks_per_slot, slots, packed, staging_bytes, daemon.endpoint, urls,
+                daemon.status_url, free_port(), tuple(phases), tuple(systems), timeout_s,
+            )  # fmt: skip
+            return _run_ranks(plan, log)
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def _run_ranks(plan: SessionPlan, log: Any) -> dict[str, dict[str, SystemTimes]]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, plan, q), daemon=True)
+             for r in range(plan.world)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + plan.timeout_s * max(1, len(plan.phases))
+    try:
+        while len(got) < plan.world:
+            try:
+                kind, rank, data = q.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("bench ranks timed out") from None
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank process died: exit {dead[0].exitcode}") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{data}")
+            got[rank] = data
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    out: dict[str, dict[str, SystemTimes]] = {}
+    for phase in plan.phases:
+        out[phase.label] = {}
+        for system in plan.systems:
+            t = SystemTimes(**got[0][phase.label][system])
+            per_rank = [got[r][phase.label][system]["round_s"] for r in range(plan.world)]
+            t.round_s = [max(xs) for xs in zip(*per_rank, strict=True)]
+            out[phase.label][system] = t
+    return out
+
+
+# ------------------------------------------------------------------------------- statistics
+
+
+def median(xs: Sequence[float]) -> float:
+    """Median, or NaN for no samples."""
+    return statistics.median(xs) if xs else float("nan")
+
+
+def p99(xs: Sequence[float]) -> float:
+    """99th percentile (nearest rank), or NaN for no samples."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(0.99 * len(s) + 0.5) - 1))]
+
+
+def ms(x: float) -> str:
+    """Seconds as milliseconds text."""
+    return "n/a" if x != x else f"{x * 1e3:.2f}"

@@ -1,0 +1,210 @@
+"""``slotsync bench gpu``: the data plane, publisher -> slotsyncd -> reference engine by CUDA IPC.
+
+A Qwen3-30B-A3B-shaped state dict (HF names and shapes; the layer count reduced so that the
+trainer's and the engine's copies fit on one GPU -- the output says how many) lives on
+``cuda:0`` in each of ``ranks`` trainer processes (logical GPU UUIDs on one physical GPU). Each
+configuration runs ``rounds`` whole updates through real ``Publisher``\\ s, a real ``slotsyncd``
+and the reference engine (which loads every chunk as vLLM does: packed, it clones each tensor
+out of the mapped buffer and copies it into the weight; unpacked, it copies from the mapped
+tensor). In the same run, rank 0 times one plain device-to-device copy of the same bytes
+(``dst.copy_(src)`` of one flat buffer, synchronized, best of 5), the floor any transfer has.
+
+Every figure is wall-clock seconds of whole rounds (begin to the commit's ack, slowest rank),
+excluding each configuration's first round (staging allocation, first IPC opens).
+
+``--device cpu`` runs the same path over POSIX shared memory (no GPU): for tests and dry runs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import statistics
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from slotsync.bench.model import Qwen3MoeConfig, TensorSpec, qwen3_moe_specs
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    """One measured configuration: packed with a staging buffer of ``staging_bytes``, or
+    unpacked with chunks of at most ``staging_bytes``."""
+
+    label: str
+    packed: bool
+    staging_bytes: int
+
+
+def _rank_main(rank: int, ranks: int, device: str, model: Qwen3MoeConfig, cmds: Any,
+               results: Any) -> None:
+    """One trainer rank: builds the state dict, answers ("ready"|"copy"|"done"|"error")."""
+    try:
+        import torch
+
+        from slotsync.protocol.publisher import Publisher
+        from slotsync.protocol.wire import logical_gpu_uuid
+
+        specs = qwen3_moe_specs(model)
+        dev = torch.device(device)
+        g = torch.Generator(device=dev).manual_seed(rank)
+        named = []
+        for s in specs:
+            t = torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=dev)
+            t.uniform_(-0.1, 0.1, generator=g)
+            named.append((s.name, t))
+        nbytes = sum(s.nbytes for s in specs)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        results.put(("ready", rank, nbytes))
+        while True:
+            cmd = cmds.get()
+            if cmd[0] == "stop":
+                return
+            if cmd[0] == "copy":
+                results.put(("copy", rank, _time_copy(torch, dev, nbytes * ranks)))
+                continue
+            _, endpoint, engine_url, cfg, rounds = cmd
+            pub = Publisher(
+                endpoint, rank, (0, ranks), engine_url, packed=cfg.packed,
+                transport="cuda" if dev.type == "cuda" else "shm",
+                device=dev if dev.type == "cuda" else None,
+                gpu_uuid=logical_gpu_uuid(rank) if dev.type == "cuda" else None,
+                staging_bytes=cfg.staging_bytes, timeout_s=300,
+            )  # fmt: skip
+            secs, chunks = [], 0
+            try:
+                pub.register()
+                for r in range(rounds):
+                    st = pub.publish(named, weight_version=f"{cfg.label}-{r}")
+                    secs.append(st.seconds)
+                    chunks = st.chunks
+            finally:
+                pub.close()
+            results.put(("done", rank, (secs, chunks)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def _time_copy(torch: Any, dev: Any, nbytes: int, repeat: int = 5) -> float:
+    """Best of ``repeat`` synchronized ``dst.copy_(src)`` of ``nbytes`` on ``dev``, seconds."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return best
+
+
+@dataclass
+class GpuResult:
+    """What ``run_gpu`` measured: per-rank bytes, the copy floor (seconds, for all ranks'
+    bytes) and per configuration the counted round times (seconds) and chunks per round."""
+
+    layers: int
+    tensors: int
+    nbytes_per_rank: int
+    ranks: int
+    copy_s: float
+    rows: list[tuple[GpuConfig, list[float], int]]
+
+
+def run_gpu(
+    configs: list[GpuConfig],
+    *,
+    ranks: int = 1,
+    model: Qwen3MoeConfig | None = None,
+    rounds: int = 3,
+    device: str = "cuda",
+    log: Any = print,
+) -> GpuResult:
+    """Run every configuration (a fresh daemon each, one engine for all) and the copy floor.
+
+    Raises:
+        RuntimeError: a rank failed (traceback in the message).
+    """
+    from slotsync.daemon.launcher import DaemonProcess
+    from slotsync.engine.launcher import ReferenceEngine
+    from slotsync.protocol.wire import logical_gpu_uuid
+
+    model = model or Qwen3MoeConfig(layers=16)
+    specs: list[TensorSpec] = qwen3_moe_specs(model)
+    biggest = max(s.nbytes for s in specs)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    cmds = [ctx.Queue() for _ in range(ranks)]
+    rank_dev = "cuda:0" if device == "cuda" else "cpu"
+    procs = [ctx.Process(target=_rank_main, args=(r, ranks, rank_dev, model, cmds[r], results),
+                         daemon=True) for r in range(ranks)]
+    for p in procs:
+        p.start()
+
+    def collect(kind: str) -> dict[int, Any]:
+        got: dict[int, Any] = {}
+        while len(got) < (1 if kind == "copy" else ranks):
+            try:
+                k, rank, data = results.get(timeout=5)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError("a bench rank died") from None
+                continue
+            if k == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{data}")
+            if k == kind:
+                got[rank] = data
+        return got
+
+    engine = None
+    try:
+        nbytes = collect("ready")[0]
+        cmds[0].put(("copy",))
+        copy_s = collect("copy")[0]
+        log(f"  D2D copy of {ranks * nbytes / 1e9:.2f} GB: {copy_s * 1e3:.1f} ms "
+            f"({ranks * nbytes / copy_s / 1e9:.0f} GB/s)")
+        engine = ReferenceEngine(
+            workers=ranks, device=device, startup_timeout_s=300,
+            gpu_uuids=[logical_gpu_uuid(i) for i in range(ranks)],
+            cuda_devices=[0] * ranks if device == "cuda" else None,
+        )  # fmt: skip
+        rows = []
+        for cfg in configs:
+            if cfg.staging_bytes < biggest:
+                # Publisher refuses a tensor over the staging buffer; say so and round up.
+                new = -(-biggest // MiB) * MiB
+                log(f"  {cfg.label}: largest tensor is {biggest / MiB:.1f} MiB, staging raised "
+                    f"from {cfg.staging_bytes / MiB:.0f} to {new / MiB:.0f} MiB")
+                cfg = GpuConfig(cfg.label, cfg.packed, new)
+            with DaemonProcess(args=["--log-level", "warning"]) as d:
+                for c in cmds:
+                    c.put(("run", d.endpoint, engine.url, cfg, rounds))
+                done = collect("done")
+            per_round = [max(done[r][0][i] for r in range(ranks)) for i in range(rounds)]
+            counted = per_round[1:] if rounds > 1 else per_round
+            rows.append((cfg, counted, done[0][1]))
+            med = statistics.median(counted)
+            log(f"  {cfg.label}: {done[0][1]} chunks, round {med:.3f} s "
+                f"({ranks * nbytes / med / 1e9:.1f} GB/s), {med / copy_s:.1f}x the copy "
+                f"[all rounds: {', '.join(f'{x:.3f}' for x in per_round)}]")
+        return GpuResult(model.layers, len(specs), nbytes, ranks, copy_s, rows)
+    finally:
+        for c in cmds:
+            c.put(("stop",))
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        if engine is not None:
+            engine.stop()

@@ -1,0 +1,267 @@
+"""Load and soak: many consecutive rounds through one daemon, watching for leaks.
+
+    python -m slotsync.bench.soak --rounds 1000 --ranks 8 [--every 100] [--unpacked]
+
+Starts ``slotsyncd``, a reference engine with one worker per rank (one engine slot of
+``--ranks`` ranks) and ``--ranks`` trainer processes that publish small tensors every round
+(shared-memory transport on CPU, CUDA IPC with ``--device cuda``). Every ``--every`` rounds, at
+a quiet point (rank 0 waits while the others are blocked in the next begin), it prints:
+
+* the daemon's VmRSS and open fd count (``/proc/<pid>/status``, ``/proc/<pid>/fd``);
+* the engine's, summed over its server process and its worker processes;
+* the publishers' exported memory: count and bytes of ``/dev/shm/slotsync-*`` segments of the
+  rank processes, and on CUDA rank 0's ``torch.cuda.memory_allocated()``.
+
+and at the end one verdict line comparing the first sample with the last: ``flat`` when no
+figure grew beyond a small threshold (RSS: 8 MiB or 5 %; fds and segments: not at all), else
+``GROWTH`` naming what grew (exit status 1). The first sample is taken after ``--every``
+rounds, not at round 0, so that one-time allocations (buffers, HTTP sessions, the engine's
+weights) are not mistaken for a leak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import sys
+import time
+from typing import Any
+
+SEG_PREFIX = "slotsync-"
+RSS_SLACK_KB = 8 * 1024
+RSS_SLACK_FRAC = 0.05
+
+
+def _tensors(k: int, device: str):
+    """Small weights for round ``k`` (~20 KB per rank): a round costs engine round trips,
+    not copies, which is what a leak hunt wants to repeat many times."""
+    import torch
+
+    g = torch.Generator().manual_seed(k)
+    named = [
+        ("layers.0.attn.qkv.weight", torch.randn(32, 48, generator=g).to(torch.bfloat16)),
+        ("layers.0.mlp.up.weight", torch.randn(64, 32, generator=g)),
+        ("layers.0.norm.weight", torch.randn(32, generator=g).to(torch.float16)),
+        ("lm_head.weight", torch.randn(50, 32, generator=g)),
+    ]
+    return [(n, t.to(device)) for n, t in named] if device != "cpu" else named
+
+
+def _rank_main(rank: int, n: int, endpoint: str, url: str, packed: bool, rounds: int,
+               every: int, device: str, q: Any, go: Any) -> None:
+    """One trainer rank: ``rounds`` publishes; rank 0 pauses at each sample point."""
+    import torch
+
+    from slotsync.protocol.errors import SlotsyncError
+    from slotsync.protocol.publisher import Publisher
+    from slotsync.protocol.wire import logical_gpu_uuid
+
+    torch.set_num_threads(1)
+    cuda = device != "cpu"
+    pub = Publisher(endpoint, rank, (0, n), url, packed=packed,
+                    transport="cuda" if cuda else "shm", device=device if cuda else None,
+                    gpu_uuid=logical_gpu_uuid(rank) if cuda else None,
+                    staging_bytes=16_384, timeout_s=120)
+    ok = 0
+    err = ""
+    try:
+        pub.register()
+        for k in range(1, rounds + 1):
+            try:
+                pub.publish(_tensors(k, device), f"soak-{k}")
+                ok += 1
+            except SlotsyncError as e:
+                err = str(e)
+                break
+            if rank == 0 and k % every == 0:
+                cuda_bytes = torch.cuda.memory_allocated() if cuda else None
+                q.put(("sample", k, cuda_bytes))
+                go.wait()  # the parent samples while every other rank waits in begin
+                go.clear()
+    finally:
+        pub.close()
+        q.put(("done", rank, ok, err, os.getpid()))
+
+
+def _children(pid: int) -> list[int]:
+    """Direct child pids of ``pid`` (from /proc/*/stat)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # field 4 (ppid) follows the ")" that closes the command name
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(name))
+    return out
+
+
+def _proc(pid: int) -> tuple[int, int]:
+    """(VmRSS kB, open fds) of one process; (0, 0) if it is gone."""
+    try:
+        rss = 0
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1])
+        return rss, len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0, 0
+
+
+def _segments(pids: list[int]) -> tuple[int, int]:
+    """(count, bytes) of /dev/shm segments created by ``pids``."""
+    want = tuple(f"{SEG_PREFIX}{p}-" for p in pids)
+    count = size = 0
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return 0, 0
+    for name in names:
+        if name.startswith(want):
+            try:
+                size += os.stat(f"/dev/shm/{name}").st_size
+                count += 1
+            except OSError:
+                pass
+    return count, size
+
+
+def sample(daemon_pid: int, engine_pid: int, rank_pids: list[int], k: int,
+           cuda_bytes: int | None) -> dict[str, Any]:
+    """One row of figures at round ``k``."""
+    d_rss, d_fds = _proc(daemon_pid)
+    e_rss = e_fds = 0
+    for p in [engine_pid, *_children(engine_pid)]:
+        r, f = _proc(p)
+        e_rss, e_fds = e_rss + r, e_fds + f
+    segs, seg_bytes = _segments(rank_pids)
+    return {"round": k, "daemon_rss_kb": d_rss, "daemon_fds": d_fds, "engine_rss_kb": e_rss,
+            "engine_fds": e_fds, "shm_segments": segs, "shm_bytes": seg_bytes,
+            "cuda_allocated": cuda_bytes}
+
+
+def verdict(first: dict[str, Any], last: dict[str, Any]) -> tuple[bool, str]:
+    """``(flat, line)``: whether nothing grew between the first and the last sample."""
+    grew = []
+    for key in ("daemon_rss_kb", "engine_rss_kb"):
+        limit = max(RSS_SLACK_KB, first[key] * RSS_SLACK_FRAC)
+        if last[key] - first[key] > limit:
+            grew.append(f"{key} {first[key]} -> {last[key]}")
+    for key in ("daemon_fds", "engine_fds", "shm_segments", "shm_bytes"):
+        if last[key] > first[key]:
+            grew.append(f"{key} {first[key]} -> {last[key]}")
+    if first["cuda_allocated"] is not None and last["cuda_allocated"] > first["cuda_allocated"]:
+        grew.append(f"cuda_allocated {first['cuda_allocated']} -> {last['cuda_allocated']}")
+    span = f"rounds {first['round']} -> {last['round']}"
+    if grew:
+        return False, f"verdict: GROWTH over {span}: " + "; ".join(grew)
+    return True, (f"verdict: flat over {span} (daemon RSS {first['daemon_rss_kb']} -> "
+                  f"{last['daemon_rss_kb']} kB, fds {first['daemon_fds']} -> "
+                  f"{last['daemon_fds']}; engine RSS {first['engine_rss_kb']} -> "
+                  f"{last['engine_rss_kb']} kB, fds {first['engine_fds']} -> "
+                  f"{last['engine_fds']}; shm segments {first['shm_segments']} -> "
+                  f"{last['shm_segments']})")
+
+
+def _fmt(s: dict[str, Any]) -> str:
+    cuda = "" if s["cuda_allocated"] is None else f" cuda_alloc={s['cuda_allocated']}"
+    return (f"round {s['round']:>6}: daemon rss={s['daemon_rss_kb']} kB fds={s['daemon_fds']}"
+            f" | engine rss={s['engine_rss_kb']} kB fds={s['engine_fds']}"
+            f" | publishers shm={s['shm_segments']} segs {s['shm_bytes']} B{cuda}")
+
+
+def run_soak(rounds: int = 1000, ranks: int = 8, every: int = 100, packed: bool = True,
+             device: str = "cpu", engine: Any = None, quiet: bool = False) -> dict[str, Any]:
+    """Run the soak; returns ``{"samples", "rounds_ok", "errors", "leftover_segments",
+    "flat", "verdict", "seconds"}``.
+
+    Args:
+        engine: a running ``ReferenceEngine`` with ``ranks`` workers to reuse (tests); default:
+            start one for the run.
+    """
+    from slotsync.daemon.launcher import DaemonProcess
+    from slotsync.engine.launcher import ReferenceEngine
+
+    say = (lambda *_: None) if quiet else (lambda *a: print(*a, flush=True))
+    own_engine = engine is None
+    if own_engine:
+        kw: dict[str, Any] = {"workers": ranks, "device": "cuda" if device != "cpu" else "cpu"}
+        if device != "cpu":
+            from slotsync.protocol.wire import logical_gpu_uuid
+
+            kw["gpu_uuids"] = [logical_gpu_uuid(r) for r in range(ranks)]
+            kw["cuda_devices"] = [0] * ranks
+        engine = ReferenceEngine(**kw)
+    ctx = mp.get_context("spawn")
+    q, go = ctx.Queue(), ctx.Event()
+    samples: list[dict[str, Any]] = []
+    done: dict[int, tuple] = {}
+    t0 = time.monotonic()
+    try:
+        with DaemonProcess() as d:
+            say(f"soak: {rounds} rounds x {ranks} ranks, {'packed' if packed else 'unpacked'}, "
+                f"{device}; daemon pid {d.proc.pid}, engine pid {engine.proc.pid}")
+            procs = [ctx.Process(target=_rank_main, args=(r, ranks, d.endpoint, engine.url,
+                                                          packed, rounds, every, device, q, go))
+                     for r in range(ranks)]
+            for p in procs:
+                p.start()
+            pids = [p.pid for p in procs]
+            while len(done) < ranks:
+                try:
+                    msg = q.get(timeout=300)
+                except queue.Empty:
+                    raise RuntimeError(f"no progress for 300 s; done={done}") from None
+                if msg[0] == "sample":
+                    s = sample(d.proc.pid, engine.proc.pid, pids, msg[1], msg[2])
+                    samples.append(s)
+                    say(_fmt(s))
+                    go.set()
+                else:
+                    done[msg[1]] = msg[2:]
+            for p in procs:
+                p.join(30)
+            leftover = [n for n in os.listdir("/dev/shm")
+                        if n.startswith(tuple(f"{SEG_PREFIX}{p}-" for p in pids))]
+    finally:
+        if own_engine:
+            engine.stop()
+    errors = {r: v[1] for r, v in done.items() if v[1]}
+    flat, line = verdict(samples[0], samples[-1]) if len(samples) >= 2 else (
+        False, "verdict: too few samples (raise --rounds or lower --every)")
+    seconds = time.monotonic() - t0
+    say(line)
+    say(f"rounds ok: {min(v[0] for v in done.values())}/{rounds} in {seconds:.1f} s; "
+        f"errors: {errors or 'none'}; leftover /dev/shm segments after exit: {len(leftover)}")
+    return {"samples": samples, "rounds_ok": min(v[0] for v in done.values()),
+            "errors": errors, "leftover_segments": leftover, "flat": flat, "verdict": line,
+            "seconds": round(seconds, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m slotsync.bench.soak", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=1000)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--every", type=int, default=100, help="sample every N rounds")
+    ap.add_argument("--unpacked", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu (shared memory) or cuda (CUDA IPC)")
+    ap.add_argument("--json", help="also write the result to this file")
+    a = ap.parse_args(argv)
+    res = run_soak(a.rounds, a.ranks, a.every, not a.unpacked, a.device)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0 if res["flat"] and not res["errors"] and not res["leftover_segments"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
