@@ -463,8 +463,48 @@ class WorkerState:
             out.append((name, t))
         return out
 
+    def _load_packed_in_place(self, p: ParsedUpdate) -> int | None:
+        """Fast path for a packed chunk whose tensors all exist with the same dtype and shape
+        (every round after the first): copy the bytes straight from the mapped buffer into the
+        weights with one batched ``_foreach_copy_`` (no per-tensor clone, one launch group).
+        Returns bytes loaded, or None to take the general path."""
+        assert p.tensor_sizes is not None
+        dsts: list[torch.Tensor] = []
+        for name, dt, shape, size in zip(p.names, p.dtypes, p.shapes, p.tensor_sizes,
+                                         strict=True):
+            cur = self.weights.get(name)
+            if (cur is None or cur.dtype != dt or list(cur.shape) != list(shape)
+                    or not cur.is_contiguous() or _nbytes(dt, shape) != size):
+                return None
+            dsts.append(cur.view(-1).view(torch.uint8) if cur.numel() else cur)
+        buf = self._materialize(self._handle_for_me(p.handles)).reshape(-1)
+        if buf.dtype != torch.uint8:
+            buf = buf.view(torch.uint8)
+        need = sum(p.tensor_sizes)
+        if need > buf.numel():
+            raise ValueError(f"packed buffer has {buf.numel()} bytes, chunk needs {need}")
+        srcs, pairs, off = [], [], 0
+        for dst, size in zip(dsts, p.tensor_sizes, strict=True):
+            if size:
+                pairs.append(dst)
+                srcs.append(buf[off : off + size])
+            off += size
+        if pairs:
+            if buf.device == pairs[0].device and hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(pairs, srcs)
+            else:
+                for d, src in zip(pairs, srcs, strict=True):
+                    d.copy_(src)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the producer may reuse the buffer after 200
+        return need
+
     def _load_chunk(self, p: ParsedUpdate) -> int:
         """Copy the chunk's tensors into ``self.weights``; returns bytes loaded."""
+        if p.tensor_sizes is not None:
+            done = self._load_packed_in_place(p)
+            if done is not None:
+                return done
         total = 0
         for name, t in self._tensors(p):
             cur = self.weights.get(name)

@@ -26,6 +26,8 @@ from multiprocessing import shared_memory
 from typing import NamedTuple
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
 from slotsync.protocol.wire import (
     DTYPE_SIZES,
     STORAGE_CLASSES,
@@ -35,7 +37,6 @@ from slotsync.protocol.wire import (
     ShmHandle,
     normalize_gpu_uuid,
 )
-from torch.multiprocessing.reductions import reduce_tensor
 
 __all__ = [
     "CudaStagingBuffer",
@@ -196,6 +197,8 @@ def pack_into(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
         )
     layout = PackedLayout([], [], [], [])
     off = 0
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
     for name, t in named_tensors:
         layout.names.append(name)
         layout.dtype_names.append(dtype_name(t.dtype))
@@ -203,8 +206,16 @@ def pack_into(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
         n = nbytes_of(t)
         layout.tensor_sizes.append(n)
         if n:
-            buf[off : off + n].copy_(raw_bytes(t))
+            dsts.append(buf[off : off + n])
+            srcs.append(raw_bytes(t))
         off += n
+    if dsts and hasattr(torch, "_foreach_copy_") and all(x.device == buf.device for x in srcs):
+        # One batched copy (a few kernel launches) instead of one launch per tensor: with
+        # thousands of tensors per chunk the launches, not the bytes, dominate.
+        torch._foreach_copy_(dsts, srcs)
+    else:
+        for d, src in zip(dsts, srcs, strict=True):
+            d.copy_(src)
     return layout
 
 
