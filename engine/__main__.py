@@ -11,6 +11,8 @@ Example::
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -30,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--uds", default=None,
+                   help="serve on this Unix socket path instead of TCP (like `vllm serve --uds`); "
+                   "clients use the URL unix:///PATH")
     p.add_argument("--workers", type=int, default=1, help="worker processes = world size")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
@@ -110,7 +115,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     specs = build_specs(args)
 
-    from aiohttp import web
 
     from slotsync.engine.server import EngineApp, WorkerPool
 
@@ -122,13 +126,36 @@ def main(argv: Sequence[str] | None = None) -> None:
             file=sys.stderr,
             flush=True,
         )
-    print(
-        f"[slotsync.engine] serving http://{args.host}:{args.port} (world size {len(specs)})",
-        file=sys.stderr,
-        flush=True,
-    )
-    web.run_app(engine.app, host=args.host, port=args.port, access_log=None, print=None)
+    where = f"unix://{args.uds}" if args.uds else f"http://{args.host}:{args.port}"
+    try:
+        asyncio.run(_serve(engine.app, args, where, len(specs)))
+    except OSError as e:
+        print(f"[slotsync.engine] cannot listen on {where}: {e.strerror}", file=sys.stderr)
+        pool.close()
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        pass
 
+
+async def _serve(app, args: argparse.Namespace, where: str, world_size: int) -> None:
+    """Bind (TCP or Unix socket), say so only once bound, serve until SIGTERM / SIGINT."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = (web.UnixSite(runner, args.uds) if args.uds
+                else web.TCPSite(runner, args.host, args.port))
+        await site.start()
+        print(f"[slotsync.engine] serving {where} (world size {world_size})", file=sys.stderr,
+              flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 if __name__ == "__main__":
     main()

@@ -105,3 +105,47 @@ def test_socket_directory_is_closed_to_others(open_dir):
 
 def test_status_server_binds_loopback_by_default():
     assert Config().status_host == "127.0.0.1"
+
+
+@pytest.fixture
+def uds_engine(tmp_path):
+    """A reference engine (2 cpu workers) serving on a Unix socket, like `vllm serve --uds`."""
+    pytest.importorskip("torch")
+    import time
+
+    path = str(tmp_path / "engine.sock")
+    log = open(tmp_path / "engine.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "slotsync.engine", "--workers", "2",
+                             "--uds", path], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while b"serving unix://" not in (tmp_path / "engine.log").read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, \
+            (tmp_path / "engine.log").read_text()
+        time.sleep(0.2)
+    yield f"unix://{path}"
+    proc.terminate()
+    proc.wait(20)
+    log.close()
+
+
+@pytest.mark.slow
+def test_engine_behind_a_unix_socket(uds_engine):
+    import asyncio
+
+    from test_integration import rounds, run_ranks
+
+    from slotsync.daemon.vllm_client import VllmClient
+
+    async def world_size():
+        c = VllmClient(uds_engine, timeout_s=10)
+        try:
+            return await c.call("get_world_size")
+        finally:
+            await c.close()
+
+    assert asyncio.run(world_size()) == {"world_size": 2}
+    with DaemonProcess() as d:
+        ev = run_ranks(d, uds_engine, True, [{"rounds": 2}, {"rounds": 2}])
+        for r in range(2):
+            assert [e[3] for e in rounds(ev, r)] == ["ok", "ok"], ev
+        assert d.status()["slots"][0]["last_version"] == "v2"
