@@ -212,7 +212,11 @@ class SlotCoordinator:
         Refused (``Error(phase="register")`` to that identity only) when: the protocol version
         differs, the slot differs from this coordinator's, the engine URL / packed mode /
         transport differs from ranks already registered, or another rank holds its GPU UUID.
-        A re-registration during an update fails that update (the rank restarted).
+        A re-registration of a rank that already took part in the update in flight fails that
+        update (the rank restarted mid-round); one that had not yet begun just replaces its
+        connection. A re-registration with another engine / mode / transport while no update
+        is in flight is a new trainer job: the slot starts afresh (the other ranks' old
+        registrations are dropped; their publishers register again at their next begin).
         """
 
         def refuse(text: str) -> list[Action]:
@@ -234,6 +238,20 @@ class SlotCoordinator:
                 f"rank {msg.rank} claims slot [{msg.slot_start}, {msg.slot_start + msg.slot_size})"
                 f" but its rank belongs to slot [{self.start}, {self.end})"
             )
+        if (
+            msg.rank in self.ranks
+            and self.current is None
+            and (msg.engine_url, msg.packed, msg.transport)
+            != (self.engine_url, self.packed, self.transport)
+        ):
+            dropped = sorted(r for r in self.ranks if r != msg.rank)
+            self.ranks.clear()
+            if msg.engine_url != self.engine_url:
+                self.set_engine_url(msg.engine_url)  # a new engine: unknown state, new init
+            self.engine_initialized = False
+            self.last_error = (f"rank {msg.rank} re-registered with engine {msg.engine_url!r} "
+                               f"(packed={msg.packed}, {msg.transport}): slot reset, ranks "
+                               f"{dropped} must register again")
         others = {r: i for r, i in self.ranks.items() if r != msg.rank}
         if others:
             if msg.engine_url != self.engine_url:
@@ -262,7 +280,10 @@ class SlotCoordinator:
             # First (or only) rank sets the slot's engine; a new engine means a new init.
             self.engine_initialized = False
         actions: list[Action] = []
-        if msg.rank in self.ranks and self.current is not None:
+        u = self.current
+        if msg.rank in self.ranks and u is not None and (
+            msg.rank in u.begun or msg.rank in u.sent_count
+        ):
             actions += self._fail(
                 now, "register", f"rank {msg.rank} re-registered during update", [msg.rank]
             )

@@ -161,9 +161,12 @@ class SlotTable:
             self.slots[key] = coord
         actions = coord.on_register(identity, msg, now)
         if coord.ranks.get(msg.rank) is not None and coord.ranks[msg.rank].identity == identity:
-            # accepted: forget any older connection of this rank
+            # accepted: forget any connection the slot no longer knows (an older connection of
+            # this rank, or every other rank's when the slot was reset for a new job)
             for ident, r in list(self._rank_of.items()):
-                if r == msg.rank and ident != identity:
+                if self._slot_of_rank.get(r) is coord and (
+                    r not in coord.ranks or coord.ranks[r].identity != ident
+                ):
                     del self._rank_of[ident]
             self._rank_of[identity] = msg.rank
             self._slot_of_rank[msg.rank] = coord

@@ -508,3 +508,30 @@ def test_mismatch_names_differing_ranks_but_none_missing():
     h.send(1, chunk(0, 0, 1, names=("a", "c")))
     err = h.last(0)
     assert err.missing_ranks == [] and "rank(s) [1]" in err.message
+
+
+def test_reregistration_of_a_rank_that_had_not_begun_keeps_the_update():
+    h = Harness()
+    h.register_all()
+    h.send(0, Begin(0, "v"))  # rank 1's old process never began
+    h.send(1, reg(1))  # its new process registers
+    assert h.coord.current is not None
+    h.send(1, Begin(0, "v"))
+    assert isinstance(h.last(1), Ack) and h.last(1).phase == "begin"
+
+
+def test_new_job_with_another_engine_resets_the_slot():
+    t = SlotTable()
+    for r in range(2):
+        t.on_message(ident(r), reg(r, url="http://old:1"), 0.0)
+    # the old job is gone; the new job's rank 1 comes first, with another engine URL
+    a = t.on_message(b"new-1", reg(1, url="http://new:2"), 0.0)
+    assert isinstance(a[0].msg, Registered)
+    c = t.coordinator((0, 2))
+    assert c.engine_url == "http://new:2" and sorted(c.ranks) == [1]
+    assert "slot reset" in c.last_error
+    b = t.on_message(b"new-0", reg(0, url="http://new:2"), 0.0)
+    assert isinstance(b[0].msg, Registered)
+    # the old rank 0 connection is forgotten
+    f = t.on_message(ident(0), Begin(0, "v"), 0.0)
+    assert isinstance(f[0].msg, Error) and "has not registered" in f[0].msg.message
