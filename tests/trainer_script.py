@@ -13,6 +13,21 @@ then ``("exit", rank)``. ``script`` keys bend the behaviour to inject faults:
 * ``register_delay_s``: sleep before registering;
 * ``cuda``: publish CUDA tensors over CUDA IPC (GPU tests), with ``logical_gpu_uuid(rank)`` so
   several ranks can share one physical GPU.
+
+Keys added for the fault-injection suite (``tests/test_faults.py``):
+
+* ``first_round``: number of the first round (default 1), so that a replacement process for a
+  rank publishes the same weight version and tensors as the ranks that kept running;
+* ``delay_before_commit``: ``(round, seconds)``: after the last chunk's ack, report
+  ``("stalling_commit", rank, k)`` and sleep that long before committing;
+* ``start_at``: a ``time.time()`` value: after registering, sleep until then before the first
+  round (so that every rank of a restarted job has re-registered before any of them begins);
+* ``trace``: report ``("begun", rank, k)`` after the begin's ack and ``("acked", rank, k, i)``
+  after chunk i's ack (to act at a precise point of the round).
+
+Error events carry four more fields after ``missing_ranks``: ``slot`` (tuple or None),
+``update_id``, ``fatal`` and the exception's class name (``SlotsyncTimeout`` means the rank's
+own deadline expired: the daemon never told it).
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ def make_tensors(seed: int):
 
 def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
     import torch
+
     from slotsync.protocol.errors import SlotsyncError
     from slotsync.protocol.publisher import Publisher
     from slotsync.protocol.wire import logical_gpu_uuid
@@ -55,8 +71,11 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
             results.put(("register_error", rank, e.phase, e.message))
             return
         results.put(("registered", rank))
+        if script.get("start_at"):
+            time.sleep(max(0.0, script["start_at"] - time.time()))
         stop = script.get("stop_before_chunk")
-        for k in range(1, script.get("rounds", 1) + 1):
+        first = script.get("first_round", 1)
+        for k in range(first, first + script.get("rounds", 1)):
             named = make_tensors(k)
             if cuda:
                 named = [(n, t.to("cuda:0")) for n, t in named]
@@ -64,15 +83,27 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
                 named = [(n, t.to(getattr(torch, dt)) if n == name else t) for n, t in named]
             try:
                 delay = script.get("delay_before_chunk")
-                if delay and delay[0] == k:
+                if delay and delay[0] != k:
+                    delay = None
+                hold = script.get("delay_before_commit")
+                if hold and hold[0] != k:
+                    hold = None
+                if delay or hold or script.get("trace"):
                     pub.begin(f"v{k}")
+                    if script.get("trace"):
+                        results.put(("begun", rank, k))
                     sent = 0
                     for i, chunk in enumerate(_chunks(named, 40_000)):
-                        if i == delay[1]:
+                        if delay and i == delay[1]:
                             results.put(("stalling", rank, k))
                             time.sleep(delay[2])
                         pub.send_chunk(chunk)
                         sent += 1
+                        if script.get("trace"):
+                            results.put(("acked", rank, k, i))
+                    if hold:
+                        results.put(("stalling_commit", rank, k))
+                        time.sleep(hold[1])
                     pub.commit()
                     results.put(("round", rank, k, "ok", sent, -1))
                 elif stop and stop[0] == k:
@@ -88,8 +119,11 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
                     st = pub.publish(named, f"v{k}")
                     results.put(("round", rank, k, "ok", st.chunks, st.bytes))
             except SlotsyncError as e:
+                if pub.update_id is not None:  # own timeout: the update is still open here
+                    pub.abort(f"{type(e).__name__}: {e.phase}")
                 results.put(("round", rank, k, "error", e.phase, e.message,
-                             list(e.missing_ranks)))
+                             list(e.missing_ranks), e.slot, e.update_id, e.fatal,
+                             type(e).__name__))
     finally:
         pub.close()
         results.put(("exit", rank))
