@@ -277,6 +277,7 @@ class WorkerState:
         self.finish_count = 0
         self.update_count = 0
         self.bytes_loaded = 0
+        self._held: list[torch.Tensor] = []  # mapped packed buffers kept for the session
         self.init_count = 0
 
     # -- vLLM worker methods ---------------------------------------------------------------
@@ -296,6 +297,17 @@ class WorkerState:
             raise RuntimeError(inject)
         self.packed = bool(init_info.get("packed", False))
         self.init_count += 1
+
+    def _hold_mapping(self, buf: torch.Tensor) -> None:
+        """Keep a mapped packed buffer alive for the rest of the session. The publisher
+        re-exports its one staging buffer for every chunk; while our mapping lives, torch's
+        ``rebuild_cuda_tensor`` finds it in its cache and releases the new export's reference
+        at once instead of opening (and later closing) the IPC handle again per chunk, as
+        vLLM's packed importer also keeps its mapping. Dropped when the session ends, so the
+        producer's memory is never pinned past finish."""
+        if buf.is_cuda and all(b.data_ptr() != buf.data_ptr() for b in self._held):
+            self._held.append(buf)
+            del self._held[:-4]  # a publisher double-buffers at most; bound it anyway
 
     def start_weight_update(self, inject: str | None = None) -> None:
         """Open a session; fails if one is already active on this worker."""
@@ -318,6 +330,7 @@ class WorkerState:
             n = self._check_only(parsed) if self.discard else self._load_chunk(parsed)
         except BaseException:
             self.active = False
+            self._held.clear()
             raise
         self.update_count += 1
         self.bytes_loaded += n
@@ -332,6 +345,7 @@ class WorkerState:
         self.active = False
         self.servable = True
         self.finish_count += 1
+        self._held.clear()
 
     def shutdown_weight_transfer_engine(self, inject: str | None = None) -> None:
         """Shut the transfer engine down; refused during an active session."""
@@ -424,6 +438,7 @@ class WorkerState:
         out: list[tuple[str, torch.Tensor]] = []
         if p.tensor_sizes is not None:  # packed: one uint8 buffer
             buf = self._materialize(self._handle_for_me(p.handles)).reshape(-1)
+            self._hold_mapping(buf)
             if buf.dtype != torch.uint8:
                 buf = buf.view(torch.uint8)
             need = sum(p.tensor_sizes)
@@ -478,6 +493,7 @@ class WorkerState:
                 return None
             dsts.append(cur.view(-1).view(torch.uint8) if cur.numel() else cur)
         buf = self._materialize(self._handle_for_me(p.handles)).reshape(-1)
+        self._hold_mapping(buf)
         if buf.dtype != torch.uint8:
             buf = buf.view(torch.uint8)
         need = sum(p.tensor_sizes)
