@@ -120,7 +120,14 @@ class Config:
             raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text|json, got {self.log_format!r}")
-        if self.endpoint().startswith("ipc://") and len(self.endpoint()) - 6 > 107:
+        ep = self.endpoint()
+        if not ep.startswith("ipc:///"):
+            raise ValueError(
+                f"socket {ep!r} must be ipc:// with an absolute path: CUDA IPC handles are "
+                "node-local and the daemon checks each peer's uid/gid, which only Unix "
+                "sockets carry"
+            )
+        if len(ep) - 6 > 107:
             raise ValueError(f"socket path {self.endpoint()[6:]!r} is longer than the 107 "
                              "bytes a Unix socket path may have")
         check_engine_table(self.engines)
@@ -141,10 +148,13 @@ def check_engine_table(engines: list[EngineEntry]) -> None:
         if e.slot_start < 0 or e.slot_size <= 0:
             raise ValueError(f"engines: slot [{e.slot_start}, {e.slot_start + e.slot_size}) of "
                              f"{e.url!r} is empty or negative")
+        if not e.url.startswith(("http://", "https://", "unix:///")) or " " in e.url:
+            raise ValueError(f"engines: url {e.url!r} must be http://host:port, https://... "
+                             "or unix:///path/to.sock")
         for o in seen:
             if o.slot_start < e.slot[1] and e.slot_start < o.slot[1]:
-                raise ValueError(f"engines: slot {list(e.slot)} of {e.url!r} overlaps slot "
-                                 f"{list(o.slot)} of {o.url!r}")
+                raise ValueError(f"engines: slot [{e.slot[0]}, {e.slot[1]}) of {e.url!r} "
+                                 f"overlaps slot [{o.slot[0]}, {o.slot[1]}) of {o.url!r}")
             if o.url == e.url:
                 raise ValueError(f"engines: URL {e.url!r} names two slots")
         seen.append(e)
@@ -293,7 +303,7 @@ def load_config(argv: list[str] | None = None,
                 raise ConfigError(f"environment {ENV_PREFIX}{f.name.upper()}={raw!r}: not "
                                   f"a valid {_typ(f).__name__}") from None
     except ConfigError as e:
-        parser.error(str(e))
+        parser.exit(2, f"slotsyncd: error: {e}\n")
     for f in _SCALARS:
         v = getattr(args, f.name)
         if v is not None:
@@ -301,5 +311,5 @@ def load_config(argv: list[str] | None = None,
     try:
         cfg.validate()
     except ValueError as e:
-        parser.error(str(e))
+        parser.exit(2, f"slotsyncd: error: {e}\n")
     return cfg, bool(args.check_config)

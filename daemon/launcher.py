@@ -62,6 +62,11 @@ class DaemonProcess:
             line = self.proc.stdout.readline()
             if line.startswith("slotsyncd ready"):
                 fields = dict(kv.split("=", 1) for kv in line.split()[2:])
+            elif line.startswith('{"event": "ready"'):  # --log-format json
+                fields = json.loads(line)
+            else:
+                fields = None
+            if fields is not None:
                 self.endpoint = fields["endpoint"]
                 self.status_port = int(fields["status_port"])
                 break

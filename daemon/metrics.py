@@ -149,8 +149,8 @@ class Metrics:
         )
         self.ranks_expected = Gauge(
             "slotsync_ranks_expected",
-            "Trainer ranks the known slots need (sum of slot sizes; a slot is known once one "
-            "of its ranks registered)",
+            "Trainer ranks the known slots need (sum of slot sizes; a slot is known once it is "
+            "declared in the engine table or one of its ranks registered)",
             registry=r,
         )
         self.slots = Gauge(

@@ -125,7 +125,10 @@ class Daemon:
         """
         if self.endpoint.startswith("ipc://"):
             path = self.endpoint[len("ipc://") :]
-            os.makedirs(os.path.dirname(path) or ".", mode=0o770, exist_ok=True)
+            folder = os.path.dirname(path) or "."
+            if not os.path.isdir(folder):
+                os.makedirs(folder, exist_ok=True)
+                os.chmod(folder, 0o770)  # the service user and its group only (umask aside)
             _claim_ipc_path(path)
         # Engines a killed predecessor left mid-update stay paused and need a full update.
         self.restored = self.record.load()

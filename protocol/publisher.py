@@ -34,6 +34,7 @@ from typing import Literal
 
 import torch
 import zmq
+import zmq.utils.monitor
 
 from slotsync.protocol import wire
 from slotsync.protocol.errors import SlotsyncError, SlotsyncTimeout
@@ -72,7 +73,8 @@ class PublishStats:
 
 
 def _release(
-    sock: zmq.Socket, ctx: zmq.Context, segments: list[ShmSegment], staging: list[StagingBuffer]
+    sock: zmq.Socket, monitor: zmq.Socket, ctx: zmq.Context, segments: list[ShmSegment],
+    staging: list[StagingBuffer],
 ) -> None:
     """Finalizer: free everything a publisher owns (runs from close(), GC or atexit)."""
     for buf in staging:
@@ -81,6 +83,11 @@ def _release(
     for seg in segments:
         seg.close_and_unlink()
     segments.clear()
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    monitor.close(linger=0)
     sock.close(linger=_LINGER_MS)
     ctx.term()
 
@@ -163,15 +170,23 @@ class Publisher:
         self._sock.setsockopt(
             zmq.ROUTING_ID, f"slotsync-r{rank}-p{os.getpid()}-{os.urandom(4).hex()}".encode()
         )
+        # Watch the handshake: a daemon that refuses our credentials (ZAP) answers nothing,
+        # so without this the rank would only see a timeout.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         try:
             self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
             self._sock.connect(endpoint)
         except zmq.ZMQError as e:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
             self._ctx.term()
             raise ValueError(f"cannot connect to daemon endpoint {endpoint!r}: {e}") from e
         self._finalizer = weakref.finalize(
-            self, _release, self._sock, self._ctx, self._segments, self._staging
+            self, _release, self._sock, self._monitor, self._ctx, self._segments, self._staging
         )
 
     # ---------------------------------------------------------------- public API
@@ -632,7 +647,19 @@ class Publisher:
                     slot=self._slot_pair(),
                     update_id=self._update_id,
                 )
-            if not self._sock.poll(max(1, int(remaining * 1000))):
+            ready = dict(self._poller.poll(max(1, int(remaining * 1000))))
+            if self._monitor in ready:
+                event = zmq.utils.monitor.recv_monitor_message(self._monitor)
+                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    raise SlotsyncError(
+                        "register",
+                        f"the daemon at {self.endpoint} refused this process (uid "
+                        f"{os.getuid()}, gid {os.getgid()}): not in its allow_uids / "
+                        "allow_gids (see the daemon's peer_refused log line)",
+                        slot=self._slot_pair(),
+                    )
+                continue
+            if self._sock not in ready:
                 continue
             msg = self._decode(self._sock.recv(zmq.NOBLOCK))
             if match(msg):

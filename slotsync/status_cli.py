@@ -26,6 +26,18 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict:
         return json.loads(r.read())
 
 
+def check_status_document(doc: object) -> str | None:
+    """Why ``doc`` is not a slotsyncd ``/status`` document, or None."""
+    if not isinstance(doc, dict) or "version" not in doc or not isinstance(doc.get("slots"), list):
+        return "not a slotsyncd /status document (no 'version' and 'slots')"
+    for s in doc["slots"]:
+        if not isinstance(s, dict) or not all(
+            k in s for k in ("slot", "state", "ranks_expected", "ranks_registered")
+        ):
+            return f"malformed slot entry in /status: {s!r:.120}"
+    return None
+
+
 def _dur(s: float | None) -> str:
     return "-" if s is None else f"{s:.2f}s"
 
@@ -71,6 +83,10 @@ def main_from_args(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
         print(f"slotsync status: cannot read {args.url}/status: {reason}", file=sys.stderr)
+        return 2
+    problem = check_status_document(status)
+    if problem:
+        print(f"slotsync status: {args.url}/status: {problem}", file=sys.stderr)
         return 2
     print(json.dumps(status, indent=2) if args.json else render_table(status))
     failed = [s for s in status.get("slots", []) if s.get("state") == "failed"]

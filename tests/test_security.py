@@ -149,3 +149,34 @@ def test_engine_behind_a_unix_socket(uds_engine):
         for r in range(2):
             assert [e[3] for e in rounds(ev, r)] == ["ok", "ok"], ev
         assert d.status()["slots"][0]["last_version"] == "v2"
+
+
+PUBLISHER_AS_OTHER_USER = textwrap.dedent("""
+    import os, sys, time
+    import torch  # noqa: F401  (imports read files: before dropping privileges)
+    from slotsync.protocol.errors import SlotsyncError
+    from slotsync.protocol.publisher import Publisher
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+    pub = Publisher(sys.argv[1], 0, (0, 1), "http://127.0.0.1:1", transport="shm",
+                    timeout_s=30)
+    t0 = time.monotonic()
+    try:
+        pub.register()
+        print("registered")
+    except SlotsyncError as e:
+        print(f"{time.monotonic() - t0:.1f} {e}")
+    pub.close()
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+def test_refused_publisher_gets_a_clear_error_not_a_timeout(open_dir):
+    pytest.importorskip("torch")
+    with DaemonProcess(runtime_dir=open_dir) as d:
+        os.chmod(d.endpoint[len("ipc://"):], 0o777)
+        out = subprocess.run([sys.executable, "-c", PUBLISHER_AS_OTHER_USER, d.endpoint],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        seconds, _, text = out.stdout.strip().partition(" ")
+        assert float(seconds) < 10  # told at once, not after timeout_s (30 s)
+        assert "refused this process (uid 65534" in text and "allow_uids" in text

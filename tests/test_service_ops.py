@@ -84,8 +84,8 @@ def test_precedence_file_env_flags(tmp_path):
     ("", {}, ["--log-format", "xml"], "log_format must be text|json"),
     ("", {}, ["--chunk-timeout-s", "nan"], "chunk_timeout_s must be a finite number"),
     ("", {"SLOTSYNC_BEGIN_TIMEOUT_S": "inf"}, [], "begin_timeout_s must be a finite number"),
-    ("[[engines]]\nurl='a'\nslot_start=0\nslot_size=4\n[[engines]]\nurl='b'\nslot_start=2\n"
-     "slot_size=4\n", {}, [], "overlaps slot"),
+    ("[[engines]]\nurl='http://a:1'\nslot_start=0\nslot_size=4\n[[engines]]\n"
+     "url='http://b:1'\nslot_start=2\nslot_size=4\n", {}, [], "overlaps slot"),
 ])
 def test_invalid_configuration_refused_naming_the_option(tmp_path, capsys, toml, env, argv,
                                                          text):
@@ -367,3 +367,47 @@ def test_publisher_reregisters_after_daemon_restart_and_checks_the_frame_cap(tmp
                                                      "4096"):
                     pub.publish(many, "v3")
         d1.stop()
+
+
+@pytest.mark.parametrize("body", ['{"foo": 1}', '{"slots": "x"}', "[1, 2]",
+                                  '{"version": "x", "slots": [{"slot": [0, 2]}]}'])
+def test_status_cli_refuses_something_that_is_not_slotsyncd(tmp_path, body):
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *a):
+            pass
+
+    srv = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        out = _status_cli("--url", f"http://127.0.0.1:{srv.server_port}")
+    finally:
+        srv.shutdown()
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "/status" in out.stderr
+
+
+@pytest.mark.parametrize("argv,text", [
+    (["--socket", "tcp://127.0.0.1:5555"], "must be ipc:// with an absolute path"),
+    (["--socket", "garbage"], "must be ipc:// with an absolute path"),
+])
+def test_socket_must_be_an_absolute_ipc_path(capsys, argv, text):
+    with pytest.raises(SystemExit) as e:
+        load_config(argv, environ={})
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert text in err and "usage:" not in err  # one line, no usage block
+
+
+def test_json_log_format_keeps_every_line_json(tmp_path):
+    with DaemonProcess(runtime_dir=str(tmp_path), args=["--log-format", "json"]) as d:
+        assert d.status()["version"]
+        lines = [x for x in d.log_tail().splitlines() if x.strip()]
+    assert lines and all(json.loads(x) for x in lines)
