@@ -413,20 +413,38 @@ class WorkerState:
             )
         raise ValueError(f"unrecognized IPC handle args of type {type(args).__name__}")
 
+    @staticmethod
+    def _check_sizes(p: ParsedUpdate) -> None:
+        """Packed: each ``tensor_sizes`` entry must equal its shape's bytes."""
+        assert p.tensor_sizes is not None
+        for name, dt, shape, size in zip(p.names, p.dtypes, p.shapes, p.tensor_sizes,
+                                         strict=True):
+            want = _nbytes(dt, shape)
+            if size != want:
+                raise ValueError(
+                    f"tensor {name!r}: tensor_sizes says {size} bytes, shape {shape} of "
+                    f"{dt} is {want} bytes"
+                )
+
+    def _packed_buffer(self, p: ParsedUpdate) -> torch.Tensor:
+        """Map this worker's packed buffer as flat uint8, held for the session, checked to be
+        large enough for the chunk."""
+        assert p.tensor_sizes is not None
+        buf = self._materialize(self._handle_for_me(p.handles)).reshape(-1)
+        self._hold_mapping(buf)
+        if buf.dtype != torch.uint8:
+            buf = buf.view(torch.uint8)
+        need = sum(p.tensor_sizes)
+        if need > buf.numel():
+            raise ValueError(f"packed buffer has {buf.numel()} bytes, chunk needs {need}")
+        return buf
+
     def _check_only(self, p: ParsedUpdate) -> int:
         """Discard mode: every check of a load that needs no memory; returns the chunk's
         bytes (as a load would report them) without mapping or storing anything."""
         if p.tensor_sizes is not None:  # packed
             _check_args(self._handle_for_me(p.handles))
-            for name, dt, shape, size in zip(
-                p.names, p.dtypes, p.shapes, p.tensor_sizes, strict=True
-            ):
-                want = _nbytes(dt, shape)
-                if size != want:
-                    raise ValueError(
-                        f"tensor {name!r}: tensor_sizes says {size} bytes, shape {shape} of "
-                        f"{dt} is {want} bytes"
-                    )
+            self._check_sizes(p)
             return sum(p.tensor_sizes)
         total = 0
         for dt, shape, by_uuid in zip(p.dtypes, p.shapes, p.handles, strict=True):
@@ -437,23 +455,12 @@ class WorkerState:
     def _tensors(self, p: ParsedUpdate) -> list[tuple[str, torch.Tensor]]:
         out: list[tuple[str, torch.Tensor]] = []
         if p.tensor_sizes is not None:  # packed: one uint8 buffer
-            buf = self._materialize(self._handle_for_me(p.handles)).reshape(-1)
-            self._hold_mapping(buf)
-            if buf.dtype != torch.uint8:
-                buf = buf.view(torch.uint8)
-            need = sum(p.tensor_sizes)
-            if need > buf.numel():
-                raise ValueError(f"packed buffer has {buf.numel()} bytes, chunk needs {need}")
+            self._check_sizes(p)
+            buf = self._packed_buffer(p)
             off = 0
             for name, dt, shape, size in zip(
                 p.names, p.dtypes, p.shapes, p.tensor_sizes, strict=True
             ):
-                want = _nbytes(dt, shape)
-                if size != want:
-                    raise ValueError(
-                        f"tensor {name!r}: tensor_sizes says {size} bytes, shape {shape} of "
-                        f"{dt} is {want} bytes"
-                    )
                 piece = buf[off : off + size].clone()
                 out.append((name, piece.view(dt).reshape(shape)))
                 off += size
@@ -492,13 +499,8 @@ class WorkerState:
                     or not cur.is_contiguous() or _nbytes(dt, shape) != size):
                 return None
             dsts.append(cur.view(-1).view(torch.uint8) if cur.numel() else cur)
-        buf = self._materialize(self._handle_for_me(p.handles)).reshape(-1)
-        self._hold_mapping(buf)
-        if buf.dtype != torch.uint8:
-            buf = buf.view(torch.uint8)
+        buf = self._packed_buffer(p)
         need = sum(p.tensor_sizes)
-        if need > buf.numel():
-            raise ValueError(f"packed buffer has {buf.numel()} bytes, chunk needs {need}")
         srcs, pairs, off = [], [], 0
         for dst, size in zip(dsts, p.tensor_sizes, strict=True):
             if size:
