@@ -19,7 +19,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from slotsync.protocol.wire import MAX_MESSAGE_BYTES_DEFAULT
+from slotsync.protocol.wire import MAX_MESSAGE_BYTES_DEFAULT, check_engine_url
 
 SOCKET_NAME = "slotsyncd.sock"
 ENV_PREFIX = "SLOTSYNC_"
@@ -148,9 +148,10 @@ def check_engine_table(engines: list[EngineEntry]) -> None:
         if e.slot_start < 0 or e.slot_size <= 0:
             raise ValueError(f"engines: slot [{e.slot_start}, {e.slot_start + e.slot_size}) of "
                              f"{e.url!r} is empty or negative")
-        if not e.url.startswith(("http://", "https://", "unix:///")) or " " in e.url:
-            raise ValueError(f"engines: url {e.url!r} must be http://host:port, https://... "
-                             "or unix:///path/to.sock")
+        try:
+            check_engine_url(e.url)
+        except ValueError as err:
+            raise ValueError(f"engines: url {err}") from None
         for o in seen:
             if o.slot_start < e.slot[1] and e.slot_start < o.slot[1]:
                 raise ValueError(f"engines: slot [{e.slot[0]}, {e.slot[1]}) of {e.url!r} "

@@ -8,7 +8,7 @@ overlaps an existing different slot is refused.
 from __future__ import annotations
 
 from slotsync.daemon.coordinator import Action, Reply, SlotCoordinator, Timeouts
-from slotsync.protocol.wire import Begin, Error, Register, ToDaemon
+from slotsync.protocol.wire import NOT_REGISTERED, Begin, Error, Register, ToDaemon
 
 
 class SlotTable:
@@ -74,6 +74,7 @@ class SlotTable:
                     Error(
                         "register",
                         f"{type(msg).__name__.lower()} from a connection that has not registered",
+                        code=NOT_REGISTERED,
                     ),
                 )
             ]

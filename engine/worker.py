@@ -116,6 +116,16 @@ def _dtype(name: Any) -> torch.dtype:
     return dt
 
 
+def _check_dataclass_kwargs(d: Any, allowed: frozenset, what: str, cls: str) -> None:
+    """Refuse a non-object or an unknown key the way vLLM's dataclass constructor does
+    (``TypeError: <cls>.__init__() got an unexpected keyword argument '<key>'``)."""
+    if not isinstance(d, dict):
+        raise TypeError(f"{what} must be a JSON object, got {type(d).__name__}")
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise TypeError(f"{cls}.__init__() got an unexpected keyword argument '{unknown[0]}'")
+
+
 def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
     n = 1
     for d in shape:
@@ -144,14 +154,8 @@ def parse_update_info(update_info: Any, packed: bool) -> ParsedUpdate:
     Raises:
         ValueError, TypeError: with vLLM-like texts; the caller turns them into a 500.
     """
-    if not isinstance(update_info, dict):
-        raise TypeError(f"update_info must be a JSON object, got {type(update_info).__name__}")
-    unknown = sorted(set(update_info) - _UPDATE_INFO_KEYS)
-    if unknown:
-        raise TypeError(
-            f"IPCWeightTransferUpdateInfo.__init__() got an unexpected keyword argument "
-            f"'{unknown[0]}'"
-        )
+    _check_dataclass_kwargs(update_info, _UPDATE_INFO_KEYS, "update_info",
+                            "IPCWeightTransferUpdateInfo")
     for key in ("names", "dtype_names", "shapes"):
         if key not in update_info:
             raise TypeError(
@@ -285,14 +289,8 @@ class WorkerState:
     def init_weight_transfer_engine(self, init_info: Any, inject: str | None = None) -> None:
         """vLLM 0.33 ``init_weight_transfer_engine``: ``init_info = {"packed": bool}``;
         an unknown key fails like the dataclass constructor would."""
-        if not isinstance(init_info, dict):
-            raise TypeError(f"init_info must be a JSON object, got {type(init_info).__name__}")
-        unknown = sorted(set(init_info) - _INIT_INFO_KEYS)
-        if unknown:
-            raise TypeError(
-                f"IPCWeightTransferInitInfo.__init__() got an unexpected keyword argument "
-                f"'{unknown[0]}'"
-            )
+        _check_dataclass_kwargs(init_info, _INIT_INFO_KEYS, "init_info",
+                                "IPCWeightTransferInitInfo")
         if inject:
             raise RuntimeError(inject)
         self.packed = bool(init_info.get("packed", False))

@@ -22,6 +22,7 @@ class SlotsyncError(Exception):
         update_id: the failed update's id, or ``None`` (e.g. registration).
         missing_ranks: ranks the daemon was still waiting for when a deadline expired (I5).
         fatal: the daemon's ``fatal`` flag.
+        code: the daemon's machine-readable reason (``wire.Error.code``), or "".
     """
 
     def __init__(
@@ -33,8 +34,10 @@ class SlotsyncError(Exception):
         update_id: int | None = None,
         missing_ranks: Sequence[int] = (),
         fatal: bool = True,
+        code: str = "",
     ) -> None:
         self.phase = phase
+        self.code = code
         self.message = message
         self.slot: tuple[int, int] | None = (
             (int(slot[0]), int(slot[1])) if slot is not None and len(slot) == 2 else None

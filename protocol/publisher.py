@@ -291,7 +291,7 @@ class Publisher:
         try:
             self._wait_ack("begin")
         except SlotsyncError as e:
-            if not (e.phase == "register" and "has not registered" in e.message):
+            if e.code != wire.NOT_REGISTERED:
                 raise
             # The daemon restarted and forgot us: register again (learning its next update
             # id) and begin once more.
@@ -565,6 +565,7 @@ class Publisher:
             update_id=err.update_id,
             missing_ranks=err.missing_ranks,
             fatal=err.fatal,
+            code=err.code,
         )
 
     def _concerns_us(self, err: wire.Error) -> bool:

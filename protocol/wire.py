@@ -108,6 +108,13 @@ def logical_gpu_uuid(index: int) -> str:
     return str(uuidlib.uuid5(_LOGICAL_NS, f"slotsync-logical-gpu-{index}"))
 
 
+def check_engine_url(url: str) -> None:
+    """Raises ValueError unless ``url`` is ``http://host:port``, ``https://...`` or
+    ``unix:///path`` (``vllm serve --uds``), without whitespace."""
+    if not url.startswith(("http://", "https://", "unix:///")) or any(c.isspace() for c in url):
+        raise ValueError(f"{url!r} must be http://host:port, https://... or unix:///path/to.sock")
+
+
 # --------------------------------------------------------------------------------------------
 # Handle records
 # --------------------------------------------------------------------------------------------
@@ -195,13 +202,10 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         self.gpu_uuid = normalize_gpu_uuid(self.gpu_uuid)
-        if not self.engine_url.startswith(("http://", "https://", "unix:///")) or any(
-            c.isspace() for c in self.engine_url
-        ):
-            raise ValueError(
-                f"engine_url {self.engine_url!r} must be http://host:port, https://... or "
-                "unix:///path/to.sock"
-            )
+        try:
+            check_engine_url(self.engine_url)
+        except ValueError as e:
+            raise ValueError(f"engine_url {e}") from None
         if not (self.slot_start <= self.rank < self.slot_start + self.slot_size):
             raise ValueError(
                 f"rank {self.rank} is outside its own slot "
@@ -334,7 +338,12 @@ class Error(msgspec.Struct, tag="error"):
     update_id: int | None = None
     missing_ranks: list[int] = []
     fatal: bool = True
+    code: str = ""  # machine-readable reason where a peer acts on it: "not_registered"
 
+
+NOT_REGISTERED = "not_registered"
+"""``Error.code`` for a message from a connection the daemon does not know (e.g. after a
+daemon restart): the publisher registers again."""
 
 FromDaemon = Registered | Ack | Error
 

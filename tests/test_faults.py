@@ -30,6 +30,8 @@ import time
 
 import pytest
 
+from slotsync.engine.launcher import free_port
+
 pytest.importorskip("torch")
 
 from faults_lib import (  # noqa: E402
@@ -462,7 +464,7 @@ class FlakyPort:
 
     def __init__(self, target_port: int) -> None:
         self.target = target_port
-        self.port = _free_port()
+        self.port = free_port()
         self._srv: socket.socket | None = None
         self._stop = threading.Event()
         self.up()
@@ -512,12 +514,6 @@ def _pump(a: socket.socket, b: socket.socket) -> None:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @MODES

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -29,6 +28,7 @@ from prometheus_client import generate_latest
 from slotsync.daemon.coordinator import SlotState, Timeouts
 from slotsync.daemon.metrics import Metrics
 from slotsync.daemon.slot_table import SlotTable
+from slotsync.engine.launcher import free_port
 from slotsync.protocol.wire import PROTOCOL_VERSION, Begin, Register
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,12 +150,6 @@ def test_update_ended_and_build_info():
 # ---------------------------------------------------------------------------- real daemon
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as r:
         return json.loads(r.read())
@@ -165,7 +159,7 @@ class PrometheusServer:
     """A real ``prometheus`` on loopback scraping ``target`` every second, storage in ``dir``."""
 
     def __init__(self, binary: str, target: str, dir: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = dir / "prometheus.yml"
         cfg.write_text(
