@@ -25,7 +25,8 @@ Test-only control routes (not part of vLLM), under ``/_slotsync/``:
     "init_count": int, "pause_count": int, "resume_count": int, "shutdown_count": int,
     "route_counts": {route: int}, "faults": [fault, ...],
     "workers": [{"index", "gpu_uuid", "device", "active", "servable", "packed", "init_count",
-    "start_count", "finish_count", "update_count", "bytes_loaded", "num_weights"}, ...]}``.
+    "start_count", "finish_count", "update_count", "bytes_loaded", "load_seconds",
+    "num_weights"}, ...]}`` (``load_seconds``: seconds inside ``update_weights``).
 
 ``POST /_slotsync/fault``
     ``{"route": "<route name without '/'>", "after": k, "status": 500, "workers": [i, ...] |
@@ -279,7 +280,11 @@ class EngineApp:
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
         self.state = EngineState()
-        self.app = web.Application(middlewares=[self._log_middleware])
+        # vLLM's server (uvicorn) sets no body limit; aiohttp's default of 1 MiB would refuse
+        # an unpacked chunk of a few thousand tensors on 8 GPUs.
+        self.app = web.Application(
+            middlewares=[self._log_middleware], client_max_size=1 << 30
+        )
         self.app["engine"] = self
         r = self.app.router
         r.add_post("/init_weight_transfer_engine", self.init_weight_transfer_engine)

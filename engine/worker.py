@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import pickle
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -281,7 +282,10 @@ class WorkerState:
         self.finish_count = 0
         self.update_count = 0
         self.bytes_loaded = 0
-        self._held: list[torch.Tensor] = []  # mapped packed buffers kept for the session
+        self.load_seconds = 0.0  # inside update_weights: parse, map, copy, synchronize
+        # vLLM's PackedBufferImporter: one mapped packed buffer, keyed by its handle's args
+        self._importer: tuple[tuple, torch.Tensor] | None = None
+        self._flat: dict[str, tuple[torch.dtype, list[int], torch.Tensor]] = {}
         self.init_count = 0
 
     # -- vLLM worker methods ---------------------------------------------------------------
@@ -296,16 +300,23 @@ class WorkerState:
         self.packed = bool(init_info.get("packed", False))
         self.init_count += 1
 
-    def _hold_mapping(self, buf: torch.Tensor) -> None:
-        """Keep a mapped packed buffer alive for the rest of the session. The publisher
-        re-exports its one staging buffer for every chunk; while our mapping lives, torch's
-        ``rebuild_cuda_tensor`` finds it in its cache and releases the new export's reference
-        at once instead of opening (and later closing) the IPC handle again per chunk, as
-        vLLM's packed importer also keeps its mapping. Dropped when the session ends, so the
-        producer's memory is never pinned past finish."""
-        if buf.is_cuda and all(b.data_ptr() != buf.data_ptr() for b in self._held):
-            self._held.append(buf)
-            del self._held[:-4]  # a publisher double-buffers at most; bound it anyway
+    def _import_packed(self, args: Any) -> torch.Tensor:
+        """Map a packed buffer the way vLLM 0.33's ``PackedBufferImporter`` does: a one-slot
+        cache keyed by the handle's args. Chunks that send the same export reuse the mapping;
+        a new export replaces it (releasing the old one), and the session's end releases it
+        -- so each export is rebuilt and released exactly once, which is what torch's
+        cross-process reference count pairs with one ``reduce_tensor``."""
+        if not (isinstance(args, (tuple, list)) and len(args) == 15):
+            return self._materialize(args)  # shm stand-in: nothing is ref-counted
+        list_args = list(args)
+        list_args[6] = self.device_index
+        key = tuple(list_args)
+        if self._importer is not None and self._importer[0] == key:
+            return self._importer[1]
+        self._importer = None  # release the previous export's mapping first
+        buf = self._materialize(args)
+        self._importer = (key, buf)
+        return buf
 
     def start_weight_update(self, inject: str | None = None) -> None:
         """Open a session; fails if one is already active on this worker."""
@@ -321,6 +332,7 @@ class WorkerState:
         """Load one chunk; returns the bytes loaded. Any failure ends the session."""
         if not self.active:
             raise RuntimeError(UPDATE_INACTIVE_MSG)
+        t0 = time.perf_counter()
         try:
             if inject:
                 raise RuntimeError(inject)
@@ -328,10 +340,11 @@ class WorkerState:
             n = self._check_only(parsed) if self.discard else self._load_chunk(parsed)
         except BaseException:
             self.active = False
-            self._held.clear()
+            self._importer = None
             raise
         self.update_count += 1
         self.bytes_loaded += n
+        self.load_seconds += time.perf_counter() - t0
         return n
 
     def finish_weight_update(self, inject: str | None = None) -> None:
@@ -343,7 +356,7 @@ class WorkerState:
         self.active = False
         self.servable = True
         self.finish_count += 1
-        self._held.clear()
+        self._importer = None  # vLLM: finish_weight_update closes the packed importer
 
     def shutdown_weight_transfer_engine(self, inject: str | None = None) -> None:
         """Shut the transfer engine down; refused during an active session."""
@@ -376,6 +389,7 @@ class WorkerState:
             "finish_count": self.finish_count,
             "update_count": self.update_count,
             "bytes_loaded": self.bytes_loaded,
+            "load_seconds": self.load_seconds,
             "num_weights": len(self.weights),
         }
 
@@ -428,8 +442,7 @@ class WorkerState:
         """Map this worker's packed buffer as flat uint8, held for the session, checked to be
         large enough for the chunk."""
         assert p.tensor_sizes is not None
-        buf = self._materialize(self._handle_for_me(p.handles)).reshape(-1)
-        self._hold_mapping(buf)
+        buf = self._import_packed(self._handle_for_me(p.handles)).reshape(-1)
         if buf.dtype != torch.uint8:
             buf = buf.view(torch.uint8)
         need = sum(p.tensor_sizes)
@@ -483,6 +496,19 @@ class WorkerState:
             out.append((name, t))
         return out
 
+    def _flat_weight(self, name: str) -> tuple[torch.dtype, list[int], torch.Tensor] | None:
+        """``(dtype, shape, flat uint8 view)`` of a contiguous weight, cached per name (the
+        in-place path runs every round for thousands of tensors; a replaced weight drops its
+        entry, see ``_load_chunk``)."""
+        got = self._flat.get(name)
+        if got is None:
+            cur = self.weights.get(name)
+            if cur is None or not cur.is_contiguous():
+                return None
+            flat = cur.view(-1).view(torch.uint8) if cur.numel() else cur.view(torch.uint8)
+            got = self._flat[name] = (cur.dtype, list(cur.shape), flat)
+        return got
+
     def _load_packed_in_place(self, p: ParsedUpdate) -> int | None:
         """Fast path for a packed chunk whose tensors all exist with the same dtype and shape
         (every round after the first): copy the bytes straight from the mapped buffer into the
@@ -490,26 +516,23 @@ class WorkerState:
         Returns bytes loaded, or None to take the general path."""
         assert p.tensor_sizes is not None
         dsts: list[torch.Tensor] = []
-        for name, dt, shape, size in zip(p.names, p.dtypes, p.shapes, p.tensor_sizes,
-                                         strict=True):
-            cur = self.weights.get(name)
-            if (cur is None or cur.dtype != dt or list(cur.shape) != list(shape)
-                    or not cur.is_contiguous() or _nbytes(dt, shape) != size):
+        for name, dt, shape in zip(p.names, p.dtypes, p.shapes, strict=True):
+            got = self._flat_weight(name)
+            if got is None or got[0] != dt or got[1] != shape:
                 return None
-            dsts.append(cur.view(-1).view(torch.uint8) if cur.numel() else cur)
+            dsts.append(got[2])
+        self._check_sizes(p)
         buf = self._packed_buffer(p)
         need = sum(p.tensor_sizes)
-        srcs, pairs, off = [], [], 0
-        for dst, size in zip(dsts, p.tensor_sizes, strict=True):
-            if size:
-                pairs.append(dst)
-                srcs.append(buf[off : off + size])
-            off += size
-        if pairs:
-            if buf.device == pairs[0].device and hasattr(torch, "_foreach_copy_"):
-                torch._foreach_copy_(pairs, srcs)
+        srcs = list(buf[:need].split(p.tensor_sizes))  # one C++ loop, not a slice per tensor
+        if 0 in p.tensor_sizes:
+            keep = [i for i, n in enumerate(p.tensor_sizes) if n]
+            dsts, srcs = [dsts[i] for i in keep], [srcs[i] for i in keep]
+        if dsts:
+            if buf.device == dsts[0].device and hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(dsts, srcs)
             else:
-                for d, src in zip(pairs, srcs, strict=True):
+                for d, src in zip(dsts, srcs, strict=True):
                     d.copy_(src)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the producer may reuse the buffer after 200
@@ -536,6 +559,7 @@ class WorkerState:
                 cur.copy_(t)
             else:
                 self.weights[name] = t.to(self.device, copy=True)
+                self._flat.pop(name, None)
             total += t.numel() * t.element_size()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -40,6 +40,7 @@ from slotsync.protocol.wire import (
 
 __all__ = [
     "CudaStagingBuffer",
+    "PackPlan",
     "PackedLayout",
     "ShmSegment",
     "ShmStagingBuffer",
@@ -50,7 +51,9 @@ __all__ = [
     "handle_from_reduce_args",
     "nbytes_of",
     "pack_into",
+    "plan_pack",
     "raw_bytes",
+    "run_pack",
 ]
 
 log = logging.getLogger(__name__)
@@ -181,42 +184,72 @@ class PackedLayout(NamedTuple):
     tensor_sizes: list[int]
 
 
-def pack_into(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> PackedLayout:
-    """Copy each tensor's raw bytes into uint8 ``buf`` back to back from offset 0 (vLLM packed
-    layout) and return the chunk's metadata. Copies across devices as needed; the caller
-    synchronizes CUDA before handing out a handle.
+class PackPlan(NamedTuple):
+    """A packed chunk ready to copy: its ``layout``, ``total`` bytes, and the destination
+    views of the buffer with their uint8 sources (zero-byte tensors left out)."""
+
+    layout: PackedLayout
+    total: int
+    dsts: list[torch.Tensor]
+    srcs: list[torch.Tensor]
+
+
+def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> PackPlan:
+    """Lay the tensors out back to back from offset 0 of uint8 ``buf`` (vLLM packed layout)
+    without copying anything yet: the publisher plans chunk k+1 while the engine still reads
+    chunk k, and copies (``run_pack``) once the buffer is free.
 
     Raises:
         ValueError: ``buf`` is not a flat uint8 tensor large enough, or a dtype is unsupported.
     """
-    total = sum(nbytes_of(t) for _, t in named_tensors)
+    layout = PackedLayout([], [], [], [])
+    srcs: list[torch.Tensor] = []
+    for name, t in named_tensors:
+        layout.names.append(name)
+        layout.dtype_names.append(dtype_name(t.dtype))
+        layout.shapes.append(list(t.shape))
+        layout.tensor_sizes.append(t.numel() * t.element_size())
+        srcs.append(raw_bytes(t))
+    total = sum(layout.tensor_sizes)
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < total:
         raise ValueError(
             f"pack_into needs a flat uint8 buffer of at least {total} bytes, got "
             f"{buf.dtype} of shape {tuple(buf.shape)}"
         )
-    layout = PackedLayout([], [], [], [])
-    off = 0
-    dsts: list[torch.Tensor] = []
-    srcs: list[torch.Tensor] = []
-    for name, t in named_tensors:
-        layout.names.append(name)
-        layout.dtype_names.append(dtype_name(t.dtype))
-        layout.shapes.append([int(d) for d in t.shape])
-        n = nbytes_of(t)
-        layout.tensor_sizes.append(n)
-        if n:
-            dsts.append(buf[off : off + n])
-            srcs.append(raw_bytes(t))
-        off += n
-    if dsts and hasattr(torch, "_foreach_copy_") and all(x.device == buf.device for x in srcs):
+    # One split (a C++ loop) instead of a Python slice per tensor: per-tensor Python is what
+    # a 6,000-tensor round pays for, not the bytes.
+    dsts = list(buf[:total].split(layout.tensor_sizes)) if srcs else []
+    if 0 in layout.tensor_sizes:
+        keep = [i for i, n in enumerate(layout.tensor_sizes) if n]
+        dsts, srcs = [dsts[i] for i in keep], [srcs[i] for i in keep]
+    return PackPlan(layout, total, dsts, srcs)
+
+
+def run_pack(plan: PackPlan) -> None:
+    """Do the copies of ``plan`` (across devices as needed). The caller synchronizes CUDA
+    before handing out a handle."""
+    if not plan.dsts:
+        return
+    dev = plan.dsts[0].device
+    if hasattr(torch, "_foreach_copy_") and all(x.device == dev for x in plan.srcs):
         # One batched copy (a few kernel launches) instead of one launch per tensor: with
         # thousands of tensors per chunk the launches, not the bytes, dominate.
-        torch._foreach_copy_(dsts, srcs)
+        torch._foreach_copy_(plan.dsts, plan.srcs)
     else:
-        for d, src in zip(dsts, srcs, strict=True):
+        for d, src in zip(plan.dsts, plan.srcs, strict=True):
             d.copy_(src)
-    return layout
+
+
+def pack_into(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> PackedLayout:
+    """Copy each tensor's raw bytes into uint8 ``buf`` back to back from offset 0 (vLLM packed
+    layout) and return the chunk's metadata: ``plan_pack`` then ``run_pack``.
+
+    Raises:
+        ValueError: ``buf`` is not a flat uint8 tensor large enough, or a dtype is unsupported.
+    """
+    plan = plan_pack(buf, named_tensors)
+    run_pack(plan)
+    return plan.layout
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,9 +349,10 @@ class ShmSegment:
 class StagingBuffer(ABC):
     """A reusable uint8 buffer of ``capacity`` bytes for one packed chunk at a time.
 
-    ``fill`` copies a chunk's tensors into it back to back from offset 0 (vLLM packed layout);
-    ``handle`` exports the used region. The buffer may be refilled only after the daemon
-    acknowledged the chunk (design.md I3).
+    Per chunk: ``plan`` lays the chunk out (CPU only; may run while the engine still reads the
+    previous chunk), ``fill`` copies it in once the previous chunk was acknowledged (design.md
+    I3), ``handle`` gives the handle to send. ``end_update`` runs when the update ends (commit
+    acknowledged, aborted or failed).
     """
 
     def __init__(self, capacity: int) -> None:
@@ -332,8 +366,8 @@ class StagingBuffer(ABC):
     def tensor(self) -> torch.Tensor:
         """The whole buffer: uint8, shape ``(capacity,)``."""
 
-    def fill(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> PackedLayout:
-        """Copy the tensors' raw bytes back to back from offset 0; return their metadata.
+    def plan(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> PackPlan:
+        """Lay a chunk out in this buffer without copying (see ``plan_pack``).
 
         Raises:
             ValueError: the tensors need more than ``capacity`` bytes (names the sizes), or a
@@ -345,17 +379,30 @@ class StagingBuffer(ABC):
                 f"chunk of {len(named_tensors)} tensors needs {total} bytes but the staging "
                 f"buffer holds {self.capacity} bytes"
             )
-        layout = pack_into(self.tensor, named_tensors)
-        self.used = total
+        return plan_pack(self.tensor, named_tensors)
+
+    def fill(self, chunk: Sequence[tuple[str, torch.Tensor]] | PackPlan) -> PackedLayout:
+        """Copy a chunk (its tensors, or a ``plan`` of them) into the buffer back to back from
+        offset 0; return its metadata. Only once the previous chunk was acknowledged.
+
+        Raises:
+            ValueError: as ``plan``.
+        """
+        plan = chunk if isinstance(chunk, PackPlan) else self.plan(chunk)
+        run_pack(plan)
+        self.used = plan.total
         self._after_fill()
-        return layout
+        return plan.layout
 
     def _after_fill(self) -> None:  # noqa: B027 - optional hook
         """Hook run after the copies (CUDA: wait for them)."""
 
     @abstractmethod
     def handle(self) -> Handle:
-        """A handle to bytes ``[0, used)`` of the buffer, for the chunk just filled."""
+        """The handle to send for the chunk just filled."""
+
+    def end_update(self) -> None:  # noqa: B027 - optional hook
+        """The update ended: drop what was exported for it (CUDA: the export)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -363,7 +410,8 @@ class StagingBuffer(ABC):
 
 
 class ShmStagingBuffer(StagingBuffer):
-    """A staging buffer in a POSIX shared-memory segment (CPU transport).
+    """A staging buffer in a POSIX shared-memory segment (CPU transport), kept for the
+    publisher's life; each chunk's handle covers bytes ``[0, used)``.
 
     Raises:
         OSError: the segment cannot be created.
@@ -388,13 +436,24 @@ class ShmStagingBuffer(StagingBuffer):
 
 
 class CudaStagingBuffer(StagingBuffer):
-    """A staging buffer in GPU memory (CUDA IPC transport).
+    """A staging buffer in GPU memory (CUDA IPC transport), exported once per update.
 
-    ``handle`` re-exports the used region with ``reduce_tensor`` for every chunk; exporting per
-    chunk keeps torch's IPC ref counter balanced with the consumer's rebuilds.
+    The reference-count discipline of vLLM's packed importer (vLLM 0.33
+    ``packed_tensor.PackedBufferImporter``): torch pairs one ``reduce_tensor`` export with one
+    consumer rebuild-and-release, and vLLM caches its mapping keyed by the handle's args, reuses
+    it for every chunk that sends the same args and releases it at ``/finish_weight_update``.
+    So this buffer is exported once, whole (``capacity`` bytes; each chunk says in
+    ``tensor_sizes`` how much of it is used), at the first chunk of an update, and every chunk
+    of that update sends that one handle. ``end_update`` drops the export *and* the storage
+    behind it: torch's producer side keeps each export's bookkeeping (an interprocess event and
+    a ref-counter slot) until the storage dies, so re-exporting one long-lived storage every
+    round would grow without bound. The next update allocates again -- the caching allocator
+    hands back the same block once the engine released it, and a block the engine still maps
+    (a failed update) waits in torch's limbo until ``torch.cuda.ipc_collect()`` finds it
+    released, instead of being reused under the engine's feet.
 
     Args:
-        capacity: bytes of GPU memory to allocate (uint8).
+        capacity: bytes of GPU memory (uint8).
         device: the CUDA device (the rank's own GPU).
     """
 
@@ -405,14 +464,17 @@ class CudaStagingBuffer(StagingBuffer):
         )
         if self.device.type != "cuda":
             raise ValueError(f"CudaStagingBuffer needs a CUDA device, got {self.device}")
-        self._tensor: torch.Tensor | None = torch.empty(
-            capacity, dtype=torch.uint8, device=self.device
-        )
+        self._tensor: torch.Tensor | None = None
+        self._export: CudaIpcHandle | None = None
+        self._closed = False
+        self.exports = 0  # reduce_tensor calls so far (one per update that sent a chunk)
 
     @property
     def tensor(self) -> torch.Tensor:
-        if self._tensor is None:
+        if self._closed:
             raise ValueError("CUDA staging buffer is closed")
+        if self._tensor is None:
+            self._tensor = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
         return self._tensor
 
     def _after_fill(self) -> None:
@@ -421,7 +483,15 @@ class CudaStagingBuffer(StagingBuffer):
         torch.cuda.synchronize(self.device)
 
     def handle(self) -> CudaIpcHandle:
-        return cuda_ipc_handle(self.tensor[: max(self.used, 1)])
+        if self._export is None:
+            self._export = cuda_ipc_handle(self.tensor)
+            self.exports += 1
+        return self._export
+
+    def end_update(self) -> None:
+        self._export = None
+        self._tensor = None
 
     def close(self) -> None:
-        self._tensor = None
+        self.end_update()
+        self._closed = True

@@ -11,12 +11,20 @@ message, no empty delimiter frame)::
         optimizer.step()
         pub.publish(hf_named_tensors(model), weight_version=str(step))
 
-``publish`` = ``begin`` + ``send_chunk`` per chunk + ``commit``; on any failure it aborts the
-update (best effort) and re-raises. Each step waits for the daemon's acknowledgement, bounded
-by ``timeout_s`` (design.md I5). Every rank of a slot must publish the same names in the same
+``publish`` = ``begin`` + one chunk at a time + ``commit``; on any failure it aborts the
+update (best effort) and re-raises. Every wait for the daemon is bounded by ``timeout_s``
+(design.md I5).
+
+``publish`` pipelines: after sending chunk k it goes back to the caller's iterator (whatever
+produces the tensors: gathers, format conversion) while the daemon and the engine load chunk k.
+Packed, it then lays chunk k+1 out (CPU) and copies it into the staging buffer only after chunk
+k's ack -- one buffer, exported once per update, as vLLM's packed importer requires (see
+``CudaStagingBuffer``). Unpacked, up to ``MAX_UNACKED_CHUNKS`` chunks are sent ahead of their
+acks (their exports live until commit anyway), so the daemon can merge the next chunk while the
+engine loads the current one. Every rank of a slot must publish the same names in the same
 order with the same ``staging_bytes``, so that all ranks cut identical chunks (I2).
 
-Memory lifetime (design.md I3): a packed chunk's staging buffer is reused only after that
+Memory lifetime (design.md I3): a packed chunk's staging buffer is refilled only after that
 chunk's ack; unpacked exports (and their shared-memory segments) are kept until the commit's
 ack, then released and, on CUDA, ``torch.cuda.ipc_collect()`` is called.
 """
@@ -28,6 +36,7 @@ import os
 import socket
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -52,12 +61,15 @@ from slotsync.protocol.export import (
 )
 from slotsync.protocol.topology import EngineSlot
 
-__all__ = ["DEFAULT_STAGING_BYTES", "PublishStats", "Publisher"]
+__all__ = ["DEFAULT_STAGING_BYTES", "MAX_UNACKED_CHUNKS", "PublishStats", "Publisher"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 512 * 1024 * 1024
 """Default staging buffer (packed) / chunk limit (unpacked): 512 MiB."""
+
+MAX_UNACKED_CHUNKS = 2
+"""Unpacked ``publish``: chunks sent ahead of their acks (packed: 1, the staging buffer)."""
 
 _LINGER_MS = 500  # how long close() lets an unsent Abort try to get out
 
@@ -65,11 +77,15 @@ _LINGER_MS = 500  # how long close() lets an unsent Abort try to get out
 @dataclass(frozen=True)
 class PublishStats:
     """What one ``publish`` did: ``chunks`` sent, tensor ``bytes`` described, wall ``seconds``
-    from begin to the commit's ack."""
+    from begin to the commit's ack; of those, ``export_seconds`` laying out, copying into the
+    staging buffer (and waiting for the copies) and exporting, and ``wait_seconds`` blocked on
+    the daemon's acks (begin, chunks, commit)."""
 
     chunks: int
     bytes: int
     seconds: float
+    export_seconds: float = 0.0
+    wait_seconds: float = 0.0
 
 
 def _release(
@@ -158,6 +174,10 @@ class Publisher:
         self._update_id: int | None = None  # the open update, if any
         self._num_chunks = 0
         self._bytes = 0
+        self._unacked: deque[int] = deque()  # chunk indices sent, ack not yet awaited
+        self._early_acks: set[int] = set()  # chunk acks read while sending or waiting
+        self._export_s = 0.0
+        self._wait_s = 0.0
         self._pinned: list[torch.Tensor] = []  # unpacked CUDA exports, until commit's ack
         self._update_segments: list[ShmSegment] = []  # unpacked shm, until commit's ack
         self._segments: list[ShmSegment] = []  # every segment we own (for the finalizer)
@@ -287,6 +307,8 @@ class Publisher:
         self._update_id = uid
         self._num_chunks = 0
         self._bytes = 0
+        self._unacked.clear()
+        self._early_acks.clear()
         self._send(wire.Begin(update_id=uid, weight_version=weight_version))
         try:
             self._wait_ack("begin")
@@ -325,8 +347,15 @@ class Publisher:
             SlotsyncError, SlotsyncTimeout: the chunk failed or was not acknowledged in time.
         """
         self._check_usable()
+        self._require_open()
+        self._send_chunk(list(named_tensors), max_unacked=0)
+        self._wait_unacked(0)
+
+    def _send_chunk(self, items: list[tuple[str, torch.Tensor]], max_unacked: int) -> int:
+        """Export and send one chunk, first waiting until at most ``max_unacked`` earlier
+        chunks are unacknowledged (packed: 0, the staging buffer must be free). Returns its
+        index; its ack is awaited later (``_wait_unacked``)."""
         uid = self._require_open()
-        items = list(named_tensors)
         if not items:
             raise ValueError("a chunk needs at least one tensor")
         names = [n for n, _ in items]
@@ -337,10 +366,17 @@ class Publisher:
         t0 = time.perf_counter()
         if self.packed:
             staging = self._staging_buffer()
-            layout = staging.fill(items)
+            plan = staging.plan(items)  # CPU work, while the engine still reads chunk k-1
+            self._export_s += time.perf_counter() - t0
+            self._wait_unacked(0)
+            t0 = time.perf_counter()
+            layout = staging.fill(plan)
             handles: list[wire.Handle] = [staging.handle()]
         else:
             layout, handles = self._export_unpacked(items)
+            self._export_s += time.perf_counter() - t0
+            self._wait_unacked(max_unacked)
+            t0 = time.perf_counter()
         chunk = wire.Chunk(
             update_id=uid,
             index=index,
@@ -350,15 +386,24 @@ class Publisher:
             tensor_sizes=layout.tensor_sizes,
             handles=handles,
         )
+        self._export_s += time.perf_counter() - t0
         self._send(chunk)
-        self._wait_ack("chunk", index)
-        nbytes = chunk.nbytes
+        self._unacked.append(index)
         self._num_chunks += 1
-        self._bytes += nbytes
-        log.debug(
-            "rank %d: update %d chunk %d acknowledged: %d tensors, %d bytes, %.3f s",
-            self.rank, uid, index, len(items), nbytes, time.perf_counter() - t0,
-        )
+        self._bytes += sum(layout.tensor_sizes)
+        return index
+
+    def _wait_unacked(self, keep: int) -> None:
+        """Wait for chunk acks, oldest first, until at most ``keep`` chunks are unacked."""
+        while len(self._unacked) > keep:
+            index = self._unacked[0]
+            if index in self._early_acks:
+                self._early_acks.discard(index)
+            else:
+                self._wait_ack("chunk", index)
+            self._unacked.popleft()
+            log.debug("rank %d: update %s chunk %d acknowledged", self.rank, self._update_id,
+                      index)
 
     def commit(self) -> None:
         """Close the update: send ``Commit(num_chunks)`` and wait for ``Ack(commit)`` (finish
@@ -372,6 +417,7 @@ class Publisher:
         """
         self._check_usable()
         uid = self._require_open()
+        self._wait_unacked(0)
         self._send(wire.Commit(update_id=uid, num_chunks=self._num_chunks))
         self._wait_ack("commit")
         log.debug(
@@ -424,6 +470,8 @@ class Publisher:
             for name, t in named_tensors:
                 self._check_fits(name, nbytes_of(t))
         t0 = time.perf_counter()
+        self._export_s = self._wait_s = 0.0
+        ahead = 0 if self.packed else MAX_UNACKED_CHUNKS - 1
         try:
             self.begin(weight_version)
             chunk: list[tuple[str, torch.Tensor]] = []
@@ -436,19 +484,25 @@ class Publisher:
                 n = nbytes_of(t)
                 self._check_fits(name, n)
                 if chunk and size + n > self.staging_bytes:
-                    self.send_chunk(chunk)
+                    self._send_chunk(chunk, ahead)
                     chunk, size = [], 0
                 chunk.append((name, t))
                 size += n
             if chunk:
-                self.send_chunk(chunk)
+                self._send_chunk(chunk, ahead)
             chunks, nbytes = self._num_chunks, self._bytes
             self.commit()
         except BaseException as e:
             if self._update_id is not None:
                 self.abort(f"{type(e).__name__}: {e}")
             raise
-        return PublishStats(chunks=chunks, bytes=nbytes, seconds=time.perf_counter() - t0)
+        return PublishStats(
+            chunks=chunks,
+            bytes=nbytes,
+            seconds=time.perf_counter() - t0,
+            export_seconds=self._export_s,
+            wait_seconds=self._wait_s,
+        )
 
     def _check_fits(self, name: str, n: int) -> None:
         if n > self.staging_bytes:
@@ -544,6 +598,10 @@ class Publisher:
         if uid is not None:
             self._next_id = max(self._next_id, uid + 1)
         self._pinned.clear()
+        self._unacked.clear()
+        self._early_acks.clear()
+        for buf in self._staging:
+            buf.end_update()
         if self.transport == "cuda":
             # free exported blocks whose consumers have released them (vLLM's own producer
             # calls this after finish; vllm-contract.md)
@@ -579,11 +637,22 @@ class Publisher:
                 "protocol", str(e), slot=self._slot_pair(), update_id=self._update_id
             ) from None
 
+    def _keep_early_ack(self, msg: wire.FromDaemon) -> bool:
+        """Remember an ack of a chunk still in flight that arrived before we waited for it."""
+        if (isinstance(msg, wire.Ack) and msg.phase == "chunk" and self._update_id is not None
+                and msg.update_id == self._update_id and msg.index in self._unacked):
+            self._early_acks.add(msg.index)
+            return True
+        return False
+
     def _drain(self) -> None:
-        """Handle replies that arrived unasked: raise an Error of the open update (or one with
-        no update id); drop stale acks and errors of other update ids."""
+        """Handle replies that arrived unasked: keep acks of chunks in flight, raise an Error
+        of the open update (or one with no update id); drop stale acks and errors of other
+        update ids."""
         while self._sock.poll(0):
             msg = self._decode(self._sock.recv(zmq.NOBLOCK))
+            if self._keep_early_ack(msg):
+                continue
             if isinstance(msg, wire.Error) and self._concerns_us(msg):
                 raise self._error(msg)
             log.debug("rank %d: ignoring stale reply %r", self.rank, msg)
@@ -636,6 +705,15 @@ class Publisher:
             SlotsyncTimeout: nothing matched within ``timeout_s``.
             SlotsyncError: an Error of the open update (or without update id) arrived.
         """
+        t0 = time.perf_counter()
+        try:
+            return self._wait_loop(phase, waited_for, match)
+        finally:
+            self._wait_s += time.perf_counter() - t0
+
+    def _wait_loop(
+        self, phase: str, waited_for: str, match: Callable[[wire.FromDaemon], bool]
+    ) -> wire.FromDaemon:
         deadline = time.monotonic() + self.timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -665,6 +743,8 @@ class Publisher:
             msg = self._decode(self._sock.recv(zmq.NOBLOCK))
             if match(msg):
                 return msg
+            if self._keep_early_ack(msg):
+                continue
             if isinstance(msg, wire.Error) and self._concerns_us(msg):
                 raise self._error(msg)
             log.debug("rank %d: ignoring stale reply %r while waiting for %s",

@@ -204,6 +204,19 @@ def test_cuda_ipc_handle_real() -> None:
     buf = CudaStagingBuffer(1024, "cuda:0")
     layout = buf.fill(_named())
     hb = buf.handle()
-    assert hb.dtype == "uint8" and hb.nbytes == sum(layout.tensor_sizes)
+    # the whole buffer, exported once (vLLM's packed importer reads tensor_sizes from 0)
+    assert hb.dtype == "uint8" and hb.size == (1024,) and hb.nbytes == 1024
+    assert sum(layout.tensor_sizes) < 1024
     want = b"".join(_expected(t) for _, t in _named())
     assert buf.tensor[: len(want)].cpu().numpy().tobytes() == want
+    # every chunk of one update sends the same export ...
+    buf.fill(_named()[:1])
+    assert buf.handle() == hb and buf.exports == 1
+    # ... and the next update a new one (its own ref-counter slot), on a fresh allocation
+    buf.end_update()
+    buf.fill(_named())
+    h2 = buf.handle()
+    assert buf.exports == 2 and h2 != hb
+    buf.close()
+    with pytest.raises(ValueError, match="closed"):
+        buf.fill(_named())

@@ -357,3 +357,80 @@ def test_publisher_argument_checks(endpoint: str) -> None:
         assert pub.gpu_uuid == "aaaaaaaa-0000-0000-0000-000000000001"
     finally:
         pub.close()
+
+
+def _many_tensors(n: int = 6) -> list[tuple[str, torch.Tensor]]:
+    """``n`` float32 tensors of 64 bytes each, distinct contents."""
+    return [(f"model.layers.{i}.w", torch.full((16,), float(i))) for i in range(n)]
+
+
+def test_unpacked_publish_sends_the_next_chunk_before_the_ack(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str
+) -> None:
+    """Unpacked, a rank keeps one chunk in flight ahead of its ack: this daemon acks chunk
+    k-1 only once chunk k arrived, which a publisher that waits for each ack before sending
+    the next chunk could never satisfy (it would time out)."""
+    n = 6
+    last = n - 1
+
+    def ack_behind(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Chunk):
+            acks = []
+            if msg.index > 0:
+                acks.append(wire.Ack(update_id=msg.update_id, phase="chunk", index=msg.index - 1))
+            if msg.index == last:
+                acks.append(wire.Ack(update_id=msg.update_id, phase="chunk", index=last))
+            return acks
+        return happy(msg)
+
+    daemon = make_daemon(ack_behind)
+    with _publisher(endpoint, packed=False, staging_bytes=64, timeout_s=2.0) as pub:
+        stats = pub.publish(_many_tensors(n), weight_version="v")
+    assert stats.chunks == n
+    assert [c.index for c in daemon.of_type(wire.Chunk)] == list(range(n))
+    assert [c.num_chunks for c in daemon.of_type(wire.Commit)] == [n]
+    assert stats.wait_seconds > 0 and stats.export_seconds > 0
+
+
+def test_packed_staging_buffer_is_not_refilled_before_the_ack(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str
+) -> None:
+    """Packed, the next chunk is laid out while the engine reads the current one, but copied
+    into the (single) staging buffer only after the current chunk's ack (design.md I3)."""
+    held: list[tuple[int, bool, int]] = []  # (chunk index, bytes unchanged, chunks seen)
+
+    def slow_engine(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Chunk):
+            (h,) = msg.handles
+            assert isinstance(h, wire.ShmHandle)
+            before = _read_shm(h)
+            time.sleep(0.2)  # the engine is loading; the rank must not touch the buffer
+            seen = len(daemon.of_type(wire.Chunk))
+            held.append((msg.index, _read_shm(h) == before, seen))
+        return happy(msg)
+
+    daemon = make_daemon(slow_engine)
+    named = _many_tensors(4)
+    with _publisher(endpoint, packed=True, staging_bytes=64) as pub:
+        pub.publish(named, weight_version="v")
+    assert [i for i, _, _ in held] == [0, 1, 2, 3]
+    assert all(same for _, same, _ in held)  # never overwritten before its ack
+    assert [seen for _, _, seen in held] == [1, 2, 3, 4]  # never two chunks in flight
+    seen = {k: v for d in daemon.chunk_data for k, v in d.items()}
+    assert seen == {n: _raw(t) for n, t in named}
+
+
+def test_ack_read_before_it_is_awaited_is_kept(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str
+) -> None:
+    """Unpacked, chunk k's ack often arrives while the caller's iterator still produces chunk
+    k+1; the publisher reads it when it next sends and must count it, not drop it as stale."""
+    make_daemon()
+
+    def slow_iter() -> Iterator[tuple[str, torch.Tensor]]:
+        for item in _many_tensors(4):
+            time.sleep(0.1)  # the ack of the previous chunk arrives meanwhile
+            yield item
+
+    with _publisher(endpoint, packed=False, staging_bytes=64, timeout_s=2.0) as pub:
+        assert pub.publish(slow_iter(), weight_version="v").chunks == 4

@@ -12,7 +12,8 @@ then ``("exit", rank)``. ``script`` keys bend the behaviour to inject faults:
 * ``engine_url``: override the engine URL this rank registers with;
 * ``register_delay_s``: sleep before registering;
 * ``cuda``: publish CUDA tensors over CUDA IPC (GPU tests), with ``logical_gpu_uuid(rank)`` so
-  several ranks can share one physical GPU.
+  several ranks can share one physical GPU; after each ``publish`` the rank reports
+  ``("cuda_left", rank, k, bytes)``: GPU memory still allocated beyond the round's tensors.
 
 Keys added for the fault-injection suite (``tests/test_faults.py``):
 
@@ -116,8 +117,12 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
                     pub.commit()
                     results.put(("round", rank, k, "ok", -1, -1))
                 else:
+                    before = torch.cuda.memory_allocated() if cuda else 0
                     st = pub.publish(named, f"v{k}")
                     results.put(("round", rank, k, "ok", st.chunks, st.bytes))
+                    if cuda:  # what the round left allocated on the GPU beyond its tensors
+                        results.put(("cuda_left", rank, k,
+                                     torch.cuda.memory_allocated() - before))
             except SlotsyncError as e:
                 if pub.update_id is not None:  # own timeout: the update is still open here
                     pub.abort(f"{type(e).__name__}: {e.phase}")
