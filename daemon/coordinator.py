@@ -128,6 +128,8 @@ class _Update:
     start_sent: bool = False
     steps: list[str] = field(default_factory=list)  # engine routes still to call before streaming
     pending: dict[int, dict[int, Chunk]] = field(default_factory=dict)  # index -> rank -> chunk
+    # complete chunks merged ahead of their turn (while the engine loads an earlier one)
+    merged: dict[int, MergedChunk | ChunkMismatch] = field(default_factory=dict)
     first_arrival: dict[int, float] = field(default_factory=dict)
     sent_count: dict[int, int] = field(default_factory=dict)  # rank -> chunks received
     next_index: int = 0  # next chunk to hand to the engine
@@ -377,6 +379,7 @@ class SlotCoordinator:
             idx = u.next_index
             chunk_bytes = sum(next(iter(u.pending[idx].values())).tensor_sizes)
             del u.pending[idx]
+            u.merged.pop(idx, None)
             u.first_arrival.pop(idx, None)
             u.next_index += 1
             u.consumed_bytes += chunk_bytes
@@ -586,10 +589,30 @@ class SlotCoordinator:
                 now, "chunk", f"rank {rank} sent chunk {msg.index}, expected chunk {expect}", []
             )
         u.sent_count[rank] = expect + 1
-        u.pending.setdefault(msg.index, {})[rank] = msg
+        got = u.pending.setdefault(msg.index, {})
+        got[rank] = msg
         u.first_arrival.setdefault(msg.index, now)
         u.last_progress = now
+        if len(got) == self.size:
+            # Merge now, not when its turn comes: with ranks sending ahead, this runs while the
+            # engine still loads an earlier chunk, so the engine never waits for the daemon.
+            u.merged[msg.index] = self._merge(msg.index, got)
         return self._advance(now)
+
+    def _merge(self, idx: int, got: dict[int, Chunk]) -> MergedChunk | ChunkMismatch:
+        """Check and merge one complete chunk; a mismatch is kept and fails the update when
+        the chunk's turn comes (no engine call is ever in flight then)."""
+        try:
+            return merge_chunk(
+                idx,
+                got,
+                {r: self.ranks[r].gpu_uuid for r in got},
+                packed=bool(self.packed),
+                transport=self.transport or "cuda",
+                world_size=self.world_size or self.size,
+            )
+        except ChunkMismatch as e:
+            return e
 
     def _on_commit(self, rank: int, msg: Commit, now: float) -> list[Action]:
         u = self.current
@@ -642,21 +665,11 @@ class SlotCoordinator:
             return []
         if u.finished:
             return self._call(u, "resume")
-        idx = u.next_index
-        got = u.pending.get(idx)
-        if got is not None and len(got) == self.size:
-            try:
-                merged: MergedChunk = merge_chunk(
-                    idx,
-                    got,
-                    {r: self.ranks[r].gpu_uuid for r in got},
-                    packed=bool(self.packed),
-                    transport=self.transport or "cuda",
-                    world_size=self.world_size or self.size,
-                )
-            except ChunkMismatch as e:
+        merged = u.merged.get(u.next_index)
+        if merged is not None:
+            if isinstance(merged, ChunkMismatch):
                 # I2: the engine never sees an inconsistent chunk.
-                return self._fail(now, "chunk", str(e), [])  # ranks differ; none is missing
+                return self._fail(now, "chunk", str(merged), [])  # ranks differ; none missing
             return self._call(u, "update_weights", {"update_info": merged.update_info})
         if (
             len(u.committed) == self.size

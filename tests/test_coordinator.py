@@ -7,6 +7,7 @@ Invariants (design.md) and the tests that hold them:
 I1 one update per engine, one start + one finish: test_happy_round_order_and_acks,
    test_second_update_refused_while_one_in_flight_and_stale_id;
 I2 complete and consistent chunks only: test_chunk_waits_for_every_rank_...,
+   test_mismatch_found_ahead_fails_only_when_no_engine_call_is_in_flight,
    test_dtype_mismatch_rejected_before_engine_sees_it, test_world_size_mismatch_...;
 I3 acks after the engine consumed: test_chunk_waits_for_every_rank_and_acks_only_after_...;
 I4 pause before start, no resume after failure: test_happy_round_order_and_acks,
@@ -212,6 +213,64 @@ def test_chunk_waits_for_every_rank_and_acks_only_after_engine_consumed():
     ok, res, err = h.engine.answer(call)
     h.run(h.coord.on_engine_result(call.call_id, ok, res, err, h.now))
     assert isinstance(h.last(0), Ack) and h.last(0).phase == "chunk"
+
+
+def _answer_held(h: Harness) -> None:
+    """Answer the oldest held engine call and feed its result back."""
+    call = h.pending_calls.pop(0)
+    ok, res, err = h.engine.answer(call)
+    h.run(h.coord.on_engine_result(call.call_id, ok, res, err, h.now))
+
+
+def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monkeypatch):
+    import slotsync.daemon.coordinator as coordinator
+
+    merges: list[int] = []
+    real = coordinator.merge_chunk
+    monkeypatch.setattr(coordinator, "merge_chunk",
+                        lambda idx, *a, **k: merges.append(idx) or real(idx, *a, **k))
+    h = Harness(packed=False)
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+    h.engine.hold = True
+    for k in range(2):  # ranks run one chunk ahead of their acks (the publisher's window)
+        for r in range(2):
+            h.send(r, chunk(0, k, r, packed=False))
+    # chunk 1 merged while chunk 0's call is still in flight; only one call in flight (I1)
+    assert [c.route for c in h.pending_calls] == ["update_weights"]
+    assert merges == [0, 1]
+    assert not any(isinstance(m, Ack) and m.phase == "chunk" for m in h.replies[0])  # I3
+    h.engine.hold = False
+    _answer_held(h)  # chunk 0 returns: ack 0, then chunk 1's call goes out at once
+    for r in range(2):
+        kinds = [(m.phase, m.index) for m in h.replies[r] if isinstance(m, Ack)]
+        assert kinds == [("begin", -1), ("chunk", 0), ("chunk", 1)]
+    assert merges == [0, 1]  # nothing merged twice
+    for r in range(2):
+        h.send(r, Commit(0, 2))
+    assert h.coord.last_version == "v" and h.engine.calls.count("update_weights") == 2
+
+
+def test_mismatch_found_ahead_fails_only_when_no_engine_call_is_in_flight():
+    h = Harness()
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v"))
+    h.engine.hold = True
+    for r in range(2):
+        h.send(r, chunk(0, 0, r))
+    h.send(0, chunk(0, 1, 0, dtype="float32"))
+    h.send(1, chunk(0, 1, 1, dtype="float16"))  # chunk 1 is inconsistent, found ahead
+    assert h.coord.state is SlotState.UPDATING  # chunk 0 still loading: no failure yet (I1)
+    assert not any(isinstance(m, Error) for m in h.replies[0])
+    h.engine.hold = False
+    _answer_held(h)
+    assert h.engine.calls.count("update_weights") == 1  # I2: chunk 1 never reached it
+    for r in range(2):
+        err = h.last(r)
+        assert isinstance(err, Error) and "chunk 1" in err.message and "dtype_names" in err.message
+    assert h.coord.state is SlotState.FAILED and "resume" not in h.engine.calls
 
 
 def test_merged_update_info_carries_every_uuid_packed():
