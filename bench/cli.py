@@ -55,6 +55,9 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="rounds of the rounds-served check (sweep only; default 100)")
     c.add_argument("--plot", default="bench/scaling.png", help="PNG of the sweep")
     c.add_argument("--report", default="BENCHMARKS.md", help="Markdown report ('' for none)")
+    c.add_argument("--section", default="control",
+                   help="section of --report to rewrite (default control; e.g. control-h200 "
+                        "for a run on the GPU host's CPUs)")
     g = sub.add_parser("gpu", help="data plane by CUDA IPC vs a plain device-to-device copy",
                        description=__doc__)
     g.add_argument("--ranks", type=int, default=1, help="ranks (logical GPUs on cuda:0)")
@@ -130,7 +133,8 @@ def control_main(args: argparse.Namespace) -> int:
         what = f"{args.tensors} uniform tensors of 768x2048 bf16 (3 MiB)"
     staging = args.staging_mb * MiB
     nchunks = len(chunk_specs(specs, staging))
-    _say(out, "## Control plane (CPU): `slotsync bench control`")
+    title = "" if args.section == "control" else f" (section {args.section})"
+    _say(out, f"## Control plane (CPU): `slotsync bench control`{title}")
     _say(out)
     _say(out, f"- command: `{command_line()}`")
     _say(out, f"- machine: {machine_line()}")
@@ -140,8 +144,10 @@ def control_main(args: argparse.Namespace) -> int:
     engine = ("`" + " ".join(args.engine_url) + "`" if args.engine_url else
               "reference engine, `--discard` (parses every update_info, maps nothing)")
     _say(out, f"- engine: {engine}, {args.ranks} workers per slot")
-    _say(out, "- per chunk: on the slot coordinator, from building the chunk's message to its "
-              "ack (slotsync) / to the barrier after the POST (baseline); per round: slowest "
+    _say(out, "- per chunk: on the slot coordinator, the time from one chunk's ack to the next "
+              "(slotsync: ranks pipeline as `Publisher.publish` does, so this is the chunk rate, "
+              "not one chunk's latency) / from the gather to the barrier after the POST "
+              "(baseline, one chunk at a time); per round: slowest "
               "rank, begin to commit ack (slotsync) / pause+start to finish+resume (baseline); "
               "engine call: the `/update_weights` HTTP time per chunk (daemon's metric / "
               "coordinator's clock)")
@@ -165,8 +171,8 @@ def control_main(args: argparse.Namespace) -> int:
         _sweep(args, out, staging)
     _say(out, f"_total {time.perf_counter() - t_all:.0f} s_")
     if args.report:
-        update_section(args.report, "control", "\n".join(out))
-        print(f"wrote section 'control' of {args.report}")
+        update_section(args.report, args.section, "\n".join(out))
+        print(f"wrote section {args.section!r} of {args.report}")
     return 0
 
 
@@ -292,8 +298,10 @@ def gpu_main(args: argparse.Namespace) -> int:
               f"(so that trainer and engine copies fit on one GPU): {len(specs)} tensors, "
               f"{sum(s.nbytes for s in specs) / 1e9:.2f} GB bf16 per rank; {args.ranks} rank(s) "
               f"on {'cuda:0 with logical GPU UUIDs' if dev == 'cuda' else 'CPU (shared memory)'}")
-    _say(out, "- engine: reference engine loading every chunk like vLLM (packed: clone out of "
-              "the mapped buffer, copy into the weight)")
+    _say(out, "- engine: reference engine loading every chunk like vLLM 0.33 (packed: the "
+              "buffer mapped once per update as `PackedBufferImporter` does, each tensor copied "
+              "from it into its weight in one batched copy; unpacked: each tensor mapped and "
+              "copied)")
     _say(out, f"- round = begin .. commit ack, slowest rank; median of rounds 2..{args.rounds}")
     _say(out)
     res = run_gpu(configs, ranks=args.ranks, model=model, rounds=args.rounds, device=dev,
@@ -302,11 +310,20 @@ def gpu_main(args: argparse.Namespace) -> int:
     total = res.ranks * res.nbytes_per_rank
     rows = [["plain D2D copy (`dst.copy_(src)`, best of 5)", "1", f"{res.copy_s:.4f}",
              f"{total / res.copy_s / 1e9:.0f}", "1.0"]]
-    for cfg, secs, chunks in res.rows:
-        m = statistics.median(secs)
-        rows.append([f"{cfg.label} (staging {cfg.staging_bytes // MiB} MiB)", str(chunks),
-                     f"{m:.4f}", f"{total / m / 1e9:.1f}", f"**{m / res.copy_s:.1f}**"])
-    _say(out, table(["path", "chunks/round", "seconds/round", "GB/s", "x copy"], rows))
+    for row in res.rows:
+        cfg, m = row.config, statistics.median(row.rounds)
+        rows.append([f"{cfg.label} (staging {cfg.staging_bytes // MiB} MiB)", str(row.chunks),
+                     f"{m:.4f}", f"{total / m / 1e9:.1f}", f"**{m / res.copy_s:.1f}**",
+                     f"{row.export_s:.4f}", f"{row.engine_load_s:.4f}"])
+    _say(out, table(["path", "chunks/round", "seconds/round", "GB/s", "x copy",
+                     "publisher export s", "engine load s"], rows))
+    _say(out)
+    _say(out, "publisher export: rank 0's time laying chunks out, copying into the staging "
+              "buffer (or exporting each tensor), synchronizing and exporting, per round; "
+              "engine load: mean per worker and round inside `update_weights` (parse, map, "
+              "copy, synchronize). The rest of a round is ZeroMQ, the daemon, HTTP, the "
+              "engine's front and the acks; packed, the publisher's layout of chunk k+1 "
+              "overlaps the engine's load of chunk k.")
     _say(out)
     if args.report:
         update_section(args.report, "gpu", "\n".join(out))

@@ -5,11 +5,11 @@ interleaved A/B/B/A so that drift hits both alike):
 
 * **slotsync**: every rank is a real process with a ZeroMQ DEALER socket to a real
   ``slotsyncd`` (``DaemonProcess``) speaking ``slotsync.protocol.wire``: Register once, then per
-  round Begin / Chunk x N / Commit, each step waiting for the daemon's Ack, exactly as
-  ``Publisher`` does. There is no GPU, so each rank turns synthetic ``reduce_tensor`` argument
-  tuples (fake handle bytes, distinct ref-counter offsets per export so that no cache is
-  flattered) into ``CudaIpcHandle`` records with ``export.handle_from_reduce_args`` -- the
-  publisher's own code -- inside the timed region.
+  round Begin / Chunk x N / Commit with the daemon's Acks, exactly as ``Publisher.publish``
+  does (including its pipelining). There is no GPU, so each rank turns synthetic
+  ``reduce_tensor`` argument tuples (fake handle bytes, distinct ref-counter offsets per
+  export so that no cache is flattered) into ``CudaIpcHandle`` records with
+  ``export.handle_from_reduce_args`` -- the publisher's own code -- inside the timed region.
 * **baseline** (what slime / vime / verl do inside the trainer today): per chunk every rank
   ``torch.distributed.all_gather_object``\\ s ``(gpu_uuid, [args, ...])`` over a Gloo group of
   the slot; the slot coordinator (lowest rank) merges the dicts, ``pickle.dumps`` the real
@@ -23,8 +23,10 @@ Both drive the same reference engine (``python -m slotsync.engine --discard``: i
 but maps no memory), or any ``--engine-url`` speaking the vLLM contract.
 
 Times are wall-clock seconds from ``time.perf_counter``: per chunk on the slot coordinator
-(from building the chunk's message to its ack / the barrier after the POST), per round the
-slowest rank's begin-to-commit-ack.
+(slotsync: from one chunk's ack to the next -- the ranks pipeline like ``Publisher.publish``,
+building chunk k+1's message while the engine loads chunk k, so this is the chunk rate; baseline:
+from the gather to the barrier after the POST), per round the slowest rank's
+begin-to-commit-ack.
 """
 
 from __future__ import annotations
@@ -111,8 +113,9 @@ def _specs(phase: Phase) -> list[TensorSpec]:
 class _FakeExports:
     """Synthetic ``reduce_tensor(t)[1]`` tuples, standing in for real CUDA exports.
 
-    Every call gives fresh ref-counter offsets (torch allocates one per export), so neither
-    system can hit a cache a real round would miss.
+    Every export gets a fresh ref-counter offset (torch allocates one per export), so neither
+    system can hit a cache a real round would miss; packed, one export per round serves every
+    chunk, as the publisher sends it.
     """
 
     def __init__(self, rank: int) -> None:
@@ -140,12 +143,20 @@ class _FakeExports:
                 dtype, 0, self.ipc[:-4] + tag, nbytes, offset, False, self.ref + b"",
                 self.counter * 8, self.event[:-4] + tag, True)
 
-    def chunk(self, specs: list[TensorSpec], packed: bool) -> list[tuple]:
-        """The chunk's exports: packed one uint8 buffer, unpacked one per tensor."""
-        t = self.torch
+    def round(self, chunks: list[list[TensorSpec]], packed: bool,
+              staging_bytes: int) -> list[list[tuple]]:
+        """Every chunk's exports for one round: packed, the one export of the whole staging
+        buffer that every chunk of the update sends (``CudaStagingBuffer``: once per update);
+        unpacked, one per tensor."""
         if packed:
-            total = sum(s.nbytes for s in specs)
-            return [self.args((total,), t.uint8, total, 0)]
+            cap = max(staging_bytes, *(sum(s.nbytes for s in c) for c in chunks))
+            one = [self.args((cap,), self.torch.uint8, cap, 0)]
+            return [one for _ in chunks]
+        return [self.chunk(c) for c in chunks]
+
+    def chunk(self, specs: list[TensorSpec]) -> list[tuple]:
+        """An unpacked chunk's exports: one per tensor."""
+        t = self.torch
         out, off = [], 0
         for s in specs:
             out.append(self.args(s.shape, getattr(t, s.dtype), s.nbytes, off))
@@ -244,6 +255,7 @@ def _rank_session(rank: int, plan: SessionPlan) -> dict[str, dict[str, dict[str,
 
     from slotsync.protocol import wire
     from slotsync.protocol.export import handle_from_reduce_args
+    from slotsync.protocol.publisher import MAX_UNACKED_CHUNKS
 
     slot = rank // plan.ranks_per_slot
     start = slot * plan.ranks_per_slot
@@ -275,23 +287,40 @@ def _rank_session(rank: int, plan: SessionPlan) -> dict[str, dict[str, dict[str,
     def slotsync_round(chunks: list[list[TensorSpec]], uid: int, times: SystemTimes,
                        r: int, counted: bool) -> float:
         assert link is not None
-        exports = [fake.chunk(c, plan.packed) for c in chunks]  # stands in for reduce_tensor
+        exports = fake.round(chunks, plan.packed, plan.staging_bytes)  # for reduce_tensor
         e0 = _engine_seconds(plan.status_url) if measure and counted else None
         t_round = time.perf_counter()
         link.send(wire.Begin(update_id=uid, weight_version=f"bench-{uid}"))
         link.wait("begin")
+        # The publisher's pipelining (``Publisher.publish``): the next chunk's message is built
+        # while the engine loads the current one; packed, it is sent only after the current
+        # chunk's ack (one staging buffer), unpacked up to MAX_UNACKED_CHUNKS ahead.
+        ahead = 0 if plan.packed else MAX_UNACKED_CHUNKS - 1
+        unacked: list[int] = []
+        t_prev = time.perf_counter()
+
+        def ack_oldest() -> None:
+            nonlocal t_prev
+            link.wait("chunk", unacked.pop(0))
+            t = time.perf_counter()
+            if measure and counted:
+                times.chunk_s.append(t - t_prev)
+                times.chunk_round.append(r)
+            t_prev = t
+
         for k, (c, args) in enumerate(zip(chunks, exports, strict=True)):
-            t0 = time.perf_counter()
-            link.send(wire.Chunk(
+            frame = wire.encode(wire.Chunk(
                 update_id=uid, index=k, names=[s.name for s in c],
                 dtype_names=[s.dtype for s in c], shapes=[list(s.shape) for s in c],
                 tensor_sizes=[s.nbytes for s in c],
                 handles=[handle_from_reduce_args(a) for a in args],
             ))  # fmt: skip
-            link.wait("chunk", k)
-            if measure and counted:
-                times.chunk_s.append(time.perf_counter() - t0)
-                times.chunk_round.append(r)
+            while len(unacked) > ahead:
+                ack_oldest()
+            link.sock.send(frame)
+            unacked.append(k)
+        while unacked:
+            ack_oldest()
         link.send(wire.Commit(update_id=uid, num_chunks=len(chunks)))
         link.wait("commit")
         dt = time.perf_counter() - t_round
@@ -303,7 +332,7 @@ def _rank_session(rank: int, plan: SessionPlan) -> dict[str, dict[str, dict[str,
 
     def baseline_round(chunks: list[list[TensorSpec]], uid: int, times: SystemTimes,
                        r: int, counted: bool) -> float:
-        exports = [fake.chunk(c, plan.packed) for c in chunks]
+        exports = fake.round(chunks, plan.packed, plan.staging_bytes)
         n = plan.ranks_per_slot
         post_s = 0.0
         t_round = time.perf_counter()

@@ -76,16 +76,21 @@ def _rank_main(rank: int, ranks: int, device: str, model: Qwen3MoeConfig, cmds: 
                 gpu_uuid=logical_gpu_uuid(rank) if dev.type == "cuda" else None,
                 staging_bytes=cfg.staging_bytes, timeout_s=300,
             )  # fmt: skip
-            secs, chunks = [], 0
+            secs, exports, chunks = [], [], 0
             try:
                 pub.register()
                 for r in range(rounds):
+                    if r == 1:  # let the parent read the engine's counters after the warm-up
+                        results.put(("warm", rank, None))
+                        if cmds.get()[0] != "continue":
+                            return
                     st = pub.publish(named, weight_version=f"{cfg.label}-{r}")
                     secs.append(st.seconds)
+                    exports.append(st.export_seconds)
                     chunks = st.chunks
             finally:
                 pub.close()
-            results.put(("done", rank, (secs, chunks)))
+            results.put(("done", rank, (secs, chunks, exports)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put(("error", rank, traceback.format_exc()))
 
@@ -110,16 +115,37 @@ def _time_copy(torch: Any, dev: Any, nbytes: int, repeat: int = 5) -> float:
 
 
 @dataclass
+class GpuRow:
+    """One configuration's figures, seconds per round: ``rounds`` (counted rounds, slowest
+    rank), ``export_s`` (rank 0's publisher: lay out, copy into staging, synchronize, export;
+    median), ``engine_load_s`` (mean per worker and round inside the engine's
+    ``update_weights``: parse, map, copy, synchronize)."""
+
+    config: GpuConfig
+    rounds: list[float]
+    chunks: int
+    export_s: float
+    engine_load_s: float
+
+
+@dataclass
 class GpuResult:
     """What ``run_gpu`` measured: per-rank bytes, the copy floor (seconds, for all ranks'
-    bytes) and per configuration the counted round times (seconds) and chunks per round."""
+    bytes) and one ``GpuRow`` per configuration."""
 
     layers: int
     tensors: int
     nbytes_per_rank: int
     ranks: int
     copy_s: float
-    rows: list[tuple[GpuConfig, list[float], int]]
+    rows: list[GpuRow]
+
+
+def _engine_load_s(engine: Any) -> float:
+    """Seconds the engine's workers spent in ``update_weights`` so far (mean per worker)."""
+    _, stats = engine.request("GET", "/_slotsync/stats")
+    ws = stats["workers"]
+    return sum(w["load_seconds"] for w in ws) / len(ws)
 
 
 def run_gpu(
@@ -187,17 +213,27 @@ def run_gpu(
                 log(f"  {cfg.label}: largest tensor is {biggest / MiB:.1f} MiB, staging raised "
                     f"from {cfg.staging_bytes / MiB:.0f} to {new / MiB:.0f} MiB")
                 cfg = GpuConfig(cfg.label, cfg.packed, new)
+            load0 = _engine_load_s(engine)
             with DaemonProcess(args=["--log-level", "warning"]) as d:
                 for c in cmds:
                     c.put(("run", d.endpoint, engine.url, cfg, rounds))
+                if rounds > 1:  # count the engine's time of the counted rounds only
+                    collect("warm")
+                    load0 = _engine_load_s(engine)
+                    for c in cmds:
+                        c.put(("continue",))
                 done = collect("done")
+            load_s = (_engine_load_s(engine) - load0) / max(rounds - 1, 1)
             per_round = [max(done[r][0][i] for r in range(ranks)) for i in range(rounds)]
             counted = per_round[1:] if rounds > 1 else per_round
-            rows.append((cfg, counted, done[0][1]))
+            exports = done[0][2][1:] if rounds > 1 else done[0][2]
+            row = GpuRow(cfg, counted, done[0][1], statistics.median(exports), load_s)
+            rows.append(row)
             med = statistics.median(counted)
-            log(f"  {cfg.label}: {done[0][1]} chunks, round {med:.3f} s "
+            log(f"  {cfg.label}: {row.chunks} chunks, round {med:.3f} s "
                 f"({ranks * nbytes / med / 1e9:.1f} GB/s), {med / copy_s:.1f}x the copy "
-                f"[all rounds: {', '.join(f'{x:.3f}' for x in per_round)}]")
+                f"[all rounds: {', '.join(f'{x:.3f}' for x in per_round)}]; publisher export "
+                f"{row.export_s:.3f} s, engine load {row.engine_load_s:.3f} s per round")
         return GpuResult(model.layers, len(specs), nbytes, ranks, copy_s, rows)
     finally:
         for c in cmds:
