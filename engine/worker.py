@@ -46,6 +46,7 @@ import torch
 
 from slotsync.daemon.vllm_pickle import SHM_TAG
 from slotsync.engine.checksum import tensor_checksum
+from slotsync.protocol.export import as_width, copy_width
 
 # Keys of vLLM's IPCWeightTransferUpdateInfo (0.27-0.33); anything else is a TypeError there.
 _UPDATE_INFO_KEYS = frozenset(
@@ -285,7 +286,7 @@ class WorkerState:
         self.load_seconds = 0.0  # inside update_weights: parse, map, copy, synchronize
         # vLLM's PackedBufferImporter: one mapped packed buffer, keyed by its handle's args
         self._importer: tuple[tuple, torch.Tensor] | None = None
-        self._flat: dict[str, tuple[torch.dtype, list[int], torch.Tensor]] = {}
+        self._flat: dict[str, tuple[torch.dtype, list[int], torch.Tensor]] = {}  # see _flat_weight
         self.init_count = 0
 
     # -- vLLM worker methods ---------------------------------------------------------------
@@ -497,38 +498,41 @@ class WorkerState:
         return out
 
     def _flat_weight(self, name: str) -> tuple[torch.dtype, list[int], torch.Tensor] | None:
-        """``(dtype, shape, flat uint8 view)`` of a contiguous weight, cached per name (the
-        in-place path runs every round for thousands of tensors; a replaced weight drops its
-        entry, see ``_load_chunk``)."""
+        """``(dtype, shape, flat view in its own dtype)`` of a contiguous weight, cached per
+        name (the in-place path runs every round for thousands of tensors; a replaced weight
+        drops its entry, see ``_load_chunk``)."""
         got = self._flat.get(name)
         if got is None:
             cur = self.weights.get(name)
             if cur is None or not cur.is_contiguous():
                 return None
-            flat = cur.view(-1).view(torch.uint8) if cur.numel() else cur.view(torch.uint8)
-            got = self._flat[name] = (cur.dtype, list(cur.shape), flat)
+            got = self._flat[name] = (cur.dtype, list(cur.shape), cur.view(-1))
         return got
 
     def _load_packed_in_place(self, p: ParsedUpdate) -> int | None:
         """Fast path for a packed chunk whose tensors all exist with the same dtype and shape
         (every round after the first): copy the bytes straight from the mapped buffer into the
-        weights with one batched ``_foreach_copy_`` (no per-tensor clone, one launch group).
-        Returns bytes loaded, or None to take the general path."""
+        weights with one batched ``_foreach_copy_`` (no per-tensor clone, one launch group),
+        as wide integers where the alignment allows. Returns bytes loaded, or None to take the
+        general path."""
         assert p.tensor_sizes is not None
-        dsts: list[torch.Tensor] = []
+        flats: list[torch.Tensor] = []
         for name, dt, shape in zip(p.names, p.dtypes, p.shapes, strict=True):
             got = self._flat_weight(name)
             if got is None or got[0] != dt or got[1] != shape:
                 return None
-            dsts.append(got[2])
+            flats.append(got[2])
         self._check_sizes(p)
         buf = self._packed_buffer(p)
         need = sum(p.tensor_sizes)
-        srcs = list(buf[:need].split(p.tensor_sizes))  # one C++ loop, not a slice per tensor
-        if 0 in p.tensor_sizes:
-            keep = [i for i, n in enumerate(p.tensor_sizes) if n]
-            dsts, srcs = [dsts[i] for i in keep], [srcs[i] for i in keep]
-        if dsts:
+        keep = [i for i, n in enumerate(p.tensor_sizes) if n]
+        sizes = [p.tensor_sizes[i] for i in keep]
+        flats = [flats[i] for i in keep]
+        if flats:
+            w, wide = copy_width(sizes, [buf.data_ptr(), *(f.data_ptr() for f in flats)])
+            dsts = [as_width(f, wide) for f in flats]
+            # one split (a C++ loop), not a slice per tensor
+            srcs = list(buf[:need].view(wide).split([n // w for n in sizes]))
             if buf.device == dsts[0].device and hasattr(torch, "_foreach_copy_"):
                 torch._foreach_copy_(dsts, srcs)
             else:

@@ -220,3 +220,35 @@ def test_cuda_ipc_handle_real() -> None:
     buf.close()
     with pytest.raises(ValueError, match="closed"):
         buf.fill(_named())
+
+
+def test_pack_copies_as_wide_integers_when_aligned_and_bytes_otherwise() -> None:
+    """The batched copy moves one element per thread: aligned chunks are copied as int64
+    (8x fewer elements than bytes), any odd size or address falls back to a narrower type,
+    and the bytes in the buffer are the same either way."""
+    from slotsync.protocol.export import copy_width, pack_into, plan_pack
+
+    assert copy_width([16, 8, 24], [0, 64]) == (8, torch.int64)
+    assert copy_width([16, 12], [0]) == (4, torch.int32)
+    assert copy_width([16, 6], [0]) == (2, torch.int16)
+    assert copy_width([16, 8], [0, 3]) == (1, torch.uint8)
+
+    p = torch.nn.Parameter(torch.randn(4, 6))  # autograd must not see the copy
+    aligned = [("a", torch.arange(8, dtype=torch.bfloat16)), ("p", p)]
+    odd = [("m", torch.tensor([True, False, True])), ("p", p)]
+    for named, want_dtype in ((aligned, torch.int64), (odd, torch.uint8)):
+        buf = torch.zeros(256, dtype=torch.uint8)
+        plan = plan_pack(buf, named)
+        assert {d.dtype for d in plan.dsts} == {want_dtype}
+        assert {s.dtype for s in plan.srcs} == {want_dtype}
+        layout = pack_into(buf, named)
+        want = b"".join(_expected(t.detach()) for _, t in named)
+        assert buf[: len(want)].numpy().tobytes() == want
+        assert sum(layout.tensor_sizes) == len(want) and not buf.requires_grad
+    # a buffer whose base is not 8-aligned still packs correctly, byte by byte
+    base = torch.zeros(300, dtype=torch.uint8)
+    buf = base[1:]
+    assert plan_pack(buf, aligned).dsts[0].dtype == torch.uint8
+    pack_into(buf, aligned)
+    want = b"".join(_expected(t.detach()) for _, t in aligned)
+    assert buf[: len(want)].numpy().tobytes() == want
