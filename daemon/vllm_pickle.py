@@ -22,7 +22,8 @@ not 4 times per handle (4x faster ``pickle.loads`` on an 8-rank unpacked chunk, 
 A handle's fragment is cached by value, so a packed staging buffer that is exported once and
 reused across chunks is encoded once; the per-chunk cost is then O(ranks) concatenation. Its
 shape-dependent part (class, ``torch.Size``, stride, offset, dtype) is cached separately, since
-every rank and every round repeat it while the handle bytes differ.
+every rank and every round repeat it while the handle bytes differ; the rest of a handle is
+one ``struct.pack`` call (``python -m slotsync.bench.profile_chunk`` shows the split).
 
 The CPU shared-memory stand-in (``ShmHandle``) is written as the plain tuple
 ``("slotsync.shm", segment, offset, nbytes)``, which only the reference engine understands.
@@ -73,8 +74,6 @@ def _bytes(b: bytes) -> bytes:
 
 
 _BININT = struct.Struct("<i")
-_J = struct.Struct("<ci").pack  # BININT opcode + value
-_JJ = struct.Struct("<cici").pack
 _2_31 = 2**31
 
 
@@ -145,6 +144,15 @@ def _layout_fragment(
     return head, mask
 
 
+@lru_cache(maxsize=256)
+def _tail(n_ipc: int, n_ref: int, n_event: int) -> struct.Struct:
+    """Struct of a CUDA handle's opcodes after its layout: BININT device, BINBYTES handle,
+    BININT storage bytes and offset, requires_grad, BINBYTES ref-counter handle, BININT its
+    offset, BINBYTES event handle (``n_event`` bytes; -1: NONE), event_sync_required, TUPLE."""
+    event = "c" if n_event < 0 else f"cI{n_event}s"
+    return struct.Struct(f"<cicI{n_ipc}scicic" + f"cI{n_ref}sci" + event + "cc")
+
+
 @lru_cache(maxsize=65536)
 def _fragment(h: Handle) -> tuple[bytes, int]:
     """Pickle opcodes that push one handle's args onto the unpickler's stack, and the bit
@@ -175,11 +183,20 @@ def _fragment(h: Handle) -> tuple[bytes, int]:
     flags = (_TRUE if h.requires_grad else _FALSE, _TRUE if h.event_sync_required else _FALSE)
     event = _NONE if h.event_handle is None else _bytes(h.event_handle)
     if dev < _2_31 and size < _2_31 and off < _2_31 and rc < _2_31:  # all NonNeg (wire)
-        # fast path, one C call per int group: _int's Python call was 40% of merge_chunk
-        frag = b"".join((
-            head, _J(b"J", dev), _bytes(h.ipc_handle), _JJ(b"J", size, b"J", off), flags[0],
-            _bytes(h.ref_counter_handle), _J(b"J", rc), event, flags[1], _TUPLE,
-        ))  # fmt: skip
+        # fast path: everything after the layout in one struct.pack call (one C call per
+        # handle; the per-field Python calls were most of merge_chunk for unpacked chunks)
+        ipc, rch, evh = h.ipc_handle, h.ref_counter_handle, h.event_handle
+        if evh is None:
+            tail = _tail(len(ipc), len(rch), -1).pack(
+                b"J", dev, b"B", len(ipc), ipc, b"J", size, b"J", off, flags[0],
+                b"B", len(rch), rch, b"J", rc, _NONE, flags[1], _TUPLE,
+            )  # fmt: skip
+        else:
+            tail = _tail(len(ipc), len(rch), len(evh)).pack(
+                b"J", dev, b"B", len(ipc), ipc, b"J", size, b"J", off, flags[0],
+                b"B", len(rch), rch, b"J", rc, b"B", len(evh), evh, flags[1], _TUPLE,
+            )  # fmt: skip
+        frag = head + tail
     else:  # e.g. a staging buffer of 2 GiB or more: LONG1 where needed
         frag = b"".join((
             head, _int(dev), _bytes(h.ipc_handle), _int(size), _int(off), flags[0],
