@@ -43,6 +43,8 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--modes", default="packed,unpacked", help="packed,unpacked (default both)")
     c.add_argument("--systems", default="slotsync,baseline", help="slotsync,baseline")
     c.add_argument("--staging-mb", type=int, default=512, help="chunk size in MiB (default 512)")
+    c.add_argument("--staging-buffers", type=int, default=2, choices=(1, 2),
+                   help="packed: the publisher's staging regions (default 2)")
     c.add_argument("--engine-url", action="append", default=None,
                    help="use this engine (one per slot) instead of a discarding reference one")
     c.add_argument("--sweep", action="store_true",
@@ -71,6 +73,8 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--staging-mb", type=_ints, default=[512, 1024, 4096],
                    help="packed staging sizes in MiB (default 512,1024,4096)")
     g.add_argument("--no-unpacked", action="store_true", help="skip the unpacked run")
+    g.add_argument("--single-buffer", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the smallest staging size with one region (default on)")
     g.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: the same path over shared memory (dry run)")
     g.add_argument("--report", default="BENCHMARKS.md", help="Markdown report ('' for none)")
@@ -151,6 +155,10 @@ def control_main(args: argparse.Namespace) -> int:
               "rank, begin to commit ack (slotsync) / pause+start to finish+resume (baseline); "
               "engine call: the `/update_weights` HTTP time per chunk (daemon's metric / "
               "coordinator's clock)")
+    _say(out, f"- slotsync ranks: packed with {args.staging_buffers} staging region(s) per rank "
+              "(a fresh export per chunk with 2, one export per update with 1), unpacked up to "
+              "2 chunks in flight; baseline: one buffer exported once per update, one chunk at "
+              "a time")
     contended = args.ranks * args.slots + args.slots * (args.ranks + 1) + 1
     import os
 
@@ -162,7 +170,8 @@ def control_main(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         res = run_session(args.ranks, args.slots, mode == "packed",
                           [Phase("main", args.tensors, args.rounds, args.warmup, args.layers)],
-                          systems=systems, staging_bytes=staging, engine_urls=args.engine_url)
+                          systems=systems, staging_bytes=staging,
+                          staging_buffers=args.staging_buffers, engine_urls=args.engine_url)
         _say(out, f"### {mode} ({time.perf_counter() - t0:.0f} s wall)")
         _say(out)
         _say(out, table(HEAD, _rows_for(res["main"])))
@@ -280,7 +289,11 @@ def gpu_main(args: argparse.Namespace) -> int:
     model = Qwen3MoeConfig(layers=args.layers, experts=args.experts, vocab=args.vocab,
                            hidden=args.hidden)
     specs = qwen3_moe_specs(model)
-    configs = [GpuConfig(f"packed {mb} MiB", True, mb * MiB) for mb in args.staging_mb]
+    configs = [GpuConfig(f"packed {mb} MiB x 2 regions", True, mb * MiB)
+               for mb in args.staging_mb]
+    if args.single_buffer:  # vLLM's own producer: one region, one chunk at a time
+        mb = min(args.staging_mb)
+        configs.append(GpuConfig(f"packed {mb} MiB x 1 region", True, mb * MiB, 1))
     if not args.no_unpacked:
         configs.append(GpuConfig(f"unpacked ({min(args.staging_mb)} MiB chunks)", False,
                                  min(args.staging_mb) * MiB))
@@ -312,7 +325,7 @@ def gpu_main(args: argparse.Namespace) -> int:
              f"{total / res.copy_s / 1e9:.0f}", "1.0"]]
     for row in res.rows:
         cfg, m = row.config, statistics.median(row.rounds)
-        rows.append([f"{cfg.label} (staging {cfg.staging_bytes // MiB} MiB)", str(row.chunks),
+        rows.append([f"{cfg.label} ({cfg.staging_bytes // MiB} MiB each)", str(row.chunks),
                      f"{m:.4f}", f"{total / m / 1e9:.1f}", f"**{m / res.copy_s:.1f}**",
                      f"{row.export_s:.4f}", f"{row.engine_load_s:.4f}"])
     _say(out, table(["path", "chunks/round", "seconds/round", "GB/s", "x copy",

@@ -85,6 +85,7 @@ class SessionPlan:
     phases: tuple[Phase, ...]
     systems: tuple[str, ...]
     timeout_s: float = 300.0
+    staging_buffers: int = 2  # packed: the publisher's staging regions (its pipeline depth)
 
     @property
     def world(self) -> int:
@@ -143,16 +144,26 @@ class _FakeExports:
                 dtype, 0, self.ipc[:-4] + tag, nbytes, offset, False, self.ref + b"",
                 self.counter * 8, self.event[:-4] + tag, True)
 
-    def round(self, chunks: list[list[TensorSpec]], packed: bool,
-              staging_bytes: int) -> list[list[tuple]]:
-        """Every chunk's exports for one round: packed, the one export of the whole staging
-        buffer that every chunk of the update sends (``CudaStagingBuffer``: once per update);
-        unpacked, one per tensor."""
-        if packed:
-            cap = max(staging_bytes, *(sum(s.nbytes for s in c) for c in chunks))
+    def round(self, chunks: list[list[TensorSpec]], packed: bool, staging_bytes: int,
+              staging_buffers: int = 1) -> list[list[tuple]]:
+        """Every chunk's exports for one round, as ``CudaStagingBuffer`` makes them: packed
+        with one region, the one export of the region that every chunk of the update sends;
+        with two, a fresh export per chunk of alternating halves of one block (same CUDA
+        memory handle, tensor offset 0 or ``cap``); unpacked, one per tensor."""
+        if not packed:
+            return [self.chunk(c) for c in chunks]
+        cap = max(staging_bytes, *(sum(s.nbytes for s in c) for c in chunks))
+        if staging_buffers == 1:
             one = [self.args((cap,), self.torch.uint8, cap, 0)]
             return [one for _ in chunks]
-        return [self.chunk(c) for c in chunks]
+        out = []
+        for k in range(len(chunks)):
+            a = list(self.args((cap,), self.torch.uint8, cap * staging_buffers, 0))
+            a[3] = (k % staging_buffers) * cap  # the region's offset in the block
+            if k:
+                a[7] = out[0][0][7]  # one block: one CUDA IPC memory handle
+            out.append([tuple(a)])
+        return out
 
     def chunk(self, specs: list[TensorSpec]) -> list[tuple]:
         """An unpacked chunk's exports: one per tensor."""
@@ -287,15 +298,15 @@ def _rank_session(rank: int, plan: SessionPlan) -> dict[str, dict[str, dict[str,
     def slotsync_round(chunks: list[list[TensorSpec]], uid: int, times: SystemTimes,
                        r: int, counted: bool) -> float:
         assert link is not None
-        exports = fake.round(chunks, plan.packed, plan.staging_bytes)  # for reduce_tensor
+        exports = fake.round(chunks, plan.packed, plan.staging_bytes, plan.staging_buffers)
         e0 = _engine_seconds(plan.status_url) if measure and counted else None
         t_round = time.perf_counter()
         link.send(wire.Begin(update_id=uid, weight_version=f"bench-{uid}"))
         link.wait("begin")
-        # The publisher's pipelining (``Publisher.publish``): the next chunk's message is built
-        # while the engine loads the current one; packed, it is sent only after the current
-        # chunk's ack (one staging buffer), unpacked up to MAX_UNACKED_CHUNKS ahead.
-        ahead = 0 if plan.packed else MAX_UNACKED_CHUNKS - 1
+        # The publisher's pipelining (``Publisher.publish``): packed, up to staging_buffers
+        # chunks in flight (a region is refilled after the ack of the chunk that used it);
+        # unpacked, up to MAX_UNACKED_CHUNKS. The next message is built before waiting.
+        ahead = plan.staging_buffers - 1 if plan.packed else MAX_UNACKED_CHUNKS - 1
         unacked: list[int] = []
         t_prev = time.perf_counter()
 
@@ -332,7 +343,8 @@ def _rank_session(rank: int, plan: SessionPlan) -> dict[str, dict[str, dict[str,
 
     def baseline_round(chunks: list[list[TensorSpec]], uid: int, times: SystemTimes,
                        r: int, counted: bool) -> float:
-        exports = fake.round(chunks, plan.packed, plan.staging_bytes)
+        # one buffer exported once per update, as vLLM's own producer does
+        exports = fake.round(chunks, plan.packed, plan.staging_bytes, 1)
         n = plan.ranks_per_slot
         post_s = 0.0
         t_round = time.perf_counter()
@@ -410,6 +422,7 @@ def run_session(
     *,
     systems: Sequence[str] = SYSTEMS,
     staging_bytes: int = 512 << 20,
+    staging_buffers: int = 2,
     engine_urls: Sequence[str] | None = None,
     timeout_s: float = 600.0,
     log: Any = None,
@@ -439,6 +452,7 @@ def run_session(
             plan = SessionPlan(
                 ranks_per_slot, slots, packed, staging_bytes, daemon.endpoint, urls,
                 daemon.status_url, free_port(), tuple(phases), tuple(systems), timeout_s,
+                staging_buffers,
             )  # fmt: skip
             return _run_ranks(plan, log)
     finally:

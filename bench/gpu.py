@@ -38,6 +38,7 @@ class GpuConfig:
     label: str
     packed: bool
     staging_bytes: int
+    staging_buffers: int = 2  # packed: the publisher's staging regions
 
 
 def _rank_main(rank: int, ranks: int, device: str, model: Qwen3MoeConfig, cmds: Any,
@@ -74,7 +75,8 @@ def _rank_main(rank: int, ranks: int, device: str, model: Qwen3MoeConfig, cmds: 
                 transport="cuda" if dev.type == "cuda" else "shm",
                 device=dev if dev.type == "cuda" else None,
                 gpu_uuid=logical_gpu_uuid(rank) if dev.type == "cuda" else None,
-                staging_bytes=cfg.staging_bytes, timeout_s=300,
+                staging_bytes=cfg.staging_bytes, staging_buffers=cfg.staging_buffers,
+                timeout_s=300,
             )  # fmt: skip
             secs, exports, chunks = [], [], 0
             try:
@@ -212,7 +214,7 @@ def run_gpu(
                 new = -(-biggest // MiB) * MiB
                 log(f"  {cfg.label}: largest tensor is {biggest / MiB:.1f} MiB, staging raised "
                     f"from {cfg.staging_bytes / MiB:.0f} to {new / MiB:.0f} MiB")
-                cfg = GpuConfig(cfg.label, cfg.packed, new)
+                cfg = GpuConfig(cfg.label, cfg.packed, new, cfg.staging_buffers)
             load0 = _engine_load_s(engine)
             with DaemonProcess(args=["--log-level", "warning"]) as d:
                 for c in cmds:

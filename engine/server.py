@@ -26,7 +26,8 @@ Test-only control routes (not part of vLLM), under ``/_slotsync/``:
     "route_counts": {route: int}, "faults": [fault, ...],
     "workers": [{"index", "gpu_uuid", "device", "active", "servable", "packed", "init_count",
     "start_count", "finish_count", "update_count", "bytes_loaded", "load_seconds",
-    "num_weights"}, ...]}`` (``load_seconds``: seconds inside ``update_weights``).
+    "packed_maps", "num_weights"}, ...]}`` (``load_seconds``: seconds inside
+    ``update_weights``; ``packed_maps``: packed buffers mapped anew rather than found mapped).
 
 ``POST /_slotsync/fault``
     ``{"route": "<route name without '/'>", "after": k, "status": 500, "workers": [i, ...] |

@@ -135,6 +135,10 @@ def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
     return n * dtype.itemsize  # (torch.empty(0).element_size() cost ~2 us per tensor)
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 def _check_args(args: Any) -> None:
     """Discard mode: the handle value must look like one ``_materialize`` would accept."""
     if isinstance(args, (tuple, list)) and (
@@ -284,6 +288,7 @@ class WorkerState:
         self.update_count = 0
         self.bytes_loaded = 0
         self.load_seconds = 0.0  # inside update_weights: parse, map, copy, synchronize
+        self.packed_maps = 0  # packed buffers mapped anew (not found in torch's IPC cache)
         # vLLM's PackedBufferImporter: one mapped packed buffer, keyed by its handle's args
         self._importer: tuple[tuple, torch.Tensor] | None = None
         self._flat: dict[str, tuple[torch.dtype, list[int], torch.Tensor]] = {}  # see _flat_weight
@@ -314,9 +319,13 @@ class WorkerState:
         key = tuple(list_args)
         if self._importer is not None and self._importer[0] == key:
             return self._importer[1]
-        self._importer = None  # release the previous export's mapping first
+        # Rebuild while the previous entry still holds its storage (vLLM does the same): a new
+        # export of the same block then hits torch's consumer cache -- no new mapping, and
+        # that export's count is released at once -- instead of mapping the block again.
         buf = self._materialize(args)
-        self._importer = (key, buf)
+        old, self._importer = self._importer, (key, buf)
+        if old is None or _storage_ptr(old[1]) != _storage_ptr(buf):
+            self.packed_maps += 1
         return buf
 
     def start_weight_update(self, inject: str | None = None) -> None:
@@ -391,6 +400,7 @@ class WorkerState:
             "update_count": self.update_count,
             "bytes_loaded": self.bytes_loaded,
             "load_seconds": self.load_seconds,
+            "packed_maps": self.packed_maps,
             "num_weights": len(self.weights),
         }
 

@@ -388,27 +388,39 @@ class ShmSegment:
 
 
 class StagingBuffer(ABC):
-    """A reusable uint8 buffer of ``capacity`` bytes for one packed chunk at a time.
+    """Reusable uint8 staging memory for packed chunks: ``slots`` regions of ``capacity``
+    bytes each, so that a rank fills chunk k+1 into one region while the engine still reads
+    chunk k from the other (``slots=2``, double buffering).
 
-    Per chunk: ``plan`` lays the chunk out (CPU only; may run while the engine still reads the
-    previous chunk), ``fill`` copies it in once the previous chunk was acknowledged (design.md
-    I3), ``handle`` gives the handle to send. ``end_update`` runs when the update ends (commit
-    acknowledged, aborted or failed).
+    Per chunk: ``plan`` lays the chunk out in a region (CPU only), ``fill`` copies it in -- only
+    once the chunk that last used that region was acknowledged (design.md I3) -- and ``handle``
+    gives the handle to send. ``end_update`` runs when the update ends (commit acknowledged,
+    aborted or failed).
+
+    Raises:
+        ValueError: ``capacity`` or ``slots`` is not positive.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, slots: int = 1) -> None:
         if capacity <= 0:
             raise ValueError(f"staging buffer capacity must be positive, got {capacity} bytes")
+        if slots <= 0:
+            raise ValueError(f"staging buffer slots must be positive, got {slots}")
         self.capacity = capacity
-        self.used = 0
+        self.slots = slots
+        self.used = [0] * slots  # bytes of the chunk last filled into each region
 
     @property
     @abstractmethod
     def tensor(self) -> torch.Tensor:
-        """The whole buffer: uint8, shape ``(capacity,)``."""
+        """All regions: uint8, shape ``(slots * capacity,)``."""
 
-    def plan(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> PackPlan:
-        """Lay a chunk out in this buffer without copying (see ``plan_pack``).
+    def region(self, slot: int) -> torch.Tensor:
+        """Region ``slot``: uint8, shape ``(capacity,)``."""
+        return self.tensor[slot * self.capacity : (slot + 1) * self.capacity]
+
+    def plan(self, named_tensors: Sequence[tuple[str, torch.Tensor]], slot: int = 0) -> PackPlan:
+        """Lay a chunk out in region ``slot`` without copying (see ``plan_pack``).
 
         Raises:
             ValueError: the tensors need more than ``capacity`` bytes (names the sizes), or a
@@ -420,18 +432,19 @@ class StagingBuffer(ABC):
                 f"chunk of {len(named_tensors)} tensors needs {total} bytes but the staging "
                 f"buffer holds {self.capacity} bytes"
             )
-        return plan_pack(self.tensor, named_tensors)
+        return plan_pack(self.region(slot), named_tensors)
 
-    def fill(self, chunk: Sequence[tuple[str, torch.Tensor]] | PackPlan) -> PackedLayout:
-        """Copy a chunk (its tensors, or a ``plan`` of them) into the buffer back to back from
-        offset 0; return its metadata. Only once the previous chunk was acknowledged.
+    def fill(self, chunk: Sequence[tuple[str, torch.Tensor]] | PackPlan, slot: int = 0
+             ) -> PackedLayout:
+        """Copy a chunk (its tensors, or a ``plan`` made for the same ``slot``) into region
+        ``slot`` back to back from its offset 0; return its metadata.
 
         Raises:
             ValueError: as ``plan``.
         """
-        plan = chunk if isinstance(chunk, PackPlan) else self.plan(chunk)
+        plan = chunk if isinstance(chunk, PackPlan) else self.plan(chunk, slot)
         run_pack(plan)
-        self.used = plan.total
+        self.used[slot] = plan.total
         self._after_fill()
         return plan.layout
 
@@ -439,11 +452,11 @@ class StagingBuffer(ABC):
         """Hook run after the copies (CUDA: wait for them)."""
 
     @abstractmethod
-    def handle(self) -> Handle:
-        """The handle to send for the chunk just filled."""
+    def handle(self, slot: int = 0) -> Handle:
+        """The handle to send for the chunk just filled into region ``slot``."""
 
     def end_update(self) -> None:  # noqa: B027 - optional hook
-        """The update ended: drop what was exported for it (CUDA: the export)."""
+        """The update ended: drop what was exported for it (CUDA: the exports)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -451,16 +464,16 @@ class StagingBuffer(ABC):
 
 
 class ShmStagingBuffer(StagingBuffer):
-    """A staging buffer in a POSIX shared-memory segment (CPU transport), kept for the
-    publisher's life; each chunk's handle covers bytes ``[0, used)``.
+    """Staging memory in one POSIX shared-memory segment (CPU transport), kept for the
+    publisher's life; a chunk's handle covers bytes ``[0, used)`` of its region.
 
     Raises:
         OSError: the segment cannot be created.
     """
 
-    def __init__(self, capacity: int, *, rank: int = 0) -> None:
-        super().__init__(capacity)
-        self.segment = ShmSegment(capacity, rank=rank)
+    def __init__(self, capacity: int, *, rank: int = 0, slots: int = 1) -> None:
+        super().__init__(capacity, slots)
+        self.segment = ShmSegment(capacity * slots, rank=rank)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -469,53 +482,65 @@ class ShmStagingBuffer(StagingBuffer):
             raise ValueError(f"staging segment {self.segment.name} is closed")
         return t
 
-    def handle(self) -> ShmHandle:
-        return self.segment.handle(0, self.used)
+    def handle(self, slot: int = 0) -> ShmHandle:
+        return self.segment.handle(slot * self.capacity, self.used[slot])
 
     def close(self) -> None:
         self.segment.close_and_unlink()
 
 
 class CudaStagingBuffer(StagingBuffer):
-    """A staging buffer in GPU memory (CUDA IPC transport), exported once per update.
+    """Staging memory in GPU memory (CUDA IPC transport), allocated per update as one block.
 
-    The reference-count discipline of vLLM's packed importer (vLLM 0.33
-    ``packed_tensor.PackedBufferImporter``): torch pairs one ``reduce_tensor`` export with one
-    consumer rebuild-and-release, and vLLM caches its mapping keyed by the handle's args, reuses
-    it for every chunk that sends the same args and releases it at ``/finish_weight_update``.
-    So this buffer is exported once, whole (``capacity`` bytes; each chunk says in
-    ``tensor_sizes`` how much of it is used), at the first chunk of an update, and every chunk
-    of that update sends that one handle. ``end_update`` drops the export *and* the storage
-    behind it: torch's producer side keeps each export's bookkeeping (an interprocess event and
-    a ref-counter slot) until the storage dies, so re-exporting one long-lived storage every
-    round would grow without bound. The next update allocates again -- the caching allocator
-    hands back the same block once the engine released it, and a block the engine still maps
-    (a failed update) waits in torch's limbo until ``torch.cuda.ipc_collect()`` finds it
-    released, instead of being reused under the engine's feet.
+    The reference-count discipline is that of vLLM 0.33's packed importer
+    (``packed_tensor.PackedBufferImporter``): torch pairs one ``reduce_tensor`` export with one
+    release on the consumer side, and vLLM caches its mapping keyed by the handle's args,
+    rebuilding (then dropping the old entry) when the args change and releasing at
+    ``/finish_weight_update``.
+
+    * ``slots=1``: the region is exported once, whole, at the first chunk of an update, and
+      every chunk of the update sends that handle (vLLM's own producer); the importer maps it
+      once and releases it at finish.
+    * ``slots=2``: each chunk sends a fresh export of its region (a view of the one block).
+      The args change every chunk, so the importer rebuilds -- while its previous entry still
+      holds the block, so torch's consumer finds the storage in its cache: no new mapping, and
+      the new export's count is released at once. The first export is released when the
+      mapping is dropped at finish. One mapping per update, every export balanced.
+
+    ``end_update`` drops the exports *and* the storage: torch keeps each export's bookkeeping
+    (an interprocess event and a ref-counter slot) until the storage dies, so exporting one
+    long-lived storage every round would grow without bound. The next update allocates again
+    -- the caching allocator hands back the same block once the engine released it, and a
+    block the engine still maps (a failed update) waits in torch's limbo until
+    ``torch.cuda.ipc_collect()`` finds it released, instead of being reused under the engine's
+    feet.
 
     Args:
-        capacity: bytes of GPU memory (uint8).
+        capacity: bytes of each region (uint8).
         device: the CUDA device (the rank's own GPU).
+        slots: regions (1 or 2: double buffering).
     """
 
-    def __init__(self, capacity: int, device: torch.device | int | str) -> None:
-        super().__init__(capacity)
+    def __init__(self, capacity: int, device: torch.device | int | str, slots: int = 1) -> None:
+        super().__init__(capacity, slots)
         self.device = torch.device(device) if not isinstance(device, int) else torch.device(
             "cuda", device
         )
         if self.device.type != "cuda":
             raise ValueError(f"CudaStagingBuffer needs a CUDA device, got {self.device}")
         self._tensor: torch.Tensor | None = None
-        self._export: CudaIpcHandle | None = None
+        self._export: CudaIpcHandle | None = None  # slots=1: this update's one export
         self._closed = False
-        self.exports = 0  # reduce_tensor calls so far (one per update that sent a chunk)
+        self.exports = 0  # reduce_tensor calls so far
 
     @property
     def tensor(self) -> torch.Tensor:
         if self._closed:
             raise ValueError("CUDA staging buffer is closed")
         if self._tensor is None:
-            self._tensor = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+            self._tensor = torch.empty(
+                self.capacity * self.slots, dtype=torch.uint8, device=self.device
+            )
         return self._tensor
 
     def _after_fill(self) -> None:
@@ -523,11 +548,14 @@ class CudaStagingBuffer(StagingBuffer):
         # handle (cheap next to the engine's load of the chunk).
         torch.cuda.synchronize(self.device)
 
-    def handle(self) -> CudaIpcHandle:
-        if self._export is None:
-            self._export = cuda_ipc_handle(self.tensor)
-            self.exports += 1
-        return self._export
+    def handle(self, slot: int = 0) -> CudaIpcHandle:
+        if self.slots == 1:
+            if self._export is None:
+                self._export = cuda_ipc_handle(self.region(0))
+                self.exports += 1
+            return self._export
+        self.exports += 1
+        return cuda_ipc_handle(self.region(slot))
 
     def end_update(self) -> None:
         self._export = None

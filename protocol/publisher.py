@@ -17,16 +17,19 @@ update (best effort) and re-raises. Every wait for the daemon is bounded by ``ti
 
 ``publish`` pipelines: after sending chunk k it goes back to the caller's iterator (whatever
 produces the tensors: gathers, format conversion) while the daemon and the engine load chunk k.
-Packed, it then lays chunk k+1 out (CPU) and copies it into the staging buffer only after chunk
-k's ack -- one buffer, exported once per update, as vLLM's packed importer requires (see
-``CudaStagingBuffer``). Unpacked, up to ``MAX_UNACKED_CHUNKS`` chunks are sent ahead of their
-acks (their exports live until commit anyway), so the daemon can merge the next chunk while the
-engine loads the current one. Every rank of a slot must publish the same names in the same
-order with the same ``staging_bytes``, so that all ranks cut identical chunks (I2).
+Packed with ``staging_buffers=2`` (the default), it fills chunk k+1 into the other half of the
+staging memory and sends it before chunk k's ack, so the daemon has chunk k+1 merged when the
+engine returns from chunk k; a region is refilled only after the ack of the chunk that used it
+(see ``CudaStagingBuffer`` for how this keeps vLLM's packed importer to one mapping per update).
+``staging_buffers=1`` is vLLM's own producer: one region, exported once per update, chunk k+1
+copied in after chunk k's ack. Unpacked, up to ``MAX_UNACKED_CHUNKS`` chunks are in flight
+(their exports live until commit anyway). Every rank of a slot must publish the same names in
+the same order with the same ``staging_bytes``, so that all ranks cut identical chunks (I2).
 
-Memory lifetime (design.md I3): a packed chunk's staging buffer is refilled only after that
-chunk's ack; unpacked exports (and their shared-memory segments) are kept until the commit's
-ack, then released and, on CUDA, ``torch.cuda.ipc_collect()`` is called.
+Memory lifetime (design.md I3): a packed chunk's staging region is refilled only after that
+chunk's ack, and the staging memory is freed when the update ends; unpacked exports (and their
+shared-memory segments) are kept until the commit's ack, then released and, on CUDA,
+``torch.cuda.ipc_collect()`` is called.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ DEFAULT_STAGING_BYTES = 512 * 1024 * 1024
 """Default staging buffer (packed) / chunk limit (unpacked): 512 MiB."""
 
 MAX_UNACKED_CHUNKS = 2
-"""Unpacked ``publish``: chunks sent ahead of their acks (packed: 1, the staging buffer)."""
+"""Unpacked ``publish``: chunks in flight (packed: ``staging_buffers``)."""
 
 _LINGER_MS = 500  # how long close() lets an unsent Abort try to get out
 
@@ -126,8 +129,11 @@ class Publisher:
         gpu_uuid: override of the GPU UUID sent at registration (several logical GPUs on one
             physical GPU, tests). Default: the device's real UUID on cuda,
             ``wire.logical_gpu_uuid(rank - slot.start)`` on shm.
-        staging_bytes: packed: the staging buffer's size; unpacked: the most bytes per chunk.
-            ``publish`` cuts chunks of at most this many bytes. Allocated on first use.
+        staging_bytes: packed: the size of each staging region; unpacked: the most bytes per
+            chunk. ``publish`` cuts chunks of at most this many bytes. Allocated per update.
+        staging_buffers: packed: staging regions (GPU memory used: ``staging_buffers *
+            staging_bytes`` during an update). 2 fills the next chunk while the engine loads
+            the current one; 1 halves the memory and sends one chunk at a time.
         timeout_s: deadline of every wait for the daemon, in seconds.
 
     Raises:
@@ -146,6 +152,7 @@ class Publisher:
         device: torch.device | int | str | None = None,
         gpu_uuid: str | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_buffers: int = 2,
         timeout_s: float = 300.0,
     ) -> None:
         self.slot = slot if isinstance(slot, EngineSlot) else EngineSlot(*slot)
@@ -153,6 +160,8 @@ class Publisher:
             raise ValueError(f"rank {rank} is not in its engine slot {self.slot}")
         if staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
+        if staging_buffers not in (1, 2):
+            raise ValueError(f"staging_buffers must be 1 or 2, got {staging_buffers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.endpoint = endpoint
@@ -160,6 +169,7 @@ class Publisher:
         self.engine_url = engine_url
         self.packed = packed
         self.staging_bytes = staging_bytes
+        self.staging_buffers = staging_buffers
         self.timeout_s = timeout_s
         self.transport, self.device = _resolve_transport(transport, device)
         if gpu_uuid is not None:
@@ -330,8 +340,8 @@ class Publisher:
     def send_chunk(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Export one chunk and wait until the engine consumed it (``Ack(chunk, index)``).
 
-        Packed: the tensors are copied into the staging buffer (vLLM packed layout) and sent
-        as one handle; the buffer is free again when this returns. Unpacked: one handle per
+        Packed: the tensors are copied into a staging region (vLLM packed layout) and sent
+        as one handle; the region is free again when this returns. Unpacked: one handle per
         tensor (CUDA: a contiguous copy on ``device`` where needed, else the tensor's own
         memory; shm: a per-chunk segment); the exports stay alive until the commit's ack, and
         the caller must not modify the tensors (optimizer step) before ``commit`` returns.
@@ -353,7 +363,7 @@ class Publisher:
 
     def _send_chunk(self, items: list[tuple[str, torch.Tensor]], max_unacked: int) -> int:
         """Export and send one chunk, first waiting until at most ``max_unacked`` earlier
-        chunks are unacknowledged (packed: 0, the staging buffer must be free). Returns its
+        chunks are unacknowledged (packed: also until its staging region is free). Returns its
         index; its ack is awaited later (``_wait_unacked``)."""
         uid = self._require_open()
         if not items:
@@ -366,12 +376,14 @@ class Publisher:
         t0 = time.perf_counter()
         if self.packed:
             staging = self._staging_buffer()
-            plan = staging.plan(items)  # CPU work, while the engine still reads chunk k-1
+            slot = index % staging.slots
+            plan = staging.plan(items, slot)  # CPU work, while the engine reads earlier chunks
             self._export_s += time.perf_counter() - t0
-            self._wait_unacked(0)
+            # the region is free once the chunk that last used it was acknowledged
+            self._wait_unacked(min(max_unacked, staging.slots - 1))
             t0 = time.perf_counter()
-            layout = staging.fill(plan)
-            handles: list[wire.Handle] = [staging.handle()]
+            layout = staging.fill(plan, slot)
+            handles: list[wire.Handle] = [staging.handle(slot)]
         else:
             layout, handles = self._export_unpacked(items)
             self._export_s += time.perf_counter() - t0
@@ -471,7 +483,7 @@ class Publisher:
                 self._check_fits(name, nbytes_of(t))
         t0 = time.perf_counter()
         self._export_s = self._wait_s = 0.0
-        ahead = 0 if self.packed else MAX_UNACKED_CHUNKS - 1
+        ahead = self.staging_buffers - 1 if self.packed else MAX_UNACKED_CHUNKS - 1
         try:
             self.begin(weight_version)
             chunk: list[tuple[str, torch.Tensor]] = []
@@ -551,9 +563,10 @@ class Publisher:
         if not self._staging:
             buf: StagingBuffer
             if self.transport == "cuda":
-                buf = CudaStagingBuffer(self.staging_bytes, self.device)
+                buf = CudaStagingBuffer(self.staging_bytes, self.device, self.staging_buffers)
             else:
-                buf = ShmStagingBuffer(self.staging_bytes, rank=self.rank)
+                buf = ShmStagingBuffer(self.staging_bytes, rank=self.rank,
+                                       slots=self.staging_buffers)
                 self._segments.append(buf.segment)
             self._staging.append(buf)
         return self._staging[0]

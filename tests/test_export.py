@@ -220,6 +220,18 @@ def test_cuda_ipc_handle_real() -> None:
     buf.close()
     with pytest.raises(ValueError, match="closed"):
         buf.fill(_named())
+    # two regions of one block: a fresh export of the region per chunk, alternating halves
+    buf2 = CudaStagingBuffer(1024, "cuda:0", slots=2)
+    handles = []
+    for k in range(4):
+        buf2.fill(_named(), k % 2)
+        handles.append(buf2.handle(k % 2))
+    assert buf2.exports == 4 and len({h.ref_counter_offset for h in handles}) == 4
+    assert [h.storage_offset for h in handles] == [0, 1024, 0, 1024]
+    assert {h.storage_size_bytes for h in handles} == {2048} and handles[0].size == (1024,)
+    assert len({h.ipc_handle for h in handles}) == 1  # one block, mapped once by the engine
+    assert buf2.region(1)[: len(want)].cpu().numpy().tobytes() == want
+    buf2.close()
 
 
 def test_pack_copies_as_wide_integers_when_aligned_and_bytes_otherwise() -> None:

@@ -42,5 +42,9 @@ def test_cuda_ipc_rounds_land_in_every_worker(packed):
         _, stats = eng.request("GET", "/_slotsync/stats")
         assert [w["start_count"] for w in stats["workers"]] == [3, 3]
         assert [w["finish_count"] for w in stats["workers"]] == [3, 3]
+        # packed: the two staging regions alternate every chunk, yet each worker mapped the
+        # block once per update (torch's IPC cache hit for every later chunk's export)
+        assert all(w["update_count"] >= 6 for w in stats["workers"]), stats["workers"]
+        assert [w["packed_maps"] for w in stats["workers"]] == ([3, 3] if packed else [0, 0])
         assert all(w["device"].startswith("cuda") for w in stats["workers"])
         assert eng.request("GET", "/weight_info")[1]["weight_version"] == "v3"

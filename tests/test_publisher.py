@@ -64,7 +64,7 @@ class FakeDaemon:
         out: dict[str, bytes] = {}
         if self.packed:
             (h,) = c.handles
-            assert isinstance(h, wire.ShmHandle) and h.offset == 0
+            assert isinstance(h, wire.ShmHandle)
             blob = _read_shm(h)
             off = 0
             for name, n in zip(c.names, c.tensor_sizes, strict=True):
@@ -350,6 +350,8 @@ def test_publisher_argument_checks(endpoint: str) -> None:
         Publisher(endpoint, 3, (0, 2), ENGINE, transport="shm")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         Publisher(endpoint, 0, (0, 2), ENGINE, transport="cuda", device="cpu")
+    with pytest.raises(ValueError, match="staging_buffers must be 1 or 2, got 3"):
+        Publisher(endpoint, 0, (0, 2), ENGINE, transport="shm", staging_buffers=3)
     pub = Publisher(endpoint, 0, (0, 2), ENGINE, device="cpu",
                     gpu_uuid="GPU-AAAAAAAA-0000-0000-0000-000000000001")
     try:
@@ -392,30 +394,33 @@ def test_unpacked_publish_sends_the_next_chunk_before_the_ack(
     assert stats.wait_seconds > 0 and stats.export_seconds > 0
 
 
-def test_packed_staging_buffer_is_not_refilled_before_the_ack(
-    make_daemon: Callable[..., FakeDaemon], endpoint: str
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_packed_staging_region_is_not_refilled_before_the_ack(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str, buffers: int
 ) -> None:
-    """Packed, the next chunk is laid out while the engine reads the current one, but copied
-    into the (single) staging buffer only after the current chunk's ack (design.md I3)."""
-    held: list[tuple[int, bool, int]] = []  # (chunk index, bytes unchanged, chunks seen)
+    """Packed, a staging region is refilled only after the ack of the chunk that used it
+    (design.md I3). With two regions the next chunk is filled into the other one and already
+    sent while the engine loads the current chunk; with one it is sent only after the ack."""
+    held: list[tuple[int, bool, bool, int]] = []  # (index, bytes unchanged, next sent, offset)
 
     def slow_engine(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
         if isinstance(msg, wire.Chunk):
             (h,) = msg.handles
             assert isinstance(h, wire.ShmHandle)
             before = _read_shm(h)
-            time.sleep(0.2)  # the engine is loading; the rank must not touch the buffer
-            seen = len(daemon.of_type(wire.Chunk))
-            held.append((msg.index, _read_shm(h) == before, seen))
+            time.sleep(0.2)  # the engine is loading this chunk
+            next_sent = bool(daemon._sock.poll(0))  # chunk k+1 already waiting?
+            held.append((msg.index, _read_shm(h) == before, next_sent, h.offset))
         return happy(msg)
 
     daemon = make_daemon(slow_engine)
     named = _many_tensors(4)
-    with _publisher(endpoint, packed=True, staging_bytes=64) as pub:
+    with _publisher(endpoint, packed=True, staging_bytes=64, staging_buffers=buffers) as pub:
         pub.publish(named, weight_version="v")
-    assert [i for i, _, _ in held] == [0, 1, 2, 3]
-    assert all(same for _, same, _ in held)  # never overwritten before its ack
-    assert [seen for _, _, seen in held] == [1, 2, 3, 4]  # never two chunks in flight
+    assert [i for i, *_ in held] == [0, 1, 2, 3]
+    assert all(same for _, same, _, _ in held)  # never overwritten before its ack
+    assert [nxt for _, _, nxt, _ in held[:-1]] == [buffers == 2] * 3
+    assert [off for *_, off in held] == ([0, 64, 0, 64] if buffers == 2 else [0] * 4)
     seen = {k: v for d in daemon.chunk_data for k, v in d.items()}
     assert seen == {n: _raw(t) for n, t in named}
 
