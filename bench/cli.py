@@ -12,6 +12,7 @@ with a plain device-to-device copy. Both rewrite their section of ``--report`` (
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -75,6 +76,9 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-unpacked", action="store_true", help="skip the unpacked run")
     g.add_argument("--single-buffer", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the smallest staging size with one region (default on)")
+    g.add_argument("--profile", metavar="DIR", default=None,
+                   help="cProfile the ranks' publish and the engine workers' update_weights "
+                        "into DIR and print the top functions (use with one configuration)")
     g.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: the same path over shared memory (dry run)")
     g.add_argument("--report", default="BENCHMARKS.md", help="Markdown report ('' for none)")
@@ -160,7 +164,6 @@ def control_main(args: argparse.Namespace) -> int:
               "2 chunks in flight; baseline: one buffer exported once per update, one chunk at "
               "a time")
     contended = args.ranks * args.slots + args.slots * (args.ranks + 1) + 1
-    import os
 
     _say(out, f"- **CPU contention**: {contended} busy processes (ranks, engine workers and "
               f"front, daemon) share {os.cpu_count()} cores; every figure includes that")
@@ -317,8 +320,10 @@ def gpu_main(args: argparse.Namespace) -> int:
               "copied)")
     _say(out, f"- round = begin .. commit ack, slowest rank; median of rounds 2..{args.rounds}")
     _say(out)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     res = run_gpu(configs, ranks=args.ranks, model=model, rounds=args.rounds, device=dev,
-                  log=lambda s: _say(out, "- " + s.strip()))
+                  log=lambda s: _say(out, "- " + s.strip()), profile_dir=args.profile)
     _say(out)
     total = res.ranks * res.nbytes_per_rank
     rows = [["plain D2D copy (`dst.copy_(src)`, best of 5)", "1", f"{res.copy_s:.4f}",
@@ -338,10 +343,22 @@ def gpu_main(args: argparse.Namespace) -> int:
               "engine's front and the acks; packed, the publisher's layout of chunk k+1 "
               "overlaps the engine's load of chunk k.")
     _say(out)
+    if args.profile:
+        _print_profiles(args.profile)
     if args.report:
         update_section(args.report, "gpu", "\n".join(out))
         print(f"wrote section 'gpu' of {args.report}")
     return 0
+
+
+def _print_profiles(directory: str, top: int = 14) -> None:
+    """Print the ``top`` functions by own time of every ``.prof`` file in ``directory``."""
+    import glob
+    import pstats
+
+    for path in sorted(glob.glob(os.path.join(directory, "*.prof"))):
+        print(f"\n### {os.path.basename(path)} (cProfile, sorted by own time)")
+        pstats.Stats(path).strip_dirs().sort_stats("tottime").print_stats(top)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,7 @@ excluding each configuration's first round (staging allocation, first IPC opens)
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import statistics
 import time
@@ -42,7 +43,7 @@ class GpuConfig:
 
 
 def _rank_main(rank: int, ranks: int, device: str, model: Qwen3MoeConfig, cmds: Any,
-               results: Any) -> None:
+               results: Any, profile_dir: str | None = None) -> None:
     """One trainer rank: builds the state dict, answers ("ready"|"copy"|"done"|"error")."""
     try:
         import torch
@@ -79,6 +80,11 @@ def _rank_main(rank: int, ranks: int, device: str, model: Qwen3MoeConfig, cmds: 
                 timeout_s=300,
             )  # fmt: skip
             secs, exports, chunks = [], [], 0
+            prof = None
+            if profile_dir:
+                import cProfile
+
+                prof = cProfile.Profile()
             try:
                 pub.register()
                 for r in range(rounds):
@@ -86,12 +92,20 @@ def _rank_main(rank: int, ranks: int, device: str, model: Qwen3MoeConfig, cmds: 
                         results.put(("warm", rank, None))
                         if cmds.get()[0] != "continue":
                             return
-                    st = pub.publish(named, weight_version=f"{cfg.label}-{r}")
+                    if prof is not None and r >= 1:  # counted rounds only
+                        st = prof.runcall(pub.publish, named, weight_version=f"{cfg.label}-{r}")
+                    else:
+                        st = pub.publish(named, weight_version=f"{cfg.label}-{r}")
                     secs.append(st.seconds)
                     exports.append(st.export_seconds)
                     chunks = st.chunks
             finally:
                 pub.close()
+            if prof is not None and profile_dir:
+                import os
+
+                tag = cfg.label.replace(" ", "_")
+                prof.dump_stats(os.path.join(profile_dir, f"rank{rank}-{tag}.prof"))
             results.put(("done", rank, (secs, chunks, exports)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put(("error", rank, traceback.format_exc()))
@@ -158,8 +172,12 @@ def run_gpu(
     rounds: int = 3,
     device: str = "cuda",
     log: Any = print,
+    profile_dir: str | None = None,
 ) -> GpuResult:
     """Run every configuration (a fresh daemon each, one engine for all) and the copy floor.
+    With ``profile_dir``, each rank writes ``rank<r>-<label>.prof`` (cProfile of the counted
+    ``publish`` calls) and each engine worker ``engine-worker-<i>.prof`` (every
+    ``update_weights`` of the run, so profile one configuration at a time).
 
     Raises:
         RuntimeError: a rank failed (traceback in the message).
@@ -175,7 +193,8 @@ def run_gpu(
     results = ctx.Queue()
     cmds = [ctx.Queue() for _ in range(ranks)]
     rank_dev = "cuda:0" if device == "cuda" else "cpu"
-    procs = [ctx.Process(target=_rank_main, args=(r, ranks, rank_dev, model, cmds[r], results),
+    procs = [ctx.Process(target=_rank_main,
+                         args=(r, ranks, rank_dev, model, cmds[r], results, profile_dir),
                          daemon=True) for r in range(ranks)]
     for p in procs:
         p.start()
@@ -202,6 +221,8 @@ def run_gpu(
         copy_s = collect("copy")[0]
         log(f"  D2D copy of {ranks * nbytes / 1e9:.2f} GB: {copy_s * 1e3:.1f} ms "
             f"({ranks * nbytes / copy_s / 1e9:.0f} GB/s)")
+        if profile_dir:  # the engine's workers read it (they inherit the environment)
+            os.environ["SLOTSYNC_PROFILE_DIR"] = profile_dir
         engine = ReferenceEngine(
             workers=ranks, device=device, startup_timeout_s=300,
             gpu_uuids=[logical_gpu_uuid(i) for i in range(ranks)],

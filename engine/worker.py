@@ -33,6 +33,8 @@ launched with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
 from __future__ import annotations
 
 import base64
+import cProfile
+import os
 import pickle
 import sys
 import time
@@ -46,7 +48,7 @@ import torch
 
 from slotsync.daemon.vllm_pickle import SHM_TAG
 from slotsync.engine.checksum import tensor_checksum
-from slotsync.protocol.export import as_width, copy_width
+from slotsync.protocol.export import copy_width
 
 # Keys of vLLM's IPCWeightTransferUpdateInfo (0.27-0.33); anything else is a TypeError there.
 _UPDATE_INFO_KEYS = frozenset(
@@ -133,6 +135,10 @@ def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
     for d in shape:
         n *= int(d)
     return n * dtype.itemsize  # (torch.empty(0).element_size() cost ~2 us per tensor)
+
+
+_FlatWeight = tuple[torch.dtype, list[int], dict[torch.dtype, torch.Tensor]]
+"""A weight's dtype, shape and flat views of it by dtype (its own first)."""
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -291,7 +297,7 @@ class WorkerState:
         self.packed_maps = 0  # packed buffers mapped anew (not found in torch's IPC cache)
         # vLLM's PackedBufferImporter: one mapped packed buffer, keyed by its handle's args
         self._importer: tuple[tuple, torch.Tensor] | None = None
-        self._flat: dict[str, tuple[torch.dtype, list[int], torch.Tensor]] = {}  # see _flat_weight
+        self._flat: dict[str, _FlatWeight] = {}  # see _flat_weight
         self.init_count = 0
 
     # -- vLLM worker methods ---------------------------------------------------------------
@@ -507,8 +513,8 @@ class WorkerState:
             out.append((name, t))
         return out
 
-    def _flat_weight(self, name: str) -> tuple[torch.dtype, list[int], torch.Tensor] | None:
-        """``(dtype, shape, flat view in its own dtype)`` of a contiguous weight, cached per
+    def _flat_weight(self, name: str) -> _FlatWeight | None:
+        """``(dtype, shape, {copy dtype: flat view})`` of a contiguous weight, cached per
         name (the in-place path runs every round for thousands of tensors; a replaced weight
         drops its entry, see ``_load_chunk``)."""
         got = self._flat.get(name)
@@ -516,8 +522,16 @@ class WorkerState:
             cur = self.weights.get(name)
             if cur is None or not cur.is_contiguous():
                 return None
-            got = self._flat[name] = (cur.dtype, list(cur.shape), cur.view(-1))
+            got = self._flat[name] = (cur.dtype, list(cur.shape), {cur.dtype: cur.view(-1)})
         return got
+
+    @staticmethod
+    def _as(flat: _FlatWeight, dtype: torch.dtype) -> torch.Tensor:
+        views = flat[2]
+        v = views.get(dtype)
+        if v is None:
+            v = views[dtype] = next(iter(views.values())).view(dtype)
+        return v
 
     def _load_packed_in_place(self, p: ParsedUpdate) -> int | None:
         """Fast path for a packed chunk whose tensors all exist with the same dtype and shape
@@ -526,28 +540,31 @@ class WorkerState:
         as wide integers where the alignment allows. Returns bytes loaded, or None to take the
         general path."""
         assert p.tensor_sizes is not None
-        flats: list[torch.Tensor] = []
+        flats: list[_FlatWeight] = []
         for name, dt, shape in zip(p.names, p.dtypes, p.shapes, strict=True):
             got = self._flat_weight(name)
             if got is None or got[0] != dt or got[1] != shape:
                 return None
-            flats.append(got[2])
+            flats.append(got)
         self._check_sizes(p)
         buf = self._packed_buffer(p)
         need = sum(p.tensor_sizes)
-        keep = [i for i, n in enumerate(p.tensor_sizes) if n]
-        sizes = [p.tensor_sizes[i] for i in keep]
-        flats = [flats[i] for i in keep]
+        sizes = p.tensor_sizes
+        if 0 in sizes:
+            flats = [f for f, n in zip(flats, sizes, strict=True) if n]
+            sizes = [n for n in sizes if n]
         if flats:
-            w, wide = copy_width(sizes, [buf.data_ptr(), *(f.data_ptr() for f in flats)])
-            dsts = [as_width(f, wide) for f in flats]
-            # one split (a C++ loop), not a slice per tensor
-            srcs = list(buf[:need].view(wide).split([n // w for n in sizes]))
-            if buf.device == dsts[0].device and hasattr(torch, "_foreach_copy_"):
-                torch._foreach_copy_(dsts, srcs)
+            ptrs = [buf.data_ptr(), *(next(iter(f[2].values())).data_ptr() for f in flats)]
+            w, wide = copy_width(sizes, ptrs)
+            dsts = [self._as(f, wide) for f in flats]
+            src = buf[:need].view(wide)
+            if src.device == dsts[0].device:
+                # One call copies every piece of the buffer into its weight: no view of the
+                # buffer per tensor, batched kernels (FSDP2's all-gather copy-out uses it too).
+                torch.split_with_sizes_copy(src, [n // w for n in sizes], out=dsts)
             else:
-                for d, src in zip(dsts, srcs, strict=True):
-                    d.copy_(src)
+                for d, piece in zip(dsts, src.split([n // w for n in sizes]), strict=True):
+                    d.copy_(piece)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the producer may reuse the buffer after 200
         return need
@@ -592,6 +609,19 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         conn.send(("err", traceback.format_exc()))
         return
     conn.send(("ready", {"gpu_uuid": state.gpu_uuid, "device": str(state.device)}))
+    # SLOTSYNC_PROFILE_DIR (``slotsync bench gpu --profile``): cProfile every update_weights
+    # call and write engine-worker-<index>.prof there when the worker exits.
+    prof_dir = os.environ.get("SLOTSYNC_PROFILE_DIR")
+    prof = cProfile.Profile() if prof_dir else None
+    try:
+        _serve(state, spec, conn, prof)
+    finally:
+        if prof is not None and prof_dir:
+            prof.dump_stats(os.path.join(prof_dir, f"engine-worker-{spec.index}.prof"))
+
+
+def _serve(state: WorkerState, spec: WorkerSpec, conn: Connection,
+           prof: cProfile.Profile | None) -> None:
     while True:
         try:
             method, kwargs = conn.recv()
@@ -602,7 +632,10 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
             return
         try:
             fn = getattr(state, method)
-            result = fn(**kwargs)
+            if prof is not None and method == "update_weights":
+                result = prof.runcall(fn, **kwargs)
+            else:
+                result = fn(**kwargs)
         except Exception as e:
             tb = traceback.format_exc().rstrip().replace("\n", f"\n[worker {spec.index}] ")
             print(f"[worker {spec.index}] {method} failed: {tb}", file=sys.stderr, flush=True)

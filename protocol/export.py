@@ -192,12 +192,13 @@ class PackedLayout(NamedTuple):
 
 
 class PackPlan(NamedTuple):
-    """A packed chunk ready to copy: its ``layout``, ``total`` bytes, and the destination
-    views of the buffer with their uint8 sources (zero-byte tensors left out)."""
+    """A packed chunk ready to copy: its ``layout``, ``total`` bytes, ``dst`` (bytes
+    ``[0, total)`` of the buffer, viewed as the copy dtype; None for an empty chunk) and the
+    flat sources in that dtype, in order (zero-byte tensors left out)."""
 
     layout: PackedLayout
     total: int
-    dsts: list[torch.Tensor]
+    dst: torch.Tensor | None
     srcs: list[torch.Tensor]
 
 
@@ -225,13 +226,16 @@ def as_width(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.no_grad()  # views of parameters, recording no autograd history
-def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> PackPlan:
+def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor]],
+              sizes: Sequence[int] | None = None) -> PackPlan:
     """Lay the tensors out back to back from offset 0 of uint8 ``buf`` (vLLM packed layout)
     without copying anything yet: the publisher plans chunk k+1 while the engine still reads
     chunk k, and copies (``run_pack``) once the buffer is free.
 
     Raises:
         ValueError: ``buf`` is not a flat uint8 tensor large enough, or a dtype is unsupported.
+
+    ``sizes`` (each tensor's bytes) may be passed when the caller already computed them.
     """
     layout = PackedLayout([], [], [], [])
     flats: list[torch.Tensor] = []
@@ -239,45 +243,45 @@ def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
         layout.names.append(name)
         layout.dtype_names.append(dtype_name(t.dtype))
         layout.shapes.append(list(t.shape))
-        layout.tensor_sizes.append(t.numel() * t.element_size())
         flats.append((t if t.is_contiguous() else t.contiguous()).view(-1))
+    if sizes is None:
+        layout.tensor_sizes.extend(f.numel() * f.element_size() for f in flats)
+    else:
+        layout.tensor_sizes.extend(sizes)
     total = sum(layout.tensor_sizes)
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < total:
         raise ValueError(
             f"pack_into needs a flat uint8 buffer of at least {total} bytes, got "
             f"{buf.dtype} of shape {tuple(buf.shape)}"
         )
-    keep = [i for i, n in enumerate(layout.tensor_sizes) if n]
-    sizes = [layout.tensor_sizes[i] for i in keep]
-    flats = [flats[i] for i in keep]
+    if 0 in layout.tensor_sizes:
+        flats = [f for f, n in zip(flats, layout.tensor_sizes, strict=True) if n]
     if not flats:
-        return PackPlan(layout, total, [], [])
+        return PackPlan(layout, total, None, [])
     # Every offset is a sum of earlier sizes, so sizes and the buffer's base decide alignment.
-    w, wide = copy_width(sizes, [buf.data_ptr(), *(f.data_ptr() for f in flats)])
+    w, wide = copy_width(layout.tensor_sizes, [buf.data_ptr(), *(f.data_ptr() for f in flats)])
     try:
         srcs = [as_width(f, wide) for f in flats]
     except RuntimeError:  # a storage whose base is not aligned: plain bytes
-        w, wide = 1, torch.uint8
+        wide = torch.uint8
         srcs = [as_width(f, wide) for f in flats]
-    # One split (a C++ loop) instead of a Python slice per tensor: per-tensor Python is what
-    # a 6,000-tensor round pays for, not the bytes.
-    dsts = list(buf[:total].view(wide).split([n // w for n in sizes]))
-    return PackPlan(layout, total, dsts, srcs)
+    return PackPlan(layout, total, buf[:total].view(wide), srcs)
 
 
 @torch.no_grad()
 def run_pack(plan: PackPlan) -> None:
     """Do the copies of ``plan`` (across devices as needed). The caller synchronizes CUDA
     before handing out a handle."""
-    if not plan.dsts:
+    if plan.dst is None:
         return
-    dev = plan.dsts[0].device
-    if hasattr(torch, "_foreach_copy_") and all(x.device == dev for x in plan.srcs):
-        # One batched copy (a few kernel launches) instead of one launch per tensor: with
-        # thousands of tensors per chunk the launches, not the bytes, dominate.
-        torch._foreach_copy_(plan.dsts, plan.srcs)
-    else:
-        for d, src in zip(plan.dsts, plan.srcs, strict=True):
+    dev = plan.dst.device
+    if all(x.device == dev for x in plan.srcs):
+        # One concatenation into the buffer: a few batched kernel launches and no view of the
+        # buffer per tensor (with thousands of tensors per chunk, per-tensor work dominates).
+        torch.cat(plan.srcs, out=plan.dst)
+    else:  # sources on another device: one copy each
+        pieces = plan.dst.split([s.numel() for s in plan.srcs])
+        for d, src in zip(pieces, plan.srcs, strict=True):
             d.copy_(src)
 
 
@@ -419,20 +423,24 @@ class StagingBuffer(ABC):
         """Region ``slot``: uint8, shape ``(capacity,)``."""
         return self.tensor[slot * self.capacity : (slot + 1) * self.capacity]
 
-    def plan(self, named_tensors: Sequence[tuple[str, torch.Tensor]], slot: int = 0) -> PackPlan:
-        """Lay a chunk out in region ``slot`` without copying (see ``plan_pack``).
+    def plan(self, named_tensors: Sequence[tuple[str, torch.Tensor]], slot: int = 0,
+             sizes: Sequence[int] | None = None) -> PackPlan:
+        """Lay a chunk out in region ``slot`` without copying (see ``plan_pack``; ``sizes``:
+        each tensor's bytes, if the caller has them).
 
         Raises:
             ValueError: the tensors need more than ``capacity`` bytes (names the sizes), or a
                 dtype is unsupported.
         """
-        total = sum(nbytes_of(t) for _, t in named_tensors)
+        if sizes is None:
+            sizes = [nbytes_of(t) for _, t in named_tensors]
+        total = sum(sizes)
         if total > self.capacity:
             raise ValueError(
                 f"chunk of {len(named_tensors)} tensors needs {total} bytes but the staging "
                 f"buffer holds {self.capacity} bytes"
             )
-        return plan_pack(self.region(slot), named_tensors)
+        return plan_pack(self.region(slot), named_tensors, sizes)
 
     def fill(self, chunk: Sequence[tuple[str, torch.Tensor]] | PackPlan, slot: int = 0
              ) -> PackedLayout:

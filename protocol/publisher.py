@@ -361,7 +361,8 @@ class Publisher:
         self._send_chunk(list(named_tensors), max_unacked=0)
         self._wait_unacked(0)
 
-    def _send_chunk(self, items: list[tuple[str, torch.Tensor]], max_unacked: int) -> int:
+    def _send_chunk(self, items: list[tuple[str, torch.Tensor]], max_unacked: int,
+                    sizes: list[int] | None = None) -> int:
         """Export and send one chunk, first waiting until at most ``max_unacked`` earlier
         chunks are unacknowledged (packed: also until its staging region is free). Returns its
         index; its ack is awaited later (``_wait_unacked``)."""
@@ -377,7 +378,7 @@ class Publisher:
         if self.packed:
             staging = self._staging_buffer()
             slot = index % staging.slots
-            plan = staging.plan(items, slot)  # CPU work, while the engine reads earlier chunks
+            plan = staging.plan(items, slot, sizes)  # CPU, while the engine reads earlier chunks
             self._export_s += time.perf_counter() - t0
             # the region is free once the chunk that last used it was acknowledged
             self._wait_unacked(min(max_unacked, staging.slots - 1))
@@ -480,28 +481,30 @@ class Publisher:
         if isinstance(named_tensors, Sequence):
             # A list can be checked before begin, so a bad input never pauses the engine.
             for name, t in named_tensors:
-                self._check_fits(name, nbytes_of(t))
+                self._check_fits(name, t.numel() * t.element_size())
         t0 = time.perf_counter()
         self._export_s = self._wait_s = 0.0
         ahead = self.staging_buffers - 1 if self.packed else MAX_UNACKED_CHUNKS - 1
         try:
             self.begin(weight_version)
             chunk: list[tuple[str, torch.Tensor]] = []
+            sizes: list[int] = []
             size = 0
             seen: set[str] = set()
             for name, t in named_tensors:
                 if name in seen:
                     raise ValueError(f"tensor {name!r} appears twice in one update")
                 seen.add(name)
-                n = nbytes_of(t)
+                n = t.numel() * t.element_size()
                 self._check_fits(name, n)
                 if chunk and size + n > self.staging_bytes:
-                    self._send_chunk(chunk, ahead)
-                    chunk, size = [], 0
+                    self._send_chunk(chunk, ahead, sizes)
+                    chunk, sizes, size = [], [], 0
                 chunk.append((name, t))
+                sizes.append(n)
                 size += n
             if chunk:
-                self._send_chunk(chunk, ahead)
+                self._send_chunk(chunk, ahead, sizes)
             chunks, nbytes = self._num_chunks, self._bytes
             self.commit()
         except BaseException as e:
