@@ -58,3 +58,35 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path):
                   "1000", "--hidden", "256", "--staging-mb", "2", "--rounds", "2",
                   tmp_path=tmp_path)
     assert "<!-- bench:gpu -->" in text and "x copy" in text
+
+
+def test_bench_control_tiny_packed_with_two_regions_and_section(tmp_path):
+    text = _bench("control", "--ranks", "2", "--tensors", "200", "--rounds", "2",
+                  "--modes", "packed", "--staging-mb", "64", "--staging-buffers", "2",
+                  "--section", "control-x", tmp_path=tmp_path)
+    assert "<!-- bench:control-x -->" in text and "2 staging region(s)" in text
+
+
+def test_bench_gpu_profile_writes_and_prints_profiles(tmp_path):
+    prof = tmp_path / "prof"
+    out = subprocess.run(
+        [sys.executable, "-m", "slotsync.bench", "gpu", "--device", "cpu", "--layers", "1",
+         "--experts", "4", "--vocab", "1000", "--hidden", "256", "--staging-mb", "2",
+         "--rounds", "2", "--no-unpacked", "--no-single-buffer", "--profile", str(prof),
+         "--report", ""],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    files = sorted(p.name for p in prof.iterdir())
+    assert files == ["engine-worker-0.prof", "rank0-packed_2_MiB_x_2_regions.prof"], files
+    assert "### engine-worker-0.prof" in out.stdout and "plan_pack" in out.stdout
+
+
+def test_profile_chunk_prints_the_split():
+    out = subprocess.run(
+        [sys.executable, "-m", "slotsync.bench.profile_chunk", "--ranks", "2", "--repeat", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "one unpacked chunk" in out.stdout and "merge:" in out.stdout
+    assert "merge_chunk" in out.stdout  # the call tree names the daemon's functions
