@@ -120,7 +120,7 @@ class Publisher:
         slot: the engine slot of ``rank`` (``EngineSlot`` or ``(start, count)``), e.g. from
             ``SlotTopology.slot_of(rank)``.
         engine_url: base URL of the engine this slot feeds; every rank of the slot must agree.
-        packed: vLLM packed transfer (one staging buffer per chunk) or unpacked (one handle per
+        packed: vLLM packed transfer (one staging region per chunk) or unpacked (one handle per
             tensor); must match the engine's ``init_weight_transfer_engine``.
         transport: ``"cuda"`` (CUDA IPC), ``"shm"`` (POSIX shared memory, CPU stand-in for the
             reference engine) or ``"auto"``: ``cuda`` if ``device`` is a CUDA device, or if
