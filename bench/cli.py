@@ -25,8 +25,33 @@ from slotsync.bench.report import command_line, machine_line, table, update_sect
 MiB = 1 << 20
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    vals = [positive_int(x.strip()) for x in text.split(",") if x.strip()]
+    if not vals:
+        raise argparse.ArgumentTypeError("needs at least one integer")
+    return vals
 
 
 def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -34,16 +59,22 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
     c = sub.add_parser("control", help="control plane on CPU: slotsync vs in-trainer baseline",
                        description=__doc__)
-    c.add_argument("--ranks", type=int, default=8, help="trainer ranks per slot (default 8)")
-    c.add_argument("--slots", type=int, default=1, help="engine slots on the daemon (default 1)")
-    c.add_argument("--rounds", type=int, default=4, help="rounds per system, warm-up included")
-    c.add_argument("--warmup", type=int, default=1, help="first rounds not counted (default 1)")
-    c.add_argument("--tensors", type=int, default=None,
+    c.add_argument("--ranks", type=positive_int, default=8,
+                   help="trainer ranks per slot (default 8)")
+    c.add_argument("--slots", type=positive_int, default=1,
+                   help="engine slots on the daemon (default 1)")
+    c.add_argument("--rounds", type=positive_int, default=4,
+                   help="rounds per system, warm-up included")
+    c.add_argument("--warmup", type=nonneg_int, default=1,
+                   help="first rounds not counted (default 1)")
+    c.add_argument("--tensors", type=positive_int, default=None,
                    help="N uniform 3 MiB tensors per round instead of Qwen3-30B-A3B")
-    c.add_argument("--layers", type=int, default=48, help="Qwen3-30B-A3B layers (default 48)")
+    c.add_argument("--layers", type=positive_int, default=48,
+                   help="Qwen3-30B-A3B layers (default 48)")
     c.add_argument("--modes", default="packed,unpacked", help="packed,unpacked (default both)")
     c.add_argument("--systems", default="slotsync,baseline", help="slotsync,baseline")
-    c.add_argument("--staging-mb", type=int, default=512, help="chunk size in MiB (default 512)")
+    c.add_argument("--staging-mb", type=positive_int, default=512,
+                   help="chunk size in MiB (default 512)")
     c.add_argument("--staging-buffers", type=int, default=2, choices=(1, 2),
                    help="packed: the publisher's staging regions (default 2)")
     c.add_argument("--engine-url", action="append", default=None,
@@ -53,8 +84,8 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--sweep-ranks", type=_ints, default=[1, 2, 4, 8])
     c.add_argument("--sweep-tensors", type=_ints, default=[100, 1000, 10000, 100000])
     c.add_argument("--sweep-slots", type=_ints, default=[1, 2, 4, 8])
-    c.add_argument("--sweep-rounds", type=int, default=3, help="rounds per sweep point")
-    c.add_argument("--growth-rounds", type=int, default=100,
+    c.add_argument("--sweep-rounds", type=positive_int, default=3, help="rounds per sweep point")
+    c.add_argument("--growth-rounds", type=positive_int, default=100,
                    help="rounds of the rounds-served check (sweep only; default 100)")
     c.add_argument("--plot", default="bench/scaling.png", help="PNG of the sweep")
     c.add_argument("--report", default="BENCHMARKS.md", help="Markdown report ('' for none)")
@@ -63,13 +94,13 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "for a run on the GPU host's CPUs)")
     g = sub.add_parser("gpu", help="data plane by CUDA IPC vs a plain device-to-device copy",
                        description=__doc__)
-    g.add_argument("--ranks", type=int, default=1, help="ranks (logical GPUs on cuda:0)")
-    g.add_argument("--layers", type=int, default=16,
+    g.add_argument("--ranks", type=positive_int, default=1, help="ranks (logical GPUs on cuda:0)")
+    g.add_argument("--layers", type=positive_int, default=16,
                    help="Qwen3-30B-A3B layers kept (default 16 of 48, to fit on one GPU)")
-    g.add_argument("--experts", type=int, default=128)
-    g.add_argument("--vocab", type=int, default=151936)
-    g.add_argument("--hidden", type=int, default=2048)
-    g.add_argument("--rounds", type=int, default=3, help="rounds per configuration (first "
+    g.add_argument("--experts", type=positive_int, default=128)
+    g.add_argument("--vocab", type=positive_int, default=151936)
+    g.add_argument("--hidden", type=positive_int, default=2048)
+    g.add_argument("--rounds", type=positive_int, default=3, help="rounds per configuration (first "
                    "not counted)")
     g.add_argument("--staging-mb", type=_ints, default=[512, 1024, 4096],
                    help="packed staging sizes in MiB (default 512,1024,4096)")
@@ -131,6 +162,14 @@ def control_main(args: argparse.Namespace) -> int:
         s not in SYSTEMS for s in systems
     ):
         print("--modes takes packed,unpacked; --systems slotsync,baseline", file=sys.stderr)
+        return 2
+    if args.rounds <= args.warmup:
+        print(f"--rounds {args.rounds} leaves no counted round after --warmup {args.warmup}",
+              file=sys.stderr)
+        return 2
+    if args.sweep and (args.sweep_rounds < 2 or args.growth_rounds < 20):
+        print("--sweep needs --sweep-rounds >= 2 (one is warm-up) and --growth-rounds >= 20 "
+              "(first and last 10 are compared)", file=sys.stderr)
         return 2
     if args.tensors is None:
         specs = qwen3_moe_specs(Qwen3MoeConfig(layers=args.layers))

@@ -16,6 +16,7 @@ import time
 
 import msgspec
 
+from slotsync.bench.cli import nonneg_int, positive_int
 from slotsync.bench.control import _FakeExports
 from slotsync.bench.model import Qwen3MoeConfig, chunk_specs, qwen3_moe_specs
 from slotsync.daemon import vllm_pickle
@@ -27,7 +28,10 @@ from slotsync.protocol.export import handle_from_reduce_args
 def _frames(ranks: int, packed: bool, staging_bytes: int, index: int) -> list[bytes]:
     specs = qwen3_moe_specs(Qwen3MoeConfig(layers=48))
     chunks = chunk_specs(specs, staging_bytes)
-    c = chunks[min(index, len(chunks) - 1)]
+    if index >= len(chunks):
+        raise SystemExit(f"--index {index}: the round has {len(chunks)} chunks "
+                         f"(0..{len(chunks) - 1})")
+    c = chunks[index]
     out = []
     for r in range(ranks):
         args = _FakeExports(r).round([c], packed, staging_bytes)[0]
@@ -59,11 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     """Print per-step times and a call tree of the daemon's work on one chunk."""
     p = argparse.ArgumentParser(prog="python -m slotsync.bench.profile_chunk",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--ranks", type=positive_int, default=8)
     p.add_argument("--packed", action="store_true", help="packed chunk (default unpacked)")
-    p.add_argument("--staging-mb", type=int, default=512)
-    p.add_argument("--index", type=int, default=5, help="which chunk of the round (default 5)")
-    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--staging-mb", type=positive_int, default=512)
+    p.add_argument("--index", type=nonneg_int, default=5,
+                   help="which chunk of the round (default 5)")
+    p.add_argument("--repeat", type=positive_int, default=20)
     args = p.parse_args(argv)
     frames = _frames(args.ranks, args.packed, args.staging_mb << 20, args.index)
     n = len(wire.decode_to_daemon(frames[0]).names)  # type: ignore[union-attr]

@@ -71,8 +71,13 @@ def merge_chunk(
         if bad:
             got = getattr(chunks[bad[0]], field)
             detail = _first_difference(ref.names, want, got)
+            hint = (
+                " (the ranks of a slot must publish the same tensors in the same order with "
+                "the same staging_bytes)" if field == "names" else ""
+            )
             raise ChunkMismatch(
-                f"chunk {index}: {field} of rank(s) {bad} differ from rank {ref_rank}'s: {detail}",
+                f"chunk {index}: {field} of rank(s) {bad} differ from rank {ref_rank}'s: "
+                f"{detail}{hint}",
                 bad,
             )
     kind = CudaIpcHandle if transport == "cuda" else ShmHandle

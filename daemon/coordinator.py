@@ -134,6 +134,7 @@ class _Update:
     sent_count: dict[int, int] = field(default_factory=dict)  # rank -> chunks received
     next_index: int = 0  # next chunk to hand to the engine
     consumed_bytes: int = 0
+    names: set[str] = field(default_factory=set)  # tensors the engine loaded in this update
     committed: dict[int, int] = field(default_factory=dict)  # rank -> num_chunks
     last_progress: float = 0.0
     finishing: bool = False
@@ -165,6 +166,9 @@ class SlotCoordinator:
         self.engine_initialized = False
         self.engine_paused = False
         self.needs_full_update = False  # I4: set after a failed update
+        # every tensor name a successful update of this slot has loaded: after a failure, the
+        # next update must cover them all before the engine is resumed (I4)
+        self.known_names: set[str] = set()
         self.engine_dirty = False  # a start may be active on some engine workers
         self.world_size: int | None = None
         self.next_update_id = 0
@@ -377,7 +381,9 @@ class SlotCoordinator:
             return actions + self._advance(now)
         elif route == "update_weights":
             idx = u.next_index
-            chunk_bytes = sum(next(iter(u.pending[idx].values())).tensor_sizes)
+            loaded = next(iter(u.pending[idx].values()))
+            chunk_bytes = sum(loaded.tensor_sizes)
+            u.names.update(loaded.names)
             del u.pending[idx]
             u.merged.pop(idx, None)
             u.first_arrival.pop(idx, None)
@@ -391,6 +397,7 @@ class SlotCoordinator:
             u.finished = True
             self.engine_dirty = False
             self.needs_full_update = False
+            self.known_names |= u.names
             self.last_version = u.weight_version  # I8: recorded only with a successful finish
         elif route == "resume":
             self.engine_paused = False
@@ -458,6 +465,7 @@ class SlotCoordinator:
             self.engine_initialized = False
             self.engine_dirty = False
             self.engine_paused = False
+            self.known_names = set()  # another engine: nothing known about its weights
             self._pending_url = None
         else:
             self._pending_url = url
@@ -584,6 +592,15 @@ class SlotCoordinator:
         if rank in u.committed:
             return self._fail(now, "chunk", f"rank {rank} sent chunk {msg.index} after commit", [])
         expect = u.sent_count.get(rank, 0)
+        done = [(r, n) for r, n in sorted(u.committed.items()) if n <= msg.index]
+        if done:
+            r0, n0 = done[0]
+            return self._fail(
+                now, "chunk",
+                f"rank {rank} sent chunk {msg.index} but rank {r0} committed {n0} chunks: the "
+                "ranks of a slot must publish the same tensors in the same order with the same "
+                "staging_bytes", [],
+            )  # fmt: skip
         if msg.index != expect:
             return self._fail(
                 now, "chunk", f"rank {rank} sent chunk {msg.index}, expected chunk {expect}", []
@@ -628,6 +645,15 @@ class SlotCoordinator:
             )
         if rank in u.committed:
             return self._rank_error(rank, "commit", f"rank {rank} committed twice", u.update_id)
+        ahead = [(r, n) for r, n in sorted(u.sent_count.items()) if n > msg.num_chunks]
+        if ahead:
+            r0, n0 = ahead[0]
+            return self._fail(
+                now, "commit",
+                f"rank {rank} committed {msg.num_chunks} chunks but rank {r0} already sent {n0}: "
+                "the ranks of a slot must publish the same tensors in the same order with the "
+                "same staging_bytes", [],
+            )  # fmt: skip
         u.committed[rank] = msg.num_chunks
         u.last_progress = now
         counts = set(u.committed.values())
@@ -676,6 +702,16 @@ class SlotCoordinator:
             and not u.pending
             and u.next_index == next(iter(u.committed.values()))
         ):
+            if self.needs_full_update and not self.known_names <= u.names:
+                # I4: finishing would resume an engine that still holds half-loaded weights
+                missing = sorted(self.known_names - u.names)
+                return self._fail(
+                    now, "commit",
+                    f"the slot needs a full update after a failed one, but update "
+                    f"{u.update_id} loaded {len(u.names)} tensors and misses "
+                    f"{len(missing)} of the {len(self.known_names)} earlier updates sent "
+                    f"(e.g. {missing[:3]}); publish every tensor", [],
+                )  # fmt: skip
             u.finishing = True
             return self._call(u, "finish_weight_update", {"weight_version": u.weight_version})
         return []

@@ -19,6 +19,19 @@ import urllib.request
 from types import TracebackType
 
 
+def die_with_parent() -> None:
+    """``preexec_fn`` for helper processes (daemon, reference engine): ask Linux to send them
+    SIGTERM when the process that started them dies, even by SIGKILL, so that a killed demo or
+    benchmark leaves nothing running. No-op elsewhere."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class DaemonStartError(RuntimeError):
     """``slotsyncd`` exited or did not print its ready line in time."""
 
@@ -53,7 +66,8 @@ class DaemonProcess:
         cmd = [sys.executable, "-m", "slotsync.daemon", "--runtime-dir", runtime_dir,
                "--status-port", "0", *(args or [])]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})},
+                                     preexec_fn=die_with_parent)
         self.endpoint = ""
         self.status_port = 0
         deadline = time.monotonic() + startup_timeout_s

@@ -143,6 +143,16 @@ class SlotTable:
                 return [Reply(identity, Error(
                     "register", f"rank {msg.rank} names engine {msg.engine_url!r} but the "
                     f"engine table declares {want!r} for slot [{key[0]}, {key[1]})", list(key)))]
+        url = msg.engine_url.rstrip("/")
+        for (s, e), c in self.slots.items():
+            if (s, e) != key and (c.engine_url or "").rstrip("/") == url and (
+                c.ranks or c.current is not None or c.dirty_state() is not None
+            ):
+                # I1: two slots driving one engine would interleave their updates on it
+                return [Reply(identity, Error(
+                    "register", f"rank {msg.rank} of slot [{key[0]}, {key[1]}) names engine "
+                    f"{msg.engine_url!r}, which slot [{s}, {e}) already feeds: one engine per "
+                    "slot (each engine's GPUs form one slot)", list(key)))]
         coord = self.slots.get(key)
         if coord is None:
             for (s, e), c in self.slots.items():

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from slotsync.daemon.launcher import die_with_parent
 from slotsync.protocol.wire import logical_gpu_uuid, normalize_gpu_uuid
 
 
@@ -144,7 +145,7 @@ class ReferenceEngine:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
             )  # fmt: skip
         deadline = time.monotonic() + self.startup_timeout_s
         while True:

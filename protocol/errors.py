@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 __all__ = ["SlotsyncError", "SlotsyncTimeout"]
@@ -79,9 +80,13 @@ class SlotsyncTimeout(SlotsyncError, TimeoutError):
         self.waited_for = waited_for
         self.timeout_s = timeout_s
         where = f" from the daemon at {endpoint}" if endpoint else " from the daemon"
+        hint = ""
+        if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
+            hint = (f" (there is no socket at {endpoint[len('ipc://'):]}: is slotsyncd running, "
+                    "and is this its --socket?)")
         super().__init__(
             phase,
-            f"no {waited_for}{where} within {timeout_s:g} s",
+            f"no {waited_for}{where} within {timeout_s:g} s{hint}",
             slot=slot,
             update_id=update_id,
         )

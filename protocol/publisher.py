@@ -34,13 +34,14 @@ shared-memory segments) are kept until the commit's ack, then released and, on C
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -134,7 +135,10 @@ class Publisher:
         staging_buffers: packed: staging regions (GPU memory used: ``staging_buffers *
             staging_bytes`` during an update). 2 fills the next chunk while the engine loads
             the current one; 1 halves the memory and sends one chunk at a time.
-        timeout_s: deadline of every wait for the daemon, in seconds.
+        timeout_s: deadline of every wait for the daemon, in seconds. The default (360 s) is
+            longer than the daemon's default ``engine_timeout_s`` (300 s), so that when an
+            engine hangs, the daemon's error naming it reaches the rank before the rank's own
+            timeout.
 
     Raises:
         ValueError: ``rank`` is not in ``slot``, or ``transport``/``device`` disagree.
@@ -153,7 +157,7 @@ class Publisher:
         gpu_uuid: str | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         staging_buffers: int = 2,
-        timeout_s: float = 300.0,
+        timeout_s: float = 360.0,
     ) -> None:
         self.slot = slot if isinstance(slot, EngineSlot) else EngineSlot(*slot)
         if rank not in self.slot:
@@ -458,7 +462,9 @@ class Publisher:
             self._end_update()
 
     def publish(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        weight_version: str,
     ) -> PublishStats:
         """One whole update: begin, chunks of at most ``staging_bytes`` in iteration order,
         commit. Chunking is deterministic, so ranks that iterate the same names and sizes cut
@@ -466,22 +472,36 @@ class Publisher:
         exception re-raised.
 
         Args:
-            named_tensors: ``(name, tensor)`` pairs, consumed lazily (a generator is fine).
+            named_tensors: ``(name, tensor)`` pairs, consumed lazily (a generator is fine), or
+                a mapping such as ``model.state_dict()``.
             weight_version: recorded by the engine on success.
 
         Raises:
-            ValueError: a tensor is larger than ``staging_bytes`` (names the tensor and both
-                sizes), a name repeats, or a dtype is unsupported.
+            ValueError: no tensors at all (checked before the engine is paused), a tensor is
+                larger than ``staging_bytes`` (names the tensor and both sizes), a name
+                repeats, or a dtype is unsupported.
+            TypeError: an item is not a ``(str, torch.Tensor)`` pair.
             SlotsyncError, SlotsyncTimeout: the update failed.
             RuntimeError: an update is already open.
         """
         self._check_usable()
         if self._update_id is not None:
             raise RuntimeError(f"update {self._update_id} is still open; commit or abort it first")
+        if isinstance(named_tensors, Mapping):
+            named_tensors = named_tensors.items()
         if isinstance(named_tensors, Sequence):
             # A list can be checked before begin, so a bad input never pauses the engine.
-            for name, t in named_tensors:
+            for item in named_tensors:
+                name, t = self._check_item(item)
                 self._check_fits(name, t.numel() * t.element_size())
+        # Nothing to send must not pause the engine (e.g. a generator already consumed).
+        it = iter(named_tensors)
+        first = next(it, None)
+        if first is None:
+            raise ValueError(
+                "publish got no tensors: nothing to send (was the iterator already consumed?)"
+            )
+        named_tensors = itertools.chain((first,), it)
         t0 = time.perf_counter()
         self._export_s = self._wait_s = 0.0
         ahead = self.staging_buffers - 1 if self.packed else MAX_UNACKED_CHUNKS - 1
@@ -491,7 +511,8 @@ class Publisher:
             sizes: list[int] = []
             size = 0
             seen: set[str] = set()
-            for name, t in named_tensors:
+            for item in named_tensors:
+                name, t = self._check_item(item)
                 if name in seen:
                     raise ValueError(f"tensor {name!r} appears twice in one update")
                 seen.add(name)
@@ -521,10 +542,27 @@ class Publisher:
 
     def _check_fits(self, name: str, n: int) -> None:
         if n > self.staging_bytes:
+            what = "the staging buffer" if self.packed else "the chunk limit (staging_bytes)"
             raise ValueError(
-                f"tensor {name!r} is {n} bytes, larger than the staging buffer of "
+                f"tensor {name!r} is {n} bytes, larger than {what} of "
                 f"{self.staging_bytes} bytes (raise staging_bytes)"
             )
+
+    @staticmethod
+    def _check_item(item: object) -> tuple[str, torch.Tensor]:
+        """One ``(name, tensor)`` pair, or a TypeError saying what was given instead."""
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise TypeError(
+                f"publish takes (name, tensor) pairs (e.g. model.state_dict().items()), got "
+                f"{type(item).__name__} {str(item)[:80]!r}"
+            )
+        name, t = item
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"publish takes (name: str, tensor: torch.Tensor) pairs, got "
+                f"({type(name).__name__}, {type(t).__name__}) for {str(name)[:80]!r}"
+            )
+        return name, t
 
     def close(self) -> None:
         """Abort an open update, close the socket and unlink every shared-memory segment this

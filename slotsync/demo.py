@@ -338,4 +338,15 @@ def main_from_args(args: argparse.Namespace) -> int:
     cfg = DemoConfig(Path(model), args.ranks, args.rounds, args.packed, device,
                      int(args.staging_mb * 1024 * 1024), args.timeout_s, args.verbose,
                      args.gpus_per_engine)
-    return run_demo(cfg)
+    # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the daemon and engines are stopped
+    # (they also get SIGTERM if this process dies outright: see launcher.die_with_parent)
+    import signal
+
+    def _term(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _term)
+    try:
+        return run_demo(cfg)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -90,3 +90,18 @@ def test_profile_chunk_prints_the_split():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "one unpacked chunk" in out.stdout and "merge:" in out.stdout
     assert "merge_chunk" in out.stdout  # the call tree names the daemon's functions
+
+
+@pytest.mark.parametrize("args, want", [
+    (["control", "--tensors", "0"], "--tensors: must be >= 1, got 0"),
+    (["control", "--slots", "0"], "--slots: must be >= 1, got 0"),
+    (["control", "--rounds", "1"], "--rounds 1 leaves no counted round after --warmup 1"),
+    (["control", "--warmup", "-1"], "--warmup: must be >= 0, got -1"),
+    (["control", "--sweep", "--sweep-rounds", "1"], "--sweep needs --sweep-rounds >= 2"),
+    (["gpu", "--staging-mb", "0,512"], "--staging-mb: must be >= 1, got 0"),
+])
+def test_bench_refuses_bad_arguments_before_starting_anything(args, want):
+    out = subprocess.run([sys.executable, "-m", "slotsync.bench", *args, "--report", ""],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and want in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr

@@ -594,3 +594,74 @@ def test_new_job_with_another_engine_resets_the_slot():
     # the old rank 0 connection is forgotten
     f = t.on_message(ident(0), Begin(0, "v"), 0.0)
     assert isinstance(f[0].msg, Error) and "has not registered" in f[0].msg.message
+
+
+def _send_round(h: Harness, uid: int, chunks: list[tuple[str, ...]]) -> None:
+    for r in range(h.size):
+        h.send(r, Begin(uid, f"v{uid}"))
+    for k, names in enumerate(chunks):
+        for r in range(h.size):
+            h.send(r, chunk(uid, k, r, h.packed, names=names))
+    for r in range(h.size):
+        h.send(r, Commit(uid, len(chunks)))
+
+
+def test_after_a_failure_only_an_update_covering_every_known_tensor_resumes_the_engine():
+    """I4: a failed update leaves half-loaded weights; an update that sends fewer tensors than
+    the slot's successful updates did (even none at all) must not resume the engine."""
+    h = Harness()
+    h.register_all()
+    _send_round(h, 0, [("a", "b"), ("c",)])
+    assert h.coord.last_version == "v0"
+    h.engine.fail[("update_weights", 3)] = "HTTP 500: boom"  # 2nd chunk of round 1
+    _send_round(h, 1, [("a", "b"), ("c",)])
+    assert h.coord.state is SlotState.FAILED and h.engine.paused
+    h.engine.calls.clear()
+    _send_round(h, 2, [("a", "b")])  # "c" missing: loaded, but not finished nor resumed
+    err = h.last(0)
+    assert isinstance(err, Error) and err.phase == "commit" and "full update" in err.message
+    assert "['c']" in err.message
+    assert "finish_weight_update" not in h.engine.calls and "resume" not in h.engine.calls
+    assert h.coord.state is SlotState.FAILED and h.coord.last_version == "v0"
+    _send_round(h, 3, [("c",), ("b", "a")])  # every tensor again, any order: recovers
+    assert h.coord.state is SlotState.IDLE and h.coord.last_version == "v3"
+    assert not h.engine.paused
+
+
+def test_rank_sending_more_chunks_than_another_committed_fails_at_once():
+    """A rank with extra tensors is named at once, not found by a deadline blaming the rank
+    that already committed."""
+    for order in ("commit_first", "extra_first"):
+        h = Harness(timeouts=Timeouts(100, 100, 100))
+        h.register_all()
+        for r in range(2):
+            h.send(r, Begin(0, "v"))
+        for r in range(2):
+            h.send(r, chunk(0, 0, r))
+        if order == "commit_first":
+            h.send(0, Commit(0, 1))
+            h.send(1, chunk(0, 1, 1))
+            want = "rank 1 sent chunk 1 but rank 0 committed 1 chunks"
+        else:
+            h.send(1, chunk(0, 1, 1))
+            h.send(0, Commit(0, 1))
+            want = "rank 0 committed 1 chunks but rank 1 already sent 2"
+        for r in range(2):
+            err = h.last(r)
+            assert isinstance(err, Error) and want in err.message, err
+            assert "same staging_bytes" in err.message
+        assert h.coord.state is SlotState.FAILED
+
+
+def test_two_slots_cannot_feed_one_engine():
+    """I1: one engine per slot; a second slot naming the same URL is refused at registration."""
+    table = SlotTable(Timeouts(10, 10, 10))
+    assert isinstance(table.on_message(ident(0), reg(0, 0, 2), 0.0)[0].msg, Registered)
+    out = table.on_message(ident(7), reg(7, 7, 2, url=URL + "/"), 0.0)
+    err = out[0].msg
+    assert isinstance(err, Error) and err.phase == "register"
+    assert "already feeds" in err.message and "[0, 2)" in err.message
+    assert (7, 9) not in table.slots
+    # another engine for that slot is fine
+    assert isinstance(table.on_message(ident(7), reg(7, 7, 2, url="http://other:8000"),
+                                       0.0)[0].msg, Registered)

@@ -77,3 +77,43 @@ def test_bad_options_are_refused_before_anything_starts(args, text):
     out = subprocess.run([sys.executable, "-m", "slotsync", "demo", *args], capture_output=True,
                          text=True, cwd=root, timeout=60)
     assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_killed_demo_leaves_no_daemon_or_engine_running(sig):
+    """`timeout N slotsync demo` (SIGTERM) unwinds and stops its daemon and engine; even a
+    SIGKILL of the demo takes them down (they die with their parent)."""
+    import re
+    import signal
+    import socket
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slotsync", "demo", "--rounds", "500", "--ranks", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    ports: list[int] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:
+            ports += [int(p) for p in re.findall(r"http://127\.0\.0\.1:(\d+)", line)]
+            if "round 1/" in line or time.monotonic() > deadline:
+                break
+        assert len(ports) >= 2, ports  # the daemon's status port and the engine's
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def listening(port: int) -> bool:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    deadline = time.monotonic() + 30
+    while any(listening(p) for p in ports) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in ports if listening(p)], f"still serving after {sig}: {ports}"

@@ -439,3 +439,34 @@ def test_ack_read_before_it_is_awaited_is_kept(
 
     with _publisher(endpoint, packed=False, staging_bytes=64, timeout_s=2.0) as pub:
         assert pub.publish(slow_iter(), weight_version="v").chunks == 4
+
+
+def test_publish_refuses_empty_and_bad_items_before_touching_the_engine(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str
+) -> None:
+    """Nothing to send, or something that is not (name, tensor) pairs, is refused before the
+    begin (which would pause the engine); a mapping such as a state dict is accepted."""
+    daemon = make_daemon()
+    with _publisher(endpoint, packed=True, staging_bytes=256) as pub:
+        with pytest.raises(ValueError, match="publish got no tensors"):
+            pub.publish(iter([]), weight_version="v")
+        with pytest.raises(TypeError, match=r"state_dict\(\)\.items\(\)"):
+            pub.publish(["model.w"], weight_version="v")  # type: ignore[list-item]
+        with pytest.raises(TypeError, match=r"\(str, list\) for 'w'"):
+            pub.publish([("w", [1, 2])], weight_version="v")  # type: ignore[list-item]
+        assert daemon.of_type(wire.Begin) == []
+        stats = pub.publish(dict(_many_tensors(2)), weight_version="v")
+        assert stats.chunks == 1 and len(daemon.of_type(wire.Begin)) == 1
+
+
+def test_unpacked_oversize_names_the_chunk_limit(endpoint: str) -> None:
+    with _publisher(endpoint, packed=False, staging_bytes=16) as pub, \
+            pytest.raises(ValueError, match=r"chunk limit \(staging_bytes\) of 16 bytes"):
+        pub.publish(_many_tensors(1), weight_version="v")
+
+
+def test_timeout_says_when_there_is_no_daemon_socket(tmp_path: Path) -> None:
+    path = tmp_path / "nope.sock"
+    with _publisher(f"ipc://{path}", timeout_s=0.3) as pub, \
+            pytest.raises(SlotsyncTimeout, match=f"there is no socket at {path}"):
+        pub.register()
