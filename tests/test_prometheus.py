@@ -90,7 +90,7 @@ def _register(table: SlotTable, rank: int, start: int, size: int, now: float) ->
     table.on_message(
         ident,
         Register(PROTOCOL_VERSION, rank, f"00000000-0000-0000-0000-{rank:012d}", start, size,
-                 "http://e:1", True, "shm", "host", 100 + rank),
+                 f"http://e{start}:1", True, "shm", "host", 100 + rank),
         now,
     )
     return ident
