@@ -670,7 +670,8 @@ def test_protocol_abuse(rec, pool, eng, daemon, packed, abuse):
             # chunk and rank 1's commit reaches the daemon first
             assert (e0.phase == "commit" and "already sent 1" in e0.message) or (
                 e0.phase == "chunk" and "rank 1 committed 0 chunks" in e0.message), e0
-            row.happened = "commit counts disagree: update fails in commit for both ranks"
+            row.happened = ("chunk counts disagree: the update fails at once for both ranks, "
+                            "naming the rank that sent more than the other committed")
             errs = _errs(e0, e1)
         elif abuse == "chunk after commit":
             p.begin_both(uid)
