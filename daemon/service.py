@@ -48,6 +48,11 @@ from slotsync.protocol.wire import Error, ProtocolError, Registered, decode_to_d
 log = logging.getLogger("slotsync.daemon")
 
 
+
+def _slot(slot: tuple[int, int] | list[int]) -> str:
+    """A slot in log lines, as everywhere else: ``[start,end)``."""
+    return f"[{slot[0]},{slot[1]})"
+
 class DaemonAlreadyRunning(RuntimeError):
     """Another live daemon owns the socket path."""
 
@@ -126,6 +131,8 @@ class Daemon:
         if self.endpoint.startswith("ipc://"):
             path = self.endpoint[len("ipc://") :]
             folder = os.path.dirname(path) or "."
+            if os.path.exists(folder) and not os.path.isdir(folder):
+                raise NotADirectoryError(f"socket folder {folder} exists and is not a directory")
             if not os.path.isdir(folder):
                 os.makedirs(folder, exist_ok=True)
                 os.chmod(folder, 0o770)  # the service user and its group only (umask aside)
@@ -134,7 +141,7 @@ class Daemon:
         self.restored = self.record.load()
         for d in self.restored:
             self.table.restore(d.slot, d.engine_url, d.update_id, d.weight_version, d.state)
-            log_event(log, logging.WARNING, "engine_left_mid_update", slot=list(d.slot),
+            log_event(log, logging.WARNING, "engine_left_mid_update", slot=_slot(d.slot),
                       engine=d.engine_url, update_id=d.update_id, version=d.weight_version,
                       state=d.state)
         uids, gids = self.config.allowed_ids()
@@ -337,7 +344,7 @@ class Daemon:
                     msg = msgspec.structs.replace(
                         msg, max_message_bytes=self.config.max_message_bytes)
                     log_event(log, logging.INFO, "registered", rank=msg.rank,
-                              slot=[msg.slot_start, msg.slot_start + msg.slot_size])
+                              slot=_slot((msg.slot_start, msg.slot_start + msg.slot_size)))
                 elif isinstance(msg, Error) and msg.phase == "register":
                     log_event(log, logging.WARNING, "registration_refused", peer=a.identity.hex(),
                               error=msg.message)
@@ -361,7 +368,7 @@ class Daemon:
         if client is None:
             client = VllmClient(url, self.config.engine_timeout_s, self.metrics.observe_request)
             self._clients[url] = client
-        log_event(log, logging.DEBUG, "engine_call", slot=list(call.slot),
+        log_event(log, logging.DEBUG, "engine_call", slot=_slot(call.slot),
                   update_id=call.update_id, route=call.route)
         try:
             result = await client.call(call.route, call.body)
@@ -373,12 +380,11 @@ class Daemon:
     def _record(self, e: UpdateEnded) -> None:
         self.metrics.update_ended(e)
         level = logging.INFO if e.outcome == "success" else logging.ERROR
-        slot = f"[{e.slot[0]},{e.slot[1]})"
-        fields = dict(slot=slot, engine=e.engine_url, update_id=e.update_id,
+        fields = dict(slot=_slot(e.slot), engine=e.engine_url, update_id=e.update_id,
                       version=e.weight_version, outcome=e.outcome,
                       duration_s=round(e.seconds, 4), chunks=e.chunks, bytes=e.nbytes)
         if e.error:
             fields["error"] = e.error
         log_event(log, level, "update_end", **fields)
-        self._last_update = (f"slot {slot} update {e.update_id} {e.weight_version} "
+        self._last_update = (f"slot {_slot(e.slot)} update {e.update_id} {e.weight_version} "
                              f"{e.outcome} in {e.seconds:.2f} s")

@@ -22,7 +22,10 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict:
     Raises:
         OSError: no connection / timeout / HTTP error; ValueError: not JSON.
     """
-    with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout_s) as r:
+    base = url.rstrip("/")
+    if base.endswith("/status"):  # the document's own URL given: fine
+        base = base[: -len("/status")]
+    with urllib.request.urlopen(base + "/status", timeout=timeout_s) as r:
         return json.loads(r.read())
 
 

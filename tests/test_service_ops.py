@@ -281,6 +281,8 @@ def test_status_cli_table_json_and_exit_codes(tmp_path):
         assert "registering" in out.stdout and "http://127.0.0.1:1" in out.stdout
         js = _status_cli("--url", d.status_url, "--json")
         assert json.loads(js.stdout)["slots"][0]["ranks_expected"] == 4
+        # the document's own URL works too
+        assert _status_cli("--url", d.status_url + "/status/").returncode == 0
         url = d.status_url
     gone = _status_cli("--url", url)
     assert gone.returncode == 2 and "cannot read" in gone.stderr
@@ -411,3 +413,12 @@ def test_json_log_format_keeps_every_line_json(tmp_path):
         assert d.status()["version"]
         lines = [x for x in d.log_tail().splitlines() if x.strip()]
     assert lines and all(json.loads(x) for x in lines)
+
+
+def test_socket_folder_that_is_a_file_is_named(tmp_path):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    out = subprocess.run([sys.executable, "-m", "slotsync.daemon", "--runtime-dir", str(f)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1
+    assert f"socket folder {f} exists and is not a directory" in out.stderr + out.stdout
