@@ -73,7 +73,9 @@ class SlotTable:
                     identity,
                     Error(
                         "register",
-                        f"{type(msg).__name__.lower()} from a connection that has not registered",
+                        f"{type(msg).__name__.lower()} from a connection that has not "
+                        "registered (did the daemon restart? an update in flight then is lost; "
+                        "the publisher registers again at its next begin)",
                         code=NOT_REGISTERED,
                     ),
                 )

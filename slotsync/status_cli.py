@@ -81,6 +81,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 
 
 def main_from_args(args: argparse.Namespace) -> int:
+    if not args.timeout_s > 0:
+        print(f"slotsync status: --timeout-s must be > 0, got {args.timeout_s}", file=sys.stderr)
+        return 2
     try:
         status = fetch_status(args.url, args.timeout_s)
     except (OSError, ValueError) as e:

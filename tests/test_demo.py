@@ -71,6 +71,7 @@ def test_verify_reports_a_mismatching_worker():
     (["--staging-mb", "0.0001"], "--staging-mb must be at least 1 KiB"),
     (["--ranks", "0"], "--ranks and --rounds must be >= 1"),
     (["--ranks", "4", "--gpus-per-engine", "3"], "must divide --ranks 4"),
+    (["--staging-mb", "10"], "smaller than the model's largest tensor"),
 ])
 def test_bad_options_are_refused_before_anything_starts(args, text):
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
