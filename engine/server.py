@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import pickle
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -106,9 +107,14 @@ class _WorkerProc:
         self.gpu_uuid = payload["gpu_uuid"]
         self.device = payload["device"]
 
-    def call(self, method: str, kwargs: dict[str, Any]) -> tuple[bool, Any]:
+    def call(self, method: str, kwargs: dict[str, Any] | bytes) -> tuple[bool, Any]:
+        """Run ``method`` on the worker; ``kwargs`` may come pre-pickled as
+        ``pickle.dumps((method, kwargs))`` (what ``Connection.send`` would write)."""
         try:
-            self.conn.send((method, kwargs))
+            if isinstance(kwargs, bytes):
+                self.conn.send_bytes(kwargs)
+            else:
+                self.conn.send((method, kwargs))
             kind, payload = self.conn.recv()
         except (EOFError, OSError, BrokenPipeError) as e:
             return False, f"worker {self.spec.index} is gone ({type(e).__name__})"
@@ -180,7 +186,14 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         async with self._lock:
             calls = []
+            # The same request for every worker: pickle it once, not once per worker (an
+            # update_info of thousands of tensors takes a while to pickle).
+            shared = (pickle.dumps((method, dict(kwargs or {})), pickle.HIGHEST_PROTOCOL)
+                      if per_worker is None else None)
             for i, w in enumerate(self.workers):
+                if shared is not None and not (inject and i in inject):
+                    calls.append(loop.run_in_executor(self._executor, w.call, method, shared))
+                    continue
                 kw = dict(per_worker[i] if per_worker is not None else (kwargs or {}))
                 if inject and i in inject:
                     kw["inject"] = inject[i]
