@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from slotsync.daemon.vllm_pickle import b64, pickle_packed, pickle_unpacked
 from slotsync.protocol.wire import Chunk, CudaIpcHandle, ShmHandle
 
+SAME_CHUNKS_RULE = (
+    "the ranks of a slot must publish the same tensors in the same order with the same "
+    "staging_bytes"
+)
+"""Why ranks' chunks can differ; appended to the errors that point at it (design.md I2)."""
+
 
 class ChunkMismatch(ValueError):
     """Ranks of one slot disagree on a chunk, or a chunk cannot be merged.
@@ -71,10 +77,7 @@ def merge_chunk(
         if bad:
             got = getattr(chunks[bad[0]], field)
             detail = _first_difference(ref.names, want, got)
-            hint = (
-                " (the ranks of a slot must publish the same tensors in the same order with "
-                "the same staging_bytes)" if field == "names" else ""
-            )
+            hint = f" ({SAME_CHUNKS_RULE})" if field == "names" else ""
             raise ChunkMismatch(
                 f"chunk {index}: {field} of rank(s) {bad} differ from rank {ref_rank}'s: "
                 f"{detail}{hint}",

@@ -31,7 +31,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from slotsync.daemon.aggregation import ChunkMismatch, MergedChunk, merge_chunk
+from slotsync.daemon.aggregation import (
+    SAME_CHUNKS_RULE,
+    ChunkMismatch,
+    MergedChunk,
+    merge_chunk,
+)
 from slotsync.protocol.wire import (
     PROTOCOL_VERSION,
     Abort,
@@ -596,12 +601,8 @@ class SlotCoordinator:
         done = [(r, n) for r, n in sorted(u.committed.items()) if n <= msg.index]
         if done:
             r0, n0 = done[0]
-            return self._fail(
-                now, "chunk",
-                f"rank {rank} sent chunk {msg.index} but rank {r0} committed {n0} chunks: the "
-                "ranks of a slot must publish the same tensors in the same order with the same "
-                "staging_bytes", [],
-            )  # fmt: skip
+            return self._fail(now, "chunk", f"rank {rank} sent chunk {msg.index} but rank {r0} "
+                              f"committed {n0} chunks: {SAME_CHUNKS_RULE}", [])
         if msg.index != expect:
             return self._fail(
                 now, "chunk", f"rank {rank} sent chunk {msg.index}, expected chunk {expect}", []
@@ -649,12 +650,8 @@ class SlotCoordinator:
         ahead = [(r, n) for r, n in sorted(u.sent_count.items()) if n > msg.num_chunks]
         if ahead:
             r0, n0 = ahead[0]
-            return self._fail(
-                now, "commit",
-                f"rank {rank} committed {msg.num_chunks} chunks but rank {r0} already sent {n0}: "
-                "the ranks of a slot must publish the same tensors in the same order with the "
-                "same staging_bytes", [],
-            )  # fmt: skip
+            return self._fail(now, "commit", f"rank {rank} committed {msg.num_chunks} chunks "
+                              f"but rank {r0} already sent {n0}: {SAME_CHUNKS_RULE}", [])
         u.committed[rank] = msg.num_chunks
         u.last_progress = now
         counts = set(u.committed.values())

@@ -41,7 +41,7 @@ import socket
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -489,19 +489,16 @@ class Publisher:
             raise RuntimeError(f"update {self._update_id} is still open; commit or abort it first")
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
+        checked = self._checked(named_tensors)
         if isinstance(named_tensors, Sequence):
-            # A list can be checked before begin, so a bad input never pauses the engine.
-            for item in named_tensors:
-                name, t = self._check_item(item)
-                self._check_fits(name, t.numel() * t.element_size())
+            # A list is checked whole before begin, so a bad input never pauses the engine.
+            checked = iter(list(checked))
         # Nothing to send must not pause the engine (e.g. a generator already consumed).
-        it = iter(named_tensors)
-        first = next(it, None)
+        first = next(checked, None)
         if first is None:
             raise ValueError(
                 "publish got no tensors: nothing to send (was the iterator already consumed?)"
             )
-        named_tensors = itertools.chain((first,), it)
         t0 = time.perf_counter()
         self._export_s = self._wait_s = 0.0
         ahead = self.staging_buffers - 1 if self.packed else MAX_UNACKED_CHUNKS - 1
@@ -510,14 +507,7 @@ class Publisher:
             chunk: list[tuple[str, torch.Tensor]] = []
             sizes: list[int] = []
             size = 0
-            seen: set[str] = set()
-            for item in named_tensors:
-                name, t = self._check_item(item)
-                if name in seen:
-                    raise ValueError(f"tensor {name!r} appears twice in one update")
-                seen.add(name)
-                n = t.numel() * t.element_size()
-                self._check_fits(name, n)
+            for name, t, n in itertools.chain((first,), checked):
                 if chunk and size + n > self.staging_bytes:
                     self._send_chunk(chunk, ahead, sizes)
                     chunk, sizes, size = [], [], 0
@@ -547,6 +537,19 @@ class Publisher:
                 f"tensor {name!r} is {n} bytes, larger than {what} of "
                 f"{self.staging_bytes} bytes (raise staging_bytes)"
             )
+
+    def _checked(self, items: Iterable[object]) -> Iterator[tuple[str, torch.Tensor, int]]:
+        """``(name, tensor, bytes)`` per item, lazily, after the checks ``publish`` documents:
+        a (str, Tensor) pair, a name not seen before, at most ``staging_bytes``."""
+        seen: set[str] = set()
+        for item in items:
+            name, t = self._check_item(item)
+            if name in seen:
+                raise ValueError(f"tensor {name!r} appears twice in one update")
+            seen.add(name)
+            n = t.numel() * t.element_size()
+            self._check_fits(name, n)
+            yield name, t, n
 
     @staticmethod
     def _check_item(item: object) -> tuple[str, torch.Tensor]:

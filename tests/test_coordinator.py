@@ -159,6 +159,11 @@ class Harness:
     def last(self, rank: int):
         return self.replies[rank][-1]
 
+    def begin(self, update_id: int = 0, version: str = "v") -> None:
+        """Every rank of the slot sends Begin."""
+        for r in range(self.size):
+            self.send(r, Begin(update_id, version))
+
     def round(self, update_id: int, n_chunks: int = 2, version: str | None = None) -> None:
         v = version or f"v{update_id}"
         for r in range(self.size):
@@ -198,8 +203,7 @@ def test_happy_round_order_and_acks():
 def test_chunk_waits_for_every_rank_and_acks_only_after_engine_consumed():
     h = Harness()
     h.register_all()
-    for r in range(2):
-        h.send(r, Begin(0, "v"))
+    h.begin()
     h.send(0, chunk(0, 0, 0))
     assert "update_weights" not in h.engine.calls  # I2: rank 1 has not sent chunk 0
     assert not any(isinstance(m, Ack) and m.phase == "chunk" for m in h.replies[0])
@@ -231,8 +235,7 @@ def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monk
                         lambda idx, *a, **k: merges.append(idx) or real(idx, *a, **k))
     h = Harness(packed=False)
     h.register_all()
-    for r in range(2):
-        h.send(r, Begin(0, "v"))
+    h.begin()
     h.engine.hold = True
     for k in range(2):  # ranks run one chunk ahead of their acks (the publisher's window)
         for r in range(2):
@@ -255,8 +258,7 @@ def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monk
 def test_mismatch_found_ahead_fails_only_when_no_engine_call_is_in_flight():
     h = Harness()
     h.register_all()
-    for r in range(2):
-        h.send(r, Begin(0, "v"))
+    h.begin()
     h.engine.hold = True
     for r in range(2):
         h.send(r, chunk(0, 0, r))
@@ -300,8 +302,7 @@ def test_merged_update_info_unpacked_one_dict_per_tensor():
 def test_dtype_mismatch_rejected_before_engine_sees_it():
     h = Harness()
     h.register_all()
-    for r in range(2):
-        h.send(r, Begin(0, "v"))
+    h.begin()
     h.send(0, chunk(0, 0, 0, dtype="float32"))
     h.send(1, chunk(0, 0, 1, dtype="float16"))
     assert "update_weights" not in h.engine.calls
@@ -343,8 +344,7 @@ def test_recovery_finish_clears_split_engine():
     # The engine is still active (e.g. some workers kept their session): recovery finish works.
     h = Harness()
     h.register_all()
-    for r in range(2):
-        h.send(r, Begin(0, "v"))
+    h.begin()
     h.send(0, Abort(0, "trainer crashed"))
     assert all(isinstance(h.last(r), Error) and h.last(r).phase == "abort" for r in range(2))
     assert h.engine.active  # start happened, no finish
@@ -356,8 +356,7 @@ def test_recovery_finish_clears_split_engine():
 def test_missing_rank_chunk_deadline_names_rank():
     h = Harness(timeouts=Timeouts(begin_s=5, chunk_s=3, commit_s=30))
     h.register_all()
-    for r in range(2):
-        h.send(r, Begin(0, "v"))
+    h.begin()
     h.send(0, chunk(0, 0, 0))
     assert h.coord.next_deadline() == pytest.approx(3.0)
     h.now = 2.9
@@ -457,8 +456,7 @@ def test_world_size_mismatch_refused_before_start():
     h = Harness()
     h.engine.world_size = 4
     h.register_all()
-    for r in range(2):
-        h.send(r, Begin(0, "v"))
+    h.begin()
     assert "start_weight_update" not in h.engine.calls
     assert "world size 4" in h.last(0).message
 
@@ -504,8 +502,7 @@ def test_begin_deadline_names_unregistered_rank():
 def test_late_engine_result_of_failed_update_is_dropped():
     h = Harness(timeouts=Timeouts(1, 1, 1))
     h.register_all()
-    for r in range(2):
-        h.send(r, Begin(0, "v"))
+    h.begin()
     h.engine.hold = True
     for r in range(2):
         h.send(r, chunk(0, 0, r))
@@ -517,8 +514,7 @@ def test_late_engine_result_of_failed_update_is_dropped():
 def test_daemon_stop_fails_update_and_leaves_engine_paused():
     h = Harness()
     h.register_all()
-    for r in range(2):
-        h.send(r, Begin(0, "v"))
+    h.begin()
     h.run(h.table.shutdown(h.now, "SIGTERM"))
     assert all(h.last(r).phase == "shutdown" for r in range(2))
     assert h.engine.paused and h.coord.needs_full_update
@@ -527,8 +523,7 @@ def test_daemon_stop_fails_update_and_leaves_engine_paused():
 def test_reregistration_during_update_fails_it():
     h = Harness()
     h.register_all()
-    for r in range(2):
-        h.send(r, Begin(0, "v"))
+    h.begin()
     h.send(1, reg(1))
     assert any(isinstance(m, Error) and "re-registered" in m.message for m in h.replies[0])
     assert isinstance(h.last(1), Registered) and h.last(1).next_update_id == 1
@@ -561,8 +556,7 @@ def test_conflicting_registration_fails_a_waiting_begin_for_every_rank():
 def test_mismatch_names_differing_ranks_but_none_missing():
     h = Harness()
     h.register_all()
-    for r in range(2):
-        h.send(r, Begin(0, "v"))
+    h.begin()
     h.send(0, chunk(0, 0, 0, names=("a", "b")))
     h.send(1, chunk(0, 0, 1, names=("a", "c")))
     err = h.last(0)

@@ -454,6 +454,9 @@ def test_publish_refuses_empty_and_bad_items_before_touching_the_engine(
             pub.publish(["model.w"], weight_version="v")  # type: ignore[list-item]
         with pytest.raises(TypeError, match=r"\(str, list\) for 'w'"):
             pub.publish([("w", [1, 2])], weight_version="v")  # type: ignore[list-item]
+        w = torch.zeros(2)
+        with pytest.raises(ValueError, match="'w' appears twice"):
+            pub.publish([("w", w), ("w", w)], weight_version="v")
         assert daemon.of_type(wire.Begin) == []
         stats = pub.publish(dict(_many_tensors(2)), weight_version="v")
         assert stats.chunks == 1 and len(daemon.of_type(wire.Begin)) == 1
