@@ -52,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from slotsync.engine.worker import WorkerSpec, worker_main
@@ -274,6 +275,15 @@ def _detail(status: int, detail: Any) -> web.Response:
     return web.json_response({"detail": detail}, status=status)
 
 
+class _UpdateBody(msgspec.Struct):
+    """``/update_weights`` body: ``update_info`` kept as JSON text (other keys ignored)."""
+
+    update_info: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_UPDATE_BODY = msgspec.json.Decoder(_UpdateBody)
+
+
 async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
     """The body as a dict (``{}`` when empty), or a 400 response like vLLM's."""
     raw = await request.read()
@@ -404,13 +414,29 @@ class EngineApp:
 
     async def update_weights(self, request: web.Request) -> web.Response:
         """``POST /update_weights`` ``{"update_info": {...}}`` or a list of N of them (one per
-        worker rank)."""
-        body = await _read_json(request)
-        if isinstance(body, web.Response):
-            return body
-        update_info = body.get("update_info")
-        if update_info is None:
+        worker rank).
+
+        One ``update_info`` for every worker travels to them as its JSON text, checked here
+        for syntax only: each worker decodes it itself, in parallel, instead of this process
+        decoding it and pickling it again for the workers (an update_info of a few hundred
+        tensors took ~0.2 ms of the front's time that way)."""
+        raw = await request.read()
+        try:
+            top = _UPDATE_BODY.decode(raw) if raw.strip() else _UpdateBody()
+        except msgspec.ValidationError:
+            return _detail(400, "Request body must be a JSON object")
+        except msgspec.DecodeError:
+            return _detail(400, "Invalid JSON format")
+        text = bytes(top.update_info)
+        if text == b"null":
             return _detail(400, "Missing 'update_info' in request body")
+        if not text.startswith(b"["):
+            res = await self._fanout("update_weights", "update_weights",
+                                     {"update_info_json": text})
+            if isinstance(res, web.Response):
+                return res
+            return web.json_response({"message": "Weights updated"})
+        update_info = json.loads(text)
         per_worker = None
         if isinstance(update_info, list):
             if len(update_info) != self.pool.world_size:

@@ -44,6 +44,7 @@ from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Connection
 from typing import Any
 
+import msgspec
 import torch
 
 from slotsync.daemon.vllm_pickle import SHM_TAG
@@ -141,6 +142,36 @@ _FlatWeight = tuple[torch.dtype, list[int], dict[torch.dtype, torch.Tensor]]
 """A weight's dtype, shape and flat views of it by dtype (its own first)."""
 
 
+@dataclass
+class _PackedPlan:
+    """A packed chunk this worker already parsed, checked and loaded once, keyed by its
+    ``names``. A later chunk whose ``dtype_names``, ``shapes`` and ``tensor_sizes`` equal
+    these lists (as sent) passes the same checks, so it is copied out without redoing them
+    per tensor (each round re-sends the same chunks).
+
+    Attributes:
+        dtype_names, shapes, tensor_sizes: the chunk's ``update_info`` lists as received.
+        need: bytes of the chunk in the packed buffer.
+        wide: the integer dtype the copy moves (see ``export.copy_width``).
+        splits: elements of ``wide`` per non-empty tensor, in order.
+        dsts: flat views of the weights in ``wide``, one per entry of ``splits`` (``None``
+            in discard mode, which copies nothing).
+    """
+
+    dtype_names: list
+    shapes: list
+    tensor_sizes: list
+    need: int
+    wide: torch.dtype
+    splits: list[int]
+    dsts: list[torch.Tensor] | None
+
+
+_JSON = msgspec.json.Decoder()  # JSON text -> dict / list / str / int / float / bool / None
+
+_MAX_PLANS = 4096  # distinct chunks remembered per worker (a round has tens to hundreds)
+
+
 def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -152,6 +183,27 @@ def _check_args(args: Any) -> None:
     ):
         return
     raise ValueError(f"unrecognized IPC handle args of type {type(args).__name__}")
+
+
+def _handles_of(update_info: dict) -> Any:
+    """The unpickled ``ipc_handles_pickled`` (vLLM 0.33: exactly one of ``ipc_handles`` /
+    ``ipc_handles_pickled``; only the pickled form travels over HTTP).
+
+    Raises:
+        ValueError: both or neither given, or ``ipc_handles`` given.
+    """
+    handles = update_info.get("ipc_handles")
+    pickled = update_info.get("ipc_handles_pickled")
+    if pickled is not None:
+        if handles is not None:
+            raise ValueError("Cannot specify both `ipc_handles` and `ipc_handles_pickled`")
+        return pickle.loads(base64.b64decode(pickled))
+    if handles is not None:
+        raise ValueError(
+            "`ipc_handles` holds live objects and only travels over Ray; over HTTP send "
+            "`ipc_handles_pickled`"
+        )
+    raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
 
 
 def parse_update_info(update_info: Any, packed: bool) -> ParsedUpdate:
@@ -177,19 +229,7 @@ def parse_update_info(update_info: Any, packed: bool) -> ParsedUpdate:
     names = update_info["names"]
     dtype_names = update_info["dtype_names"]
     shapes = update_info["shapes"]
-    handles = update_info.get("ipc_handles")
-    pickled = update_info.get("ipc_handles_pickled")
-    if pickled is not None:
-        if handles is not None:
-            raise ValueError("Cannot specify both `ipc_handles` and `ipc_handles_pickled`")
-        handles = pickle.loads(base64.b64decode(pickled))
-    elif handles is not None:
-        raise ValueError(
-            "`ipc_handles` holds live objects and only travels over Ray; over HTTP send "
-            "`ipc_handles_pickled`"
-        )
-    if handles is None:
-        raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
+    handles = _handles_of(update_info)
     n = len(names)
     if len(dtype_names) != n:
         raise ValueError(
@@ -295,9 +335,12 @@ class WorkerState:
         self.bytes_loaded = 0
         self.load_seconds = 0.0  # inside update_weights: parse, map, copy, synchronize
         self.packed_maps = 0  # packed buffers mapped anew (not found in torch's IPC cache)
+        self.planned_chunks = 0  # packed chunks loaded through a remembered _PackedPlan
         # vLLM's PackedBufferImporter: one mapped packed buffer, keyed by its handle's args
         self._importer: tuple[tuple, torch.Tensor] | None = None
         self._flat: dict[str, _FlatWeight] = {}  # see _flat_weight
+        self._plans: dict[tuple, _PackedPlan] = {}  # see _PackedPlan
+        self._last_copy: tuple[torch.dtype, list[int], list[torch.Tensor]] | None = None
         self.init_count = 0
 
     # -- vLLM worker methods ---------------------------------------------------------------
@@ -344,16 +387,33 @@ class WorkerState:
         self.servable = False
         self.start_count += 1
 
-    def update_weights(self, update_info: Any, inject: str | None = None) -> int:
-        """Load one chunk; returns the bytes loaded. Any failure ends the session."""
+    def update_weights(self, update_info: Any = None, inject: str | None = None,
+                       update_info_json: bytes | None = None) -> int:
+        """Load one chunk; returns the bytes loaded. Any failure ends the session.
+
+        ``update_info`` comes decoded, or as JSON text in ``update_info_json`` (the server
+        forwards the request's text so that each worker decodes it in parallel).
+
+        Raises:
+            RuntimeError: no active session, or an injected fault.
+            ValueError, TypeError: the update_info fails vLLM's checks (or is not JSON).
+        """
         if not self.active:
             raise RuntimeError(UPDATE_INACTIVE_MSG)
         t0 = time.perf_counter()
         try:
             if inject:
                 raise RuntimeError(inject)
-            parsed = parse_update_info(update_info, self.packed)
-            n = self._check_only(parsed) if self.discard else self._load_chunk(parsed)
+            if update_info_json is not None:
+                try:
+                    update_info = _JSON.decode(update_info_json)
+                except msgspec.DecodeError as e:
+                    raise ValueError(f"update_info is not valid JSON: {e}") from None
+            n = self._load_planned(update_info)
+            if n is None:
+                parsed = parse_update_info(update_info, self.packed)
+                n = self._check_only(parsed) if self.discard else self._load_chunk(parsed)
+                self._remember(update_info, parsed)
         except BaseException:
             self.active = False
             self._importer = None
@@ -407,6 +467,7 @@ class WorkerState:
             "bytes_loaded": self.bytes_loaded,
             "load_seconds": self.load_seconds,
             "packed_maps": self.packed_maps,
+            "planned_chunks": self.planned_chunks,
             "num_weights": len(self.weights),
         }
 
@@ -455,14 +516,12 @@ class WorkerState:
                     f"{dt} is {want} bytes"
                 )
 
-    def _packed_buffer(self, p: ParsedUpdate) -> torch.Tensor:
-        """Map this worker's packed buffer as flat uint8, held for the session, checked to be
-        large enough for the chunk."""
-        assert p.tensor_sizes is not None
-        buf = self._import_packed(self._handle_for_me(p.handles)).reshape(-1)
+    def _packed_buffer(self, handles: Any, need: int) -> torch.Tensor:
+        """Map this worker's packed buffer (from the chunk's ``{gpu_uuid: args}``) as flat
+        uint8, held for the session, checked to hold ``need`` bytes."""
+        buf = self._import_packed(self._handle_for_me(handles)).reshape(-1)
         if buf.dtype != torch.uint8:
             buf = buf.view(torch.uint8)
-        need = sum(p.tensor_sizes)
         if need > buf.numel():
             raise ValueError(f"packed buffer has {buf.numel()} bytes, chunk needs {need}")
         return buf
@@ -484,7 +543,7 @@ class WorkerState:
         out: list[tuple[str, torch.Tensor]] = []
         if p.tensor_sizes is not None:  # packed: one uint8 buffer
             self._check_sizes(p)
-            buf = self._packed_buffer(p)
+            buf = self._packed_buffer(p.handles, sum(p.tensor_sizes))
             off = 0
             for name, dt, shape, size in zip(
                 p.names, p.dtypes, p.shapes, p.tensor_sizes, strict=True
@@ -533,6 +592,68 @@ class WorkerState:
             v = views[dtype] = next(iter(views.values())).view(dtype)
         return v
 
+    def _load_planned(self, update_info: Any) -> int | None:
+        """Packed chunk seen before (see ``_PackedPlan``): unpickle the handles, map the buffer
+        and copy every tensor out in one call. Returns bytes loaded, or None when no plan
+        matches (the caller then parses and checks everything)."""
+        if not (self.packed and isinstance(update_info, dict)
+                and update_info.keys() <= _UPDATE_INFO_KEYS):
+            return None
+        names = update_info.get("names")
+        if not isinstance(names, list):
+            return None
+        try:
+            plan = self._plans.get(tuple(names))
+        except TypeError:  # unhashable names: the full parse reports them
+            return None
+        if (plan is None or update_info.get("dtype_names") != plan.dtype_names
+                or update_info.get("shapes") != plan.shapes
+                or update_info.get("tensor_sizes") != plan.tensor_sizes):
+            return None
+        handles = _handles_of(update_info)
+        if not isinstance(handles, dict):
+            return None
+        if plan.dsts is None:  # discard
+            _check_args(self._handle_for_me(handles))
+        else:
+            buf = self._packed_buffer(handles, plan.need)
+            if buf.data_ptr() % plan.wide.itemsize:
+                return None  # this buffer's base is less aligned than the plan's: copy narrower
+            self._copy_out(buf[: plan.need].view(plan.wide), plan.splits, plan.dsts)
+        self.planned_chunks += 1
+        return plan.need
+
+    def _remember(self, update_info: dict, p: ParsedUpdate) -> None:
+        """After a packed chunk loaded (or checked, in discard mode) in place, keep its plan."""
+        if p.tensor_sizes is None:
+            return
+        if self.discard:
+            dsts, wide, splits = None, torch.uint8, []
+        elif self._last_copy is None:
+            return  # loaded through the general path (new or reshaped weights)
+        else:
+            wide, splits, dsts = self._last_copy
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[tuple(p.names)] = _PackedPlan(
+            update_info["dtype_names"], update_info["shapes"], update_info["tensor_sizes"],
+            sum(p.tensor_sizes), wide, splits, dsts,
+        )
+
+    def _copy_out(self, src: torch.Tensor, splits: list[int], dsts: list[torch.Tensor]) -> None:
+        """Copy consecutive pieces of ``src`` (sizes ``splits``, in elements) into ``dsts``,
+        then wait for the copies: the producer may reuse its buffer once we answer."""
+        if dsts:
+            if src.device == dsts[0].device:
+                # One call copies every piece of the buffer into its weight: no view of the
+                # buffer per tensor, batched kernels (FSDP2's all-gather copy-out uses it too).
+                torch.split_with_sizes_copy(src, splits, out=dsts)
+            else:
+                for d, piece in zip(dsts, src.split(splits), strict=True):
+                    d.copy_(piece)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _load_packed_in_place(self, p: ParsedUpdate) -> int | None:
         """Fast path for a packed chunk whose tensors all exist with the same dtype and shape
         (every round after the first): copy the bytes straight from the mapped buffer into the
@@ -547,30 +668,25 @@ class WorkerState:
                 return None
             flats.append(got)
         self._check_sizes(p)
-        buf = self._packed_buffer(p)
         need = sum(p.tensor_sizes)
+        buf = self._packed_buffer(p.handles, need)
         sizes = p.tensor_sizes
         if 0 in sizes:
             flats = [f for f, n in zip(flats, sizes, strict=True) if n]
             sizes = [n for n in sizes if n]
+        w, wide = 1, torch.uint8
         if flats:
             ptrs = [buf.data_ptr(), *(next(iter(f[2].values())).data_ptr() for f in flats)]
             w, wide = copy_width(sizes, ptrs)
-            dsts = [self._as(f, wide) for f in flats]
-            src = buf[:need].view(wide)
-            if src.device == dsts[0].device:
-                # One call copies every piece of the buffer into its weight: no view of the
-                # buffer per tensor, batched kernels (FSDP2's all-gather copy-out uses it too).
-                torch.split_with_sizes_copy(src, [n // w for n in sizes], out=dsts)
-            else:
-                for d, piece in zip(dsts, src.split([n // w for n in sizes]), strict=True):
-                    d.copy_(piece)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the producer may reuse the buffer after 200
+        dsts = [self._as(f, wide) for f in flats]
+        splits = [n // w for n in sizes]
+        self._copy_out(buf[:need].view(wide), splits, dsts)
+        self._last_copy = (wide, splits, dsts)
         return need
 
     def _load_chunk(self, p: ParsedUpdate) -> int:
         """Copy the chunk's tensors into ``self.weights``; returns bytes loaded."""
+        self._last_copy = None
         if p.tensor_sizes is not None:
             done = self._load_packed_in_place(p)
             if done is not None:
@@ -591,6 +707,7 @@ class WorkerState:
             else:
                 self.weights[name] = t.to(self.device, copy=True)
                 self._flat.pop(name, None)
+                self._plans.clear()  # plans hold views of the replaced weight
             total += t.numel() * t.element_size()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

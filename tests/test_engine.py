@@ -8,7 +8,10 @@ own writer (``slotsync.daemon.vllm_pickle``), keyed by each worker's logical GPU
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -204,6 +207,18 @@ def test_bad_bodies_are_400(eng: ReferenceEngine) -> None:
     )
     status, body = eng.request("POST", "/init_weight_transfer_engine", {"init_info": {"x": 1}})
     assert status == 500 and "unexpected keyword argument 'x'" in err_message(body)
+    # /update_weights forwards update_info's JSON text to the workers: the front still
+    # answers 400 for a body that is not JSON or not an object
+    for raw, detail in ((b'{"update_info": {"names": [}}', "Invalid JSON format"),
+                        (b"[1, 2]", "Request body must be a JSON object"),
+                        (b'{"update_info": null}', "Missing 'update_info' in request body")):
+        req = urllib.request.Request(eng.url + "/update_weights", data=raw, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert (e.value.code, json.loads(e.value.read())) == (400, {"detail": detail})
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    status, body = eng.request("POST", "/update_weights", {"update_info": "names"})
+    assert status == 500 and "update_info must be a JSON object" in err_message(body), body
 
 
 def test_unpacked_shm_update_end_to_end(eng: ReferenceEngine, segs: Segments) -> None:
@@ -268,6 +283,58 @@ def test_packed_shm_update_reuses_buffer(eng: ReferenceEngine, segs: Segments) -
     assert (status, body) == (200, {"match": True, "mismatches": []})
     after = {w["index"]: w["update_count"] for w in stats(eng)["workers"]}
     assert all(after[i] - before[i] == 2 for i in after)
+
+
+def test_packed_chunk_seen_before_is_loaded_from_its_plan(eng: ReferenceEngine, segs: Segments
+                                                         ) -> None:
+    """Rounds re-send the same chunks: from the second in-place load on, a worker copies a
+    chunk out through the plan it remembered (no per-tensor parse or checks), and still
+    loads the new bytes; a chunk that differs in any list, or lacks the worker's UUID, takes
+    the full checks and fails as before."""
+    eng.request("POST", "/init_weight_transfer_engine", {"init_info": {"packed": True}})
+    cap = 4096
+    bufs = {u: segs.put(b"", size=cap) for u in eng.gpu_uuids}
+    by_uuid = {u: ShmHandle(segment=shm.name, offset=0, nbytes=cap) for u, shm in bufs.items()}
+
+    def one_round(seed: int, info_of=packed_info) -> tuple[int, Any]:
+        tensors = sample_tensors(seed)
+        data = b"".join(_bytes_of(t) for t in tensors.values())
+        for shm in bufs.values():
+            shm.buf[: len(data)] = data
+        assert eng.request("POST", "/start_weight_update")[0] == 200
+        status, body = eng.request(
+            "POST", "/update_weights", {"update_info": info_of(tensors, by_uuid)}
+        )
+        if status == 200:
+            assert eng.request("POST", "/finish_weight_update")[0] == 200
+            want = {n: tensor_checksum(t) for n, t in tensors.items()}
+            assert all(s == want for s in checksums(eng).values())
+        return status, body
+
+    def planned() -> list[int]:
+        return [w["planned_chunks"] for w in stats(eng)["workers"]]
+
+    one_round(10)  # creates or reshapes the weights (general path) in a fresh engine
+    one_round(11)  # in place: the plan is remembered
+    before = planned()
+    assert one_round(12)[0] == 200  # planned, and the new bytes land (checksums above)
+    assert [a - b for a, b in zip(planned(), before, strict=True)] == [1, 1]
+
+    def bad_sizes(t: dict, h: dict) -> dict:
+        info = packed_info(t, h)
+        info["tensor_sizes"] = [n + 1 for n in info["tensor_sizes"]]
+        return info
+
+    status, body = one_round(13, bad_sizes)
+    assert status == 500 and "tensor_sizes says" in err_message(body), body
+
+    u0 = eng.gpu_uuids[0]
+    status, body = one_round(14, lambda t, h: packed_info(t, {u0: h[u0]}))
+    assert status == 500 and "IPC handle not found for GPU UUID" in err_message(body), body
+    eng.request("POST", "/finish_weight_update")  # worker 0 stayed active
+    before = planned()
+    assert one_round(15)[0] == 200
+    assert [a - b for a, b in zip(planned(), before, strict=True)] == [1, 1]
 
 
 def test_per_rank_update_info_list(eng: ReferenceEngine, segs: Segments) -> None:
