@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
+from slotsync.protocol import gather
 from slotsync.protocol.wire import (
     DTYPE_SIZES,
     STORAGE_CLASSES,
@@ -194,12 +195,18 @@ class PackedLayout(NamedTuple):
 class PackPlan(NamedTuple):
     """A packed chunk ready to copy: its ``layout``, ``total`` bytes, ``dst`` (bytes
     ``[0, total)`` of the buffer, viewed as the copy dtype; None for an empty chunk) and the
-    flat sources in that dtype, in order (zero-byte tensors left out)."""
+    flat sources in that dtype, in order (zero-byte tensors left out).
+
+    With ``table`` (CUDA with Triton, see ``gather``), ``srcs`` are the tensors themselves,
+    held so they outlive the copy, and one kernel copies them by address; ``largest`` is the
+    longest source in bytes."""
 
     layout: PackedLayout
     total: int
     dst: torch.Tensor | None
     srcs: list[torch.Tensor]
+    table: torch.Tensor | None = None
+    largest: int = 0
 
 
 # Widest integer type a byte copy can move per element. The batched copy kernels move one
@@ -238,14 +245,12 @@ def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
     ``sizes`` (each tensor's bytes) may be passed when the caller already computed them.
     """
     layout = PackedLayout([], [], [], [])
-    flats: list[torch.Tensor] = []
     for name, t in named_tensors:
         layout.names.append(name)
         layout.dtype_names.append(dtype_name(t.dtype))
         layout.shapes.append(list(t.shape))
-        flats.append((t if t.is_contiguous() else t.contiguous()).view(-1))
     if sizes is None:
-        layout.tensor_sizes.extend(f.numel() * f.element_size() for f in flats)
+        layout.tensor_sizes.extend(nbytes_of(t) for _, t in named_tensors)
     else:
         layout.tensor_sizes.extend(sizes)
     total = sum(layout.tensor_sizes)
@@ -254,6 +259,11 @@ def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
             f"pack_into needs a flat uint8 buffer of at least {total} bytes, got "
             f"{buf.dtype} of shape {tuple(buf.shape)}"
         )
+    if buf.is_cuda and gather.available():
+        plan = _plan_gather(buf, named_tensors, layout, total)
+        if plan is not None:
+            return plan
+    flats = [(t if t.is_contiguous() else t.contiguous()).view(-1) for _, t in named_tensors]
     if 0 in layout.tensor_sizes:
         flats = [f for f, n in zip(flats, layout.tensor_sizes, strict=True) if n]
     if not flats:
@@ -268,11 +278,40 @@ def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
     return PackPlan(layout, total, buf[:total].view(wide), srcs)
 
 
+def _plan_gather(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor]],
+                 layout: PackedLayout, total: int) -> PackPlan | None:
+    """The one-kernel plan (``gather``) when every non-empty source is contiguous, on
+    ``buf``'s device, and 8-byte aligned in address and size; else None."""
+    if buf.data_ptr() % 8:
+        return None
+    dev = buf.get_device()
+    ptrs: list[int] = []
+    sizes: list[int] = []
+    srcs: list[torch.Tensor] = []
+    for (_, t), n in zip(named_tensors, layout.tensor_sizes, strict=True):
+        if not n:
+            continue
+        if t.get_device() != dev or not t.is_contiguous():
+            return None
+        ptrs.append(t.data_ptr())
+        sizes.append(n)
+        srcs.append(t)
+    if not srcs:
+        return PackPlan(layout, total, None, [])
+    table = gather.gather_table(ptrs, sizes, buf.device)
+    if table is None:
+        return None
+    return PackPlan(layout, total, buf[:total].view(torch.int64), srcs, table, max(sizes))
+
+
 @torch.no_grad()
 def run_pack(plan: PackPlan) -> None:
     """Do the copies of ``plan`` (across devices as needed). The caller synchronizes CUDA
     before handing out a handle."""
     if plan.dst is None:
+        return
+    if plan.table is not None:
+        gather.gather_into(plan.dst, plan.table, plan.largest)
         return
     dev = plan.dst.device
     if all(x.device == dev for x in plan.srcs):

@@ -265,3 +265,33 @@ def test_pack_copies_as_wide_integers_when_aligned_and_bytes_otherwise() -> None
     pack_into(buf, aligned)
     want = b"".join(_expected(t.detach()) for _, t in aligned)
     assert buf[: len(want)].numpy().tobytes() == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_pack_gathers_with_one_kernel_and_falls_back_bit_exactly() -> None:
+    """On CUDA with Triton, a chunk of aligned contiguous tensors is packed by the one-kernel
+    gather (``plan.table``), tensors of every size class included; a chunk it cannot take
+    (odd sizes, a non-contiguous or CPU tensor) is packed by ``torch.cat``. Either way the
+    buffer holds each tensor's raw bytes back to back."""
+    from slotsync.protocol import gather
+    from slotsync.protocol.export import plan_pack, run_pack
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    big = [(f"w{i}", torch.randn(n, device="cuda", generator=g).to(torch.bfloat16))
+           for i, n in enumerate((4, 2048 * 5 + 4, 2048 * 64 * 3, 1 << 22))]
+    aligned = [*big, ("zero", torch.zeros(0, device="cuda")),
+               ("i64", torch.arange(-7, 9, device="cuda"))]
+    odd = [*big, ("odd", torch.arange(3, dtype=torch.uint8, device="cuda"))]
+    strided = [*big, ("t", torch.randn(64, 32, device="cuda", generator=g).t())]
+    on_cpu = [*big, ("cpu", torch.arange(8, dtype=torch.float32))]
+    buf = torch.full((1 << 24,), 0xAB, dtype=torch.uint8, device="cuda")
+    for items, gathered in ((aligned, gather.available()), (odd, False), (strided, False),
+                            (on_cpu, False)):
+        plan = plan_pack(buf, items)
+        assert (plan.table is not None) == gathered
+        run_pack(plan)
+        torch.cuda.synchronize()
+        want = torch.cat([raw_bytes(t).to("cuda") for _, t in items])
+        assert torch.equal(buf[: want.numel()], want)
+        assert plan.layout.tensor_sizes == [t.numel() * t.element_size() for _, t in items]
