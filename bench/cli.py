@@ -369,16 +369,18 @@ def gpu_main(args: argparse.Namespace) -> int:
         cfg, m = row.config, statistics.median(row.rounds)
         rows.append([f"{cfg.label} ({cfg.staging_bytes // MiB} MiB each)", str(row.chunks),
                      f"{m:.4f}", f"{total / m / 1e9:.1f}", f"**{m / res.copy_s:.1f}**",
-                     f"{row.export_s:.4f}", f"{row.engine_load_s:.4f}"])
+                     f"{row.export_s:.4f}", f"{row.engine_load_s:.4f}",
+                     f"{row.engine_call_s:.4f}"])
     _say(out, table(["path", "chunks/round", "seconds/round", "GB/s", "x copy",
-                     "publisher export s", "engine load s"], rows))
+                     "publisher export s", "engine load s", "engine calls s"], rows))
     _say(out)
     _say(out, "publisher export: rank 0's time laying chunks out, copying into the staging "
               "buffer (or exporting each tensor), synchronizing and exporting, per round; "
               "engine load: mean per worker and round inside `update_weights` (parse, map, "
-              "copy, synchronize). The rest of a round is ZeroMQ, the daemon, HTTP, the "
-              "engine's front and the acks; packed, the publisher's layout of chunk k+1 "
-              "overlaps the engine's load of chunk k.")
+              "copy, synchronize); engine calls: the daemon's `/update_weights` calls per "
+              "round, end to end (the load plus HTTP, the engine's front and its hand-off to "
+              "the workers). The rest of a round is ZeroMQ, the daemon and the acks; packed, "
+              "the publisher fills chunk k+1 while the engine loads chunk k.")
     _say(out)
     if args.profile:
         _print_profiles(args.profile)

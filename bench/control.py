@@ -211,7 +211,7 @@ class _DaemonLink:
         self.ctx.term()
 
 
-def _engine_seconds(status_url: str) -> tuple[float, float]:
+def engine_call_seconds(status_url: str) -> tuple[float, float]:
     """(sum of seconds, count) of the daemon's ``update_weights`` calls, from ``/metrics``."""
     try:
         with urllib.request.urlopen(status_url + "/metrics", timeout=10) as r:
@@ -299,7 +299,7 @@ def _rank_session(rank: int, plan: SessionPlan) -> dict[str, dict[str, dict[str,
                        r: int, counted: bool) -> float:
         assert link is not None
         exports = fake.round(chunks, plan.packed, plan.staging_bytes, plan.staging_buffers)
-        e0 = _engine_seconds(plan.status_url) if measure and counted else None
+        e0 = engine_call_seconds(plan.status_url) if measure and counted else None
         t_round = time.perf_counter()
         link.send(wire.Begin(update_id=uid, weight_version=f"bench-{uid}"))
         link.wait("begin")
@@ -336,7 +336,7 @@ def _rank_session(rank: int, plan: SessionPlan) -> dict[str, dict[str, dict[str,
         link.wait("commit")
         dt = time.perf_counter() - t_round
         if e0 is not None:
-            e1 = _engine_seconds(plan.status_url)
+            e1 = engine_call_seconds(plan.status_url)
             if e1[1] > e0[1]:
                 times.engine_s.append((e1[0] - e0[0]) / (e1[1] - e0[1]))
         return dt

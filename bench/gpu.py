@@ -26,6 +26,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from slotsync.bench.control import engine_call_seconds
 from slotsync.bench.model import Qwen3MoeConfig, TensorSpec, qwen3_moe_specs
 
 MiB = 1 << 20
@@ -135,13 +136,16 @@ class GpuRow:
     """One configuration's figures, seconds per round: ``rounds`` (counted rounds, slowest
     rank), ``export_s`` (rank 0's publisher: lay out, copy into staging, synchronize, export;
     median), ``engine_load_s`` (mean per worker and round inside the engine's
-    ``update_weights``: parse, map, copy, synchronize)."""
+    ``update_weights``: parse, map, copy, synchronize), ``engine_call_s`` (the daemon's
+    ``/update_weights`` HTTP calls per round, from its ``/metrics``: the load plus HTTP, the
+    engine's front and its hand-off to the workers)."""
 
     config: GpuConfig
     rounds: list[float]
     chunks: int
     export_s: float
     engine_load_s: float
+    engine_call_s: float = 0.0  # the daemon's update_weights HTTP calls, per round
 
 
 @dataclass
@@ -240,23 +244,27 @@ def run_gpu(
             with DaemonProcess(args=["--log-level", "warning"]) as d:
                 for c in cmds:
                     c.put(("run", d.endpoint, engine.url, cfg, rounds))
+                call0 = 0.0
                 if rounds > 1:  # count the engine's time of the counted rounds only
                     collect("warm")
                     load0 = _engine_load_s(engine)
+                    call0 = engine_call_seconds(d.status_url)[0]
                     for c in cmds:
                         c.put(("continue",))
                 done = collect("done")
+                call_s = (engine_call_seconds(d.status_url)[0] - call0) / max(rounds - 1, 1)
             load_s = (_engine_load_s(engine) - load0) / max(rounds - 1, 1)
             per_round = [max(done[r][0][i] for r in range(ranks)) for i in range(rounds)]
             counted = per_round[1:] if rounds > 1 else per_round
             exports = done[0][2][1:] if rounds > 1 else done[0][2]
-            row = GpuRow(cfg, counted, done[0][1], statistics.median(exports), load_s)
+            row = GpuRow(cfg, counted, done[0][1], statistics.median(exports), load_s, call_s)
             rows.append(row)
             med = statistics.median(counted)
             log(f"  {cfg.label}: {row.chunks} chunks, round {med:.3f} s "
                 f"({ranks * nbytes / med / 1e9:.1f} GB/s), {med / copy_s:.1f}x the copy "
                 f"[all rounds: {', '.join(f'{x:.3f}' for x in per_round)}]; publisher export "
-                f"{row.export_s:.3f} s, engine load {row.engine_load_s:.3f} s per round")
+                f"{row.export_s:.3f} s, engine load {row.engine_load_s:.3f} s, engine calls "
+                f"{row.engine_call_s:.3f} s per round")
         return GpuResult(model.layers, len(specs), nbytes, ranks, copy_s, rows)
     finally:
         for c in cmds:
