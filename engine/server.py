@@ -45,10 +45,12 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import pickle
+import socket
+import struct
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -85,7 +87,9 @@ class CollectiveRpcError(Exception):
 
 
 class _WorkerProc:
-    """Parent-side end of one worker process (one blocking pipe, used by one thread)."""
+    """Parent-side end of one worker process: a socket pair speaking
+    ``multiprocessing.connection``'s framing (the worker uses a plain ``Connection``), driven
+    from the event loop (``acall``) during the engine's life, blocking before and after."""
 
     def __init__(self, spec: WorkerSpec, ctx: mp.context.SpawnContext) -> None:
         self.spec = spec
@@ -96,6 +100,7 @@ class _WorkerProc:
         self.process.daemon = True
         self.process.start()
         child.close()
+        self._sock: socket.socket | None = None  # non-blocking twin of conn (acall)
         self.gpu_uuid = spec.gpu_uuid or ""
         self.device = spec.device
 
@@ -108,20 +113,45 @@ class _WorkerProc:
         self.gpu_uuid = payload["gpu_uuid"]
         self.device = payload["device"]
 
-    def call(self, method: str, kwargs: dict[str, Any] | bytes) -> tuple[bool, Any]:
-        """Run ``method`` on the worker; ``kwargs`` may come pre-pickled as
-        ``pickle.dumps((method, kwargs))`` (what ``Connection.send`` would write)."""
+    async def acall(self, request: bytes) -> tuple[bool, Any]:
+        """Send ``request`` (``pickle.dumps((method, kwargs))``, what ``Connection.send``
+        writes) and await the worker's ``(kind, payload)`` without leaving the event loop:
+        no thread hand-off per call, and the workers' sends run concurrently. Returns
+        ``(ok, result or error text)``; a worker that died is reported as an error."""
+        loop = asyncio.get_running_loop()
+        if self._sock is None:
+            self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+            self._sock.setblocking(False)
+        n = len(request)
+        # multiprocessing.connection framing: "!i" length, or -1 then "!Q" above 2 GiB
+        head = struct.pack("!i", n) if n < 0x7FFFFFFF else struct.pack("!iQ", -1, n)
         try:
-            if isinstance(kwargs, bytes):
-                self.conn.send_bytes(kwargs)
-            else:
-                self.conn.send((method, kwargs))
-            kind, payload = self.conn.recv()
-        except (EOFError, OSError, BrokenPipeError) as e:
+            await loop.sock_sendall(self._sock, head)
+            await loop.sock_sendall(self._sock, request)
+            (size,) = struct.unpack("!i", await self._recv_exactly(loop, 4))
+            if size == -1:
+                (size,) = struct.unpack("!Q", await self._recv_exactly(loop, 8))
+            kind, payload = pickle.loads(await self._recv_exactly(loop, size))
+        except (EOFError, OSError) as e:
             return False, f"worker {self.spec.index} is gone ({type(e).__name__})"
         return kind == "ok", payload
 
+    async def _recv_exactly(self, loop: asyncio.AbstractEventLoop, n: int) -> bytearray:
+        assert self._sock is not None
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = await loop.sock_recv_into(self._sock, view[got:])
+            if k == 0:
+                raise EOFError
+            got += k
+        return buf
+
     def close(self, grace_s: float = 3.0) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
         try:
             if self.process.is_alive():
                 self.conn.send(("exit", {}))
@@ -154,7 +184,6 @@ class WorkerPool:
         except BaseException:
             self.close()
             raise
-        self._executor = ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="rpc")
         self._lock = asyncio.Lock()
 
     @property
@@ -184,34 +213,37 @@ class WorkerPool:
         Raises:
             CollectiveRpcError: any worker failed (after all of them ran the call).
         """
-        loop = asyncio.get_running_loop()
-        async with self._lock:
-            calls = []
-            # The same request for every worker: pickle it once, not once per worker (an
-            # update_info of thousands of tensors takes a while to pickle).
-            shared = (pickle.dumps((method, dict(kwargs or {})), pickle.HIGHEST_PROTOCOL)
-                      if per_worker is None else None)
-            for i, w in enumerate(self.workers):
-                if shared is not None and not (inject and i in inject):
-                    calls.append(loop.run_in_executor(self._executor, w.call, method, shared))
-                    continue
-                kw = dict(per_worker[i] if per_worker is not None else (kwargs or {}))
-                if inject and i in inject:
-                    kw["inject"] = inject[i]
-                calls.append(loop.run_in_executor(self._executor, w.call, method, kw))
-            results = await asyncio.gather(*calls)
+        # Shielded: a cancelled request (client gone) still reads every worker's answer, so
+        # the next call never reads a stale one, and the lock is held until then.
+        results = await asyncio.shield(self._fan_out(method, kwargs, per_worker, inject))
         errors = [(i, str(p)) for i, (ok, p) in enumerate(results) if not ok]
         if errors:
             raise CollectiveRpcError(errors, self.world_size)
         return [p for _, p in results]
 
+    async def _fan_out(self, method: str, kwargs: dict[str, Any] | None,
+                       per_worker: list[dict[str, Any]] | None,
+                       inject: dict[int, str] | None) -> list[tuple[bool, Any]]:
+        async with self._lock:
+            # The same request for every worker: pickle it once, not once per worker (an
+            # update_info of thousands of tensors takes a while to pickle).
+            shared = (pickle.dumps((method, dict(kwargs or {})), pickle.HIGHEST_PROTOCOL)
+                      if per_worker is None else None)
+            calls = []
+            for i, w in enumerate(self.workers):
+                if shared is not None and not (inject and i in inject):
+                    calls.append(w.acall(shared))
+                    continue
+                kw = dict(per_worker[i] if per_worker is not None else (kwargs or {}))
+                if inject and i in inject:
+                    kw["inject"] = inject[i]
+                calls.append(w.acall(pickle.dumps((method, kw), pickle.HIGHEST_PROTOCOL)))
+            return await asyncio.gather(*calls)
+
     def close(self) -> None:
         """Stop every worker (exit message, then terminate, then kill)."""
         for w in self.workers:
             w.close()
-        ex = getattr(self, "_executor", None)
-        if ex is not None:
-            ex.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
