@@ -245,10 +245,20 @@ def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
     ``sizes`` (each tensor's bytes) may be passed when the caller already computed them.
     """
     layout = PackedLayout([], [], [], [])
+    names, dtype_names, shapes = layout.names, layout.dtype_names, layout.shapes
+    # One pass per tensor, kept to attribute reads: on the gather path (CUDA with Triton)
+    # this loop is all the per-tensor work of packing a chunk.
+    dev = buf.get_device() if buf.is_cuda and gather.available() else None
+    ptrs: list[int] | None = [] if dev is not None else None
     for name, t in named_tensors:
-        layout.names.append(name)
-        layout.dtype_names.append(dtype_name(t.dtype))
-        layout.shapes.append(list(t.shape))
+        names.append(name)
+        dtype_names.append(dtype_name(t.dtype))
+        shapes.append(list(t.shape))
+        if ptrs is not None:
+            if t.get_device() == dev and t.is_contiguous():
+                ptrs.append(t.data_ptr())
+            else:
+                ptrs = None
     if sizes is None:
         layout.tensor_sizes.extend(nbytes_of(t) for _, t in named_tensors)
     else:
@@ -259,10 +269,14 @@ def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
             f"pack_into needs a flat uint8 buffer of at least {total} bytes, got "
             f"{buf.dtype} of shape {tuple(buf.shape)}"
         )
-    if buf.is_cuda and gather.available():
-        plan = _plan_gather(buf, named_tensors, layout, total)
-        if plan is not None:
-            return plan
+    if ptrs is not None and buf.data_ptr() % 8 == 0:
+        table = gather.gather_table(ptrs, layout.tensor_sizes, buf.device)
+        if table is not None:
+            if table.shape[0] == 0:
+                return PackPlan(layout, total, None, [])
+            # the tensors ride along in srcs so that they outlive the kernel
+            return PackPlan(layout, total, buf[:total].view(torch.int64),
+                            [t for _, t in named_tensors], table, max(layout.tensor_sizes))
     flats = [(t if t.is_contiguous() else t.contiguous()).view(-1) for _, t in named_tensors]
     if 0 in layout.tensor_sizes:
         flats = [f for f, n in zip(flats, layout.tensor_sizes, strict=True) if n]
@@ -276,32 +290,6 @@ def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
         wide = torch.uint8
         srcs = [as_width(f, wide) for f in flats]
     return PackPlan(layout, total, buf[:total].view(wide), srcs)
-
-
-def _plan_gather(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor]],
-                 layout: PackedLayout, total: int) -> PackPlan | None:
-    """The one-kernel plan (``gather``) when every non-empty source is contiguous, on
-    ``buf``'s device, and 8-byte aligned in address and size; else None."""
-    if buf.data_ptr() % 8:
-        return None
-    dev = buf.get_device()
-    ptrs: list[int] = []
-    sizes: list[int] = []
-    srcs: list[torch.Tensor] = []
-    for (_, t), n in zip(named_tensors, layout.tensor_sizes, strict=True):
-        if not n:
-            continue
-        if t.get_device() != dev or not t.is_contiguous():
-            return None
-        ptrs.append(t.data_ptr())
-        sizes.append(n)
-        srcs.append(t)
-    if not srcs:
-        return PackPlan(layout, total, None, [])
-    table = gather.gather_table(ptrs, sizes, buf.device)
-    if table is None:
-        return None
-    return PackPlan(layout, total, buf[:total].view(torch.int64), srcs, table, max(sizes))
 
 
 @torch.no_grad()
@@ -490,13 +478,19 @@ class StagingBuffer(ABC):
             ValueError: as ``plan``.
         """
         plan = chunk if isinstance(chunk, PackPlan) else self.plan(chunk, slot)
-        run_pack(plan)
-        self.used[slot] = plan.total
-        self._after_fill()
+        self.launch(plan, slot)
+        self.ready()
         return plan.layout
 
-    def _after_fill(self) -> None:  # noqa: B027 - optional hook
-        """Hook run after the copies (CUDA: wait for them)."""
+    def launch(self, plan: PackPlan, slot: int = 0) -> None:
+        """Start ``fill``'s copies (a ``plan`` made for ``slot``) without waiting for them
+        (CUDA: queued on the current stream), so the caller can lay out the next chunk
+        meanwhile; ``ready`` must run before the region's ``handle`` is handed out."""
+        run_pack(plan)
+        self.used[slot] = plan.total
+
+    def ready(self) -> None:  # noqa: B027 - optional hook
+        """Wait until the launched copies are done (CUDA: synchronize; CPU copies are)."""
 
     @abstractmethod
     def handle(self, slot: int = 0) -> Handle:
@@ -590,7 +584,7 @@ class CudaStagingBuffer(StagingBuffer):
             )
         return self._tensor
 
-    def _after_fill(self) -> None:
+    def ready(self) -> None:
         # The consumer is another process: make the copies visible before handing out the
         # handle (cheap next to the engine's load of the chunk).
         torch.cuda.synchronize(self.device)

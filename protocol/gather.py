@@ -63,17 +63,22 @@ def available() -> bool:
 def gather_table(ptrs: Sequence[int], sizes: Sequence[int], device: torch.device
                  ) -> torch.Tensor | None:
     """The kernel's table for sources at ``ptrs`` of ``sizes`` bytes laid back to back from
-    offset 0: int64, shape ``(len(ptrs), 3)`` (address, offset and length in 8-byte words),
-    on ``device``. None unless every address and size is a multiple of 8 (then the caller
-    copies another way). Zero-length sources must be left out by the caller."""
-    rows: list[int] = []
-    off = 0
-    for p, n in zip(ptrs, sizes, strict=True):
-        if p % 8 or n % 8:
-            return None
-        rows += (p, off, n // 8)
-        off += n // 8
-    return torch.tensor(rows, dtype=torch.int64).view(-1, 3).to(device)
+    offset 0: int64, shape ``(k, 3)`` (address, offset and length in 8-byte words, one row
+    per non-empty source), on ``device``. None unless every non-empty source's address and
+    size is a multiple of 8 (then the caller copies another way).
+
+    Built with a few tensor operations, not a Python loop: chunks hold thousands of tensors.
+    """
+    p = torch.tensor(ptrs, dtype=torch.int64)
+    n = torch.tensor(sizes, dtype=torch.int64)
+    keep = n > 0
+    if not bool(keep.all()):
+        p, n = p[keep], n[keep]
+    if bool(((p | n) & 7).any()):
+        return None
+    words = n // 8
+    offsets = torch.cumsum(words, 0) - words
+    return torch.stack((p, offsets, words), dim=1).to(device)
 
 
 def gather_into(dst: torch.Tensor, table: torch.Tensor, largest: int) -> None:

@@ -190,6 +190,8 @@ class Publisher:
         self._bytes = 0
         self._unacked: deque[int] = deque()  # chunk indices sent, ack not yet awaited
         self._early_acks: set[int] = set()  # chunk acks read while sending or waiting
+        # packed chunk whose copy is launched but not yet sent: (index, layout, region)
+        self._pending: tuple[int, PackedLayout, int] | None = None
         self._export_s = 0.0
         self._wait_s = 0.0
         self._pinned: list[torch.Tensor] = []  # unpacked CUDA exports, until commit's ack
@@ -366,34 +368,67 @@ class Publisher:
         self._wait_unacked(0)
 
     def _send_chunk(self, items: list[tuple[str, torch.Tensor]], max_unacked: int,
-                    sizes: list[int] | None = None) -> int:
+                    sizes: list[int] | None = None, *, pipelined: bool = False) -> int:
         """Export and send one chunk, first waiting until at most ``max_unacked`` earlier
         chunks are unacknowledged (packed: also until its staging region is free). Returns its
-        index; its ack is awaited later (``_wait_unacked``)."""
+        index; its ack is awaited later (``_wait_unacked``).
+
+        ``pipelined`` (``publish``: names already checked): a packed chunk's copy is only
+        launched; it is sent by the next call, after that call laid its own chunk out while
+        the GPU copied this one (``_send_pending``), or by ``commit``."""
         uid = self._require_open()
         if not items:
             raise ValueError("a chunk needs at least one tensor")
-        names = [n for n, _ in items]
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"duplicate tensor names in one chunk: {dup}")
+        if not pipelined:
+            names = [n for n, _ in items]
+            if len(set(names)) != len(names):
+                dup = sorted({n for n in names if names.count(n) > 1})
+                raise ValueError(f"duplicate tensor names in one chunk: {dup}")
         index = self._num_chunks
         t0 = time.perf_counter()
         if self.packed:
             staging = self._staging_buffer()
             slot = index % staging.slots
-            plan = staging.plan(items, slot, sizes)  # CPU, while the engine reads earlier chunks
+            # CPU: overlaps the engine's load of earlier chunks and the pending chunk's copy
+            plan = staging.plan(items, slot, sizes)
             self._export_s += time.perf_counter() - t0
+            self._send_pending()
             # the region is free once the chunk that last used it was acknowledged
             self._wait_unacked(min(max_unacked, staging.slots - 1))
             t0 = time.perf_counter()
-            layout = staging.fill(plan, slot)
-            handles: list[wire.Handle] = [staging.handle(slot)]
-        else:
-            layout, handles = self._export_unpacked(items)
+            staging.launch(plan, slot)
+            self._pending = (index, plan.layout, slot)
+            self._num_chunks += 1
+            self._bytes += plan.total
             self._export_s += time.perf_counter() - t0
-            self._wait_unacked(max_unacked)
-            t0 = time.perf_counter()
+            if not pipelined:
+                self._send_pending()
+            return index
+        layout, handles = self._export_unpacked(items)
+        self._export_s += time.perf_counter() - t0
+        self._wait_unacked(max_unacked)
+        self._num_chunks += 1
+        self._bytes += sum(layout.tensor_sizes)
+        self._send_chunk_message(uid, index, layout, handles)
+        return index
+
+    def _send_pending(self) -> None:
+        """Send the packed chunk whose copy was launched last, once the copy is done: the
+        region's handle is handed out only then (the engine reads it from another process)."""
+        if self._pending is None:
+            return
+        index, layout, slot = self._pending
+        self._pending = None
+        t0 = time.perf_counter()
+        staging = self._staging[0]
+        staging.ready()
+        handles: list[wire.Handle] = [staging.handle(slot)]
+        self._export_s += time.perf_counter() - t0
+        self._send_chunk_message(self._require_open(), index, layout, handles)
+
+    def _send_chunk_message(self, uid: int, index: int, layout: PackedLayout,
+                            handles: list[wire.Handle]) -> None:
+        t0 = time.perf_counter()
         chunk = wire.Chunk(
             update_id=uid,
             index=index,
@@ -406,9 +441,6 @@ class Publisher:
         self._export_s += time.perf_counter() - t0
         self._send(chunk)
         self._unacked.append(index)
-        self._num_chunks += 1
-        self._bytes += sum(layout.tensor_sizes)
-        return index
 
     def _wait_unacked(self, keep: int) -> None:
         """Wait for chunk acks, oldest first, until at most ``keep`` chunks are unacked."""
@@ -434,6 +466,7 @@ class Publisher:
         """
         self._check_usable()
         uid = self._require_open()
+        self._send_pending()
         self._wait_unacked(0)
         self._send(wire.Commit(update_id=uid, num_chunks=self._num_chunks))
         self._wait_ack("commit")
@@ -509,13 +542,13 @@ class Publisher:
             size = 0
             for name, t, n in itertools.chain((first,), checked):
                 if chunk and size + n > self.staging_bytes:
-                    self._send_chunk(chunk, ahead, sizes)
+                    self._send_chunk(chunk, ahead, sizes, pipelined=True)
                     chunk, sizes, size = [], [], 0
                 chunk.append((name, t))
                 sizes.append(n)
                 size += n
             if chunk:
-                self._send_chunk(chunk, ahead, sizes)
+                self._send_chunk(chunk, ahead, sizes, pipelined=True)
             chunks, nbytes = self._num_chunks, self._bytes
             self.commit()
         except BaseException as e:
@@ -657,6 +690,7 @@ class Publisher:
         self._pinned.clear()
         self._unacked.clear()
         self._early_acks.clear()
+        self._pending = None
         for buf in self._staging:
             buf.end_update()
         if self.transport == "cuda":

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -421,6 +422,42 @@ def test_packed_staging_region_is_not_refilled_before_the_ack(
     assert all(same for _, same, _, _ in held)  # never overwritten before its ack
     assert [nxt for _, _, nxt, _ in held[:-1]] == [buffers == 2] * 3
     assert [off for *_, off in held] == ([0, 64, 0, 64] if buffers == 2 else [0] * 4)
+    seen = {k: v for d in daemon.chunk_data for k, v in d.items()}
+    assert seen == {n: _raw(t) for n, t in named}
+
+
+def test_publish_lays_out_the_next_chunk_before_sending_the_one_being_copied(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed ``publish`` launches chunk k's copy, lays chunk k+1 out (the per-tensor CPU
+    work) while the copy runs, and only then waits for the copy and sends chunk k; the last
+    chunk goes out with the commit. ``send_chunk`` still sends at once."""
+    from slotsync.protocol.export import ShmStagingBuffer
+
+    events: list[tuple[str, int]] = []
+    plan, send = ShmStagingBuffer.plan, Publisher._send_chunk_message
+
+    def traced_plan(self: Any, items: Any, slot: int = 0, sizes: Any = None) -> Any:
+        events.append(("plan", int(items[0][0].split(".")[2])))
+        return plan(self, items, slot, sizes)
+
+    def traced_send(self: Any, uid: int, index: int, *rest: Any) -> None:
+        events.append(("send", index))
+        send(self, uid, index, *rest)
+
+    monkeypatch.setattr(ShmStagingBuffer, "plan", traced_plan)
+    monkeypatch.setattr(Publisher, "_send_chunk_message", traced_send)
+    daemon = make_daemon()
+    named = _many_tensors(3)
+    with _publisher(endpoint, packed=True, staging_bytes=64) as pub:
+        pub.publish(named, weight_version="v")
+        assert events == [("plan", 0), ("plan", 1), ("send", 0), ("plan", 2), ("send", 1),
+                          ("send", 2)]
+        events.clear()
+        pub.begin("v2")
+        pub.send_chunk(named[:1])
+        assert events == [("plan", 0), ("send", 0)]
+        pub.commit()
     seen = {k: v for d in daemon.chunk_data for k, v in d.items()}
     assert seen == {n: _raw(t) for n, t in named}
 
