@@ -19,11 +19,15 @@ Speed (``slotsync bench control`` profiles this path): every global the daemon m
 a prelude that loads each global it uses once (``GLOBAL`` + ``BINPUT``), and the handles then
 refer to them with a 2-byte ``BINGET`` -- so the unpickler resolves each class once per pickle,
 not 4 times per handle (4x faster ``pickle.loads`` on an 8-rank unpacked chunk, 25% smaller).
-A handle's fragment is cached by value, so a packed staging buffer that is exported once and
-reused across chunks is encoded once; the per-chunk cost is then O(ranks) concatenation. Its
-shape-dependent part (class, ``torch.Size``, stride, offset, dtype) is cached separately, since
-every rank and every round repeat it while the handle bytes differ; the rest of a handle is
-one ``struct.pack`` call (``python -m slotsync.bench.profile_chunk`` shows the split).
+Packed, a handle's fragment is cached by value, so a staging buffer that is exported once and
+reused across chunks is encoded once; the per-chunk cost is then O(ranks) concatenation.
+Unpacked, every export is fresh (no cache could hit), and the per-handle loop
+(``_rank_fragments``, 8 ranks x ~170 tensors per chunk on the daemon's event loop) does the
+least Python it can: the shape-dependent part (class, ``torch.Size``, stride, offset, dtype)
+is cached (every tensor of one shape, every rank and every round repeat it) and kept per rank
+with the rank's dict key in front, the rest of a handle is one ``struct.pack`` call, and the
+rows are interleaved by C-level ``zip``/``join`` (``python -m slotsync.bench.profile_chunk``
+shows the split).
 
 The CPU shared-memory stand-in (``ShmHandle``) is written as the plain tuple
 ``("slotsync.shm", segment, offset, nbytes)``, which only the reference engine understands.
@@ -35,6 +39,7 @@ import base64
 import struct
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from itertools import chain, repeat
 
 from slotsync.protocol.wire import (
     DTYPE_SIZES,
@@ -230,28 +235,84 @@ def pickle_unpacked(uuids: Sequence[str], handles_by_rank: Sequence[Sequence[Han
     Args:
         uuids: GPU UUID of each rank, in the order of ``handles_by_rank``.
         handles_by_rank: per rank, one handle per tensor (all the same length).
+
+    Raises:
+        ValueError: as many UUIDs as ranks are needed, and as many handles from every rank;
+            a class or dtype outside the allow-list.
+        TypeError: an element is not a handle record.
     """
     keys = [_uuid_key(u) for u in uuids]
     if len(keys) != len(handles_by_rank):
         raise ValueError(f"{len(keys)} UUIDs for {len(handles_by_rank)} ranks")
-    frags = [[_fragment(h) for h in hs] for hs in handles_by_rank]
-    n = len(frags[0]) if frags else 0
-    if any(len(f) != n for f in frags):
+    n = len(handles_by_rank[0]) if handles_by_rank else 0
+    if any(len(hs) != n for hs in handles_by_rank):
         raise ValueError("ranks sent different numbers of handles")
     mask = 0
-    for fs in frags:
-        for _, m in fs:
+    columns = []
+    for key, hs in zip(keys, handles_by_rank, strict=True):
+        column, m = _rank_fragments(key, hs)
+        columns.append(column)
+        mask |= m
+    # Tensor i's dict: EMPTY_DICT MARK, then every rank's "uuid args" (columns[r][i]), SETITEMS.
+    # zip/chain/join run in C: no per-handle Python here.
+    rows = zip(repeat(_EMPTY_DICT + _MARK, n), *columns, repeat(_SETITEMS, n), strict=True)
+    return b"".join((
+        _PROTO4, _prelude(mask), _EMPTY_LIST, _MARK, b"".join(chain.from_iterable(rows)),
+        _APPENDS, _STOP,
+    ))  # fmt: skip
+
+
+def _rank_fragments(key: bytes, hs: Sequence[Handle]) -> tuple[list[bytes], int]:
+    """One rank's part of an unpacked pickle: for each handle, its dict key ``key`` (the
+    rank's pickled GPU UUID) followed by its args, and the mask of the globals used.
+
+    The per-handle loop of an unpacked chunk (8 ranks x ~170 tensors on the daemon's event
+    loop), so it is written for speed and equals ``key + _fragment(h)[0]`` for every handle:
+    the layout part (``_layout_fragment``, shared by every tensor of one shape) is looked up
+    once per distinct layout and kept with ``key`` in front; the rest is one ``struct.pack``.
+    No ``_fragment`` cache: unpacked exports are fresh every round, it would never hit.
+    """
+    out: list[bytes] = []
+    append = out.append
+    mask = 0
+    heads: dict[tuple, bytes] = {}  # layout -> key + layout opcodes
+    pack, lens = None, None  # the tail struct's pack for the handle byte lengths ``lens``
+    for h in hs:
+        if type(h) is not CudaIpcHandle:  # the shm stand-in (or not a handle: TypeError)
+            frag, m = _fragment(h)
             mask |= m
-    parts = [_PROTO4, _prelude(mask), _EMPTY_LIST, _MARK]
-    for i in range(n):
-        parts.append(_EMPTY_DICT + _MARK)
-        for k, fs in zip(keys, frags, strict=True):
-            parts.append(k)
-            parts.append(fs[i][0])
-        parts.append(_SETITEMS)
-    parts.append(_APPENDS)
-    parts.append(_STOP)
-    return b"".join(parts)
+            append(key + frag)
+            continue
+        layout = (h.tensor_class, h.size, h.stride, h.storage_offset, h.storage_class, h.dtype)
+        head = heads.get(layout)
+        if head is None:
+            frag, m = _layout_fragment(*layout)
+            mask |= m
+            head = heads[layout] = key + frag
+        dev, size, off, rc = (
+            h.device, h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_offset
+        )
+        if (dev | size | off | rc) >= _2_31:  # all NonNeg (wire); LONG1 needed: rare
+            append(key + _fragment.__wrapped__(h)[0])
+            continue
+        ipc, rch, evh = h.ipc_handle, h.ref_counter_handle, h.event_handle
+        n = (len(ipc), len(rch), -1 if evh is None else len(evh))
+        if n != lens:
+            lens, pack = n, _tail(*n).pack
+        if evh is None:
+            tail = pack(  # type: ignore[misc]
+                b"J", dev, b"B", n[0], ipc, b"J", size, b"J", off,
+                _TRUE if h.requires_grad else _FALSE, b"B", n[1], rch, b"J", rc,
+                _NONE, _TRUE if h.event_sync_required else _FALSE, _TUPLE,
+            )  # fmt: skip
+        else:
+            tail = pack(  # type: ignore[misc]
+                b"J", dev, b"B", n[0], ipc, b"J", size, b"J", off,
+                _TRUE if h.requires_grad else _FALSE, b"B", n[1], rch, b"J", rc,
+                b"B", n[2], evh, _TRUE if h.event_sync_required else _FALSE, _TUPLE,
+            )  # fmt: skip
+        append(head + tail)
+    return out, mask
 
 
 def b64(pickled: bytes) -> str:
