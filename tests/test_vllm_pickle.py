@@ -157,3 +157,14 @@ def test_unpacked_refuses_bad_input():
         pickle_unpacked(["a"], [["not a handle"]])
     with pytest.raises(ValueError, match="dtype outside the allow-list"):
         pickle_unpacked(["a"], [[record(dtype="complex64")]])  # constructed, not decoded
+
+
+def test_json_encoder_writes_pickle_bytes_as_standard_base64():
+    # MergedChunk.update_info carries the raw pickle; msgspec's JSON must give b64()'s text.
+    import json
+
+    import msgspec
+
+    for pk in (pickle_unpacked(["u0"], [[record(), record(event_handle=None)]]), b"",
+               b"\xff", b"\xfb\xef", bytes(range(256)) * 7):
+        assert json.loads(msgspec.json.encode({"p": pk}))["p"] == b64(pk)
