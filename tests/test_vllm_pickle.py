@@ -88,25 +88,6 @@ def test_no_unpickling_of_producer_input():
                 assert node.module not in ("pickle", "cPickle", "dill"), path
 
 
-def _unpacked_reference(uuids, by_rank) -> bytes:
-    """The unpacked pickle written the slow, obvious way: one cached ``_fragment`` per handle
-    (the packed path's encoder), a prelude of every global used, one dict per tensor."""
-    from slotsync.daemon import vllm_pickle as vp
-
-    frags = [[vp._fragment(h) for h in hs] for hs in by_rank]
-    mask = 0
-    for fs in frags:
-        for _, m in fs:
-            mask |= m
-    out = [vp._PROTO4, vp._prelude(mask), vp._EMPTY_LIST, vp._MARK]
-    for i in range(len(by_rank[0])):
-        out.append(vp._EMPTY_DICT + vp._MARK)
-        for u, fs in zip(uuids, frags, strict=True):
-            out += [vp._str(u), fs[i][0]]
-        out.append(vp._SETITEMS)
-    return b"".join([*out, vp._APPENDS, vp._STOP])
-
-
 def test_unpacked_fast_path_equals_torch_pickle_for_every_variant():
     # Small values (one struct.pack per handle), values >= 2**31 (LONG1), no event handle,
     # Parameter / UntypedStorage, byte strings whose lengths change mid-rank, several layouts
@@ -131,13 +112,26 @@ def test_unpacked_fast_path_equals_torch_pickle_for_every_variant():
     hs2 = [record(**variants[k % 2], size=(6,), stride=(1,)) for k in range(len(hs0))]
     uuids = ["u0", "u1", "u2"]
     ours = pickle_unpacked(uuids, [hs0, hs1, hs2])
-    assert ours == _unpacked_reference(uuids, [hs0, hs1, hs2])
     want = [{u: torch_args(hs[i]) for u, hs in zip(uuids, [hs0, hs1, hs2], strict=True)}
             for i in range(len(hs0))]
     assert pickle.loads(ours) == want
     got = pickle.loads(ours)
     assert got[5]["u0"][0] is torch.nn.Parameter
     assert got[1]["u0"][13] is None and got[0]["u0"][1] == torch.Size([2, 3])
+    # Each distinct torch.Size / stride / UUID is built once (memo) and shared by the handles.
+    assert type(got[0]["u1"][1]) is torch.Size and type(got[0]["u1"][2]) is tuple
+    assert got[0]["u0"][1] is got[1]["u0"][1] is got[2]["u1"][1]  # (2, 3) in ranks 0 and 1
+    assert got[0]["u0"][2] is got[10]["u0"][2]
+    assert [next(iter(d)) for d in got[:2]] == ["u0", "u0"]
+    assert next(iter(got[0])) is next(iter(got[1]))
+
+
+def test_unpacked_memo_beyond_256_slots():
+    # More distinct shapes than 1-byte memo slots: LONG_BINPUT / LONG_BINGET.
+    hs = [record(size=(k + 1,), stride=(k + 2,), storage_size_bytes=4096) for k in range(300)]
+    got = pickle.loads(pickle_unpacked(["u0"], [hs]))
+    assert got == [{"u0": torch_args(h)} for h in hs]
+    assert got[299]["u0"][1] == torch.Size([300]) and got[299]["u0"][2] == (301,)
 
 
 def test_unpacked_one_rank_shm_and_empty():
