@@ -27,7 +27,8 @@ messages: types, ranges, lengths and allow-lists (``Literal``) are checked by ms
 while decoding, in C; rules across fields run in ``__post_init__`` (msgspec turns a raised
 ``ValueError`` into ``msgspec.ValidationError``). Either way the error names the field, e.g.
 ``Invalid enum value 'object' - at `$.handles[0][6]``` (array fields are named by position,
-the tag counting as element 0).
+the tag counting as element 0; ``decode_to_daemon`` appends the record kind and the field's
+name: ``(CudaIpcHandle field 'dtype')``).
 """
 
 from __future__ import annotations
