@@ -93,6 +93,9 @@ class VllmClient:
     async def call(self, route: str, body: Any = None) -> Any:
         """Call ``route`` (a key of ``ROUTES``) with JSON ``body``; return the parsed reply.
 
+        ``body`` is encoded by ``msgspec.json``: ``bytes`` values become standard base64
+        strings (how ``MergedChunk.update_info`` carries ``ipc_handles_pickled``).
+
         Raises:
             EngineError: non-2xx status (with vLLM's message), a timeout after ``timeout_s``,
                 or no connection.

@@ -19,11 +19,20 @@ Speed (``slotsync bench control`` profiles this path): every global the daemon m
 a prelude that loads each global it uses once (``GLOBAL`` + ``BINPUT``), and the handles then
 refer to them with a 2-byte ``BINGET`` -- so the unpickler resolves each class once per pickle,
 not 4 times per handle (4x faster ``pickle.loads`` on an 8-rank unpacked chunk, 25% smaller).
-A handle's fragment is cached by value, so a packed staging buffer that is exported once and
-reused across chunks is encoded once; the per-chunk cost is then O(ranks) concatenation. Its
-shape-dependent part (class, ``torch.Size``, stride, offset, dtype) is cached separately, since
-every rank and every round repeat it while the handle bytes differ; the rest of a handle is
-one ``struct.pack`` call (``python -m slotsync.bench.profile_chunk`` shows the split).
+Unpacked, the prelude also builds each rank's GPU UUID and each distinct ``torch.Size`` and
+stride tuple once into further memo slots (``_Memo``), and every handle refers to them: every
+engine worker unpickles the whole list, and this halves its ``pickle.loads`` and shrinks the
+pickle by a quarter (an 8-rank Qwen3-30B-A3B chunk: 357 -> 272 kB), while the objects it
+unpickles to are equal to those of torch's own pickle. Packed, a handle's fragment is cached
+by value, so a staging buffer that is exported once and reused across chunks is encoded
+once; the per-chunk cost is then O(ranks) concatenation.
+Unpacked, every export is fresh (no cache could hit), and the per-handle loop
+(``_rank_fragments``, 8 ranks x ~170 tensors per chunk on the daemon's event loop) does the
+least Python it can: the shape-dependent part (class, ``torch.Size``, stride, offset, dtype)
+is cached (every tensor of one shape, every rank and every round repeat it) and kept per rank
+with the rank's dict key in front, the rest of a handle is one ``struct.pack`` call, and the
+rows are interleaved by C-level ``zip``/``join`` (``python -m slotsync.bench.profile_chunk``
+shows the split).
 
 The CPU shared-memory stand-in (``ShmHandle``) is written as the plain tuple
 ``("slotsync.shm", segment, offset, nbytes)``, which only the reference engine understands.
@@ -35,6 +44,7 @@ import base64
 import struct
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from itertools import chain, repeat
 
 from slotsync.protocol.wire import (
     DTYPE_SIZES,
@@ -224,34 +234,155 @@ def pickle_packed(by_uuid: Mapping[str, Handle]) -> bytes:
     )
 
 
+class _Memo:
+    """Memo slots of one pickle beyond the fixed globals: objects the prelude builds once
+    (``BINPUT``/``LONG_BINPUT``, then ``POP``) and the body refers to (``BINGET``/``LONG_BINGET``).
+    Used by the unpacked pickle for what every handle would otherwise repeat: each rank's GPU
+    UUID (the dict keys) and each distinct ``torch.Size`` and stride tuple."""
+
+    def __init__(self) -> None:
+        self.prelude: list[bytes] = []
+        self.next = len(_GLOBALS)
+        self.sizes: dict[tuple[int, ...], bytes] = {}
+        self.strides: dict[tuple[int, ...], bytes] = {}
+
+    def put(self, build: bytes) -> bytes:
+        """Append ``build`` (opcodes that push one object) to the prelude, store the object
+        in the next slot; return the opcodes that push it again."""
+        i = self.next
+        self.next += 1
+        if i < 256:
+            self.prelude.append(build + b"q" + bytes([i]) + b"0")  # BINPUT i, POP
+            return b"h" + bytes([i])  # BINGET i
+        self.prelude.append(build + b"r" + struct.pack("<I", i) + b"0")  # LONG_BINPUT
+        return b"j" + struct.pack("<I", i)  # LONG_BINGET
+
+    def layout(
+        self,
+        tensor_class: str,
+        size: tuple[int, ...],
+        stride: tuple[int, ...],
+        storage_offset: int,
+        storage_class: str,
+        dtype: str,
+    ) -> tuple[bytes, int]:
+        """Like ``_layout_fragment``, but ``torch.Size(size)`` and ``stride`` come from memo
+        slots (built once per pickle for each distinct value): the unpickler then builds
+        one ``torch.Size`` per shape instead of one per handle, and the pickle is smaller.
+
+        Raises:
+            ValueError: a class or dtype outside the allow-list.
+        """
+        if tensor_class not in TENSOR_CLASSES or storage_class not in STORAGE_CLASSES:
+            raise ValueError("class outside the allow-list")
+        if dtype not in DTYPE_SIZES:
+            raise ValueError(f"dtype outside the allow-list: {dtype!r}")
+        get_size = self.sizes.get(size)
+        if get_size is None:
+            get_size = self.sizes[size] = self.put(
+                _GET["torch.Size"] + _MARK + _int_tuple(size) + _TUPLE + _REDUCE
+            )
+        get_stride = self.strides.get(stride)
+        if get_stride is None:
+            get_stride = self.strides[stride] = self.put(_int_tuple(stride))
+        dt = f"torch.{dtype}"
+        head = b"".join((
+            _MARK, _GET[tensor_class], get_size, get_stride, _int(storage_offset),
+            _GET[storage_class], _GET[dt],
+        ))  # fmt: skip
+        mask = _BIT[tensor_class] | _BIT["torch.Size"] | _BIT[storage_class] | _BIT[dt]
+        return head, mask
+
+
 def pickle_unpacked(uuids: Sequence[str], handles_by_rank: Sequence[Sequence[Handle]]) -> bytes:
     """Pickle of ``[{gpu_uuid: args}, ...]``, one dict per tensor (unpacked transfer).
+
+    Each rank's GPU UUID and each distinct ``torch.Size`` / stride is written once, into the
+    memo, and referred to by every handle (``_Memo``): equal values, as torch's own pickle of
+    the same dicts unpickles to, built once per pickle instead of once per handle.
 
     Args:
         uuids: GPU UUID of each rank, in the order of ``handles_by_rank``.
         handles_by_rank: per rank, one handle per tensor (all the same length).
+
+    Raises:
+        ValueError: as many UUIDs as ranks are needed, and as many handles from every rank;
+            a class or dtype outside the allow-list.
+        TypeError: an element is not a handle record.
     """
-    keys = [_uuid_key(u) for u in uuids]
-    if len(keys) != len(handles_by_rank):
-        raise ValueError(f"{len(keys)} UUIDs for {len(handles_by_rank)} ranks")
-    frags = [[_fragment(h) for h in hs] for hs in handles_by_rank]
-    n = len(frags[0]) if frags else 0
-    if any(len(f) != n for f in frags):
+    if len(uuids) != len(handles_by_rank):
+        raise ValueError(f"{len(uuids)} UUIDs for {len(handles_by_rank)} ranks")
+    n = len(handles_by_rank[0]) if handles_by_rank else 0
+    if any(len(hs) != n for hs in handles_by_rank):
         raise ValueError("ranks sent different numbers of handles")
+    memo = _Memo()
+    keys = [memo.put(_uuid_key(u)) for u in uuids]
     mask = 0
-    for fs in frags:
-        for _, m in fs:
+    columns = []
+    for key, hs in zip(keys, handles_by_rank, strict=True):
+        column, m = _rank_fragments(key, hs, memo)
+        columns.append(column)
+        mask |= m
+    # Tensor i's dict: EMPTY_DICT MARK, then every rank's "uuid args" (columns[r][i]), SETITEMS.
+    # zip/chain/join run in C: no per-handle Python here.
+    rows = zip(repeat(_EMPTY_DICT + _MARK, n), *columns, repeat(_SETITEMS, n), strict=True)
+    return b"".join((
+        _PROTO4, _prelude(mask), *memo.prelude, _EMPTY_LIST, _MARK,
+        b"".join(chain.from_iterable(rows)), _APPENDS, _STOP,
+    ))  # fmt: skip
+
+
+def _rank_fragments(key: bytes, hs: Sequence[Handle], memo: _Memo) -> tuple[list[bytes], int]:
+    """One rank's part of an unpacked pickle: for each handle, its dict key ``key`` (opcodes
+    that push the rank's GPU UUID) followed by its args; and the mask of the globals used.
+
+    The per-handle loop of an unpacked chunk (8 ranks x ~170 tensors on the daemon's event
+    loop), so it is written for speed: the layout part (``memo.layout``, shared by every
+    tensor of one shape) is looked up once per distinct layout and kept with ``key`` in
+    front; the rest is one ``struct.pack``, as in ``_fragment``. No ``_fragment`` cache:
+    unpacked exports are fresh every round, it would never hit.
+    """
+    out: list[bytes] = []
+    append = out.append
+    mask = 0
+    heads: dict[tuple, bytes] = {}  # layout -> key + layout opcodes
+    pack, lens = None, None  # the tail struct's pack for the handle byte lengths ``lens``
+    for h in hs:
+        if type(h) is not CudaIpcHandle:  # the shm stand-in (or not a handle: TypeError)
+            frag, m = _fragment(h)
             mask |= m
-    parts = [_PROTO4, _prelude(mask), _EMPTY_LIST, _MARK]
-    for i in range(n):
-        parts.append(_EMPTY_DICT + _MARK)
-        for k, fs in zip(keys, frags, strict=True):
-            parts.append(k)
-            parts.append(fs[i][0])
-        parts.append(_SETITEMS)
-    parts.append(_APPENDS)
-    parts.append(_STOP)
-    return b"".join(parts)
+            append(key + frag)
+            continue
+        layout = (h.tensor_class, h.size, h.stride, h.storage_offset, h.storage_class, h.dtype)
+        head = heads.get(layout)
+        if head is None:
+            frag, m = memo.layout(*layout)
+            mask |= m
+            head = heads[layout] = key + frag
+        dev, size, off, rc = (
+            h.device, h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_offset
+        )
+        if (dev | size | off | rc) >= _2_31:  # all NonNeg (wire); LONG1 needed: rare
+            append(key + _fragment.__wrapped__(h)[0])
+            continue
+        ipc, rch, evh = h.ipc_handle, h.ref_counter_handle, h.event_handle
+        n = (len(ipc), len(rch), -1 if evh is None else len(evh))
+        if n != lens:
+            lens, pack = n, _tail(*n).pack
+        if evh is None:
+            tail = pack(  # type: ignore[misc]
+                b"J", dev, b"B", n[0], ipc, b"J", size, b"J", off,
+                _TRUE if h.requires_grad else _FALSE, b"B", n[1], rch, b"J", rc,
+                _NONE, _TRUE if h.event_sync_required else _FALSE, _TUPLE,
+            )  # fmt: skip
+        else:
+            tail = pack(  # type: ignore[misc]
+                b"J", dev, b"B", n[0], ipc, b"J", size, b"J", off,
+                _TRUE if h.requires_grad else _FALSE, b"B", n[1], rch, b"J", rc,
+                b"B", n[2], evh, _TRUE if h.event_sync_required else _FALSE, _TUPLE,
+            )  # fmt: skip
+        append(head + tail)
+    return out, mask
 
 
 def b64(pickled: bytes) -> str:

@@ -2,9 +2,13 @@
 
 Transport: one ZeroMQ DEALER socket per rank, connected to the daemon's ROUTER socket (an
 ``ipc://`` path on the node). Each ZeroMQ message carries exactly one frame: a msgpack map
-encoded from one of the structs below, tagged by its ``type`` field. Nothing on the wire is
-pickled (design.md I6); the daemon builds vLLM's pickled handle list itself from the typed
-handle records.
+encoded from one of the message structs below, tagged by its ``type`` field. Handle records
+(``CudaIpcHandle``, ``ShmHandle``) inside a ``Chunk`` are msgpack *arrays* instead: the tag
+(``"cuda"`` / ``"shm"``) first, then the fields in declaration order (protocol version 2: an
+unpacked chunk carries one record per tensor per rank, and without the 15 keys an unpacked
+Qwen3-30B-A3B chunk's frame shrinks from 86 to 51 kB per rank and decodes faster). Nothing
+on the wire is pickled (design.md I6); the daemon builds vLLM's pickled handle list itself
+from the typed handle records.
 
 Conversation of one rank (design.md "Flow of one round")::
 
@@ -18,27 +22,41 @@ Conversation of one rank (design.md "Flow of one round")::
 Any failure of the slot's update reaches every rank of the slot as one ``Error`` naming the
 phase, the slot, the update id and what was missing.
 
-All validation of decoded input happens here, in ``__post_init__`` (msgspec runs it while
-decoding and turns a raised ``ValueError`` into ``msgspec.ValidationError``), so the daemon's
-core only ever sees well-formed messages.
+All validation of decoded input happens here, so the daemon's core only ever sees well-formed
+messages: types, ranges, lengths and allow-lists (``Literal``) are checked by msgspec itself
+while decoding, in C; rules across fields run in ``__post_init__`` (msgspec turns a raised
+``ValueError`` into ``msgspec.ValidationError``). Either way the error names the field, e.g.
+``Invalid enum value 'object' - at `$.handles[0][6]``` (array fields are named by position,
+the tag counting as element 0; ``decode_to_daemon`` appends the record kind and the field's
+name: ``(CudaIpcHandle field 'dtype')``).
 """
 
 from __future__ import annotations
 
+import math
+import operator
 import re
 import uuid as uuidlib
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
-PROTOCOL_VERSION = 1
-"""Bumped on any incompatible change of the messages below; checked at registration."""
+PROTOCOL_VERSION = 2
+"""Bumped on any incompatible change of the messages below; checked at registration (whose
+message keeps its layout across versions, so a rank of another version is told so plainly).
+History: 1, handle records as maps; 2, handle records as arrays (``array_like``)."""
 
 MAX_MESSAGE_BYTES_DEFAULT = 64 * 1024 * 1024
 """Default cap on one decoded frame, in bytes (the daemon's ``max_message_bytes`` option)."""
 
-# Torch dtype names as vLLM's ``dtype_names`` spells them (``str(t.dtype).split(".")[-1]``),
-# with their element sizes in bytes.
+DtypeName = Literal[
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+    "float8_e4m3fnuz", "float8_e5m2fnuz", "int64", "int32", "int16", "int8", "uint8", "bool",
+]
+"""Torch dtype names as vLLM's ``dtype_names`` spells them (``str(t.dtype).split(".")[-1]``);
+as a ``Literal``, msgspec checks the allow-list while decoding."""
+
+# The same names with their element sizes in bytes.
 DTYPE_SIZES: dict[str, int] = {
     "float64": 8,
     "float32": 4,
@@ -55,6 +73,7 @@ DTYPE_SIZES: dict[str, int] = {
     "uint8": 1,
     "bool": 1,
 }
+assert set(get_args(DtypeName)) == set(DTYPE_SIZES)
 
 # Classes that may appear in a CUDA IPC handle record. The daemon writes these as pickle
 # globals; restricting them to an allow-list keeps producer strings from naming arbitrary code.
@@ -120,12 +139,22 @@ def check_engine_url(url: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-class CudaIpcHandle(msgspec.Struct, tag="cuda", frozen=True, forbid_unknown_fields=True):
+class CudaIpcHandle(
+    msgspec.Struct, tag="cuda", frozen=True, forbid_unknown_fields=True, array_like=True,
+    gc=False,
+):
     """The 15 fields of ``torch.multiprocessing.reductions.reduce_tensor(t)[1]`` for a CUDA
     tensor, as typed data (no pickle). The daemon re-creates vLLM's argument tuple from them.
 
     Field order and meaning follow ``rebuild_cuda_tensor`` (torch 2.x); vLLM overwrites
     ``device`` with the receiving worker's own device index (vllm-contract.md).
+
+    On the wire: a 16-element msgpack array, ``["cuda", tensor_class, size, ...,
+    event_sync_required]`` (``array_like``). Classes and ``dtype`` are checked against the
+    allow-lists by msgspec while decoding; ``__post_init__`` checks that ``size`` and
+    ``stride`` have as many dims. ``gc=False``: the fields are atoms and tuples of ints, so a
+    record can never be part of a reference cycle, and the garbage collector need not track
+    the thousands an unpacked round decodes.
     """
 
     tensor_class: Literal["torch.Tensor", "torch.nn.parameter.Parameter"]
@@ -133,7 +162,7 @@ class CudaIpcHandle(msgspec.Struct, tag="cuda", frozen=True, forbid_unknown_fiel
     stride: TupleDims
     storage_offset: NonNeg  # in elements
     storage_class: Literal["torch.storage.TypedStorage", "torch.storage.UntypedStorage"]
-    dtype: str
+    dtype: DtypeName
     device: NonNeg
     ipc_handle: HandleBytes  # cudaIpcMemHandle (+ torch's framing)
     storage_size_bytes: NonNeg
@@ -145,8 +174,6 @@ class CudaIpcHandle(msgspec.Struct, tag="cuda", frozen=True, forbid_unknown_fiel
     event_sync_required: bool
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_SIZES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}")
         if len(self.size) != len(self.stride):
             raise ValueError(
                 f"size has {len(self.size)} dims but stride has {len(self.stride)}"
@@ -161,10 +188,16 @@ class CudaIpcHandle(msgspec.Struct, tag="cuda", frozen=True, forbid_unknown_fiel
         return n * DTYPE_SIZES[self.dtype]
 
 
-class ShmHandle(msgspec.Struct, tag="shm", frozen=True, forbid_unknown_fields=True):
+class ShmHandle(
+    msgspec.Struct, tag="shm", frozen=True, forbid_unknown_fields=True, array_like=True,
+    gc=False,
+):
     """A CPU stand-in for a CUDA IPC handle: bytes ``[offset, offset + nbytes)`` of the POSIX
     shared-memory segment ``/dev/shm/<segment>``. Lets the whole path run without a GPU; only
-    the reference engine understands it (vLLM does not)."""
+    the reference engine understands it (vLLM does not).
+
+    On the wire: ``["shm", segment, offset, nbytes]`` (``array_like``, as ``CudaIpcHandle``).
+    """
 
     segment: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
     offset: NonNeg  # bytes
@@ -235,7 +268,7 @@ class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True):
     update_id: NonNeg
     index: NonNeg
     names: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=1_000_000)]
-    dtype_names: list[str]
+    dtype_names: list[DtypeName]
     shapes: list[Dims]
     tensor_sizes: list[NonNeg]
     handles: list[Handle]
@@ -245,19 +278,24 @@ class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True):
         for field in ("dtype_names", "shapes", "tensor_sizes"):
             if len(getattr(self, field)) != n:
                 raise ValueError(f"{field} has {len(getattr(self, field))} entries, names has {n}")
-        for name, dt, shape, size in zip(
-            self.names, self.dtype_names, self.shapes, self.tensor_sizes, strict=True
-        ):
-            if dt not in DTYPE_SIZES:
-                raise ValueError(f"tensor {name!r}: unsupported dtype {dt!r}")
-            numel = 1
-            for d in shape:
-                numel *= d
-            if numel * DTYPE_SIZES[dt] != size:
-                raise ValueError(
-                    f"tensor {name!r}: tensor_sizes says {size} bytes but shape {shape} of "
-                    f"{dt} is {numel * DTYPE_SIZES[dt]} bytes"
-                )
+        # Every tensor's bytes from its shape and dtype, in C loops (``map``): this runs for
+        # every rank's copy of every chunk on the daemon's one event loop. Decoding has
+        # checked the dtype names already; a Chunk built in Python has not, hence KeyError.
+        try:
+            elem = list(map(DTYPE_SIZES.__getitem__, self.dtype_names))
+        except KeyError as e:
+            bad = self.dtype_names.index(e.args[0])
+            raise ValueError(
+                f"tensor {self.names[bad]!r}: unsupported dtype {e.args[0]!r}"
+            ) from None
+        want = list(map(operator.mul, map(math.prod, self.shapes), elem))
+        if want != self.tensor_sizes:
+            i = next(i for i, (a, b) in enumerate(zip(want, self.tensor_sizes, strict=True))
+                     if a != b)
+            raise ValueError(
+                f"tensor {self.names[i]!r}: tensor_sizes says {self.tensor_sizes[i]} bytes but "
+                f"shape {self.shapes[i]} of {self.dtype_names[i]} is {want[i]} bytes"
+            )
         if len(set(self.names)) != n:
             raise ValueError("duplicate tensor names in one chunk")
         if not self.handles:
@@ -375,7 +413,34 @@ def decode_to_daemon(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES_DEFAULT) -
         return _to_daemon.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
         # UnicodeDecodeError: msgspec lets invalid UTF-8 in a tag through (found by fuzzing)
-        raise ProtocolError(f"bad message: {e}") from None
+        raise ProtocolError(f"bad message: {e}{_handle_field_hint(str(e), frame)}") from None
+
+
+_HANDLE_PATH = re.compile(r"`\$\.handles\[(\d+)\]\[(\d+)\]")
+_HANDLE_FIELDS = {
+    cls.__struct_config__.tag: (cls.__name__, cls.__struct_fields__)
+    for cls in (CudaIpcHandle, ShmHandle)
+}
+
+
+def _handle_field_hint(error: str, frame: bytes) -> str:
+    """A hint for an error inside a handle record, else ``""``. Records are arrays on the
+    wire, so msgspec names a position (``$.handles[3][6]``); the hint adds the record kind
+    and the field's name, e.g. `` (CudaIpcHandle field 'dtype')``. A record sent as a map
+    (protocol version 1) gets a hint saying so. Only runs on the error path."""
+    if "got `object` - at `$.handles[" in error:
+        return f" (handle records are arrays since protocol version {PROTOCOL_VERSION})"
+    m = _HANDLE_PATH.search(error)
+    if m is None:
+        return ""
+    i, k = int(m[1]), int(m[2])
+    if k == 0:
+        return f" (the record's tag: one of {sorted(_HANDLE_FIELDS)})"
+    try:
+        name, fields = _HANDLE_FIELDS[msgspec.msgpack.decode(frame)["handles"][i][0]]
+    except Exception:  # noqa: BLE001 -- a hint only: the frame is bad in another way too
+        return ""
+    return f" ({name} field {fields[k - 1]!r})" if k - 1 < len(fields) else ""
 
 
 def decode_from_daemon(frame: bytes) -> FromDaemon:

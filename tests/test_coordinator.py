@@ -21,9 +21,11 @@ I8 version only with a successful finish: test_dtype_mismatch_..., test_engine_5
 from __future__ import annotations
 
 import base64
+import json
 import pickle
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 
 from slotsync.daemon.coordinator import (
@@ -275,14 +277,20 @@ def test_mismatch_found_ahead_fails_only_when_no_engine_call_is_in_flight():
     assert h.coord.state is SlotState.FAILED and "resume" not in h.engine.calls
 
 
+def as_sent(body: dict) -> dict:
+    """The body as VllmClient puts it on the wire (msgspec JSON) and vLLM parses it: bytes
+    (``ipc_handles_pickled``) become standard base64 text."""
+    return json.loads(msgspec.json.encode(body))
+
+
 def test_merged_update_info_carries_every_uuid_packed():
     h = Harness(size=2, packed=True)
     h.register_all()
     h.round(0, n_chunks=1)
     body = h.engine.bodies[h.engine.calls.index("update_weights")]
-    info = body["update_info"]
+    info = as_sent(body)["update_info"]
     assert info["names"] == ["a", "b"] and info["tensor_sizes"] == [16, 16]
-    handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
+    handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"], validate=True))
     assert set(handles) == {logical_gpu_uuid(0), logical_gpu_uuid(1)}
     assert handles[logical_gpu_uuid(1)] == ("slotsync.shm", "seg-1", 0, 32)
 
@@ -291,9 +299,9 @@ def test_merged_update_info_unpacked_one_dict_per_tensor():
     h = Harness(size=2, packed=False)
     h.register_all()
     h.round(0, n_chunks=1)
-    info = h.engine.bodies[h.engine.calls.index("update_weights")]["update_info"]
+    info = as_sent(h.engine.bodies[h.engine.calls.index("update_weights")])["update_info"]
     assert "tensor_sizes" not in info
-    handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
+    handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"], validate=True))
     assert len(handles) == 2 and all(set(d) == {logical_gpu_uuid(0), logical_gpu_uuid(1)}
                                      for d in handles)
     assert handles[1][logical_gpu_uuid(0)] == ("slotsync.shm", "seg-0", 64, 16)

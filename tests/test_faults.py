@@ -720,7 +720,8 @@ def test_protocol_abuse(rec, pool, eng, daemon, packed, abuse):
 
 
 def test_publisher_with_another_protocol_version(rec, daemon, eng):
-    row = rec.row("protocol version skew", "both", "Register with protocol_version 2")
+    row = rec.row("protocol version skew", "both",
+                  f"Register with protocol_version {wire.PROTOCOL_VERSION + 1}")
     w = WireRank(daemon.endpoint)
     try:
         t0 = time.monotonic()
@@ -733,7 +734,8 @@ def test_publisher_with_another_protocol_version(rec, daemon, eng):
         assert isinstance(ok, wire.Registered)
     finally:
         w.close()
-    row.happened = "refused at registration; the same socket then registers with v1"
+    row.happened = ("refused at registration; the same socket then registers with "
+                    f"v{wire.PROTOCOL_VERSION}")
     row.engine_after_fault = row.engine_final = engine_summary(eng) + " (never called)"
     row.outcome = "pass"
 
@@ -815,12 +817,9 @@ def _fuzz_frames():
             return b"\xc1"
 
     bad_cuda = st.builds(
-        lambda n, m: enc.encode({**as_dicts[2], "handles": [{
-            "type": "cuda", "tensor_class": "torch.Tensor", "size": [2], "stride": [1],
-            "storage_offset": 0, "storage_class": "torch.storage.UntypedStorage",
-            "dtype": "float32", "device": 0, "ipc_handle": b"x" * n, "storage_size_bytes": 8,
-            "storage_offset_bytes": 0, "requires_grad": False, "ref_counter_handle": b"y" * m,
-            "ref_counter_offset": 0, "event_handle": None, "event_sync_required": False}]}),
+        lambda n, m: enc.encode({**as_dicts[2], "handles": [[  # a record is an array (v2)
+            "cuda", "torch.Tensor", [2], [1], 0, "torch.storage.UntypedStorage", "float32", 0,
+            b"x" * n, 8, 0, False, b"y" * m, 0, None, False]]}),
         st.sampled_from([0, 1, 256, 257, 4096]), st.sampled_from([0, 64, 300]))
     return st.one_of(
         st.binary(max_size=512),

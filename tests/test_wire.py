@@ -63,16 +63,16 @@ def test_gpu_uuid_normalized_to_torch_format(raw, want):
 def test_register_normalizes_uuid_and_rejects_garbage():
     r = Register(PROTOCOL_VERSION, 0, "GPU-" + UUID.upper(), 0, 1, "http://e:1", True, "cuda")
     assert decode_to_daemon(encode(r)).gpu_uuid == UUID
-    bad = msgspec.msgpack.encode({"type": "register", "protocol_version": 1, "rank": 0,
-                                  "gpu_uuid": "GPU-xyz", "slot_start": 0, "slot_size": 1,
+    bad = msgspec.msgpack.encode({"type": "register", "protocol_version": PROTOCOL_VERSION,
+                                  "rank": 0, "gpu_uuid": "GPU-xyz", "slot_start": 0, "slot_size": 1,
                                   "engine_url": "http://e:1", "packed": True, "transport": "cuda"})
     with pytest.raises(ProtocolError, match="not a GPU UUID"):
         decode_to_daemon(bad)
 
 
 def test_rank_outside_its_slot_rejected():
-    bad = msgspec.msgpack.encode({"type": "register", "protocol_version": 1, "rank": 5,
-                                  "gpu_uuid": UUID, "slot_start": 0, "slot_size": 4,
+    bad = msgspec.msgpack.encode({"type": "register", "protocol_version": PROTOCOL_VERSION,
+                                  "rank": 5, "gpu_uuid": UUID, "slot_start": 0, "slot_size": 4,
                                   "engine_url": "http://e:1", "packed": True, "transport": "cuda"})
     with pytest.raises(ProtocolError, match=r"rank 5 is outside its own slot \[0, 4\)"):
         decode_to_daemon(bad)
@@ -82,14 +82,15 @@ def test_chunk_validation_names_the_field():
     def enc(**kw):
         d = {"type": "chunk", "update_id": 0, "index": 0, "names": ["a"],
              "dtype_names": ["float32"], "shapes": [[2]], "tensor_sizes": [8],
-             "handles": [{"type": "shm", "segment": "s", "offset": 0, "nbytes": 8}]}
+             "handles": [["shm", "s", 0, 8]]}
         d.update(kw)
         return msgspec.msgpack.encode(d)
 
     decode_to_daemon(enc())
     with pytest.raises(ProtocolError, match="tensor_sizes says 4 bytes"):
         decode_to_daemon(enc(tensor_sizes=[4]))
-    with pytest.raises(ProtocolError, match="unsupported dtype 'complex32'"):
+    with pytest.raises(ProtocolError, match=r"Invalid enum value 'complex32' - at "
+                                            r"`\$\.dtype_names\[0\]`"):
         decode_to_daemon(enc(dtype_names=["complex32"]))
     with pytest.raises(ProtocolError, match="shapes has 2 entries"):
         decode_to_daemon(enc(shapes=[[2], [2]]))
@@ -100,27 +101,82 @@ def test_chunk_validation_names_the_field():
     with pytest.raises(ProtocolError, match="packed buffer handle covers 4 bytes"):
         decode_to_daemon(enc(names=["a", "b"], dtype_names=["float32"] * 2, shapes=[[2], [2]],
                              tensor_sizes=[8, 8],
-                             handles=[{"type": "shm", "segment": "s", "offset": 0,
-                                       "nbytes": 4}]))
+                             handles=[["shm", "s", 0, 4]]))
     with pytest.raises(ProtocolError, match="bad shared-memory segment name"):
-        decode_to_daemon(enc(handles=[{"type": "shm", "segment": "../etc", "offset": 0,
-                                       "nbytes": 8}]))
+        decode_to_daemon(enc(handles=[["shm", "../etc", 0, 8]]))
+
+
+def test_handle_records_are_arrays_on_the_wire():
+    # Protocol version 2: a record is [tag, field 1, ..., field n] in declaration order.
+    h = cuda_handle(event_handle=b"e" * 64)
+    raw = msgspec.msgpack.decode(encode(h))
+    assert raw == ["cuda", "torch.Tensor", [4], [1], 0, "torch.storage.TypedStorage",
+                   "bfloat16", 0, b"h" * 64, 8, 0, False, b"r" * 10, 0, b"e" * 64, True]
+    assert msgspec.msgpack.decode(encode(ShmHandle("seg", 4, 8))) == ["shm", "seg", 4, 8]
+    assert PROTOCOL_VERSION == 2
+    chunk = Chunk(3, 0, ["w"], ["bfloat16"], [[4]], [8], [h])
+    assert decode_to_daemon(encode(chunk)) == chunk
 
 
 def test_handle_record_rejects_bad_lengths_and_classes():
-    raw = msgspec.structs.asdict(cuda_handle())
-    raw["type"] = "cuda"
+    raw = msgspec.msgpack.decode(encode(cuda_handle()))
+    pos = {f: i + 1 for i, f in enumerate(CudaIpcHandle.__struct_fields__)}  # 0: the tag
     dec = msgspec.msgpack.Decoder(CudaIpcHandle)
     for key, value, text in [
-        ("ipc_handle", b"", r"length >= 1 - at `\$.ipc_handle`"),
+        ("ipc_handle", b"", r"length >= 1 - at `\$\[8\]`"),
         ("ipc_handle", b"x" * 300, "length <= 256"),
-        ("tensor_class", "os.system", "Invalid enum value 'os.system'"),
-        ("dtype", "object", "unsupported dtype"),
+        ("tensor_class", "os.system", r"Invalid enum value 'os.system' - at `\$\[1\]`"),
+        ("dtype", "object", r"Invalid enum value 'object' - at `\$\[6\]`"),
+        ("storage_offset", -1, r"Expected `int` >= 0 - at `\$\[4\]`"),
+        ("ref_counter_offset", -8, r"Expected `int` >= 0 - at `\$\[13\]`"),
         ("stride", [1, 1], "size has 1 dims but stride has 2"),
     ]:
-        bad = dict(raw, **{key: value})
+        bad = list(raw)
+        bad[pos[key]] = value
         with pytest.raises(msgspec.ValidationError, match=text):
             dec.decode(msgspec.msgpack.encode(bad))
+    with pytest.raises(msgspec.ValidationError, match="at least length 16, got 15"):
+        dec.decode(msgspec.msgpack.encode(raw[:-1]))
+    with pytest.raises(msgspec.ValidationError, match="at most length 15, got 16"):
+        dec.decode(msgspec.msgpack.encode([*raw, 0]))  # (msgspec counts without the tag)
+
+
+def test_bad_handle_field_named_in_the_daemons_error():
+    # The daemon's ProtocolError names the record kind and field, not just the array position.
+    def enc(handle: list) -> bytes:
+        return msgspec.msgpack.encode({
+            "type": "chunk", "update_id": 0, "index": 0, "names": ["a", "b"],
+            "dtype_names": ["float32"] * 2, "shapes": [[2]] * 2, "tensor_sizes": [8] * 2,
+            "handles": [msgspec.msgpack.decode(encode(cuda_handle())), handle]})
+
+    good = msgspec.msgpack.decode(encode(cuda_handle()))
+    for k, value, text in [
+        (6, "object", r"'object' - at `\$\.handles\[1\]\[6\]` \(CudaIpcHandle field 'dtype'\)"),
+        (4, -1, r">= 0 - at `\$\.handles\[1\]\[4\]` \(CudaIpcHandle field 'storage_offset'\)"),
+        (10, -1, r"\(CudaIpcHandle field 'storage_offset_bytes'\)"),
+        (0, "pickle", r"Invalid value 'pickle' .*\(the record's tag: one of \['cuda', 'shm'\]\)"),
+    ]:
+        bad = list(good)
+        bad[k] = value
+        with pytest.raises(ProtocolError, match=text):
+            decode_to_daemon(enc(bad))
+    with pytest.raises(ProtocolError, match=r"\(ShmHandle field 'offset'\)"):
+        decode_to_daemon(enc(["shm", "seg", -4, 8]))
+    old_style = {"type": "shm", "segment": "seg", "offset": 0, "nbytes": 8}  # version 1
+    with pytest.raises(ProtocolError, match="handle records are arrays since protocol version 2"):
+        decode_to_daemon(enc(old_style))  # type: ignore[arg-type]
+
+
+def test_chunk_built_in_python_checks_dtype_and_sizes():
+    # Decoding checks dtype names in C (Literal); a Chunk constructed directly still refuses.
+    with pytest.raises(ValueError, match="tensor 'b': unsupported dtype 'complex32'"):
+        Chunk(0, 0, ["a", "b"], ["float32", "complex32"], [[2], [2]], [8, 8],
+              [ShmHandle("s", 0, 16)])
+    with pytest.raises(ValueError, match=r"tensor 'b': tensor_sizes says 9 bytes but shape "
+                                         r"\[2, 3\] of int8 is 6 bytes"):
+        Chunk(0, 0, ["a", "b"], ["float32", "int8"], [[], [2, 3]], [4, 9],
+              [ShmHandle("s", 0, 16)])
+    Chunk(0, 0, ["a", "b"], ["float32", "int8"], [[], [2, 3]], [4, 6], [ShmHandle("s", 0, 16)])
 
 
 def test_oversize_frame_refused_before_decoding():
@@ -161,8 +217,8 @@ def test_fuzz_truncated_and_mutated_valid_frames(data):
 
 @pytest.mark.parametrize("url", ["file:///etc/passwd", "not a url", "ftp://x", ""])
 def test_register_refuses_engine_urls_that_are_not_http_or_unix(url):
-    bad = msgspec.msgpack.encode({"type": "register", "protocol_version": 1, "rank": 0,
-                                  "gpu_uuid": UUID, "slot_start": 0, "slot_size": 1,
+    bad = msgspec.msgpack.encode({"type": "register", "protocol_version": PROTOCOL_VERSION,
+                                  "rank": 0, "gpu_uuid": UUID, "slot_start": 0, "slot_size": 1,
                                   "engine_url": url, "packed": True, "transport": "cuda"})
     with pytest.raises(ProtocolError):
         decode_to_daemon(bad)
