@@ -299,6 +299,10 @@ class Daemon:
                 await self._send(identity, Error("decode", str(e), fatal=False))
                 continue
             await self._execute(self.table.on_message(identity, msg, time.monotonic()))
+            # A burst of queued frames (every rank's copy of the next chunk) would otherwise be
+            # decoded back to back, since awaiting a frame that is already there does not
+            # yield: let an engine's answer in between, so the next call starts sooner.
+            await asyncio.sleep(0)
 
     async def _wait_wake(self, timeout: float | None) -> None:
         """Sleep until ``_wake`` is set or ``timeout`` passes. ``asyncio.timeout`` rather than
