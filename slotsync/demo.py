@@ -226,9 +226,11 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
             _, stats = eng.request("GET", "/_slotsync/stats")
             starts = [w["start_count"] for w in stats["workers"]]
             finishes = [w["finish_count"] for w in stats["workers"]]
+            where = ", ".join(f"{w['device']} {w['gpu_uuid']}" for w in stats["workers"])
             say(f"  engine {e}: weight version {before[e]!r} -> "
                 f"{eng.request('GET', '/weight_info')[1]['weight_version']!r}; "
-                f"start/finish per worker {starts}/{finishes}; paused={stats.get('paused')}")
+                f"start/finish per worker {starts}/{finishes}; paused={stats.get('paused')}; "
+                f"workers on {where}")
         for s_ in daemon.status()["slots"]:
             say(f"  daemon: slot [{s_['slot'][0]}, {s_['slot'][1]}) state {s_['state']}, "
                 f"updates ok {s_['updates_succeeded']}, failed {s_['updates_failed']}"
