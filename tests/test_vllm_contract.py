@@ -8,9 +8,11 @@ unpickling of ``ipc_handles_pickled`` included (``VLLM_ALLOW_INSECURE_SERIALIZAT
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
+import msgspec
 import pytest
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -61,7 +63,10 @@ def test_init_info_parses():
 def test_update_info_parses_and_unpickles(packed):
     merged = merge_chunk(0, chunks(packed), {0: U0, 1: U1}, packed=packed, transport="cuda",
                          world_size=2)
-    parsed = engine_stub().parse_update_info(dict(merged.update_info))
+    # what vLLM's server hands its engine: the daemon's JSON body (msgspec writes the pickle's
+    # bytes as base64 text), decoded by a standard JSON parser
+    body = json.loads(msgspec.json.encode({"update_info": merged.update_info}))
+    parsed = engine_stub().parse_update_info(body["update_info"])
     assert parsed.names == ["a.weight", "b.bias"]
     hs = parsed.ipc_handles
     per_tensor = [hs] if packed else hs
