@@ -69,6 +69,9 @@ __all__ = ["DEFAULT_STAGING_BYTES", "MAX_UNACKED_CHUNKS", "PublishStats", "Publi
 
 log = logging.getLogger(__name__)
 
+_MAX_NAME = 1024  # characters of a tensor name (wire.Name)
+_DTYPE_OK: set[torch.dtype] = set()  # dtypes dtype_name accepted (checked once per dtype)
+
 DEFAULT_STAGING_BYTES = 512 * 1024 * 1024
 """Default staging buffer (packed) / chunk limit (unpacked): 512 MiB."""
 
@@ -510,9 +513,10 @@ class Publisher:
             weight_version: recorded by the engine on success.
 
         Raises:
-            ValueError: no tensors at all (checked before the engine is paused), a tensor is
-                larger than ``staging_bytes`` (names the tensor and both sizes), a name
-                repeats, or a dtype is unsupported.
+            ValueError: no tensors at all, a tensor larger than ``staging_bytes`` (names the
+                tensor and both sizes), a name that repeats, is empty or over 1,024
+                characters, an unsupported dtype, or a meta tensor. A list or mapping is
+                checked whole before the engine is paused; an iterator as it is consumed.
             TypeError: an item is not a ``(str, torch.Tensor)`` pair.
             SlotsyncError, SlotsyncTimeout: the update failed.
             RuntimeError: an update is already open.
@@ -579,6 +583,16 @@ class Publisher:
             name, t = self._check_item(item)
             if name in seen:
                 raise ValueError(f"tensor {name!r} appears twice in one update")
+            if not 0 < len(name) <= _MAX_NAME:
+                raise ValueError(
+                    f"tensor name {name[:80]!r} must have 1 to {_MAX_NAME} characters "
+                    f"(it has {len(name)})"
+                )
+            if t.dtype not in _DTYPE_OK:
+                dtype_name(t.dtype)  # raises ValueError naming the allowed dtypes
+                _DTYPE_OK.add(t.dtype)
+            if t.is_meta:
+                raise ValueError(f"tensor {name!r} is on the meta device: it has no data")
             seen.add(name)
             n = t.numel() * t.element_size()
             self._check_fits(name, n)
@@ -704,9 +718,17 @@ class Publisher:
         self._update_segments.clear()
 
     def _error(self, err: wire.Error) -> SlotsyncError:
-        """Turn a daemon Error into a SlotsyncError; if it is the open update's, end it."""
+        """Turn a daemon Error into a SlotsyncError; if it is the open update's, end it.
+
+        An Error without an update id refused one message (e.g. a frame the daemon could not
+        decode) and left the slot's update open: it is aborted here, so that the slot's
+        update fails at once rather than at the daemon's next deadline (up to
+        ``commit_timeout_s``)."""
         if self._update_id is not None and err.update_id in (None, self._update_id):
-            self._end_update()
+            if err.update_id is None:
+                self.abort(f"the daemon refused a message: {err.phase}: {err.message}")
+            else:
+                self._end_update()
         return SlotsyncError(
             err.phase,
             err.message,

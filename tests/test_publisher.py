@@ -494,9 +494,40 @@ def test_publish_refuses_empty_and_bad_items_before_touching_the_engine(
         w = torch.zeros(2)
         with pytest.raises(ValueError, match="'w' appears twice"):
             pub.publish([("w", w), ("w", w)], weight_version="v")
+        with pytest.raises(ValueError, match="must have 1 to 1024 characters"):
+            pub.publish([("", w), ("w", w)], weight_version="v")
+        with pytest.raises(ValueError, match="dtype torch.complex64 is not supported"):
+            pub.publish([("w", w), ("c", torch.zeros(2, dtype=torch.complex64))], "v")
+        with pytest.raises(ValueError, match="'m' is on the meta device"):
+            pub.publish([("w", w), ("m", torch.zeros(2, device="meta"))], weight_version="v")
         assert daemon.of_type(wire.Begin) == []
         stats = pub.publish(dict(_many_tensors(2)), weight_version="v")
         assert stats.chunks == 1 and len(daemon.of_type(wire.Begin)) == 1
+
+
+def test_a_refused_chunk_aborts_the_update_so_the_engine_is_not_left_paused(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str
+) -> None:
+    """The daemon answers a frame it cannot use with an Error that carries no update id and
+    does not fail the update; the publisher then aborts the update itself, so the daemon
+    fails it at once (every rank is told, the slot wants a full update, I4) instead of at its
+    commit deadline (10 minutes by default)."""
+
+    def refuse_chunks(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Chunk):
+            return [wire.Error("decode", "bad message: something", fatal=False)]
+        return happy(msg)
+
+    daemon = make_daemon(refuse_chunks)
+    with _publisher(endpoint, packed=True, staging_bytes=64) as pub:
+        with pytest.raises(SlotsyncError, match="bad message"):
+            pub.publish(_many_tensors(2), weight_version="v")
+        deadline = time.monotonic() + 5
+        while not daemon.of_type(wire.Abort) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (abort,) = daemon.of_type(wire.Abort)
+        (begin,) = daemon.of_type(wire.Begin)
+        assert abort.update_id == begin.update_id and "refused a message" in abort.reason
 
 
 def test_unpacked_oversize_names_the_chunk_limit(endpoint: str) -> None:
