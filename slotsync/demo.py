@@ -76,7 +76,18 @@ def _perturb(named: list, round_index: int) -> None:
 
 def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str],
                init_file: str, uuids: list[str] | None, results) -> None:
-    """One trainer rank (spawned process)."""
+    """One trainer rank (spawned process). Stopped with SIGTERM, also when the demo dies
+    outright (``die_with_parent``), it unwinds: the publisher aborts its update and unlinks
+    its shared memory."""
+    import signal
+
+    from slotsync.daemon.launcher import die_with_parent
+
+    def _term(_sig: int, _frame: object) -> None:
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, _term)
+    die_with_parent()
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file

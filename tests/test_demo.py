@@ -83,11 +83,15 @@ def test_bad_options_are_refused_before_anything_starts(args, text):
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
 def test_killed_demo_leaves_no_daemon_or_engine_running(sig):
     """`timeout N slotsync demo` (SIGTERM) unwinds and stops its daemon and engine; even a
-    SIGKILL of the demo takes them down (they die with their parent)."""
+    SIGKILL of the demo takes them down (they die with their parent), and its trainer ranks
+    too: their shared-memory segments are gone within seconds, not at their timeout."""
+    import glob
     import re
     import signal
     import socket
     import time
+
+    shm_before = set(glob.glob("/dev/shm/slotsync-*"))
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "slotsync", "demo", "--rounds", "500", "--ranks", "2"],
@@ -118,3 +122,10 @@ def test_killed_demo_leaves_no_daemon_or_engine_running(sig):
     while any(listening(p) for p in ports) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not [p for p in ports if listening(p)], f"still serving after {sig}: {ports}"
+
+    def left() -> set[str]:
+        return set(glob.glob("/dev/shm/slotsync-*")) - shm_before
+
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left(), f"shared memory left after {sig}: {sorted(left())}"
