@@ -6,7 +6,8 @@ discarding reference engine, side by side with the in-trainer baseline (Gloo
 and per-round medians, p99 and the ratio slotsync / baseline; ``--sweep`` adds the scaling runs
 (ranks, slots, tensors per round, rounds served) and a PNG plot. ``slotsync bench gpu`` pushes a
 Qwen3-30B-A3B-shaped state dict through publisher, daemon and engine by CUDA IPC and compares
-with a plain device-to-device copy. Both rewrite their section of ``--report`` (BENCHMARKS.md).
+with a plain device-to-device copy. Both print their figures; with ``--report FILE`` (e.g.
+BENCHMARKS.md) they also rewrite their section of it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from slotsync.bench.control import SYSTEMS, Phase, SystemTimes, median, ms, p99, run_session
 from slotsync.bench.model import Qwen3MoeConfig, chunk_specs, qwen3_moe_specs, uniform_specs
@@ -86,7 +87,9 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--growth-rounds", type=positive_int, default=100,
                    help="rounds of the rounds-served check (sweep only; default 100)")
     c.add_argument("--plot", default="bench/scaling.png", help="PNG of the sweep")
-    c.add_argument("--report", default="BENCHMARKS.md", help="Markdown report ('' for none)")
+    c.add_argument("--report", default="", metavar="FILE",
+                   help="also rewrite this command's section of FILE (e.g. BENCHMARKS.md); "
+                        "default: print only")
     c.add_argument("--section", default="control",
                    help="section of --report to rewrite (default control; e.g. control-h200 "
                         "for a run on the GPU host's CPUs)")
@@ -110,7 +113,9 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "into DIR and print the top functions (use with one configuration)")
     g.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: the same path over shared memory (dry run)")
-    g.add_argument("--report", default="BENCHMARKS.md", help="Markdown report ('' for none)")
+    g.add_argument("--report", default="", metavar="FILE",
+                   help="also rewrite this command's section of FILE (e.g. BENCHMARKS.md); "
+                        "default: print only")
     return p
 
 
@@ -321,6 +326,36 @@ def _plot(path: str, by_ranks: dict[int, dict[int, dict[str, float]]],
 # ------------------------------------------------------------------------------- gpu
 
 
+def _check_gpu_bench_fits(device: str, ranks: int, nbytes: int, staging: int) -> None:
+    """Refuse, before starting anything, a ``bench gpu`` that cannot run here: no CUDA device
+    for ``--device cuda``, or trainer + engine copies of the state dict (``nbytes`` per
+    rank, plus two staging regions of ``staging`` bytes) beyond the device's or this
+    machine's memory (bytes). Raises SystemExit(2) after a line naming the options to
+    change."""
+    need = ranks * (2 * nbytes + 2 * staging)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            _refuse("no CUDA device is visible (use --device cpu for the same path over "
+                    "shared memory, with a small --layers)")
+        have = torch.cuda.mem_get_info(0)[0]
+        where = "free on cuda:0"
+    else:
+        have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        where = "of free memory"
+    if need > have:
+        _refuse(f"{ranks} rank(s) x (trainer + engine copy of {nbytes / 1e9:.1f} GB + "
+                f"staging) need ~{need / 1e9:.1f} GB, this machine has {have / 1e9:.1f} GB "
+                f"{where}: lower --layers (or --experts, --vocab, --ranks)")
+
+
+def _refuse(text: str) -> NoReturn:
+    """Exit 2 (bad input, as argparse does) with one line on stderr."""
+    print(f"slotsync bench gpu: {text}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def gpu_main(args: argparse.Namespace) -> int:
     """``slotsync bench gpu``."""
     from slotsync.bench.gpu import GpuConfig, run_gpu
@@ -337,10 +372,12 @@ def gpu_main(args: argparse.Namespace) -> int:
     if not args.no_unpacked:
         configs.append(GpuConfig(f"unpacked ({min(args.staging_mb)} MiB chunks)", False,
                                  min(args.staging_mb) * MiB))
+    dev = args.device
+    _check_gpu_bench_fits(dev, args.ranks, sum(s.nbytes for s in specs),
+                          max(args.staging_mb) * MiB)
     _say(out, "## Data plane (GPU): `slotsync bench gpu`")
     _say(out)
     _say(out, f"- command: `{command_line()}`")
-    dev = args.device
     gpu = ""
     if dev == "cuda":
         import torch

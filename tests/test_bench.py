@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 from slotsync.bench.model import chunk_specs, qwen3_moe_specs  # noqa: E402
 from slotsync.bench.report import update_section  # noqa: E402
@@ -99,6 +99,9 @@ def test_profile_chunk_prints_the_split():
     (["control", "--warmup", "-1"], "--warmup: must be >= 0, got -1"),
     (["control", "--sweep", "--sweep-rounds", "1"], "--sweep needs --sweep-rounds >= 2"),
     (["gpu", "--staging-mb", "0,512"], "--staging-mb: must be >= 1, got 0"),
+    (["gpu", "--device", "cpu", "--layers", "48", "--ranks", "4"], "lower --layers"),
+    pytest.param(["gpu"], "no CUDA device is visible", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="a CUDA device is visible")),
 ])
 def test_bench_refuses_bad_arguments_before_starting_anything(args, want):
     out = subprocess.run([sys.executable, "-m", "slotsync.bench", *args, "--report", ""],
