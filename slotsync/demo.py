@@ -395,5 +395,11 @@ def main_from_args(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _term)
     try:
         return run_demo(cfg)
+    except OSError as e:  # urllib's URLError too: the daemon or an engine went away
+        if args.verbose:
+            raise
+        print(f"slotsync demo: FAILED: lost contact with the daemon or an engine ({e}); "
+              f"rerun with -v for the traceback", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)

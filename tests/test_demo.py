@@ -81,6 +81,26 @@ def test_bad_options_are_refused_before_anything_starts(args, text):
     assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr
 
 
+def test_lost_daemon_or_engine_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """The daemon or an engine dying under the demo (found by a trial: kill -9 of the
+    engine) ends it with exit 1 and one line; -v keeps the traceback."""
+    import urllib.error
+
+    from slotsync import demo
+
+    def lost(_cfg):
+        raise urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
+
+    monkeypatch.setattr(demo, "run_demo", lost)
+    args = demo.build_parser().parse_args(["--device", "cpu", "--rounds", "1"])
+    assert demo.main_from_args(args) == 1
+    err = capsys.readouterr().err
+    assert "FAILED: lost contact with the daemon or an engine" in err and "-v" in err
+    args.verbose = True
+    with pytest.raises(urllib.error.URLError):
+        demo.main_from_args(args)
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
 def test_killed_demo_leaves_no_daemon_or_engine_running(sig):
     """`timeout N slotsync demo` (SIGTERM) unwinds and stops its daemon and engine; even a
