@@ -15,8 +15,8 @@ from slotsync.daemon.vllm_pickle import pickle_packed, pickle_unpacked
 from slotsync.protocol.wire import Chunk, CudaIpcHandle, ShmHandle
 
 SAME_CHUNKS_RULE = (
-    "the ranks of a slot must publish the same tensors in the same order with the same "
-    "staging_bytes"
+    "the ranks of a slot must publish the same tensors (names, dtypes and shapes) in the "
+    "same order with the same staging_bytes"
 )
 """Why ranks' chunks can differ; appended to the errors that point at it (design.md I2)."""
 
