@@ -723,9 +723,10 @@ class Publisher:
         An Error without an update id refused one message (e.g. a frame the daemon could not
         decode) and left the slot's update open: it is aborted here, so that the slot's
         update fails at once rather than at the daemon's next deadline (up to
-        ``commit_timeout_s``)."""
+        ``commit_timeout_s``). Not when the daemon does not know this connection (it
+        restarted): it holds no update of ours, and ``begin`` registers again."""
         if self._update_id is not None and err.update_id in (None, self._update_id):
-            if err.update_id is None:
+            if err.update_id is None and err.code != wire.NOT_REGISTERED:
                 self.abort(f"the daemon refused a message: {err.phase}: {err.message}")
             else:
                 self._end_update()
