@@ -136,19 +136,32 @@ def _layout_fragment(
         ValueError: a class or dtype outside the allow-list (cannot happen for records that
             passed ``wire`` validation).
     """
+    return _layout_head(tensor_class, _size_ops(size), _int_tuple(stride), storage_offset,
+                        storage_class, dtype)
+
+
+def _size_ops(size: tuple[int, ...]) -> bytes:
+    """Opcodes that push ``torch.Size(size)``."""
+    return _GET["torch.Size"] + _MARK + _int_tuple(size) + _TUPLE + _REDUCE
+
+
+def _layout_head(tensor_class: str, size_ops: bytes, stride_ops: bytes, storage_offset: int,
+                 storage_class: str, dtype: str) -> tuple[bytes, int]:
+    """A CUDA handle's args up to its device index, from opcodes that push its
+    ``torch.Size`` and stride (inline, or a memo reference), and the mask of the globals
+    used. Checks the allow-lists, since this writes code references.
+
+    Raises:
+        ValueError: a class or dtype outside the allow-list.
+    """
     if tensor_class not in TENSOR_CLASSES or storage_class not in STORAGE_CLASSES:
         raise ValueError("class outside the allow-list")
     if dtype not in DTYPE_SIZES:
         raise ValueError(f"dtype outside the allow-list: {dtype!r}")
     dt = f"torch.{dtype}"
     head = b"".join((
-        _MARK,
-        _GET[tensor_class],
-        _GET["torch.Size"] + _MARK + _int_tuple(size) + _TUPLE + _REDUCE,
-        _int_tuple(stride),
-        _int(storage_offset),
-        _GET[storage_class],
-        _GET[dt],
+        _MARK, _GET[tensor_class], size_ops, stride_ops, _int(storage_offset),
+        _GET[storage_class], _GET[dt],
     ))  # fmt: skip
     mask = _BIT[tensor_class] | _BIT["torch.Size"] | _BIT[storage_class] | _BIT[dt]
     return head, mask
@@ -273,25 +286,14 @@ class _Memo:
         Raises:
             ValueError: a class or dtype outside the allow-list.
         """
-        if tensor_class not in TENSOR_CLASSES or storage_class not in STORAGE_CLASSES:
-            raise ValueError("class outside the allow-list")
-        if dtype not in DTYPE_SIZES:
-            raise ValueError(f"dtype outside the allow-list: {dtype!r}")
         get_size = self.sizes.get(size)
         if get_size is None:
-            get_size = self.sizes[size] = self.put(
-                _GET["torch.Size"] + _MARK + _int_tuple(size) + _TUPLE + _REDUCE
-            )
+            get_size = self.sizes[size] = self.put(_size_ops(size))
         get_stride = self.strides.get(stride)
         if get_stride is None:
             get_stride = self.strides[stride] = self.put(_int_tuple(stride))
-        dt = f"torch.{dtype}"
-        head = b"".join((
-            _MARK, _GET[tensor_class], get_size, get_stride, _int(storage_offset),
-            _GET[storage_class], _GET[dt],
-        ))  # fmt: skip
-        mask = _BIT[tensor_class] | _BIT["torch.Size"] | _BIT[storage_class] | _BIT[dt]
-        return head, mask
+        return _layout_head(tensor_class, get_size, get_stride, storage_offset, storage_class,
+                            dtype)
 
 
 def pickle_unpacked(uuids: Sequence[str], handles_by_rank: Sequence[Sequence[Handle]]) -> bytes:

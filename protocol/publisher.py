@@ -69,9 +69,6 @@ __all__ = ["DEFAULT_STAGING_BYTES", "MAX_UNACKED_CHUNKS", "PublishStats", "Publi
 
 log = logging.getLogger(__name__)
 
-_MAX_NAME = 1024  # characters of a tensor name (wire.Name)
-_DTYPE_OK: set[torch.dtype] = set()  # dtypes dtype_name accepted (checked once per dtype)
-
 DEFAULT_STAGING_BYTES = 512 * 1024 * 1024
 """Default staging buffer (packed) / chunk limit (unpacked): 512 MiB."""
 
@@ -583,18 +580,16 @@ class Publisher:
             name, t = self._check_item(item)
             if name in seen:
                 raise ValueError(f"tensor {name!r} appears twice in one update")
-            if not 0 < len(name) <= _MAX_NAME:
+            if not 0 < len(name) <= wire.MAX_NAME_CHARS:
                 raise ValueError(
-                    f"tensor name {name[:80]!r} must have 1 to {_MAX_NAME} characters "
-                    f"(it has {len(name)})"
+                    f"tensor name {name[:80]!r} must have 1 to {wire.MAX_NAME_CHARS} "
+                    f"characters (it has {len(name)})"
                 )
-            if t.dtype not in _DTYPE_OK:
-                dtype_name(t.dtype)  # raises ValueError naming the allowed dtypes
-                _DTYPE_OK.add(t.dtype)
+            dtype_name(t.dtype)  # raises ValueError naming the allowed dtypes (memoized)
             if t.is_meta:
                 raise ValueError(f"tensor {name!r} is on the meta device: it has no data")
             seen.add(name)
-            n = t.numel() * t.element_size()
+            n = nbytes_of(t)
             self._check_fits(name, n)
             yield name, t, n
 

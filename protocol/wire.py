@@ -88,7 +88,10 @@ NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Pos = Annotated[int, msgspec.Meta(gt=0)]
 HandleBytes = Annotated[bytes, msgspec.Meta(min_length=1, max_length=256)]
 ShortStr = Annotated[str, msgspec.Meta(max_length=1024)]
-Name = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+MAX_NAME_CHARS = 1024
+"""Longest tensor name the wire carries, in characters."""
+
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
 Dims = Annotated[list[NonNeg], msgspec.Meta(max_length=64)]
 TupleDims = Annotated[tuple[NonNeg, ...], msgspec.Meta(max_length=64)]  # hashable records
 
