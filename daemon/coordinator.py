@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import msgspec
+
 from slotsync.daemon.aggregation import (
     SAME_CHUNKS_RULE,
     ChunkMismatch,
@@ -139,7 +141,7 @@ class _Update:
     sent_count: dict[int, int] = field(default_factory=dict)  # rank -> chunks received
     next_index: int = 0  # next chunk to hand to the engine
     consumed_bytes: int = 0
-    names: set[str] = field(default_factory=set)  # tensors the engine loaded in this update
+    names: set[str] = field(default_factory=set)  # loaded in this update (full updates only)
     committed: dict[int, int] = field(default_factory=dict)  # rank -> num_chunks
     last_progress: float = 0.0
     finishing: bool = False
@@ -389,7 +391,11 @@ class SlotCoordinator:
             idx = u.next_index
             loaded = next(iter(u.pending[idx].values()))
             chunk_bytes = sum(loaded.tensor_sizes)
-            u.names.update(loaded.names)
+            # Names the engine holds weights for: grown per loaded chunk (the same names each
+            # round, so lookups only), not merged at finish, where it would delay the resume.
+            self.known_names.update(loaded.names)
+            if self.needs_full_update:
+                u.names.update(loaded.names)  # checked against known_names before finish
             del u.pending[idx]
             u.merged.pop(idx, None)
             u.first_arrival.pop(idx, None)
@@ -403,7 +409,6 @@ class SlotCoordinator:
             u.finished = True
             self.engine_dirty = False
             self.needs_full_update = False
-            self.known_names |= u.names
             self.last_version = u.weight_version  # I8: recorded only with a successful finish
         elif route == "resume":
             self.engine_paused = False
@@ -452,10 +457,16 @@ class SlotCoordinator:
 
     def dirty_state(self) -> tuple[str, int, str] | None:
         """``(state, update_id, weight_version)`` if the engine may hold half-loaded weights:
-        ``"in_flight"`` once start was sent until finish returned, ``"failed"`` after a failed
-        update until a full update succeeds; else None."""
+        ``"in_flight"`` from the update's begin until it ended (resume returned),
+        ``"failed"`` after a failed update until a full update succeeds; else None.
+
+        The whole update, not just start .. finish: the durable record (the adapter writes it
+        when this changes) is then written while get_world_size and pause run -- it only has
+        to be on disk before start is sent -- and cleared after the commit's acks went out,
+        not between finish and resume. A daemon killed outside start .. finish leaves an
+        engine that is at worst paused: recovering it as if mid-update is safe."""
         u = self.current
-        if u is not None and u.start_sent and not u.finished:
+        if u is not None:
             return ("in_flight", u.update_id, u.weight_version)
         if self.needs_full_update and (self.engine_dirty or self.engine_paused):
             uid, _ = self._failed if self._failed else (self.next_update_id - 1, "")
@@ -694,7 +705,9 @@ class SlotCoordinator:
             if isinstance(merged, ChunkMismatch):
                 # I2: the engine never sees an inconsistent chunk.
                 return self._fail(now, "chunk", str(merged), [])  # ranks differ; none missing
-            return self._call(u, "update_weights", {"update_info": merged.update_info})
+            # (the JSON text made at merge time, embedded as is by the client's encoder)
+            return self._call(u, "update_weights",
+                              {"update_info": msgspec.Raw(merged.update_info_json)})
         if (
             len(u.committed) == self.size
             and not u.pending

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -114,6 +115,11 @@ class Daemon:
         if config.engines:
             self.table.set_engine_table({e.slot: e.url for e in config.engines})
         self.record = InflightRecord(config.state_path())
+        # Record writes (two fsyncs each) run in order on one thread, off the event loop; only
+        # a /start_weight_update waits for them (_engine_call).
+        self._record_io = ThreadPoolExecutor(1, thread_name_prefix="slotsync-record")
+        self._record_key: tuple | None = None
+        self._record_written: asyncio.Future[bool] | None = None
         self.restored: list[DirtyEngine] = []
 
     @property
@@ -243,6 +249,8 @@ class Daemon:
         if self._stopped.is_set():
             return
         await self._execute(self.table.shutdown(time.monotonic(), reason))
+        await self._record_on_disk()  # the failed updates' record is on disk before we exit
+        self._record_io.shutdown(wait=True)
         for t in self._loops:
             t.cancel()
         for t in list(self._tasks):
@@ -334,13 +342,51 @@ class Daemon:
         except zmq.ZMQError as e:  # peer gone: nothing to tell it
             log.debug("cannot reply to %s: %s", identity.hex(), e)
 
-    def _persist(self) -> None:
-        """Rewrite the durable record if the set of possibly mid-update engines changed. Runs
-        before any action goes out, so the record names an engine before its start is sent."""
-        self.record.save([DirtyEngine(*d) for d in self.table.dirty_engines()])
+    def _persist(self, *, before_actions: bool) -> None:
+        """Queue a rewrite of the durable record if the set of possibly mid-update engines
+        changed. A slot is recorded from its update's begin (``dirty_state``), so the write runs
+        while get_world_size and pause do; its start waits until it is on disk
+        (``_record_on_disk``). A rewrite that only drops entries is queued after the actions
+        went out (``before_actions=False``): the record thread then does not compete with
+        sending the commit's acks, and a daemon killed before the write only recovers an
+        engine it need not have."""
+        if self.record.path is None:
+            return
+        engines = [DirtyEngine(*d) for d in self.table.dirty_engines()]
+        key = InflightRecord.key_of(engines)
+        if key == self._record_key:
+            return
+        if before_actions and set(key) <= set(self._record_key or ()):
+            return  # only drops entries: after the actions
+        self._record_key = key
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self._record_io, self.record.save,
+                                                             engines)
+        except RuntimeError:  # stopped: nothing runs after this, write it here
+            self.record.save(engines)
+            return
+        fut.add_done_callback(self._record_done)
+        self._record_written = fut
+
+    def _record_done(self, fut: asyncio.Future[bool]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log_event(log, logging.ERROR, "record_write_failed", path=str(self.record.path),
+                      error=str(fut.exception()))
+
+    async def _record_on_disk(self) -> str:
+        """Wait for every queued record write (they run in order); returns '' or why the
+        record could not be written."""
+        fut = self._record_written
+        if fut is None:
+            return ""
+        try:
+            await asyncio.shield(fut)
+        except Exception as e:  # noqa: BLE001 - any failure means: do not start
+            return f"not sent: the in-flight record {self.record.path} cannot be written: {e}"
+        return ""
 
     async def _execute(self, actions: list[Action]) -> None:
-        self._persist()
+        self._persist(before_actions=True)
         for a in actions:
             if isinstance(a, Reply):
                 msg = a.msg
@@ -359,6 +405,7 @@ class Daemon:
                 t.add_done_callback(self._tasks.discard)
             elif isinstance(a, UpdateEnded):
                 self._record(a)
+        self._persist(before_actions=False)
         self._after_actions()
 
     def _after_actions(self) -> None:
@@ -374,11 +421,16 @@ class Daemon:
             self._clients[url] = client
         log_event(log, logging.DEBUG, "engine_call", slot=_slot(call.slot),
                   update_id=call.update_id, route=call.route)
-        try:
-            result = await client.call(call.route, call.body)
-            ok, err = True, ""
-        except EngineError as e:
-            result, ok, err = None, False, str(e)
+        # The durable record must name the slot before its engine can be mid-update.
+        err = await self._record_on_disk() if call.route == "start_weight_update" else ""
+        if err:
+            result, ok = None, False
+        else:
+            try:
+                result = await client.call(call.route, call.body)
+                ok, err = True, ""
+            except EngineError as e:
+                result, ok, err = None, False, str(e)
         await self._execute(coord.on_engine_result(call.call_id, ok, result, err, time.monotonic()))
 
     def _record(self, e: UpdateEnded) -> None:

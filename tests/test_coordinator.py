@@ -232,9 +232,16 @@ def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monk
     import slotsync.daemon.coordinator as coordinator
 
     merges: list[int] = []
+    merged: dict[int, bytes] = {}  # the update_info JSON text, made at merge time
     real = coordinator.merge_chunk
-    monkeypatch.setattr(coordinator, "merge_chunk",
-                        lambda idx, *a, **k: merges.append(idx) or real(idx, *a, **k))
+
+    def traced(idx, *a, **k):
+        m = real(idx, *a, **k)
+        merges.append(idx)
+        merged[idx] = m.update_info_json
+        return m
+
+    monkeypatch.setattr(coordinator, "merge_chunk", traced)
     h = Harness(packed=False)
     h.register_all()
     h.begin()
@@ -255,6 +262,11 @@ def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monk
     for r in range(2):
         h.send(r, Commit(0, 2))
     assert h.coord.last_version == "v" and h.engine.calls.count("update_weights") == 2
+    # each call carried the text encoded at merge time (no encoding when the call goes out)
+    sent = [b["update_info"] for c, b in zip(h.engine.calls, h.engine.bodies, strict=True)
+            if c == "update_weights"]
+    assert all(isinstance(t, msgspec.Raw) for t in sent)
+    assert [bytes(t) for t in sent] == [merged[0], merged[1]]
 
 
 def test_mismatch_found_ahead_fails_only_when_no_engine_call_is_in_flight():

@@ -342,6 +342,68 @@ def test_sigkill_mid_update_then_restart_keeps_engine_paused_and_recovers(tmp_pa
     assert stats["paused"] is False and not any(w["active"] for w in stats["workers"])
 
 
+async def test_inflight_record_is_written_beside_the_begin_calls_not_before_start_or_resume(
+        tmp_path):
+    """The durable record costs two fsyncs per write. It must be on disk before
+    /start_weight_update, yet neither write may sit on the round's critical path: the one
+    naming the slot runs while get_world_size and pause do, the one clearing it after resume
+    has gone out. A slow disk (0.3 s per write) makes the order visible."""
+    import asyncio
+
+    import torch
+    from aiohttp import web
+
+    from slotsync.daemon.service import Daemon
+    from slotsync.protocol.publisher import Publisher
+
+    calls: dict[str, float] = {}
+
+    async def vllm(request: web.Request) -> web.Response:
+        route = request.path.lstrip("/")
+        calls.setdefault(route, time.monotonic())
+        if route == "get_world_size":
+            return web.json_response({"world_size": 1})
+        return web.json_response({"message": "ok"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{route}", vllm)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
+    writes: list[tuple[list[str], float]] = []  # (states recorded, when on disk)
+    real_save = d.record.save
+
+    def slow_save(engines):
+        time.sleep(0.3)
+        done = real_save(engines)
+        writes.append(([e.state for e in engines], time.monotonic()))
+        return done
+
+    d.record.save = slow_save
+    await d.start()
+    try:
+        def publish() -> float:
+            with Publisher(d.endpoint, 0, (0, 1), url, packed=True, transport="shm",
+                           timeout_s=20) as pub:
+                pub.publish({"w": torch.ones(8)}, weight_version="v1")
+                return time.monotonic()
+
+        published = await asyncio.to_thread(publish)
+    finally:
+        await d.stop()
+        await runner.cleanup()
+    named, cleared = writes[-2:]  # (before them: the empty record written at startup)
+    assert named[0] == ["in_flight"] and cleared[0] == []
+    assert calls["pause"] < named[1] <= calls["start_weight_update"]
+    assert calls["resume"] < published < cleared[1]  # the commit's ack did not wait for it
+    record = json.loads((tmp_path / "rt" / "inflight.json").read_text())
+    assert record["slots"] == []  # stop() waited for the last write
+
+
 @pytest.mark.slow
 def test_publisher_reregisters_after_daemon_restart_and_checks_the_frame_cap(tmp_path):
     torch = pytest.importorskip("torch")
