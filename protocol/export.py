@@ -21,7 +21,7 @@ import itertools
 import logging
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 from typing import NamedTuple
 
@@ -59,6 +59,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+POLL_EVERY = 64
+"""``plan_pack`` calls its ``poll`` once per this many tensors (~0.1 ms of layout)."""
 
 SHM_PREFIX = "slotsync-"
 """Every segment this module creates is ``/dev/shm/slotsync-<pid>-r<rank>-<n>``."""
@@ -234,7 +237,8 @@ def as_width(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @torch.no_grad()  # views of parameters, recording no autograd history
 def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor]],
-              sizes: Sequence[int] | None = None) -> PackPlan:
+              sizes: Sequence[int] | None = None,
+              poll: Callable[[], None] | None = None) -> PackPlan:
     """Lay the tensors out back to back from offset 0 of uint8 ``buf`` (vLLM packed layout)
     without copying anything yet: the publisher plans chunk k+1 while the engine still reads
     chunk k, and copies (``run_pack``) once the buffer is free.
@@ -243,20 +247,25 @@ def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
         ValueError: ``buf`` is not a flat uint8 tensor large enough, or a dtype is unsupported.
 
     ``sizes`` (each tensor's bytes) may be passed when the caller already computed them.
+    ``poll`` is called every ``POLL_EVERY`` tensors (the publisher sends the previous chunk
+    from there as soon as its copy is done, instead of after this whole layout).
     """
-    layout = PackedLayout([], [], [], [])
-    names, dtype_names, shapes = layout.names, layout.dtype_names, layout.shapes
-    # One pass per tensor, kept to attribute reads: on the gather path (CUDA with Triton)
-    # this loop is all the per-tensor work of packing a chunk.
+    layout = PackedLayout([n for n, _ in named_tensors], [], [], [])
+    dtype_names, shapes = layout.dtype_names, layout.shapes
+    # Attribute reads only, in comprehensions over blocks of POLL_EVERY tensors: on the
+    # gather path (CUDA with Triton) this is all the per-tensor work of packing a chunk.
     dev = buf.get_device() if buf.is_cuda and gather.available() else None
     ptrs: list[int] | None = [] if dev is not None else None
-    for name, t in named_tensors:
-        names.append(name)
-        dtype_names.append(dtype_name(t.dtype))
-        shapes.append(list(t.shape))
+    tensors = [t for _, t in named_tensors]
+    for lo in range(0, len(tensors), POLL_EVERY):
+        if poll is not None and lo:
+            poll()
+        part = tensors[lo : lo + POLL_EVERY]
+        dtype_names += [_DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype) for t in part]
+        shapes += [list(t.shape) for t in part]
         if ptrs is not None:
-            if t.get_device() == dev and t.is_contiguous():
-                ptrs.append(t.data_ptr())
+            if all(t.get_device() == dev and t.is_contiguous() for t in part):
+                ptrs += [t.data_ptr() for t in part]
             else:
                 ptrs = None
     if sizes is None:
@@ -275,8 +284,8 @@ def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
             if table.shape[0] == 0:
                 return PackPlan(layout, total, None, [])
             # the tensors ride along in srcs so that they outlive the kernel
-            return PackPlan(layout, total, buf[:total].view(torch.int64),
-                            [t for _, t in named_tensors], table, max(layout.tensor_sizes))
+            return PackPlan(layout, total, buf[:total].view(torch.int64), tensors, table,
+                            max(layout.tensor_sizes))
     flats = [(t if t.is_contiguous() else t.contiguous()).view(-1) for _, t in named_tensors]
     if 0 in layout.tensor_sizes:
         flats = [f for f, n in zip(flats, layout.tensor_sizes, strict=True) if n]
@@ -451,9 +460,10 @@ class StagingBuffer(ABC):
         return self.tensor[slot * self.capacity : (slot + 1) * self.capacity]
 
     def plan(self, named_tensors: Sequence[tuple[str, torch.Tensor]], slot: int = 0,
-             sizes: Sequence[int] | None = None) -> PackPlan:
+             sizes: Sequence[int] | None = None,
+             poll: Callable[[], None] | None = None) -> PackPlan:
         """Lay a chunk out in region ``slot`` without copying (see ``plan_pack``; ``sizes``:
-        each tensor's bytes, if the caller has them).
+        each tensor's bytes, if the caller has them; ``poll``: called now and then).
 
         Raises:
             ValueError: the tensors need more than ``capacity`` bytes (names the sizes), or a
@@ -467,7 +477,7 @@ class StagingBuffer(ABC):
                 f"chunk of {len(named_tensors)} tensors needs {total} bytes but the staging "
                 f"buffer holds {self.capacity} bytes"
             )
-        return plan_pack(self.region(slot), named_tensors, sizes)
+        return plan_pack(self.region(slot), named_tensors, sizes, poll)
 
     def fill(self, chunk: Sequence[tuple[str, torch.Tensor]] | PackPlan, slot: int = 0
              ) -> PackedLayout:
@@ -491,6 +501,10 @@ class StagingBuffer(ABC):
 
     def ready(self) -> None:  # noqa: B027 - optional hook
         """Wait until the launched copies are done (CUDA: synchronize; CPU copies are)."""
+
+    def copied(self) -> bool:
+        """Whether the launched copies are done, without waiting (CPU copies are)."""
+        return True
 
     @abstractmethod
     def handle(self, slot: int = 0) -> Handle:
@@ -570,6 +584,7 @@ class CudaStagingBuffer(StagingBuffer):
         if self.device.type != "cuda":
             raise ValueError(f"CudaStagingBuffer needs a CUDA device, got {self.device}")
         self._tensor: torch.Tensor | None = None
+        self._launched: torch.cuda.Event | None = None  # recorded after the last launch
         self._export: CudaIpcHandle | None = None  # slots=1: this update's one export
         self._closed = False
         self.exports = 0  # reduce_tensor calls so far
@@ -584,10 +599,19 @@ class CudaStagingBuffer(StagingBuffer):
             )
         return self._tensor
 
+    def launch(self, plan: PackPlan, slot: int = 0) -> None:
+        super().launch(plan, slot)
+        if self._launched is None:
+            self._launched = torch.cuda.Event()
+        self._launched.record(torch.cuda.current_stream(self.device))
+
     def ready(self) -> None:
         # The consumer is another process: make the copies visible before handing out the
         # handle (cheap next to the engine's load of the chunk).
         torch.cuda.synchronize(self.device)
+
+    def copied(self) -> bool:
+        return self._launched is None or self._launched.query()
 
     def handle(self, slot: int = 0) -> CudaIpcHandle:
         if self.slots == 1:

@@ -295,3 +295,17 @@ def test_cuda_pack_gathers_with_one_kernel_and_falls_back_bit_exactly() -> None:
         want = torch.cat([raw_bytes(t).to("cuda") for _, t in items])
         assert torch.equal(buf[: want.numel()], want)
         assert plan.layout.tensor_sizes == [t.numel() * t.element_size() for _, t in items]
+
+
+def test_gather_table_is_kept_for_the_same_tensors_and_refuses_unaligned_ones() -> None:
+    """A round re-publishes the same tensors: their chunk's table is found, not rebuilt and
+    uploaded again; other addresses or sizes get their own. Unaligned pieces get none."""
+    from slotsync.protocol import gather
+
+    t = gather.gather_table([4096, 8192], [16, 8], torch.device("cpu"))
+    assert t is not None and t.tolist() == [[4096, 0, 2], [8192, 2, 1]]
+    assert gather.gather_table([4096, 8192], [16, 8], torch.device("cpu")) is t
+    other = gather.gather_table([4096, 8200], [16, 8], torch.device("cpu"))
+    assert other is not t and other.tolist() == [[4096, 0, 2], [8200, 2, 1]]
+    assert gather.gather_table([4096, 8196], [16, 8], torch.device("cpu")) is None
+    assert gather.gather_table([4096, 3], [16, 0], torch.device("cpu")).tolist() == [[4096, 0, 2]]
