@@ -192,6 +192,8 @@ class Publisher:
         self._early_acks: set[int] = set()  # chunk acks read while sending or waiting
         # packed chunk whose copy is launched but not yet sent: (index, layout, region)
         self._pending: tuple[int, PackedLayout, int] | None = None
+        self._begin_unacked: str | None = None  # weight version of a Begin not yet acked
+        self._begin_acked = False  # its Ack(begin) was read while doing something else
         self._export_s = 0.0
         self._wait_s = 0.0
         self._pinned: list[torch.Tensor] = []  # unpacked CUDA exports, until commit's ack
@@ -314,6 +316,13 @@ class Publisher:
             RuntimeError: an update is already open.
             SlotsyncError, SlotsyncTimeout: as ``register``, or the begin failed.
         """
+        uid = self._send_begin(weight_version)
+        self._await_begin()
+        return uid
+
+    def _send_begin(self, weight_version: str) -> int:
+        """Open the next update and send its ``Begin``, without waiting for the ack
+        (``_await_begin``, which every chunk send calls first)."""
         self._check_usable()
         if self._update_id is not None:
             raise RuntimeError(f"update {self._update_id} is still open; commit or abort it first")
@@ -326,8 +335,18 @@ class Publisher:
         self._unacked.clear()
         self._early_acks.clear()
         self._send(wire.Begin(update_id=uid, weight_version=weight_version))
+        self._begin_unacked = weight_version
+        return uid
+
+    def _await_begin(self) -> None:
+        """Wait for the open update's ``Ack(begin)`` if it is still due. Nothing is exported
+        before it: a begin that fails leaves no export the engine will never release."""
+        weight_version = self._begin_unacked
+        if weight_version is None:
+            return
         try:
-            self._wait_ack("begin")
+            if not self._begin_acked:
+                self._wait_ack("begin")
         except SlotsyncError as e:
             if e.code != wire.NOT_REGISTERED:
                 raise
@@ -335,13 +354,19 @@ class Publisher:
             # id) and begin once more.
             log.info("rank %d: daemon does not know this rank; registering again", self.rank)
             self._update_id = None
-            self.register()
-            uid = self._next_id
-            self._update_id = uid
-            self._send(wire.Begin(update_id=uid, weight_version=weight_version))
-            self._wait_ack("begin")
-        log.debug("rank %d: update %d begun (weight version %s)", self.rank, uid, weight_version)
-        return uid
+            try:
+                self.register()
+                self._update_id = self._next_id
+                self._send(wire.Begin(update_id=self._update_id, weight_version=weight_version))
+                self._begin_unacked = None  # (a second refusal ends the update)
+                self._wait_ack("begin")
+            except BaseException:
+                self._end_update()  # the chunk copied for the first begin goes too
+                raise
+        self._begin_unacked = None
+        self._begin_acked = False
+        log.debug("rank %d: update %d begun (weight version %s)", self.rank, self._update_id,
+                  weight_version)
 
     def send_chunk(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Export one chunk and wait until the engine consumed it (``Ack(chunk, index)``).
@@ -376,7 +401,7 @@ class Publisher:
         ``pipelined`` (``publish``: names already checked): a packed chunk's copy is only
         launched; it is sent by the next call, after that call laid its own chunk out while
         the GPU copied this one (``_send_pending``), or by ``commit``."""
-        uid = self._require_open()
+        self._require_open()
         if not items:
             raise ValueError("a chunk needs at least one tensor")
         if not pipelined:
@@ -390,7 +415,8 @@ class Publisher:
             staging = self._staging_buffer()
             slot = index % staging.slots
             # CPU: overlaps the engine's load of earlier chunks and the pending chunk's copy
-            plan = staging.plan(items, slot, sizes)
+            plan = staging.plan(items, slot, sizes,
+                                poll=self._send_if_copied if pipelined else None)
             self._export_s += time.perf_counter() - t0
             self._send_pending()
             # the region is free once the chunk that last used it was acknowledged
@@ -404,19 +430,31 @@ class Publisher:
             if not pipelined:
                 self._send_pending()
             return index
+        self._await_begin()
+        t0 = time.perf_counter()
         layout, handles = self._export_unpacked(items)
         self._export_s += time.perf_counter() - t0
         self._wait_unacked(max_unacked)
         self._num_chunks += 1
         self._bytes += sum(layout.tensor_sizes)
-        self._send_chunk_message(uid, index, layout, handles)
+        self._send_chunk_message(self._require_open(), index, layout, handles)
         return index
+
+    def _send_if_copied(self) -> None:
+        """While the next chunk is laid out: send the pending chunk if its copy is done and
+        the begin acknowledged, without waiting for either."""
+        if self._pending is None:
+            return
+        self._drain()  # (reads an Ack(begin) that arrived)
+        if (self._begin_unacked is None or self._begin_acked) and self._staging[0].copied():
+            self._send_pending()
 
     def _send_pending(self) -> None:
         """Send the packed chunk whose copy was launched last, once the copy is done: the
         region's handle is handed out only then (the engine reads it from another process)."""
         if self._pending is None:
             return
+        self._await_begin()  # the copy ran meanwhile; export only once the begin is acked
         index, layout, slot = self._pending
         self._pending = None
         t0 = time.perf_counter()
@@ -429,7 +467,7 @@ class Publisher:
     def _send_chunk_message(self, uid: int, index: int, layout: PackedLayout,
                             handles: list[wire.Handle]) -> None:
         t0 = time.perf_counter()
-        chunk = wire.Chunk(
+        chunk = wire.OutgoingChunk(  # our own layout: the daemon checks it on decode
             update_id=uid,
             index=index,
             names=layout.names,
@@ -465,10 +503,14 @@ class Publisher:
                 (after a timeout the update stays open: call ``abort``).
         """
         self._check_usable()
-        uid = self._require_open()
+        self._require_open()
         self._send_pending()
-        self._wait_unacked(0)
+        self._await_begin()  # (a manual begin -> commit with no chunk)
+        uid = self._require_open()  # a re-registration may have renumbered the update
+        # The commit goes out before the last chunks' acks: the daemon finishes as soon as
+        # the engine has loaded every chunk, without waiting for this rank to hear of it.
         self._send(wire.Commit(update_id=uid, num_chunks=self._num_chunks))
+        self._wait_unacked(0)
         self._wait_ack("commit")
         log.debug(
             "rank %d: update %d committed: %d chunks, %d bytes",
@@ -537,7 +579,9 @@ class Publisher:
         self._export_s = self._wait_s = 0.0
         ahead = self.staging_buffers - 1 if self.packed else MAX_UNACKED_CHUNKS - 1
         try:
-            self.begin(weight_version)
+            # Packed, chunk 0 is laid out and copied while the daemon pauses and starts the
+            # engine; it is exported and sent once the begin is acked (``_send_pending``).
+            self._send_begin(weight_version)
             chunk: list[tuple[str, torch.Tensor]] = []
             sizes: list[int] = []
             size = 0
@@ -700,6 +744,8 @@ class Publisher:
         self._unacked.clear()
         self._early_acks.clear()
         self._pending = None
+        self._begin_unacked = None
+        self._begin_acked = False
         for buf in self._staging:
             buf.end_update()
         if self.transport == "cuda":
@@ -719,9 +765,12 @@ class Publisher:
         decode) and left the slot's update open: it is aborted here, so that the slot's
         update fails at once rather than at the daemon's next deadline (up to
         ``commit_timeout_s``). Not when the daemon does not know this connection (it
-        restarted): it holds no update of ours, and ``begin`` registers again."""
+        restarted): it holds no update of ours, and ``begin`` registers again -- keeping, while
+        the begin is unacknowledged, the chunk already copied for it."""
         if self._update_id is not None and err.update_id in (None, self._update_id):
-            if err.update_id is None and err.code != wire.NOT_REGISTERED:
+            if err.code == wire.NOT_REGISTERED and self._begin_unacked is not None:
+                pass  # _await_begin registers again and begins once more
+            elif err.update_id is None and err.code != wire.NOT_REGISTERED:
                 self.abort(f"the daemon refused a message: {err.phase}: {err.message}")
             else:
                 self._end_update()
@@ -747,10 +796,16 @@ class Publisher:
             ) from None
 
     def _keep_early_ack(self, msg: wire.FromDaemon) -> bool:
-        """Remember an ack of a chunk still in flight that arrived before we waited for it."""
-        if (isinstance(msg, wire.Ack) and msg.phase == "chunk" and self._update_id is not None
-                and msg.update_id == self._update_id and msg.index in self._unacked):
+        """Remember an ack of a chunk still in flight, or of the begin, that arrived before we
+        waited for it."""
+        if not (isinstance(msg, wire.Ack) and self._update_id is not None
+                and msg.update_id == self._update_id):
+            return False
+        if msg.phase == "chunk" and msg.index in self._unacked:
             self._early_acks.add(msg.index)
+            return True
+        if msg.phase == "begin" and self._begin_unacked is not None:
+            self._begin_acked = True
             return True
         return False
 
@@ -766,12 +821,12 @@ class Publisher:
                 raise self._error(msg)
             log.debug("rank %d: ignoring stale reply %r", self.rank, msg)
 
-    def _send(self, msg: wire.ToDaemon) -> None:
+    def _send(self, msg: wire.ToDaemon | wire.OutgoingChunk) -> None:
         self._drain()
         frame = wire.encode(msg)
         cap = self.registered.max_message_bytes if self.registered else 0
         if cap and len(frame) > cap:
-            n = len(msg.names) if isinstance(msg, wire.Chunk) else 0
+            n = len(msg.names) if isinstance(msg, wire.Chunk | wire.OutgoingChunk) else 0
             raise ValueError(
                 f"{type(msg).__name__} of {n} tensors encodes to {len(frame)} bytes, over the "
                 f"daemon's max_message_bytes of {cap}: send fewer tensors per chunk (a smaller "

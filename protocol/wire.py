@@ -319,6 +319,21 @@ class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True):
         return sum(self.tensor_sizes)
 
 
+class OutgoingChunk(msgspec.Struct, tag="chunk"):
+    """A ``Chunk`` as a publisher builds it from a layout it made itself: the same fields,
+    encoded to the same bytes, without ``Chunk.__post_init__``'s checks (~1 ms for a chunk
+    of 1,350 tensors on the H200 host). The daemon decodes it as a ``Chunk``, checks
+    included."""
+
+    update_id: int
+    index: int
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    tensor_sizes: list[int]
+    handles: list[Handle]
+
+
 class Commit(msgspec.Struct, tag="commit", forbid_unknown_fields=True):
     """End of the rank's chunks for ``update_id``: ``num_chunks`` chunks were sent (0..n-1)."""
 
@@ -397,7 +412,7 @@ _to_daemon = msgspec.msgpack.Decoder(ToDaemon)
 _from_daemon = msgspec.msgpack.Decoder(FromDaemon)
 
 
-def encode(msg: ToDaemon | FromDaemon) -> bytes:
+def encode(msg: ToDaemon | OutgoingChunk | FromDaemon) -> bytes:
     """Encode one message as one msgpack frame."""
     return _encoder.encode(msg)
 

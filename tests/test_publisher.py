@@ -437,9 +437,9 @@ def test_publish_lays_out_the_next_chunk_before_sending_the_one_being_copied(
     events: list[tuple[str, int]] = []
     plan, send = ShmStagingBuffer.plan, Publisher._send_chunk_message
 
-    def traced_plan(self: Any, items: Any, slot: int = 0, sizes: Any = None) -> Any:
+    def traced_plan(self: Any, items: Any, slot: int = 0, sizes: Any = None, **kw: Any) -> Any:
         events.append(("plan", int(items[0][0].split(".")[2])))
-        return plan(self, items, slot, sizes)
+        return plan(self, items, slot, sizes, **kw)
 
     def traced_send(self: Any, uid: int, index: int, *rest: Any) -> None:
         events.append(("send", index))
@@ -460,6 +460,119 @@ def test_publish_lays_out_the_next_chunk_before_sending_the_one_being_copied(
         pub.commit()
     seen = {k: v for d in daemon.chunk_data for k, v in d.items()}
     assert seen == {n: _raw(t) for n, t in named}
+
+
+@pytest.mark.parametrize("begin_ok", [True, False], ids=["acked", "refused"])
+def test_publish_copies_chunk_0_while_the_begin_is_in_flight_and_exports_after_its_ack(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str, monkeypatch: pytest.MonkeyPatch,
+    begin_ok: bool,
+) -> None:
+    """Packed ``publish`` lays chunk 0 out and copies it while the daemon pauses and starts
+    the engine (a slow begin here), but takes the region's handle and sends the chunk only
+    after ``Ack(begin)``: a refused begin leaves no export behind. Unpacked exports nothing
+    before the ack either."""
+    from slotsync.protocol.export import ShmStagingBuffer, StagingBuffer
+
+    events: list[str] = []
+    launch, handle = StagingBuffer.launch, ShmStagingBuffer.handle
+    export = Publisher._export_unpacked
+
+    def traced(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            events.append(name)
+            return fn(*a, **kw)
+        return wrapper
+
+    monkeypatch.setattr(StagingBuffer, "launch", traced("launch", launch))
+    monkeypatch.setattr(ShmStagingBuffer, "handle", traced("handle", handle))
+    monkeypatch.setattr(Publisher, "_export_unpacked", traced("export", export))
+
+    def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Begin):
+            time.sleep(0.3)  # pause + start on a slow engine
+            events.append("begin answered")
+            if not begin_ok:
+                return [wire.Error(phase="begin", message="engine down",
+                                   update_id=msg.update_id)]
+        if isinstance(msg, wire.Chunk):
+            events.append("chunk received")
+        return happy(msg)
+
+    make_daemon(script)
+    for packed in (True, False):
+        events.clear()
+        with _publisher(endpoint, packed=packed, staging_bytes=64) as pub:
+            if not begin_ok:
+                with pytest.raises(SlotsyncError, match="engine down"):
+                    pub.publish(_many_tensors(3), weight_version="v")
+                assert "handle" not in events and "export" not in events, events
+                continue
+            pub.publish(_many_tensors(3), weight_version="v")
+        if packed:
+            assert events.index("launch") < events.index("begin answered"), events
+            assert events.index("begin answered") < events.index("handle"), events
+        else:
+            assert events.index("begin answered") < events.index("export"), events
+        assert events.index("begin answered") < events.index("chunk received"), events
+
+
+def test_publish_sends_a_chunk_from_within_the_next_chunks_layout_once_copied(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Laying out a chunk of thousands of tensors takes milliseconds: the chunk copied before
+    it goes out from within that layout as soon as its copy is done and the begin acked
+    (read from the socket meanwhile), not after it."""
+    from slotsync.protocol import export
+
+    events: list[str] = []
+    plan, send = export.plan_pack, Publisher._send_chunk_message
+
+    def traced_plan(buf: Any, items: Any, *a: Any, **kw: Any) -> Any:
+        k = int(items[0][0].split(".")[2]) // 200
+        events.append(f"layout {k} begins")
+        out = plan(buf, items, *a, **kw)
+        events.append(f"layout {k} ends")
+        return out
+
+    def traced_send(self: Any, uid: int, index: int, *rest: Any) -> None:
+        events.append(f"send {index}")
+        send(self, uid, index, *rest)
+
+    monkeypatch.setattr(export, "plan_pack", traced_plan)
+    monkeypatch.setattr(Publisher, "_send_chunk_message", traced_send)
+    make_daemon()
+    def named() -> Iterator[tuple[str, torch.Tensor]]:  # 3 chunks of 200 tensors
+        for i, item in enumerate(_many_tensors(600)):
+            if i == 200:
+                time.sleep(0.2)  # (the begin's ack is there when the first poll looks)
+            yield item
+
+    with _publisher(endpoint, packed=True, staging_bytes=200 * 64) as pub:
+        assert pub.publish(named(), weight_version="v").chunks == 3
+    assert events == ["layout 0 begins", "layout 0 ends", "layout 1 begins", "send 0",
+                      "layout 1 ends", "layout 2 begins", "send 1", "layout 2 ends",
+                      "send 2"], events
+
+
+def test_commit_goes_out_before_the_last_chunks_are_acknowledged(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str
+) -> None:
+    """The daemon finishes as soon as the engine loaded every chunk; the rank need not hear
+    of the last loads first. This daemon acks chunks only once the commit is in."""
+    held: list[wire.Chunk] = []
+
+    def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Chunk):
+            held.append(msg)
+            return []
+        if isinstance(msg, wire.Commit):
+            acks = [wire.Ack(update_id=c.update_id, phase="chunk", index=c.index) for c in held]
+            return [*acks, wire.Ack(update_id=msg.update_id, phase="commit")]
+        return happy(msg)
+
+    make_daemon(script)
+    with _publisher(endpoint, packed=True, staging_bytes=64, timeout_s=2.0) as pub:
+        assert pub.publish(_many_tensors(2), weight_version="v").chunks == 2  # two regions
 
 
 def test_ack_read_before_it_is_awaited_is_kept(

@@ -15,6 +15,7 @@ from slotsync.protocol.wire import (
     Commit,
     CudaIpcHandle,
     Error,
+    OutgoingChunk,
     ProtocolError,
     Register,
     ShmHandle,
@@ -49,6 +50,19 @@ def test_round_trip_every_message():
         assert decode_to_daemon(encode(m)) == m
     for m in [Ack(3, "chunk", 0), Error("chunk", "bad", [0, 2], 3, [1])]:
         assert decode_from_daemon(encode(m)) == m
+
+
+def test_outgoing_chunk_is_a_chunk_on_the_wire_and_checked_on_decode():
+    """The publisher's unchecked ``OutgoingChunk`` encodes to exactly a ``Chunk``'s bytes, so
+    the daemon decodes (and checks) it as one; a bad one is refused there."""
+    fields = dict(update_id=3, index=1, names=["a", "b"], dtype_names=["bfloat16", "int64"],
+                  shapes=[[2, 2], [3]], tensor_sizes=[8, 24],
+                  handles=[cuda_handle(size=(32,), storage_size_bytes=32)])
+    assert encode(OutgoingChunk(**fields)) == encode(Chunk(**fields))
+    assert decode_to_daemon(encode(OutgoingChunk(**fields))) == Chunk(**fields)
+    bad = OutgoingChunk(**{**fields, "tensor_sizes": [8, 25]})  # no check when built
+    with pytest.raises(ProtocolError, match="tensor_sizes says 25 bytes"):
+        decode_to_daemon(encode(bad))
 
 
 @pytest.mark.parametrize("raw,want", [
