@@ -49,6 +49,7 @@ import torch
 
 from slotsync.daemon.vllm_pickle import SHM_TAG
 from slotsync.engine.checksum import tensor_checksum
+from slotsync.protocol import gather
 from slotsync.protocol.export import copy_width
 
 # Keys of vLLM's IPCWeightTransferUpdateInfo (0.27-0.33); anything else is a TypeError there.
@@ -156,6 +157,8 @@ class _PackedPlan:
         splits: elements of ``wide`` per non-empty tensor, in order.
         dsts: flat views of the weights in ``wide``, one per entry of ``splits`` (``None``
             in discard mode, which copies nothing).
+        table: on CUDA with Triton and 8-byte words, the weights' addresses and offsets for
+            ``gather.scatter_from`` (one kernel copies the chunk out); else None.
     """
 
     dtype_names: list
@@ -165,9 +168,29 @@ class _PackedPlan:
     wide: torch.dtype
     splits: list[int]
     dsts: list[torch.Tensor] | None
+    table: torch.Tensor | None = None
 
 
 _JSON = msgspec.json.Decoder()  # JSON text -> dict / list / str / int / float / bool / None
+
+
+class _RawPackedUpdateInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """A packed ``update_info`` as JSON text, its lists left undecoded (``msgspec.Raw`` only
+    finds where each ends). Byte-identical lists decode to identical values, so the four
+    texts key a ``_PackedPlan`` without decoding thousands of names and shapes per chunk."""
+
+    names: msgspec.Raw
+    dtype_names: msgspec.Raw
+    shapes: msgspec.Raw
+    tensor_sizes: msgspec.Raw
+    ipc_handles_pickled: str
+
+    def key(self) -> tuple[bytes, bytes, bytes, bytes]:
+        return (bytes(self.names), bytes(self.dtype_names), bytes(self.shapes),
+                bytes(self.tensor_sizes))
+
+
+_RAW_PACKED = msgspec.json.Decoder(_RawPackedUpdateInfo)
 
 _MAX_PLANS = 4096  # distinct chunks remembered per worker (a round has tens to hundreds)
 
@@ -336,10 +359,14 @@ class WorkerState:
         self.load_seconds = 0.0  # inside update_weights: parse, map, copy, synchronize
         self.packed_maps = 0  # packed buffers mapped anew (not found in torch's IPC cache)
         self.planned_chunks = 0  # packed chunks loaded through a remembered _PackedPlan
+        self.planned_from_text = 0  # of those, found by their JSON text (_RawPackedUpdateInfo)
+        self.scattered_chunks = 0  # of those, copied out by one gather.scatter_from kernel
+        self._scatter_ready = False  # gather.warm_up done
         # vLLM's PackedBufferImporter: one mapped packed buffer, keyed by its handle's args
         self._importer: tuple[tuple, torch.Tensor] | None = None
         self._flat: dict[str, _FlatWeight] = {}  # see _flat_weight
         self._plans: dict[tuple, _PackedPlan] = {}  # see _PackedPlan
+        self._raw_plans: dict[tuple[bytes, ...], _PackedPlan] = {}  # see _RawPackedUpdateInfo
         self._last_copy: tuple[torch.dtype, list[int], list[torch.Tensor]] | None = None
         self.init_count = 0
 
@@ -404,16 +431,20 @@ class WorkerState:
         try:
             if inject:
                 raise RuntimeError(inject)
+            n = None
             if update_info_json is not None:
-                try:
-                    update_info = _JSON.decode(update_info_json)
-                except msgspec.DecodeError as e:
-                    raise ValueError(f"update_info is not valid JSON: {e}") from None
-            n = self._load_planned(update_info)
+                n = self._load_planned_raw(update_info_json)
+                if n is None:
+                    try:
+                        update_info = _JSON.decode(update_info_json)
+                    except msgspec.DecodeError as e:
+                        raise ValueError(f"update_info is not valid JSON: {e}") from None
+            if n is None:
+                n = self._load_planned(update_info)
             if n is None:
                 parsed = parse_update_info(update_info, self.packed)
                 n = self._check_only(parsed) if self.discard else self._load_chunk(parsed)
-                self._remember(update_info, parsed)
+                self._remember(update_info, parsed, update_info_json)
         except BaseException:
             self.active = False
             self._importer = None
@@ -468,6 +499,8 @@ class WorkerState:
             "load_seconds": self.load_seconds,
             "packed_maps": self.packed_maps,
             "planned_chunks": self.planned_chunks,
+            "planned_from_text": self.planned_from_text,
+            "scattered_chunks": self.scattered_chunks,
             "num_weights": len(self.weights),
         }
 
@@ -592,6 +625,26 @@ class WorkerState:
             v = views[dtype] = next(iter(views.values())).view(dtype)
         return v
 
+    def _load_planned_raw(self, text: bytes) -> int | None:
+        """``_load_planned`` for ``update_info`` as JSON text, keyed by its lists' text."""
+        if not (self.packed and self._raw_plans):
+            return None
+        try:
+            raw = _RAW_PACKED.decode(text)
+        except msgspec.DecodeError:  # (ValidationError too) another shape: decode it all
+            return None
+        plan = self._raw_plans.get(raw.key())
+        if plan is None:
+            return None
+        try:
+            handles = pickle.loads(base64.b64decode(raw.ipc_handles_pickled))
+        except Exception:  # noqa: BLE001 - the full parse reports it as vLLM would
+            return None
+        n = self._load_from_plan(plan, handles)
+        if n is not None:
+            self.planned_from_text += 1
+        return n
+
     def _load_planned(self, update_info: Any) -> int | None:
         """Packed chunk seen before (see ``_PackedPlan``): unpickle the handles, map the buffer
         and copy every tensor out in one call. Returns bytes loaded, or None when no plan
@@ -610,7 +663,11 @@ class WorkerState:
                 or update_info.get("shapes") != plan.shapes
                 or update_info.get("tensor_sizes") != plan.tensor_sizes):
             return None
-        handles = _handles_of(update_info)
+        return self._load_from_plan(plan, _handles_of(update_info))
+
+    def _load_from_plan(self, plan: _PackedPlan, handles: Any) -> int | None:
+        """Map the chunk's buffer and copy every tensor out as ``plan`` says; None when the
+        handles do not suit the plan (the caller then takes the full path)."""
         if not isinstance(handles, dict):
             return None
         if plan.dsts is None:  # discard
@@ -619,12 +676,23 @@ class WorkerState:
             buf = self._packed_buffer(handles, plan.need)
             if buf.data_ptr() % plan.wide.itemsize:
                 return None  # this buffer's base is less aligned than the plan's: copy narrower
-            self._copy_out(buf[: plan.need].view(plan.wide), plan.splits, plan.dsts)
+            src = buf[: plan.need].view(plan.wide)
+            if plan.table is not None and plan.dsts:
+                gather.scatter_from(src, plan.table, max(plan.splits) * 8)
+                torch.cuda.synchronize(self.device)  # the producer reuses its buffer after this
+                self.scattered_chunks += 1
+            else:
+                self._copy_out(src, plan.splits, plan.dsts)
         self.planned_chunks += 1
         return plan.need
 
-    def _remember(self, update_info: dict, p: ParsedUpdate) -> None:
-        """After a packed chunk loaded (or checked, in discard mode) in place, keep its plan."""
+    def _forget_plans(self) -> None:
+        self._plans.clear()
+        self._raw_plans.clear()
+
+    def _remember(self, update_info: dict, p: ParsedUpdate, text: bytes | None = None) -> None:
+        """After a packed chunk loaded (or checked, in discard mode) in place, keep its plan
+        (also under its lists' JSON ``text``, when it came as text)."""
         if p.tensor_sizes is None:
             return
         if self.discard:
@@ -634,11 +702,24 @@ class WorkerState:
         else:
             wide, splits, dsts = self._last_copy
         if len(self._plans) >= _MAX_PLANS:
-            self._plans.clear()
-        self._plans[tuple(p.names)] = _PackedPlan(
+            self._forget_plans()
+        table = None
+        if (dsts and wide == torch.int64 and self.device.type == "cuda"
+                and gather.available()):
+            table = gather.gather_table([d.data_ptr() for d in dsts], [n * 8 for n in splits],
+                                        self.device)
+            if not self._scatter_ready:  # compile now, not during the next round's load
+                gather.warm_up(self.device, scatter=True)
+                self._scatter_ready = True
+        plan = self._plans[tuple(p.names)] = _PackedPlan(
             update_info["dtype_names"], update_info["shapes"], update_info["tensor_sizes"],
-            sum(p.tensor_sizes), wide, splits, dsts,
+            sum(p.tensor_sizes), wide, splits, dsts, table,
         )
+        if text is not None:
+            try:
+                self._raw_plans[_RAW_PACKED.decode(text).key()] = plan
+            except msgspec.DecodeError:
+                pass  # e.g. ipc_handles instead of ipc_handles_pickled: decoded path only
 
     def _copy_out(self, src: torch.Tensor, splits: list[int], dsts: list[torch.Tensor]) -> None:
         """Copy consecutive pieces of ``src`` (sizes ``splits``, in elements) into ``dsts``,
@@ -707,7 +788,7 @@ class WorkerState:
             else:
                 self.weights[name] = t.to(self.device, copy=True)
                 self._flat.pop(name, None)
-                self._plans.clear()  # plans hold views of the replaced weight
+                self._forget_plans()  # plans hold views of the replaced weight
             total += t.numel() * t.element_size()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

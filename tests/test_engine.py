@@ -314,11 +314,15 @@ def test_packed_chunk_seen_before_is_loaded_from_its_plan(eng: ReferenceEngine, 
     def planned() -> list[int]:
         return [w["planned_chunks"] for w in stats(eng)["workers"]]
 
+    def from_text() -> list[int]:  # found by the JSON text of its lists, not decoding them
+        return [w["planned_from_text"] for w in stats(eng)["workers"]]
+
     one_round(10)  # creates or reshapes the weights (general path) in a fresh engine
     one_round(11)  # in place: the plan is remembered
-    before = planned()
+    before, before_text = planned(), from_text()
     assert one_round(12)[0] == 200  # planned, and the new bytes land (checksums above)
     assert [a - b for a, b in zip(planned(), before, strict=True)] == [1, 1]
+    assert [a - b for a, b in zip(from_text(), before_text, strict=True)] == [1, 1]
 
     def bad_sizes(t: dict, h: dict) -> dict:
         info = packed_info(t, h)

@@ -46,5 +46,13 @@ def test_cuda_ipc_rounds_land_in_every_worker(packed):
         # block once per update (torch's IPC cache hit for every later chunk's export)
         assert all(w["update_count"] >= 6 for w in stats["workers"]), stats["workers"]
         assert [w["packed_maps"] for w in stats["workers"]] == ([3, 3] if packed else [0, 0])
+        if packed:
+            # round 3 re-sent round 2's chunks: each was copied out through the plan the
+            # worker kept (one scatter kernel with Triton), and the checksums above are its
+            from slotsync.protocol import gather
+
+            assert all(w["planned_chunks"] >= 2 for w in stats["workers"]), stats["workers"]
+            if gather.available():
+                assert all(w["scattered_chunks"] >= 2 for w in stats["workers"])
         assert all(w["device"].startswith("cuda") for w in stats["workers"])
         assert eng.request("GET", "/weight_info")[1]["weight_version"] == "v3"
