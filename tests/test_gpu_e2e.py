@@ -31,9 +31,11 @@ def test_cuda_ipc_rounds_land_in_every_worker(packed):
             assert [e[3] for e in rounds(ev, r)] == ["ok"] * 3, ev
         # The engine released each update's export at finish and the publisher dropped its
         # staging buffer after the commit: nothing stays allocated (or pinned in torch's IPC
-        # limbo) after any round.
+        # limbo) after any round. Packed, round 1 leaves the gather kernel's tables (a small
+        # bounded cache, found again by the next rounds, which leave nothing).
         left = [e for r in ev for e in ev[r] if e[0] == "cuda_left"]
-        assert len(left) == 6 and all(e[3] == 0 for e in left), left
+        assert len(left) == 6 and all(e[3] == 0 for e in left if e[2] > 1), left
+        assert all(e[3] < (4096 if packed else 1) for e in left if e[2] == 1), left
         want = {n: tensor_checksum(t) for n, t in make_tensors(3)}
         _, body = eng.request("POST", "/weight_checker", {"action": "checksum"})
         assert set(body["checksums"]) == set(uuids)
