@@ -212,7 +212,9 @@ def test_daemon_error_on_chunk(make_daemon: Callable[..., FakeDaemon], endpoint:
         assert e.missing_ranks == (0,) and e.message == "rank 0 never sent chunk 1"
         assert "missing ranks [0]" in str(e) and "slot [0, 2)" in str(e)
         assert pub.update_id is None
-        assert daemon.of_type(wire.Commit) == []
+        # (a Commit may have gone out behind the last chunk, before the error came back: the
+        # daemon answers it with "already failed", which the next update ignores as stale)
+        assert all(c.update_id == NEXT_ID for c in daemon.of_type(wire.Commit))
         assert daemon.of_type(wire.Abort) == []  # the daemon already failed the update
         # the failed update's id is not reused (I7)
         pub.publish(_tensors()[:1], "v2")
