@@ -349,6 +349,9 @@ class WorkerState:
             from safetensors.torch import load_file
 
             self.weights = load_file(spec.model_path, device=str(self.device))
+        if self.device.type == "cuda" and gather.available():
+            # Compile the copy-out kernel now (~0.5 s), not during a round's load.
+            gather.warm_up(self.device, scatter=True)
         self.packed = False
         self.active = False
         self.servable = True
@@ -361,7 +364,6 @@ class WorkerState:
         self.planned_chunks = 0  # packed chunks loaded through a remembered _PackedPlan
         self.planned_from_text = 0  # of those, found by their JSON text (_RawPackedUpdateInfo)
         self.scattered_chunks = 0  # of those, copied out by one gather.scatter_from kernel
-        self._scatter_ready = False  # gather.warm_up done
         # vLLM's PackedBufferImporter: one mapped packed buffer, keyed by its handle's args
         self._importer: tuple[tuple, torch.Tensor] | None = None
         self._flat: dict[str, _FlatWeight] = {}  # see _flat_weight
@@ -708,9 +710,6 @@ class WorkerState:
                 and gather.available()):
             table = gather.gather_table([d.data_ptr() for d in dsts], [n * 8 for n in splits],
                                         self.device)
-            if not self._scatter_ready:  # compile now, not during the next round's load
-                gather.warm_up(self.device, scatter=True)
-                self._scatter_ready = True
         plan = self._plans[tuple(p.names)] = _PackedPlan(
             update_info["dtype_names"], update_info["shapes"], update_info["tensor_sizes"],
             sum(p.tensor_sizes), wide, splits, dsts, table,
