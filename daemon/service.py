@@ -44,7 +44,14 @@ from slotsync.daemon.slot_table import SlotTable
 from slotsync.daemon.status_server import StatusServer
 from slotsync.daemon.systemd import Notifier
 from slotsync.daemon.vllm_client import EngineError, VllmClient
-from slotsync.protocol.wire import Error, ProtocolError, Registered, decode_to_daemon, encode
+from slotsync.protocol.wire import (
+    ChunkMetaCache,
+    Error,
+    ProtocolError,
+    Registered,
+    decode_to_daemon,
+    encode,
+)
 
 log = logging.getLogger("slotsync.daemon")
 
@@ -115,6 +122,7 @@ class Daemon:
         if config.engines:
             self.table.set_engine_table({e.slot: e.url for e in config.engines})
         self.record = InflightRecord(config.state_path())
+        self._chunk_meta = ChunkMetaCache()  # each round re-sends the same chunk lists
         # Record writes (two fsyncs each) run in order on one thread, off the event loop; only
         # a /start_weight_update waits for them (_engine_call).
         self._record_io = ThreadPoolExecutor(1, thread_name_prefix="slotsync-record")
@@ -299,7 +307,8 @@ class Daemon:
                 )
                 continue
             try:
-                msg = decode_to_daemon(payload, self.config.max_message_bytes)
+                msg = decode_to_daemon(payload, self.config.max_message_bytes,
+                                       self._chunk_meta)
             except ProtocolError as e:
                 self.metrics.bad_messages.inc()
                 log_event(log, logging.WARNING, "rejected_message", peer=identity.hex(),

@@ -33,6 +33,7 @@ name: ``(CudaIpcHandle field 'dtype')``).
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 import re
@@ -301,22 +302,67 @@ class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True):
             )
         if len(set(self.names)) != n:
             raise ValueError("duplicate tensor names in one chunk")
-        if not self.handles:
-            raise ValueError("chunk carries no handle")
-        if len(self.handles) == 1 and n > 1:
-            # packed: one buffer must hold every tensor
-            h = self.handles[0]
-            total = sum(self.tensor_sizes)
-            have = h.nbytes
-            if have < total:
-                raise ValueError(f"packed buffer handle covers {have} bytes, chunk needs {total}")
-        elif len(self.handles) != n:
-            raise ValueError(f"{len(self.handles)} handles for {n} tensors")
+        problem = _handles_problem(self.handles, n, sum(self.tensor_sizes))
+        if problem:
+            raise ValueError(problem)
 
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data this chunk describes."""
         return sum(self.tensor_sizes)
+
+
+def _handles_problem(handles: list[Handle], n: int, total: int) -> str:
+    """What is wrong with a chunk's handles for ``n`` tensors of ``total`` bytes, or ''."""
+    if not handles:
+        return "chunk carries no handle"
+    if len(handles) == 1 and n > 1:  # packed: one buffer must hold every tensor
+        have = handles[0].nbytes
+        if have < total:
+            return f"packed buffer handle covers {have} bytes, chunk needs {total}"
+    elif len(handles) != n:
+        return f"{len(handles)} handles for {n} tensors"
+    return ""
+
+
+class _ChunkWithRawLists(msgspec.Struct, tag="chunk", forbid_unknown_fields=True):
+    """A ``Chunk`` whose four lists stay encoded (``msgspec.Raw`` only finds where each ends):
+    see ``ChunkMetaCache``."""
+
+    update_id: NonNeg
+    index: NonNeg
+    names: msgspec.Raw
+    dtype_names: msgspec.Raw
+    shapes: msgspec.Raw
+    tensor_sizes: msgspec.Raw
+    handles: list[Handle]
+
+    def key(self) -> tuple[bytes, bytes, bytes, bytes]:
+        return (bytes(self.names), bytes(self.dtype_names), bytes(self.shapes),
+                bytes(self.tensor_sizes))
+
+
+class ChunkMetaCache:
+    """Chunk lists already decoded and checked, keyed by their encoded bytes.
+
+    Every round, every rank of a slot sends the same chunks: the same names, dtypes, shapes and
+    sizes, byte for byte; only the update id, index and handles change. A frame whose four
+    lists are bytes already seen is decoded with those lists left encoded, and gets the
+    checked lists of the earlier ``Chunk`` (shared, never modified: ~1 ms less per frame of
+    1,350 tensors on the H200 host). Anything else is decoded and checked in full.
+
+    Args:
+        max_entries: distinct chunks kept (a round of Qwen3-30B-A3B in 512 MiB chunks has 114);
+            over it, the cache starts afresh.
+    """
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._chunks: dict[tuple[bytes, bytes, bytes, bytes], tuple[Chunk, int]] = {}
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._chunks)
 
 
 class OutgoingChunk(msgspec.Struct, tag="chunk"):
@@ -409,6 +455,8 @@ FromDaemon = Registered | Ack | Error
 
 _encoder = msgspec.msgpack.Encoder()
 _to_daemon = msgspec.msgpack.Decoder(ToDaemon)
+_to_daemon_raw_lists = msgspec.msgpack.Decoder(
+    Register | Begin | _ChunkWithRawLists | Commit | Abort)
 _from_daemon = msgspec.msgpack.Decoder(FromDaemon)
 
 
@@ -417,8 +465,11 @@ def encode(msg: ToDaemon | OutgoingChunk | FromDaemon) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_to_daemon(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES_DEFAULT) -> ToDaemon:
-    """Decode and validate one frame a rank sent.
+def decode_to_daemon(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES_DEFAULT,
+                     cache: ChunkMetaCache | None = None) -> ToDaemon:
+    """Decode and validate one frame a rank sent. With ``cache``, a ``Chunk`` whose lists
+    were seen before reuses their decoded, checked form (``ChunkMetaCache``); the result and
+    the errors are the same.
 
     Raises:
         ProtocolError: the frame is over ``max_bytes``, not msgpack, not one of the
@@ -427,11 +478,34 @@ def decode_to_daemon(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES_DEFAULT) -
     """
     if len(frame) > max_bytes:
         raise ProtocolError(f"message of {len(frame)} bytes exceeds the {max_bytes}-byte cap")
+    key = None
+    if cache is not None:
+        try:
+            msg = _to_daemon_raw_lists.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+            msg = None  # the full decode below reports what is wrong
+        if isinstance(msg, _ChunkWithRawLists):
+            key = msg.key()
+            seen = cache._chunks.get(key)
+            if seen is not None and not _handles_problem(msg.handles, len(seen[0].names),
+                                                         seen[1]):
+                cache.hits += 1
+                chunk = copy.copy(seen[0])  # (no __post_init__: its lists passed it already)
+                chunk.update_id, chunk.index, chunk.handles = msg.update_id, msg.index, msg.handles
+                return chunk
+        elif msg is not None:
+            return msg  # the same message types as the full decode, checked alike
     try:
-        return _to_daemon.decode(frame)
+        decoded = _to_daemon.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
         # UnicodeDecodeError: msgspec lets invalid UTF-8 in a tag through (found by fuzzing)
         raise ProtocolError(f"bad message: {e}{_handle_field_hint(str(e), frame)}") from None
+    if key is not None and isinstance(decoded, Chunk):
+        assert cache is not None
+        if len(cache._chunks) >= cache.max_entries:
+            cache._chunks.clear()
+        cache._chunks[key] = (copy.copy(decoded), sum(decoded.tensor_sizes))
+    return decoded
 
 
 _HANDLE_PATH = re.compile(r"`\$\.handles\[(\d+)\]\[(\d+)\]")

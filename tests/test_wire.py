@@ -12,6 +12,7 @@ from slotsync.protocol.wire import (
     Ack,
     Begin,
     Chunk,
+    ChunkMetaCache,
     Commit,
     CudaIpcHandle,
     Error,
@@ -227,6 +228,53 @@ def test_fuzz_truncated_and_mutated_valid_frames(data):
         decode_to_daemon(bytes(mutated))
     except ProtocolError:
         pass
+
+
+def _decode_or_error(frame: bytes, cache: ChunkMetaCache | None = None) -> object:
+    try:
+        return decode_to_daemon(frame, cache=cache)
+    except ProtocolError as e:
+        return f"ProtocolError: {e}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_fuzz_chunk_meta_cache_decodes_exactly_like_the_full_decode(data):
+    """With a cache that holds a valid chunk's lists, any mutation of that chunk's frame
+    decodes to the same message, or fails with the same error, as without the cache."""
+    frame = encode(Chunk(1, 0, ["a", "b"], ["float32", "int8"], [[2], [3]], [8, 3],
+                         [ShmHandle("seg", 0, 11)]))
+    cache = ChunkMetaCache()
+    decode_to_daemon(frame, cache=cache)
+    pos = data.draw(st.integers(0, len(frame) - 1))
+    val = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(pos + 1, len(frame)))
+    mutated = bytearray(frame[:cut])
+    mutated[pos] = val
+    assert _decode_or_error(bytes(mutated), cache) == _decode_or_error(bytes(mutated))
+
+
+def test_chunk_meta_cache_reuses_checked_lists_and_checks_the_rest():
+    """A round re-sends the same chunk lists with new ids and handles: they come from the
+    cache; other lists, and handles that do not fit the chunk, take the full decode."""
+    cache = ChunkMetaCache()
+    lists = dict(names=["a", "b"], dtype_names=["float32", "int8"], shapes=[[2], [3]],
+                 tensor_sizes=[8, 3])
+    first = decode_to_daemon(encode(Chunk(1, 0, **lists, handles=[ShmHandle("s", 0, 11)])),
+                             cache=cache)
+    again = Chunk(2, 5, **lists, handles=[ShmHandle("t", 64, 16)])
+    got = decode_to_daemon(encode(again), cache=cache)
+    assert got == again and cache.hits == 1
+    assert got.names is first.names  # shared, already checked
+    small = msgspec.msgpack.decode(encode(again))
+    small["handles"] = [["shm", "t", 0, 4]]  # a buffer smaller than the chunk
+    with pytest.raises(ProtocolError, match="packed buffer handle covers 4 bytes, chunk needs 11"):
+        decode_to_daemon(msgspec.msgpack.encode(small), cache=cache)
+    other = msgspec.msgpack.decode(encode(again))
+    other["tensor_sizes"] = [8, 4]  # other lists: decoded and checked in full
+    with pytest.raises(ProtocolError, match="tensor_sizes says 4 bytes"):
+        decode_to_daemon(msgspec.msgpack.encode(other), cache=cache)
+    assert cache.hits == 1 and len(cache) == 1
 
 
 @pytest.mark.parametrize("url", ["file:///etc/passwd", "not a url", "ftp://x", ""])
