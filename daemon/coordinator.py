@@ -11,7 +11,8 @@ events — rank messages (``on_register``, ``on_message``), engine call results
 
 One update (design.md "Flow of one round")::
 
-    first Begin ─► get_world_size ─► [init(packed) once] ─► pause(keep) ─► [finish: recover]
+    first Begin ─► [get_world_size, init(packed): once per engine session] ─► pause(keep)
+      ─► [finish: recover]
       ─► start ─► Ack(begin) to every rank that has begun
     chunk k complete on every rank ─► merge ─► update_weights ─► Ack(chunk k) to every rank
     Commit from every rank (same count, all chunks consumed) ─► finish(version) ─► resume
@@ -584,9 +585,11 @@ class SlotCoordinator:
                 msg.update_id,
             )
         u = _Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now)
-        steps = ["get_world_size"]
-        if not self.engine_initialized:
-            steps.append("init_weight_transfer_engine")
+        # The world size and init are checked once per engine session: any failure (an engine
+        # restarted with another layout fails its first update) or a new engine URL clears
+        # engine_initialized, and the next update checks both again. One call less per round.
+        steps = [] if self.engine_initialized else ["get_world_size",
+                                                    "init_weight_transfer_engine"]
         steps.append("pause")
         if self.engine_dirty:
             steps.append("finish_recover")

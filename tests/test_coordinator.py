@@ -198,6 +198,8 @@ def test_happy_round_order_and_acks():
     assert h.engine.bodies[1] == {"init_info": {"packed": True}}
     h.round(1)
     assert h.engine.calls.count("init_weight_transfer_engine") == 1
+    # the world size too is checked once per engine session: round 2 starts with the pause
+    assert h.engine.calls[8:10] == ["pause", "start_weight_update"]
     assert h.engine.calls.count("start_weight_update") == 2
     assert h.engine.calls.count("finish_weight_update") == 2
 
@@ -479,6 +481,21 @@ def test_world_size_mismatch_refused_before_start():
     h.begin()
     assert "start_weight_update" not in h.engine.calls
     assert "world size 4" in h.last(0).message
+
+
+def test_engine_restarted_with_another_world_size_is_caught_after_its_first_failure():
+    """The world size is checked once per engine session. An engine restarted with another
+    layout fails the next update (here: its start), and the update after checks it again."""
+    h = Harness()
+    h.register_all()
+    h.round(0)
+    h.engine.world_size = 4
+    h.engine.fail[("start_weight_update", 1)] = "HTTP 500: Weight transfer not configured"
+    h.begin(1)
+    assert h.engine.calls[-2:] == ["pause", "start_weight_update"]  # no world size check
+    assert "not configured" in h.last(0).message
+    h.begin(2)
+    assert h.engine.calls[-1] == "get_world_size" and "world size 4" in h.last(0).message
 
 
 def test_registration_conflicts():
