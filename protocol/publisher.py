@@ -194,6 +194,7 @@ class Publisher:
         self._pending: tuple[int, PackedLayout, int] | None = None
         self._begin_unacked: str | None = None  # weight version of a Begin not yet acked
         self._begin_acked = False  # its Ack(begin) was read while doing something else
+        self._begin_refused: wire.Error | None = None  # ... or a "not registered" for it
         self._export_s = 0.0
         self._wait_s = 0.0
         self._pinned: list[torch.Tensor] = []  # unpacked CUDA exports, until commit's ack
@@ -345,6 +346,9 @@ class Publisher:
         if weight_version is None:
             return
         try:
+            refused, self._begin_refused = self._begin_refused, None
+            if refused is not None:
+                raise self._error(refused)
             if not self._begin_acked:
                 self._wait_ack("begin")
         except SlotsyncError as e:
@@ -746,6 +750,7 @@ class Publisher:
         self._pending = None
         self._begin_unacked = None
         self._begin_acked = False
+        self._begin_refused = None
         for buf in self._staging:
             buf.end_update()
         if self.transport == "cuda":
@@ -818,6 +823,9 @@ class Publisher:
             if self._keep_early_ack(msg):
                 continue
             if isinstance(msg, wire.Error) and self._concerns_us(msg):
+                if msg.code == wire.NOT_REGISTERED and self._begin_unacked is not None:
+                    self._begin_refused = msg  # _await_begin registers again
+                    continue
                 raise self._error(msg)
             log.debug("rank %d: ignoring stale reply %r", self.rank, msg)
 

@@ -556,6 +556,36 @@ def test_publish_sends_a_chunk_from_within_the_next_chunks_layout_once_copied(
                       "send 2"], events
 
 
+def test_daemon_restart_seen_while_chunk_0_is_copied_registers_again(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str
+) -> None:
+    """A restarted daemon answers the Begin with "not registered" while the publisher lays
+    out chunk 1 (reading replies between blocks of tensors): the publisher registers again,
+    begins once more and sends the chunk it already copied."""
+    begins: list[int] = []
+
+    def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Begin):
+            begins.append(msg.update_id)
+            if len(begins) == 1:
+                return [wire.Error(phase="register", message="not registered",
+                                   code=wire.NOT_REGISTERED)]
+        return happy(msg)
+
+    def named() -> Iterator[tuple[str, torch.Tensor]]:  # 3 chunks of 200 tensors
+        for i, item in enumerate(_many_tensors(600)):
+            if i == 200:
+                time.sleep(0.2)  # (the refusal is there when chunk 1's layout reads replies)
+            yield item
+
+    daemon = make_daemon(script)
+    with _publisher(endpoint, packed=True, staging_bytes=200 * 64) as pub:
+        assert pub.publish(named(), weight_version="v").chunks == 3
+    assert len(daemon.of_type(wire.Register)) == 2 and len(begins) == 2
+    seen = {k: v for d in daemon.chunk_data for k, v in d.items()}
+    assert seen == {n: _raw(t) for n, t in _many_tensors(600)}
+
+
 def test_commit_goes_out_before_the_last_chunks_are_acknowledged(
     make_daemon: Callable[..., FakeDaemon], endpoint: str
 ) -> None:
