@@ -463,7 +463,7 @@ class SlotCoordinator:
 
         The whole update, not just start .. finish: the durable record (the adapter writes it
         when this changes) is then written while get_world_size and pause run -- it only has
-        to be on disk before start is sent -- and cleared after the commit's acks went out,
+        to be written before start is sent -- and cleared after the commit's acks went out,
         not between finish and resume. A daemon killed outside start .. finish leaves an
         engine that is at worst paused: recovering it as if mid-update is safe."""
         u = self.current

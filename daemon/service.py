@@ -123,8 +123,8 @@ class Daemon:
             self.table.set_engine_table({e.slot: e.url for e in config.engines})
         self.record = InflightRecord(config.state_path())
         self._chunk_meta = ChunkMetaCache()  # each round re-sends the same chunk lists
-        # Record writes (two fsyncs each) run in order on one thread, off the event loop; only
-        # a /start_weight_update waits for them (_engine_call).
+        # Record writes run in order on one thread, off the event loop (a slow state disk
+        # delays nothing else); only a /start_weight_update waits for them (_engine_call).
         self._record_io = ThreadPoolExecutor(1, thread_name_prefix="slotsync-record")
         self._record_key: tuple | None = None
         self._record_written: asyncio.Future[bool] | None = None
@@ -257,7 +257,7 @@ class Daemon:
         if self._stopped.is_set():
             return
         await self._execute(self.table.shutdown(time.monotonic(), reason))
-        await self._record_on_disk()  # the failed updates' record is on disk before we exit
+        await self._record_on_disk()  # the failed updates' record is written before we exit
         self._record_io.shutdown(wait=True)
         for t in self._loops:
             t.cancel()
@@ -354,7 +354,7 @@ class Daemon:
     def _persist(self, *, before_actions: bool) -> None:
         """Queue a rewrite of the durable record if the set of possibly mid-update engines
         changed. A slot is recorded from its update's begin (``dirty_state``), so the write runs
-        while get_world_size and pause do; its start waits until it is on disk
+        while the begin's other calls run; its start waits until it is written
         (``_record_on_disk``). A rewrite that only drops entries is queued after the actions
         went out (``before_actions=False``): the record thread then does not compete with
         sending the commit's acks, and a daemon killed before the write only recovers an
@@ -384,7 +384,7 @@ class Daemon:
 
     async def _record_on_disk(self) -> str:
         """Wait for every queued record write (they run in order); returns '' or why the
-        record could not be written."""
+        record could not be written (the start is then not sent, and the update fails)."""
         fut = self._record_written
         if fut is None:
             return ""

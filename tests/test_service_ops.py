@@ -344,10 +344,10 @@ def test_sigkill_mid_update_then_restart_keeps_engine_paused_and_recovers(tmp_pa
 
 async def test_inflight_record_is_written_beside_the_begin_calls_not_before_start_or_resume(
         tmp_path):
-    """The durable record costs two fsyncs per write. It must be on disk before
+    """The in-flight record is written twice per round. It must be written before
     /start_weight_update, yet neither write may sit on the round's critical path: the one
-    naming the slot runs while get_world_size and pause do, the one clearing it after resume
-    has gone out. A slow disk (0.3 s per write) makes the order visible."""
+    naming the slot runs while the begin's other calls do, the one clearing it after the
+    commit's ack has gone out. A slow disk (0.3 s per write) makes the order visible."""
     import asyncio
 
     import torch
@@ -374,7 +374,7 @@ async def test_inflight_record_is_written_beside_the_begin_calls_not_before_star
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
 
     d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
-    writes: list[tuple[list[str], float]] = []  # (states recorded, when on disk)
+    writes: list[tuple[list[str], float]] = []  # (states recorded, when written)
     real_save = d.record.save
 
     def slow_save(engines):
