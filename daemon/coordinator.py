@@ -11,9 +11,8 @@ events — rank messages (``on_register``, ``on_message``), engine call results
 
 One update (design.md "Flow of one round")::
 
-    first Begin ─► [get_world_size, init(packed): once per engine session] ─► pause(keep)
-      ─► [finish: recover]
-      ─► start ─► Ack(begin) to every rank that has begun
+    first Begin ─► [get_world_size, init(packed): once per engine session]
+    every rank's Begin ─► pause(keep) ─► [finish: recover] ─► start ─► Ack(begin) to every rank
     chunk k complete on every rank ─► merge ─► update_weights ─► Ack(chunk k) to every rank
     Commit from every rank (same count, all chunks consumed) ─► finish(version) ─► resume
       ─► Ack(commit) to every rank
@@ -52,6 +51,9 @@ from slotsync.protocol.wire import (
     Register,
     Registered,
 )
+
+_TOUCH_GENERATION = frozenset({"pause", "finish_recover", "start_weight_update"})
+"""Begin steps that pause or change the engine (the others only ask or initialize it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +145,7 @@ class _Update:
     next_index: int = 0  # next chunk to hand to the engine
     consumed_bytes: int = 0
     names: set[str] = field(default_factory=set)  # loaded in this update (full updates only)
+    new_names: set[str] = field(default_factory=set)  # loaded, not yet in known_names
     committed: dict[int, int] = field(default_factory=dict)  # rank -> num_chunks
     last_progress: float = 0.0
     finishing: bool = False
@@ -392,9 +395,11 @@ class SlotCoordinator:
             idx = u.next_index
             loaded = next(iter(u.pending[idx].values()))
             chunk_bytes = sum(loaded.tensor_sizes)
-            # Names the engine holds weights for: grown per loaded chunk (the same names each
-            # round, so lookups only), not merged at finish, where it would delay the resume.
-            self.known_names.update(loaded.names)
+            # Names this update adds to the successful updates' (known_names, merged at its
+            # finish): found per loaded chunk -- lookups only, as rounds re-send the same
+            # names -- so that the finish does not merge thousands of names before the resume.
+            known = self.known_names
+            u.new_names.update(n for n in loaded.names if n not in known)
             if self.needs_full_update:
                 u.names.update(loaded.names)  # checked against known_names before finish
             del u.pending[idx]
@@ -410,6 +415,7 @@ class SlotCoordinator:
             u.finished = True
             self.engine_dirty = False
             self.needs_full_update = False
+            self.known_names |= u.new_names
             self.last_version = u.weight_version  # I8: recorded only with a successful finish
         elif route == "resume":
             self.engine_paused = False
@@ -567,7 +573,7 @@ class SlotCoordinator:
             u.last_progress = now
             if u.engine_started:
                 return [Reply(self.ranks[rank].identity, Ack(u.update_id, "begin"))]
-            return []
+            return self._advance(now)  # the last rank's begin lets the pause go out
         if u is not None:
             return self._rank_error(
                 rank,
@@ -696,6 +702,10 @@ class SlotCoordinator:
         if u.steps:
             if len(self.ranks) < self.size:
                 return []  # wait for the slot's last registrations (begin deadline bounds it)
+            if u.steps[0] in _TOUCH_GENERATION and len(u.begun) < self.size:
+                # Generation is paused only once every rank has begun: a rank that never
+                # comes (or is refused) fails the begin with the engine still serving.
+                return []
             route = u.steps.pop(0)
             body = {"init_info": {"packed": self.packed}} if route.startswith("init") else None
             return self._call(u, route, body)
@@ -723,8 +733,8 @@ class SlotCoordinator:
                     now, "commit",
                     f"the slot needs a full update after a failed one, but update "
                     f"{u.update_id} loaded {len(u.names)} tensors and misses "
-                    f"{len(missing)} of the {len(self.known_names)} earlier updates sent "
-                    f"(e.g. {missing[:3]}); publish every tensor", [],
+                    f"{len(missing)} of the {len(self.known_names)} tensor names that earlier "
+                    f"successful updates loaded (e.g. {missing[:3]}); publish every tensor", [],
                 )  # fmt: skip
             u.finishing = True
             return self._call(u, "finish_weight_update", {"weight_version": u.weight_version})

@@ -362,6 +362,36 @@ def test_engine_500_on_chunk_k_every_rank_gets_error_engine_not_resumed():
     assert h.coord.state is SlotState.IDLE and h.coord.last_version == "v1"
 
 
+def test_full_update_after_a_failure_covers_what_successful_updates_loaded():
+    """I4: after a failed update the engine resumes only once an update has loaded every name
+    that earlier *successful* updates loaded; names only a failed update loaded are not
+    demanded."""
+    h = Harness()
+    h.register_all()
+    h.round(0, n_chunks=1)  # a, b
+    h.engine.fail[("update_weights", 2)] = "HTTP 500: boom"  # update 1's chunk 1
+    h.begin(1)
+    for k, names in enumerate((("x", "y"), ("a", "b"))):
+        for r in range(2):
+            h.send(r, chunk(1, k, r, names=names))
+    assert h.ended[-1].outcome == "failed" and h.coord.needs_full_update
+
+    def update(uid: int, names: tuple[str, ...]) -> object:
+        h.begin(uid)
+        for r in range(2):
+            h.send(r, chunk(uid, 0, r, names=names))
+        for r in range(2):
+            h.send(r, Commit(uid, 1))
+        return h.last(0)
+
+    err = update(2, ("a",))
+    assert isinstance(err, Error) and "misses 1 of the 2 tensor names that earlier " \
+        "successful updates loaded (e.g. ['b'])" in err.message, err
+    assert h.engine.paused and "resume" not in h.engine.calls[-3:]
+    ok = update(3, ("b", "a"))  # x and y, loaded only by the failed update, are not needed
+    assert isinstance(ok, Ack) and ok.phase == "commit" and not h.engine.paused
+
+
 def test_recovery_finish_clears_split_engine():
     # The engine is still active (e.g. some workers kept their session): recovery finish works.
     h = Harness()
@@ -416,6 +446,7 @@ def test_commit_deadline_when_rank_stalls_after_chunks():
     h.register_all()
     for r in range(2):
         h.send(r, Begin(0, "v"))
+    for r in range(2):
         h.send(r, chunk(0, 0, r))
     h.send(0, Commit(0, 1))
     h.now = 7.0
@@ -428,6 +459,7 @@ def test_commit_before_every_chunk_arrived_fails():
     h.register_all()
     for r in range(2):
         h.send(r, Begin(0, "v"))
+    for r in range(2):
         h.send(r, chunk(0, 0, r))
     h.send(0, Commit(0, 2))  # it sent only one chunk
     err = h.last(1)
@@ -441,6 +473,7 @@ def test_chunk_after_commit_fails():
     h.register_all()
     for r in range(2):
         h.send(r, Begin(0, "v"))
+    for r in range(2):
         h.send(r, chunk(0, 0, r))
     h.send(0, Commit(0, 1))
     h.send(0, chunk(0, 1, 0))
@@ -454,8 +487,9 @@ def test_second_update_refused_while_one_in_flight_and_stale_id():
     h.send(0, Begin(1, "w"))
     err = h.last(0)
     assert isinstance(err, Error) and not err.fatal and "refusing a second update" in err.message
-    assert h.engine.calls.count("start_weight_update") == 1  # I1
+    assert "start_weight_update" not in h.engine.calls  # rank 1 has not begun yet
     h.send(1, Begin(0, "v"))
+    assert h.engine.calls.count("start_weight_update") == 1  # I1
     for k in range(1):
         for r in range(2):
             h.send(r, chunk(0, k, r))
@@ -522,8 +556,29 @@ def test_begin_waits_for_slot_registration_then_starts():
     h.send(0, Begin(0, "v"))
     assert not h.engine.calls  # the slot is incomplete: nothing touches the engine yet
     h.send(1, reg(1))
-    assert h.engine.calls[-1] == "start_weight_update"
+    assert "pause" not in h.engine.calls  # rank 1 has not begun: generation goes on
+    h.send(1, Begin(0, "v"))
+    assert h.engine.calls[-2:] == ["pause", "start_weight_update"]
     assert isinstance(h.last(0), Ack) and h.last(0).phase == "begin"
+
+
+def test_engine_is_paused_only_once_every_rank_has_begun():
+    """A rank that never begins fails the begin at its deadline with the engine serving;
+    one refused at registration fails it at once, naming the rank."""
+    h = Harness(timeouts=Timeouts(begin_s=5, chunk_s=5, commit_s=5))
+    h.register_all()
+    h.send(0, Begin(0, "v"))
+    assert "pause" not in h.engine.calls and not h.engine.paused
+    h.now = 6.0
+    h.run(h.table.poll(h.now))
+    err = h.last(0)
+    assert isinstance(err, Error) and err.phase == "begin" and err.missing_ranks == [1]
+    assert not h.engine.paused and not h.coord.needs_full_update
+    h.send(0, Begin(1, "w"))
+    h.send(1, reg(1, url="http://elsewhere:1"))  # refused: the slot's engine is another
+    err = h.last(0)
+    assert isinstance(err, Error) and "http://elsewhere:1" in err.message
+    assert not h.engine.paused and "pause" not in h.engine.calls
 
 
 def test_begin_deadline_names_unregistered_rank():

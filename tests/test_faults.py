@@ -658,7 +658,8 @@ def test_protocol_abuse(rec, pool, eng, daemon, packed, abuse):
             e0, e1 = _error(p.r[0], fatal=True), _error(p.r[1], fatal=True)
             assert e0.phase == e1.phase == "begin" and e0.missing_ranks == [1], e0
             row.happened = ("second Begin refused (non-fatal, to its sender); the first "
-                            "update fails at the begin deadline naming rank 1")
+                            "update fails at the begin deadline naming rank 1; the engine "
+                            "was never paused (rank 1 never began it)")
             errs = [f"rank 1 (stray): {stray.message[:80]}", *_errs(e0, e1)]
         elif abuse == "commit before every chunk":
             p.begin_both(uid)
@@ -709,6 +710,12 @@ def test_protocol_abuse(rec, pool, eng, daemon, packed, abuse):
         if abuse != "stale update id":
             for e in (e0, e1):
                 assert e.update_id == uid and e.slot == [0, 2] and f"update {uid}" in e.message
+        if abuse == "two updates at once":  # the engine is paused once every rank has begun
+            assert engine_stats(eng)["paused"] is False
+            s = slot_status(daemon)
+            assert s["state"] == "idle" and s["needs_full_update"] is False, s
+            row.engine_after_fault = engine_summary(eng) + "; /status idle, never paused"
+        elif abuse != "stale update id":
             row.engine_after_fault = assert_paused_failed(daemon, eng)
     finally:
         p.close()
