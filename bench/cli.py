@@ -392,7 +392,9 @@ def gpu_main(args: argparse.Namespace) -> int:
               "buffer mapped once per update as `PackedBufferImporter` does, each tensor copied "
               "from it into its weight in one batched copy; unpacked: each tensor mapped and "
               "copied)")
-    _say(out, f"- round = begin .. commit ack, slowest rank; median of rounds 2..{args.rounds}")
+    counted = (f"median of rounds 2..{args.rounds}" if args.rounds > 1
+               else "one round, warm-up included (use --rounds 2 or more)")
+    _say(out, f"- round = begin .. commit ack, slowest rank; {counted}")
     _say(out)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
@@ -404,7 +406,9 @@ def gpu_main(args: argparse.Namespace) -> int:
              f"{total / res.copy_s / 1e9:.0f}", "1.0"]]
     for row in res.rows:
         cfg, m = row.config, statistics.median(row.rounds)
-        rows.append([f"{cfg.label} ({cfg.staging_bytes // MiB} MiB each)", str(row.chunks),
+        n = cfg.staging_bytes // MiB
+        name = f"{cfg.label} ({n} MiB each)" if cfg.packed else f"unpacked (chunks <= {n} MiB)"
+        rows.append([name, str(row.chunks),
                      f"{m:.4f}", f"{total / m / 1e9:.1f}", f"**{m / res.copy_s:.1f}**",
                      f"{row.export_s:.4f}", f"{row.engine_load_s:.4f}",
                      f"{row.engine_call_s:.4f}"])

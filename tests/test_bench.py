@@ -58,6 +58,7 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path):
                   "1000", "--hidden", "256", "--staging-mb", "2", "--rounds", "2",
                   tmp_path=tmp_path)
     assert "<!-- bench:gpu -->" in text and "x copy" in text
+    assert "| unpacked (chunks <= 2 MiB) |" in text and "median of rounds 2..2" in text
 
 
 def test_bench_control_tiny_packed_with_two_regions_and_section(tmp_path):
