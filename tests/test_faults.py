@@ -294,7 +294,10 @@ def test_rank_killed_around_chunk_k(rec, pool, eng, eng_b, daemon, packed, when)
     def watch():
         if when != "during" or 1 in run.killed:
             return
-        cur = slot_status(daemon, (0, 2))["current_update"]
+        try:
+            cur = slot_status(daemon, (0, 2))["current_update"]
+        except KeyError:  # not registered yet
+            return
         if cur and cur["engine_call_in_flight"] == "update_weights" \
                 and cur["chunks_consumed"] == 1:
             run.kill(1)
@@ -434,7 +437,10 @@ def test_engine_restarts_mid_round(rec, pool, box_a, eng_b, daemon, packed):
     def watch():
         if killed:
             return
-        cur = slot_status(daemon)["current_update"]
+        try:
+            cur = slot_status(daemon)["current_update"]
+        except KeyError:  # the ranks have not registered yet (an idle slot without ranks
+            return        # is dropped from the table)
         if cur and cur["engine_call_in_flight"] == "update_weights" \
                 and cur["chunks_consumed"] == 1:
             box_a.kill()
