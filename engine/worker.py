@@ -708,8 +708,9 @@ class WorkerState:
         table = None
         if (dsts and wide == torch.int64 and self.device.type == "cuda"
                 and gather.available()):
-            table = gather.gather_table([d.data_ptr() for d in dsts], [n * 8 for n in splits],
-                                        self.device)
+            # kept in the plan, which _forget_plans drops with the views it points into
+            table = gather.build_table([d.data_ptr() for d in dsts], [n * 8 for n in splits],
+                                       self.device)
         plan = self._plans[tuple(p.names)] = _PackedPlan(
             update_info["dtype_names"], update_info["shapes"], update_info["tensor_sizes"],
             sum(p.tensor_sizes), wide, splits, dsts, table,

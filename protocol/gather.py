@@ -89,12 +89,13 @@ def gather_table(ptrs: Sequence[int], sizes: Sequence[int], device: torch.device
     if table is False:
         if len(_TABLES) >= _MAX_TABLES:
             _TABLES.clear()
-        table = _TABLES[key] = _build_table(ptrs, sizes, device)
+        table = _TABLES[key] = build_table(ptrs, sizes, device)
     return table
 
 
-def _build_table(ptrs: Sequence[int], sizes: Sequence[int], device: torch.device
-                 ) -> torch.Tensor | None:
+def build_table(ptrs: Sequence[int], sizes: Sequence[int], device: torch.device
+                ) -> torch.Tensor | None:
+    """``gather_table`` without its cache, for a caller that keeps the table itself."""
     p = torch.tensor(ptrs, dtype=torch.int64)
     n = torch.tensor(sizes, dtype=torch.int64)
     keep = n > 0

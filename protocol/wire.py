@@ -364,6 +364,23 @@ class ChunkMetaCache:
     def __len__(self) -> int:
         return len(self._chunks)
 
+    def lookup(self, msg: _ChunkWithRawLists) -> Chunk | None:
+        """The ``Chunk`` of ``msg``, from the checked lists of an earlier one, or None when
+        its lists are new or its handles do not fit them (the caller decodes in full)."""
+        seen = self._chunks.get(msg.key())
+        if seen is None or _handles_problem(msg.handles, len(seen[0].names), seen[1]):
+            return None
+        self.hits += 1
+        chunk = copy.copy(seen[0])  # (no __post_init__: its lists passed it already)
+        chunk.update_id, chunk.index, chunk.handles = msg.update_id, msg.index, msg.handles
+        return chunk
+
+    def remember(self, msg: _ChunkWithRawLists, chunk: Chunk) -> None:
+        """Keep the lists of ``chunk``, decoded and checked in full from ``msg``'s frame."""
+        if len(self._chunks) >= self.max_entries:
+            self._chunks.clear()
+        self._chunks[msg.key()] = (copy.copy(chunk), sum(chunk.tensor_sizes))
+
 
 class OutgoingChunk(msgspec.Struct, tag="chunk"):
     """A ``Chunk`` as a publisher builds it from a layout it made itself: the same fields,
@@ -478,21 +495,17 @@ def decode_to_daemon(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES_DEFAULT,
     """
     if len(frame) > max_bytes:
         raise ProtocolError(f"message of {len(frame)} bytes exceeds the {max_bytes}-byte cap")
-    key = None
+    raw = None
     if cache is not None:
         try:
             msg = _to_daemon_raw_lists.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
             msg = None  # the full decode below reports what is wrong
         if isinstance(msg, _ChunkWithRawLists):
-            key = msg.key()
-            seen = cache._chunks.get(key)
-            if seen is not None and not _handles_problem(msg.handles, len(seen[0].names),
-                                                         seen[1]):
-                cache.hits += 1
-                chunk = copy.copy(seen[0])  # (no __post_init__: its lists passed it already)
-                chunk.update_id, chunk.index, chunk.handles = msg.update_id, msg.index, msg.handles
+            chunk = cache.lookup(msg)
+            if chunk is not None:
                 return chunk
+            raw = msg
         elif msg is not None:
             return msg  # the same message types as the full decode, checked alike
     try:
@@ -500,11 +513,8 @@ def decode_to_daemon(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES_DEFAULT,
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
         # UnicodeDecodeError: msgspec lets invalid UTF-8 in a tag through (found by fuzzing)
         raise ProtocolError(f"bad message: {e}{_handle_field_hint(str(e), frame)}") from None
-    if key is not None and isinstance(decoded, Chunk):
-        assert cache is not None
-        if len(cache._chunks) >= cache.max_entries:
-            cache._chunks.clear()
-        cache._chunks[key] = (copy.copy(decoded), sum(decoded.tensor_sizes))
+    if raw is not None and cache is not None and isinstance(decoded, Chunk):
+        cache.remember(raw, decoded)
     return decoded
 
 
