@@ -261,6 +261,7 @@ def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
         if poll is not None and lo:
             poll()
         part = tensors[lo : lo + POLL_EVERY]
+        # (dtype_name's memo read inline: a call per tensor costs as much as the read)
         dtype_names += [_DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype) for t in part]
         shapes += [list(t.shape) for t in part]
         if ptrs is not None:

@@ -41,7 +41,7 @@ def _bench(*args: str, tmp_path) -> str:
     report = tmp_path / "BENCHMARKS.md"
     out = subprocess.run(
         [sys.executable, "-m", "slotsync.bench", *args, "--report", str(report)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return report.read_text()
@@ -51,6 +51,19 @@ def test_bench_control_tiny(tmp_path):
     text = _bench("control", "--ranks", "2", "--tensors", "200", "--rounds", "2",
                   "--modes", "unpacked", tmp_path=tmp_path)
     assert "<!-- bench:control -->" in text and "ratio" in text
+
+
+def test_bench_control_sweep_prints_the_scaling_and_writes_the_plot(tmp_path):
+    """Issue 5 point 2 in a tiny configuration: ranks x tensors, slots per daemon, rounds
+    served, and a PNG of time per round."""
+    plot = tmp_path / "scaling.png"
+    text = _bench("control", "--ranks", "2", "--tensors", "20", "--rounds", "2",
+                  "--modes", "packed", "--sweep", "--sweep-ranks", "1,2",
+                  "--sweep-tensors", "10,20", "--sweep-slots", "1,2", "--sweep-rounds", "2",
+                  "--growth-rounds", "20", "--plot", str(plot), tmp_path=tmp_path)
+    assert "### Scaling" in text and "Slots per daemon" in text and "Rounds served" in text
+    assert "last 10 (of 20)" in text
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_gpu_dry_run_on_cpu(tmp_path):
