@@ -69,6 +69,7 @@ class Config:
     engine_timeout_s: float = 300.0  # one vLLM HTTP request
     shutdown_grace_s: float = 60.0  # SIGTERM: how long an update in flight may still finish
     max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT  # cap on one frame from a rank
+    chunks_in_flight: int = 2  # /update_weights calls per engine at once (1: one at a time)
     allow_uids: str = ""  # peers allowed by user id (comma list); "" = the daemon's own uid
     allow_gids: str = ""  # peers allowed by group id (comma list); "" = the daemon's own gid
     log_level: str = "info"
@@ -112,6 +113,8 @@ class Config:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not 1 <= self.chunks_in_flight <= 64:
+            raise ValueError(f"chunks_in_flight must be 1..64, got {self.chunks_in_flight}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not -1 <= self.status_port <= 65535:
@@ -182,6 +185,9 @@ _HELP = {
     "shutdown_grace_s": "on SIGTERM/SIGINT, seconds an update in flight may take to finish "
     "before it is failed (ranks told, engine left paused)",
     "max_message_bytes": "largest frame accepted from a rank, bytes",
+    "chunks_in_flight": "/update_weights calls sent to one engine before the first returned "
+    "(vLLM runs them in order; 2 has the next chunk waiting when one finishes; 1: one at a "
+    "time, as vLLM's examples do)",
     "allow_uids": "user ids whose processes may connect (comma list; default: the daemon's "
     "own; root always)",
     "allow_gids": "group ids whose processes may connect (comma list; default: the daemon's "

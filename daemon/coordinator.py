@@ -5,8 +5,11 @@ events — rank messages (``on_register``, ``on_message``), engine call results
 (``on_engine_result``) and the clock (``poll``) — and executes the actions it returns:
 
 * ``Reply(identity, msg)``: send a wire message to a rank's socket identity;
-* ``EngineCall(call_id, update_id, route, body)``: one vLLM HTTP call; its outcome must come
-  back through ``on_engine_result(call_id, ...)``. At most one is in flight per slot;
+* ``EngineCall(call_id, update_id, route, body, slot, index)``: one vLLM HTTP call; its outcome
+  must come back through ``on_engine_result(call_id, ...)``. One call at a time per slot, except
+  ``/update_weights``: up to ``chunks_in_flight`` of those may be in flight, so that the
+  engine finds the next chunk's request waiting when it finishes one (results may come back in
+  any order; chunks are acknowledged in index order);
 * ``UpdateEnded(...)``: an update finished or failed (for metrics and logs).
 
 One update (design.md "Flow of one round")::
@@ -14,6 +17,7 @@ One update (design.md "Flow of one round")::
     first Begin ─► [get_world_size, init(packed): once per engine session]
     every rank's Begin ─► pause(keep) ─► [finish: recover] ─► start ─► Ack(begin) to every rank
     chunk k complete on every rank ─► merge ─► update_weights ─► Ack(chunk k) to every rank
+        (chunks k+1 .. k+chunks_in_flight-1 may already be at the engine, queued behind k)
     Commit from every rank (same count, all chunks consumed) ─► finish(version) ─► resume
       ─► Ack(commit) to every rank
 
@@ -86,6 +90,7 @@ class EngineCall:
     route: str
     body: Any = None
     slot: tuple[int, int] = (0, 0)
+    index: int = -1  # the chunk of an update_weights call
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +147,9 @@ class _Update:
     merged: dict[int, MergedChunk | ChunkMismatch] = field(default_factory=dict)
     first_arrival: dict[int, float] = field(default_factory=dict)
     sent_count: dict[int, int] = field(default_factory=dict)  # rank -> chunks received
-    next_index: int = 0  # next chunk to hand to the engine
+    next_index: int = 0  # next chunk to acknowledge (every chunk before it was consumed)
+    next_send: int = 0  # next chunk to hand to the engine
+    loaded: set[int] = field(default_factory=set)  # returned, waiting for an earlier chunk
     consumed_bytes: int = 0
     names: set[str] = field(default_factory=set)  # loaded in this update (full updates only)
     new_names: set[str] = field(default_factory=set)  # loaded, not yet in known_names
@@ -161,11 +168,23 @@ class SlotCoordinator:
         size: number of ranks (= GPUs = the engine's world size).
         timeouts: deadlines for waits on ranks.
         daemon_version: reported to ranks at registration.
+        chunks_in_flight: most ``/update_weights`` calls in flight at once (>= 1). vLLM runs
+            them one after the other in arrival order (its engine core's utility calls), so a
+            second one only waits there -- and is ready the moment the first returns, instead
+            of after its answer, the acks and this daemon's next turn. 1 keeps vLLM's own
+            examples' order (each call after the previous one returned).
+
+    Raises:
+        ValueError: ``chunks_in_flight`` < 1.
     """
 
     def __init__(
-        self, start: int, size: int, timeouts: Timeouts | None = None, daemon_version: str = ""
+        self, start: int, size: int, timeouts: Timeouts | None = None, daemon_version: str = "",
+        chunks_in_flight: int = 2,
     ) -> None:
+        if chunks_in_flight < 1:
+            raise ValueError(f"chunks_in_flight must be >= 1, got {chunks_in_flight}")
+        self.chunks_in_flight = chunks_in_flight
         self.start = start
         self.size = size
         self.timeouts = timeouts or Timeouts()
@@ -193,7 +212,11 @@ class SlotCoordinator:
         self.updates_failed = 0
         self.engine_calls: dict[str, int] = {}  # route -> calls issued (for status and tests)
         self._call_id = 0
-        self._inflight: EngineCall | None = None
+        self._calls: dict[int, EngineCall] = {}  # call id -> call in flight for `current`
+        # Calls of an update that failed while they were in flight: the next update's engine
+        # calls wait for them (vLLM queues calls in arrival order, but two HTTP requests may
+        # overtake each other before they reach its engine core).
+        self._orphans: set[int] = set()
         self._pending_url: str | None = None  # engine table reload during an update
 
     # ------------------------------------------------------------------ properties
@@ -343,13 +366,16 @@ class SlotCoordinator:
     ) -> list[Action]:
         """The engine call ``call_id`` returned: ``ok`` with the parsed JSON ``result``, or not
         ok with ``error`` (HTTP status and vLLM's message, or a timeout / connection error)."""
-        call = self._inflight
-        if call is None or call.call_id != call_id:
-            return []  # result of a call whose update already failed (I7: nothing leaks)
-        self._inflight = None
-        u = self.current
-        if u is None or u.update_id != call.update_id:
+        call = self._calls.pop(call_id, None)
+        if call is None:
+            # A call of an update that already failed (I7: its result is dropped); the last
+            # one to return lets a waiting update's calls go out.
+            if call_id in self._orphans:
+                self._orphans.discard(call_id)
+                return self._advance(now)
             return []
+        u = self.current
+        assert u is not None and u.update_id == call.update_id  # else it would be an orphan
         route = call.route
         if not ok:
             if route == "finish_recover":
@@ -392,24 +418,10 @@ class SlotCoordinator:
             ]
             return actions + self._advance(now)
         elif route == "update_weights":
-            idx = u.next_index
-            loaded = next(iter(u.pending[idx].values()))
-            chunk_bytes = sum(loaded.tensor_sizes)
-            # Names this update adds to the successful updates' (known_names, merged at its
-            # finish): found per loaded chunk -- lookups only, as rounds re-send the same
-            # names -- so that the finish does not merge thousands of names before the resume.
-            known = self.known_names
-            u.new_names.update(n for n in loaded.names if n not in known)
-            if self.needs_full_update:
-                u.names.update(loaded.names)  # checked against known_names before finish
-            del u.pending[idx]
-            u.merged.pop(idx, None)
-            u.first_arrival.pop(idx, None)
-            u.next_index += 1
-            u.consumed_bytes += chunk_bytes
-            acks: list[Action] = [
-                Reply(i.identity, Ack(u.update_id, "chunk", idx)) for i in self._by_rank()
-            ]
+            u.loaded.add(call.index)
+            acks: list[Action] = []
+            while u.next_index in u.loaded:  # acknowledged in index order (I3 per chunk)
+                acks += self._consumed(u, u.next_index)
             return acks + self._advance(now)
         elif route == "finish_weight_update":
             u.finished = True
@@ -421,6 +433,23 @@ class SlotCoordinator:
             self.engine_paused = False
             return self._complete(now)
         return self._advance(now)
+
+    def _consumed(self, u: _Update, idx: int) -> list[Action]:
+        """Chunk ``idx`` (the next to acknowledge) was loaded: account for it, ack every rank."""
+        u.loaded.discard(idx)
+        loaded = next(iter(u.pending[idx].values()))
+        # Names this update adds to the successful updates' (known_names, merged at its
+        # finish): found per loaded chunk -- lookups only, as rounds re-send the same
+        # names -- so that the finish does not merge thousands of names before the resume.
+        known = self.known_names
+        u.new_names.update(n for n in loaded.names if n not in known)
+        if self.needs_full_update:
+            u.names.update(loaded.names)  # checked against known_names before finish
+        del u.pending[idx]
+        u.first_arrival.pop(idx, None)
+        u.next_index += 1
+        u.consumed_bytes += sum(loaded.tensor_sizes)
+        return [Reply(i.identity, Ack(u.update_id, "chunk", idx)) for i in self._by_rank()]
 
     def poll(self, now: float) -> list[Action]:
         """Check deadlines (design.md I5); fails the update naming the missing ranks."""
@@ -510,7 +539,9 @@ class SlotCoordinator:
                 "chunks_consumed": u.next_index,
                 "bytes_consumed": u.consumed_bytes,
                 "ranks_committed": sorted(u.committed),
-                "engine_call_in_flight": self._inflight.route if self._inflight else None,
+                "engine_call_in_flight": (next(iter(self._calls.values())).route
+                                          if self._calls else None),
+                "engine_calls_in_flight": len(self._calls),
             }
         return {
             "slot": [self.start, self.end],
@@ -685,21 +716,24 @@ class SlotCoordinator:
             )
         return self._advance(now)
 
-    def _call(self, u: _Update, route: str, body: Any = None) -> list[Action]:
+    def _call(self, u: _Update, route: str, body: Any = None, index: int = -1) -> list[Action]:
         self._call_id += 1
-        call = EngineCall(self._call_id, u.update_id, route, body, self.slot)
-        self._inflight = call
+        call = EngineCall(self._call_id, u.update_id, route, body, self.slot, index)
+        self._calls[call.call_id] = call
         if route == "start_weight_update":
             u.start_sent = True
         self.engine_calls[route] = self.engine_calls.get(route, 0) + 1
         return [call]
 
     def _advance(self, now: float) -> list[Action]:
-        """Issue the next engine call if the update can make progress and none is in flight."""
+        """Issue the next engine call(s) the update can make: one at a time, except up to
+        ``chunks_in_flight`` ``update_weights`` calls."""
         u = self.current
-        if u is None or self._inflight is not None:
+        if u is None or self._orphans:
             return []
         if u.steps:
+            if self._calls:
+                return []
             if len(self.ranks) < self.size:
                 return []  # wait for the slot's last registrations (begin deadline bounds it)
             if u.steps[0] in _TOUCH_GENERATION and len(u.begun) < self.size:
@@ -709,18 +743,27 @@ class SlotCoordinator:
             route = u.steps.pop(0)
             body = {"init_info": {"packed": self.packed}} if route.startswith("init") else None
             return self._call(u, route, body)
-        if not u.engine_started:
+        if not u.engine_started or (self._calls and u.finishing):
             return []
         if u.finished:
             return self._call(u, "resume")
-        merged = u.merged.get(u.next_index)
-        if merged is not None:
+        out: list[Action] = []
+        while len(self._calls) < self.chunks_in_flight:
+            merged = u.merged.get(u.next_send)
+            if merged is None:
+                break
             if isinstance(merged, ChunkMismatch):
+                if self._calls:
+                    break  # fail once the chunks before it returned: none is left at the engine
                 # I2: the engine never sees an inconsistent chunk.
                 return self._fail(now, "chunk", str(merged), [])  # ranks differ; none missing
+            del u.merged[u.next_send]
             # (the JSON text made at merge time, embedded as is by the client's encoder)
-            return self._call(u, "update_weights",
-                              {"update_info": msgspec.Raw(merged.update_info_json)})
+            out += self._call(u, "update_weights",
+                              {"update_info": msgspec.Raw(merged.update_info_json)}, u.next_send)
+            u.next_send += 1
+        if out or self._calls:
+            return out
         if (
             len(u.committed) == self.size
             and not u.pending
@@ -743,7 +786,7 @@ class SlotCoordinator:
     def _deadline(self) -> tuple[float, str, str, list[int]] | None:
         """(time, phase, what, missing ranks) of the wait in force, or None."""
         u = self.current
-        if u is None or self._inflight is not None or u.finishing:
+        if u is None or self._calls or self._orphans or u.finishing:
             return None
         all_ranks = set(range(self.start, self.end))
         not_begun = sorted(all_ranks - u.begun)
@@ -774,7 +817,10 @@ class SlotCoordinator:
         if u is None:
             return []
         self.current = None
-        self._inflight = None  # a late result for it is dropped in on_engine_result
+        # Late results of its calls are dropped in on_engine_result; the next update's calls
+        # wait for them.
+        self._orphans.update(self._calls)
+        self._calls.clear()
         self.next_update_id = max(self.next_update_id, u.update_id + 1)
         if self.engine_paused or u.start_sent:
             self.needs_full_update = True

@@ -104,6 +104,7 @@ class Daemon:
         self.table = SlotTable(
             Timeouts(config.begin_timeout_s, config.chunk_timeout_s, config.commit_timeout_s),
             __version__,
+            config.chunks_in_flight,
         )
         self.metrics.watch(self.table)  # slot/rank/in-flight gauges read the table per scrape
         self.endpoint = config.endpoint()

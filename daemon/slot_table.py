@@ -17,16 +17,24 @@ class SlotTable:
     Args:
         timeouts: deadlines handed to every slot coordinator.
         daemon_version: reported to ranks at registration.
+        chunks_in_flight: ``/update_weights`` calls each slot may have in flight (see
+            ``SlotCoordinator``).
     """
 
-    def __init__(self, timeouts: Timeouts | None = None, daemon_version: str = "") -> None:
+    def __init__(self, timeouts: Timeouts | None = None, daemon_version: str = "",
+                 chunks_in_flight: int = 2) -> None:
         self.timeouts = timeouts or Timeouts()
         self.daemon_version = daemon_version
+        self.chunks_in_flight = chunks_in_flight
         self.slots: dict[tuple[int, int], SlotCoordinator] = {}
         self.declared: dict[tuple[int, int], str] = {}  # engine table: slot -> URL (optional)
         self.draining = False  # shutting down: no new registrations or updates
         self._rank_of: dict[bytes, int] = {}  # socket identity -> rank
         self._slot_of_rank: dict[int, SlotCoordinator] = {}
+
+    def _coordinator(self, start: int, size: int) -> SlotCoordinator:
+        return SlotCoordinator(start, size, self.timeouts, self.daemon_version,
+                               self.chunks_in_flight)
 
     def set_engine_table(self, table: dict[tuple[int, int], str]) -> list[str]:
         """Declare (or re-declare, on SIGHUP) the engine slots and their URLs.
@@ -40,8 +48,7 @@ class SlotTable:
         for key, url in sorted(table.items()):
             c = self.slots.get(key)
             if c is None:
-                self.slots[key] = c = SlotCoordinator(key[0], key[1] - key[0], self.timeouts,
-                                                      self.daemon_version)
+                self.slots[key] = c = self._coordinator(key[0], key[1] - key[0])
                 c.engine_url = url
                 changes.append(f"slot [{key[0]}, {key[1]}) declared for {url}")
             elif c.engine_url != url:
@@ -115,8 +122,7 @@ class SlotTable:
         """Recreate a slot that a previous daemon left mid-update (see inflight_record)."""
         c = self.slots.get(slot)
         if c is None:
-            c = self.slots[slot] = SlotCoordinator(slot[0], slot[1] - slot[0], self.timeouts,
-                                                   self.daemon_version)
+            c = self.slots[slot] = self._coordinator(slot[0], slot[1] - slot[0])
         c.restore_dirty(engine_url, update_id, weight_version, state)
 
     def dirty_engines(self) -> list[tuple[tuple[int, int], str, int, str, str]]:
@@ -170,7 +176,7 @@ class SlotTable:
                             ),
                         )
                     ]
-            coord = SlotCoordinator(key[0], msg.slot_size, self.timeouts, self.daemon_version)
+            coord = self._coordinator(key[0], msg.slot_size)
             self.slots[key] = coord
         actions = coord.on_register(identity, msg, now)
         if coord.ranks.get(msg.rank) is not None and coord.ranks[msg.rank].identity == identity:

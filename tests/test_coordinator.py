@@ -121,8 +121,10 @@ class ScriptedEngine:
 class Harness:
     """Feeds events to one coordinator and runs engine calls through a ScriptedEngine."""
 
-    def __init__(self, size: int = 2, packed: bool = True, timeouts: Timeouts | None = None):
-        self.table = SlotTable(timeouts or Timeouts(10, 10, 10))
+    def __init__(self, size: int = 2, packed: bool = True, timeouts: Timeouts | None = None,
+                 chunks_in_flight: int = 2):
+        self.table = SlotTable(timeouts or Timeouts(10, 10, 10),
+                               chunks_in_flight=chunks_in_flight)
         self.engine = ScriptedEngine(world_size=size)
         self.now = 0.0
         self.replies: dict[int, list] = {}
@@ -230,7 +232,9 @@ def _answer_held(h: Harness) -> None:
     h.run(h.coord.on_engine_result(call.call_id, ok, res, err, h.now))
 
 
-def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monkeypatch):
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monkeypatch,
+                                                                            in_flight):
     import slotsync.daemon.coordinator as coordinator
 
     merges: list[int] = []
@@ -244,19 +248,23 @@ def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monk
         return m
 
     monkeypatch.setattr(coordinator, "merge_chunk", traced)
-    h = Harness(packed=False)
+    h = Harness(packed=False, chunks_in_flight=in_flight)
     h.register_all()
     h.begin()
     h.engine.hold = True
     for k in range(2):  # ranks run one chunk ahead of their acks (the publisher's window)
         for r in range(2):
             h.send(r, chunk(0, k, r, packed=False))
-    # chunk 1 merged while chunk 0's call is still in flight; only one call in flight (I1)
-    assert [c.route for c in h.pending_calls] == ["update_weights"]
+    # chunk 1 merged while chunk 0's call is still in flight; with 2 in flight its call is
+    # already out too, waiting at the engine behind chunk 0
+    assert [c.route for c in h.pending_calls] == ["update_weights"] * in_flight
+    assert [c.index for c in h.pending_calls] == list(range(in_flight))
     assert merges == [0, 1]
     assert not any(isinstance(m, Ack) and m.phase == "chunk" for m in h.replies[0])  # I3
     h.engine.hold = False
-    _answer_held(h)  # chunk 0 returns: ack 0, then chunk 1's call goes out at once
+    _answer_held(h)  # chunk 0 returns: ack 0 (and with 1 in flight, chunk 1's call goes out)
+    if in_flight == 2:
+        _answer_held(h)
     for r in range(2):
         kinds = [(m.phase, m.index) for m in h.replies[r] if isinstance(m, Ack)]
         assert kinds == [("begin", -1), ("chunk", 0), ("chunk", 1)]
@@ -269,6 +277,74 @@ def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monk
             if c == "update_weights"]
     assert all(isinstance(t, msgspec.Raw) for t in sent)
     assert [bytes(t) for t in sent] == [merged[0], merged[1]]
+
+
+def _chunk_acks(h: Harness, rank: int) -> list[int]:
+    return [m.index for m in h.replies[rank] if isinstance(m, Ack) and m.phase == "chunk"]
+
+
+def test_chunks_in_flight_bounds_the_calls_and_acks_stay_in_index_order():
+    h = Harness(chunks_in_flight=2)
+    h.register_all()
+    h.begin()
+    h.engine.hold = True
+    for k in range(3):
+        for r in range(2):
+            h.send(r, chunk(0, k, r))
+    # three chunks complete, two calls out: the third waits for a free place
+    assert [c.index for c in h.pending_calls] == [0, 1]
+    # chunk 1's call returns first (two HTTP requests may overtake each other): no ack yet,
+    # since chunk 0 is still at the engine and acks go in index order
+    second = h.pending_calls.pop(1)
+    h.run(h.coord.on_engine_result(second.call_id, *h.engine.answer(second), h.now))
+    assert _chunk_acks(h, 0) == [] and [c.index for c in h.pending_calls] == [0, 2]
+    for r in range(2):
+        h.send(r, Commit(0, 3))
+    assert "finish_weight_update" not in h.engine.calls  # I1: not before every chunk returned
+    h.engine.hold = False
+    _answer_held(h)  # chunk 0: acks 0 and 1 together
+    assert _chunk_acks(h, 0) == [0, 1] and _chunk_acks(h, 1) == [0, 1]
+    assert "finish_weight_update" not in h.engine.calls  # chunk 2 still at the engine
+    _answer_held(h)
+    assert _chunk_acks(h, 0) == [0, 1, 2]
+    assert h.engine.calls[-2:] == ["finish_weight_update", "resume"]
+    assert h.coord.state is SlotState.IDLE and h.coord.last_version == "v"
+
+
+def test_failed_chunk_with_another_in_flight_fails_at_once_and_the_next_begin_waits_for_it():
+    h = Harness(chunks_in_flight=2)
+    h.register_all()
+    h.begin()
+    h.engine.hold = True
+    for k in range(2):
+        for r in range(2):
+            h.send(r, chunk(0, k, r))
+    first, second = h.pending_calls
+    h.pending_calls.clear()
+    h.engine.fail[("update_weights", 0)] = "HTTP 500: boom"
+    h.run(h.coord.on_engine_result(first.call_id, *h.engine.answer(first), h.now))
+    for r in range(2):  # every rank told at once, not after chunk 1's call returned
+        assert isinstance(h.last(r), Error) and "boom" in h.last(r).message
+    assert h.coord.state is SlotState.FAILED
+    assert h.coord.status()["current_update"] is None
+    calls_before = list(h.engine.calls)
+    h.engine.hold = False
+    h.begin(update_id=1)
+    # chunk 1's call of the failed update is still at the engine: the next update's pause /
+    # recovery / start wait for it (a request could otherwise overtake it on the way)
+    assert h.engine.calls == calls_before
+    assert h.coord.next_deadline() is None  # bounded by the HTTP client's timeout instead
+    h.run(h.coord.on_engine_result(second.call_id, False, None, "HTTP 500: no active update",
+                                   h.now))
+    assert h.engine.calls[len(calls_before):] == [
+        "get_world_size", "init_weight_transfer_engine", "pause", "finish_recover",
+        "start_weight_update"]
+    assert all(isinstance(h.last(r), Ack) and h.last(r).phase == "begin" for r in range(2))
+
+
+def test_chunks_in_flight_must_be_at_least_one():
+    with pytest.raises(ValueError, match="chunks_in_flight"):
+        SlotCoordinator(0, 2, chunks_in_flight=0)
 
 
 def test_mismatch_found_ahead_fails_only_when_no_engine_call_is_in_flight():
