@@ -26,8 +26,9 @@ Test-only control routes (not part of vLLM), under ``/_slotsync/``:
     "route_counts": {route: int}, "faults": [fault, ...],
     "workers": [{"index", "gpu_uuid", "device", "active", "servable", "packed", "init_count",
     "start_count", "finish_count", "update_count", "bytes_loaded", "load_seconds",
-    "packed_maps", "num_weights"}, ...]}`` (``load_seconds``: seconds inside
-    ``update_weights``; ``packed_maps``: packed buffers mapped anew rather than found mapped).
+    "sync_seconds", "packed_maps", "num_weights"}, ...]}`` (``load_seconds``: seconds inside
+    ``update_weights``; ``sync_seconds``: of those, waiting for the device's copies;
+    ``packed_maps``: packed buffers mapped anew rather than found mapped).
 
 ``POST /_slotsync/fault``
     ``{"route": "<route name without '/'>", "after": k, "status": 500, "workers": [i, ...] |
@@ -43,6 +44,7 @@ Test-only control routes (not part of vLLM), under ``/_slotsync/``:
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import multiprocessing as mp
 import os
@@ -89,7 +91,12 @@ class CollectiveRpcError(Exception):
 class _WorkerProc:
     """Parent-side end of one worker process: a socket pair speaking
     ``multiprocessing.connection``'s framing (the worker uses a plain ``Connection``), driven
-    from the event loop (``acall``) during the engine's life, blocking before and after."""
+    from the event loop (``send``) during the engine's life, blocking before and after.
+
+    The worker answers requests one at a time, in the order they were written; a request may
+    be written while earlier ones are still running, so that the worker finds it waiting
+    (vLLM's engine core queues utility calls the same way). One reader task matches each
+    answer to the oldest request still waiting for one."""
 
     def __init__(self, spec: WorkerSpec, ctx: mp.context.SpawnContext) -> None:
         self.spec = spec
@@ -100,7 +107,9 @@ class _WorkerProc:
         self.process.daemon = True
         self.process.start()
         child.close()
-        self._sock: socket.socket | None = None  # non-blocking twin of conn (acall)
+        self._sock: socket.socket | None = None  # non-blocking twin of conn (send)
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+        self._reader: asyncio.Task | None = None
         self.gpu_uuid = spec.gpu_uuid or ""
         self.device = spec.device
 
@@ -113,28 +122,51 @@ class _WorkerProc:
         self.gpu_uuid = payload["gpu_uuid"]
         self.device = payload["device"]
 
-    async def acall(self, request: bytes) -> tuple[bool, Any]:
-        """Send ``request`` (``pickle.dumps((method, kwargs))``, what ``Connection.send``
-        writes) and await the worker's ``(kind, payload)`` without leaving the event loop:
-        no thread hand-off per call, and the workers' sends run concurrently. Returns
-        ``(ok, result or error text)``; a worker that died is reported as an error."""
+    async def send(self, request: bytes) -> asyncio.Future:
+        """Write ``request`` (``pickle.dumps((method, kwargs))``, what ``Connection.send``
+        writes) without leaving the event loop; returns a future of the worker's answer
+        ``(ok, result or error text)``. A worker that died is reported as an error. Requests
+        must be written one at a time (the pool's send lock)."""
         loop = asyncio.get_running_loop()
         if self._sock is None:
             self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
             self._sock.setblocking(False)
+            # room for a few update_infos of thousands of tensors while the worker is busy
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        fut = loop.create_future()
         n = len(request)
         # multiprocessing.connection framing: "!i" length, or -1 then "!Q" above 2 GiB
         head = struct.pack("!i", n) if n < 0x7FFFFFFF else struct.pack("!iQ", -1, n)
         try:
-            await loop.sock_sendall(self._sock, head)
-            await loop.sock_sendall(self._sock, request)
-            (size,) = struct.unpack("!i", await self._recv_exactly(loop, 4))
-            if size == -1:
-                (size,) = struct.unpack("!Q", await self._recv_exactly(loop, 8))
-            kind, payload = pickle.loads(await self._recv_exactly(loop, size))
+            await loop.sock_sendall(self._sock, head + request if n < 65536 else head)
+            if n >= 65536:
+                await loop.sock_sendall(self._sock, request)
+        except OSError as e:
+            fut.set_result((False, f"worker {self.spec.index} is gone ({type(e).__name__})"))
+            return fut
+        self._waiting.append(fut)
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.create_task(self._read_answers())
+        return fut
+
+    async def _read_answers(self) -> None:
+        """Resolve the waiting futures with the worker's answers, oldest first."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._waiting:
+                (size,) = struct.unpack("!i", await self._recv_exactly(loop, 4))
+                if size == -1:
+                    (size,) = struct.unpack("!Q", await self._recv_exactly(loop, 8))
+                kind, payload = pickle.loads(await self._recv_exactly(loop, size))
+                fut = self._waiting.popleft()
+                if not fut.done():
+                    fut.set_result((kind == "ok", payload))
         except (EOFError, OSError) as e:
-            return False, f"worker {self.spec.index} is gone ({type(e).__name__})"
-        return kind == "ok", payload
+            while self._waiting:
+                fut = self._waiting.popleft()
+                if not fut.done():
+                    fut.set_result(
+                        (False, f"worker {self.spec.index} is gone ({type(e).__name__})"))
 
     async def _recv_exactly(self, loop: asyncio.AbstractEventLoop, n: int) -> bytearray:
         assert self._sock is not None
@@ -149,6 +181,8 @@ class _WorkerProc:
         return buf
 
     def close(self, grace_s: float = 3.0) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -170,8 +204,10 @@ class _WorkerProc:
 class WorkerPool:
     """N worker processes (spawn context) and a ``collective_rpc`` over them.
 
-    Calls are serialized engine-wide (one fan-out at a time, like vLLM's engine core handles
-    utility calls in order); within a call the workers run concurrently.
+    Calls run in the order they arrive, one at a time on each worker (vLLM's engine core
+    handles utility calls in order); within a call the workers run concurrently. A call is
+    written to the workers as soon as it arrives, behind the ones still running, so each
+    worker starts it the moment it answers the one before.
     """
 
     def __init__(self, specs: list[WorkerSpec], startup_timeout_s: float = 300.0) -> None:
@@ -184,7 +220,7 @@ class WorkerPool:
         except BaseException:
             self.close()
             raise
-        self._lock = asyncio.Lock()
+        self._send_lock = asyncio.Lock()  # every worker gets the calls in the same order
 
     @property
     def world_size(self) -> int:
@@ -213,8 +249,8 @@ class WorkerPool:
         Raises:
             CollectiveRpcError: any worker failed (after all of them ran the call).
         """
-        # Shielded: a cancelled request (client gone) still reads every worker's answer, so
-        # the next call never reads a stale one, and the lock is held until then.
+        # Shielded: a cancelled request (client gone) still writes its call to every worker
+        # (the reader tasks take the answers), so every worker sees the same calls.
         results = await asyncio.shield(self._fan_out(method, kwargs, per_worker, inject))
         errors = [(i, str(p)) for i, (ok, p) in enumerate(results) if not ok]
         if errors:
@@ -224,21 +260,22 @@ class WorkerPool:
     async def _fan_out(self, method: str, kwargs: dict[str, Any] | None,
                        per_worker: list[dict[str, Any]] | None,
                        inject: dict[int, str] | None) -> list[tuple[bool, Any]]:
-        async with self._lock:
-            # The same request for every worker: pickle it once, not once per worker (an
-            # update_info of thousands of tensors takes a while to pickle).
-            shared = (pickle.dumps((method, dict(kwargs or {})), pickle.HIGHEST_PROTOCOL)
-                      if per_worker is None else None)
-            calls = []
-            for i, w in enumerate(self.workers):
-                if shared is not None and not (inject and i in inject):
-                    calls.append(w.acall(shared))
-                    continue
-                kw = dict(per_worker[i] if per_worker is not None else (kwargs or {}))
-                if inject and i in inject:
-                    kw["inject"] = inject[i]
-                calls.append(w.acall(pickle.dumps((method, kw), pickle.HIGHEST_PROTOCOL)))
-            return await asyncio.gather(*calls)
+        # The same request for every worker: pickle it once, not once per worker (an
+        # update_info of thousands of tensors takes a while to pickle).
+        shared = (pickle.dumps((method, dict(kwargs or {})), pickle.HIGHEST_PROTOCOL)
+                  if per_worker is None else None)
+        requests = []
+        for i in range(len(self.workers)):
+            if shared is not None and not (inject and i in inject):
+                requests.append(shared)
+                continue
+            kw = dict(per_worker[i] if per_worker is not None else (kwargs or {}))
+            if inject and i in inject:
+                kw["inject"] = inject[i]
+            requests.append(pickle.dumps((method, kw), pickle.HIGHEST_PROTOCOL))
+        async with self._send_lock:
+            answers = [await w.send(r) for w, r in zip(self.workers, requests, strict=True)]
+        return list(await asyncio.gather(*answers))
 
     def close(self) -> None:
         """Stop every worker (exit message, then terminate, then kill)."""

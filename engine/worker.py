@@ -360,6 +360,7 @@ class WorkerState:
         self.update_count = 0
         self.bytes_loaded = 0
         self.load_seconds = 0.0  # inside update_weights: parse, map, copy, synchronize
+        self.sync_seconds = 0.0  # of which waiting for the device (the copies themselves)
         self.packed_maps = 0  # packed buffers mapped anew (not found in torch's IPC cache)
         self.planned_chunks = 0  # packed chunks loaded through a remembered _PackedPlan
         self.planned_from_text = 0  # of those, found by their JSON text (_RawPackedUpdateInfo)
@@ -499,6 +500,7 @@ class WorkerState:
             "update_count": self.update_count,
             "bytes_loaded": self.bytes_loaded,
             "load_seconds": self.load_seconds,
+            "sync_seconds": self.sync_seconds,
             "packed_maps": self.packed_maps,
             "planned_chunks": self.planned_chunks,
             "planned_from_text": self.planned_from_text,
@@ -681,12 +683,18 @@ class WorkerState:
             src = buf[: plan.need].view(plan.wide)
             if plan.table is not None and plan.dsts:
                 gather.scatter_from(src, plan.table, max(plan.splits) * 8)
-                torch.cuda.synchronize(self.device)  # the producer reuses its buffer after this
+                self._synchronize()  # the producer reuses its buffer after this
                 self.scattered_chunks += 1
             else:
                 self._copy_out(src, plan.splits, plan.dsts)
         self.planned_chunks += 1
         return plan.need
+
+    def _synchronize(self) -> None:
+        """Wait for this worker's copies (vLLM answers only once they are done)."""
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        self.sync_seconds += time.perf_counter() - t0
 
     def _forget_plans(self) -> None:
         self._plans.clear()
@@ -733,7 +741,7 @@ class WorkerState:
                 for d, piece in zip(dsts, src.split(splits), strict=True):
                     d.copy_(piece)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            self._synchronize()
 
     def _load_packed_in_place(self, p: ParsedUpdate) -> int | None:
         """Fast path for a packed chunk whose tensors all exist with the same dtype and shape
@@ -791,7 +799,7 @@ class WorkerState:
                 self._forget_plans()  # plans hold views of the replaced weight
             total += t.numel() * t.element_size()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            self._synchronize()
         return total
 
 

@@ -486,3 +486,68 @@ def test_checksum_is_device_and_stride_independent() -> None:
     assert tensor_checksum(t) == tensor_checksum(t.t().contiguous().t())
     assert tensor_checksum(t.to(torch.bfloat16)) != tensor_checksum(t)
     assert len(tensor_checksum(t)) == 64
+
+
+def test_update_weights_sent_together_each_load_and_answer_their_own(
+        eng: ReferenceEngine, segs: Segments) -> None:
+    """Calls that arrive while the workers are still busy are queued behind the running one
+    (the daemon keeps two ``/update_weights`` in flight): every chunk loads and every answer
+    reaches its own request."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert eng.request("POST", "/init_weight_transfer_engine",
+                       {"init_info": {"packed": True}})[0] == 200
+    chunks = [{f"layer.{k}.w": torch.full((64, 64), float(k))} for k in range(6)]
+    infos = []
+    for chunk in chunks:
+        data = b"".join(_bytes_of(t) for t in chunk.values())
+        by_uuid = {u: ShmHandle(segment=segs.put(data).name, offset=0, nbytes=len(data))
+                   for u in eng.gpu_uuids}
+        infos.append(packed_info(chunk, by_uuid))
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    before = {w["index"]: w["update_count"] for w in stats(eng)["workers"]}
+    with ThreadPoolExecutor(len(infos)) as pool:
+        answers = list(pool.map(
+            lambda info: eng.request("POST", "/update_weights", {"update_info": info}), infos))
+    assert answers == [(200, {"message": "Weights updated"})] * len(infos)
+    assert eng.request("POST", "/finish_weight_update", {"weight_version": "q"})[0] == 200
+    want = {n: tensor_checksum(t) for c in chunks for n, t in c.items()}
+    status, body = eng.request("POST", "/weight_checker", {"action": "compare", "baseline": want})
+    assert (status, body) == (200, {"match": True, "mismatches": []})
+    after = {w["index"]: w["update_count"] for w in stats(eng)["workers"]}
+    assert all(after[i] - before[i] == len(infos) for i in after)
+
+
+def test_worker_pool_matches_queued_answers_to_their_calls() -> None:
+    """Three calls written to the workers before the first answered: each gets its own
+    answer, a failing one fails alone; a worker that dies fails every call still waiting."""
+    import asyncio
+
+    from slotsync.engine.server import CollectiveRpcError, WorkerPool
+    from slotsync.engine.worker import WorkerSpec
+
+    pool = WorkerPool([WorkerSpec(i, "cpu", logical_gpu_uuid(i), None) for i in range(2)],
+                      startup_timeout_s=90)
+    try:
+        async def three() -> list:
+            return await asyncio.gather(
+                pool.collective_rpc("stats"),
+                pool.collective_rpc("update_weights", {"update_info": {}}),  # no session
+                pool.collective_rpc("checksums"),
+                return_exceptions=True)
+
+        first, second, third = asyncio.run(three())
+        assert [w["index"] for w in first] == [0, 1]
+        assert isinstance(second, CollectiveRpcError)
+        assert "start_weight_update must be called before update_weights" in str(second)
+        assert third == [{}, {}]
+
+        async def dies() -> list:
+            pool.workers[1].process.kill()
+            return await asyncio.gather(pool.collective_rpc("stats"),
+                                        pool.collective_rpc("stats"), return_exceptions=True)
+
+        for r in asyncio.run(dies()):
+            assert isinstance(r, CollectiveRpcError) and "worker 1 is gone" in str(r)
+    finally:
+        pool.close()
