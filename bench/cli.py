@@ -74,8 +74,8 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--systems", default="slotsync,baseline", help="slotsync,baseline")
     c.add_argument("--staging-mb", type=positive_int, default=512,
                    help="chunk size in MiB (default 512)")
-    c.add_argument("--staging-buffers", type=int, default=2, choices=(1, 2),
-                   help="packed: the publisher's staging regions (default 2)")
+    c.add_argument("--staging-buffers", type=int, default=2, choices=range(1, 9),
+                   metavar="{1..8}", help="packed: the publisher's staging regions (default 2)")
     c.add_argument("--engine-url", action="append", default=None,
                    help="use this engine (one per slot) instead of a discarding reference one")
     c.add_argument("--sweep", action="store_true",
@@ -106,6 +106,10 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--staging-mb", type=_ints, default=[512, 1024, 4096],
                    help="packed staging sizes in MiB (default 512,1024,4096)")
     g.add_argument("--no-unpacked", action="store_true", help="skip the unpacked run")
+    g.add_argument("--regions", type=int, default=2, choices=range(2, 9), metavar="{2..8}",
+                   help="staging regions per rank of the packed runs (default 2)")
+    g.add_argument("--chunks-in-flight", type=int, default=2, choices=range(1, 9),
+                   metavar="{1..8}", help="the daemon's chunks_in_flight (default 2)")
     g.add_argument("--single-buffer", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the smallest staging size with one region (default on)")
     g.add_argument("--profile", metavar="DIR", default=None,
@@ -202,9 +206,9 @@ def control_main(args: argparse.Namespace) -> int:
               "engine call: the `/update_weights` HTTP time per chunk (daemon's metric / "
               "coordinator's clock)")
     _say(out, f"- slotsync ranks: packed with {args.staging_buffers} staging region(s) per rank "
-              "(a fresh export per chunk with 2, one export per update with 1), unpacked up to "
-              "2 chunks in flight; baseline: one buffer exported once per update, one chunk at "
-              "a time")
+              "(a fresh export per chunk with 2 or more, one export per update with 1), "
+              "unpacked up to 2 chunks in flight; baseline: one buffer exported once per "
+              "update, one chunk at a time")
     contended = args.ranks * args.slots + args.slots * (args.ranks + 1) + 1
 
     _say(out, f"- **CPU contention**: {contended} busy processes (ranks, engine workers and "
@@ -326,13 +330,14 @@ def _plot(path: str, by_ranks: dict[int, dict[int, dict[str, float]]],
 # ------------------------------------------------------------------------------- gpu
 
 
-def _check_gpu_bench_fits(device: str, ranks: int, nbytes: int, staging: int) -> None:
+def _check_gpu_bench_fits(device: str, ranks: int, nbytes: int, staging: int,
+                          regions: int = 2) -> None:
     """Refuse, before starting anything, a ``bench gpu`` that cannot run here: no CUDA device
     for ``--device cuda``, or trainer + engine copies of the state dict (``nbytes`` per
-    rank, plus two staging regions of ``staging`` bytes) beyond the device's or this
+    rank, plus ``regions`` staging regions of ``staging`` bytes) beyond the device's or this
     machine's memory (bytes). Raises SystemExit(2) after a line naming the options to
     change."""
-    need = ranks * (2 * nbytes + 2 * staging)
+    need = ranks * (2 * nbytes + regions * staging)
     if device == "cuda":
         import torch
 
@@ -347,7 +352,8 @@ def _check_gpu_bench_fits(device: str, ranks: int, nbytes: int, staging: int) ->
     if need > have:
         _refuse(f"{ranks} rank(s) x (trainer + engine copy of {nbytes / 1e9:.1f} GB + "
                 f"staging) need ~{need / 1e9:.1f} GB, this machine has {have / 1e9:.1f} GB "
-                f"{where}: lower --layers (or --experts, --vocab, --ranks)")
+                f"{where}: lower --layers (or --experts, --vocab, --ranks, --staging-mb, "
+                "--regions)")
 
 
 def _refuse(text: str) -> NoReturn:
@@ -364,8 +370,8 @@ def gpu_main(args: argparse.Namespace) -> int:
     model = Qwen3MoeConfig(layers=args.layers, experts=args.experts, vocab=args.vocab,
                            hidden=args.hidden)
     specs = qwen3_moe_specs(model)
-    configs = [GpuConfig(f"packed {mb} MiB x 2 regions", True, mb * MiB)
-               for mb in args.staging_mb]
+    configs = [GpuConfig(f"packed {mb} MiB x {args.regions} regions", True, mb * MiB,
+                         args.regions) for mb in args.staging_mb]
     if args.single_buffer:  # vLLM's own producer: one region, one chunk at a time
         mb = min(args.staging_mb)
         configs.append(GpuConfig(f"packed {mb} MiB x 1 region", True, mb * MiB, 1))
@@ -374,7 +380,7 @@ def gpu_main(args: argparse.Namespace) -> int:
                                  min(args.staging_mb) * MiB))
     dev = args.device
     _check_gpu_bench_fits(dev, args.ranks, sum(s.nbytes for s in specs),
-                          max(args.staging_mb) * MiB)
+                          max(args.staging_mb) * MiB, args.regions)
     _say(out, "## Data plane (GPU): `slotsync bench gpu`")
     _say(out)
     _say(out, f"- command: `{command_line()}`")
@@ -395,10 +401,13 @@ def gpu_main(args: argparse.Namespace) -> int:
     counted = (f"median of rounds 2..{args.rounds}" if args.rounds > 1
                else "one round, warm-up included (use --rounds 2 or more)")
     _say(out, f"- round = begin .. commit ack, slowest rank; {counted}")
+    _say(out, f"- daemon: `chunks_in_flight = {args.chunks_in_flight}` (`/update_weights` calls "
+              "sent before the first returned)")
     _say(out)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     res = run_gpu(configs, ranks=args.ranks, model=model, rounds=args.rounds, device=dev,
+                  chunks_in_flight=args.chunks_in_flight,
                   log=lambda s: _say(out, "- " + s.strip()), profile_dir=args.profile)
     _say(out)
     total = res.ranks * res.nbytes_per_rank
@@ -411,17 +420,21 @@ def gpu_main(args: argparse.Namespace) -> int:
         rows.append([name, str(row.chunks),
                      f"{m:.4f}", f"{total / m / 1e9:.1f}", f"**{m / res.copy_s:.1f}**",
                      f"{row.export_s:.4f}", f"{row.engine_load_s:.4f}",
-                     f"{row.engine_call_s:.4f}"])
+                     f"{row.engine_sync_s:.4f}", f"{row.engine_call_s:.4f}"])
     _say(out, table(["path", "chunks/round", "seconds/round", "GB/s", "x copy",
-                     "publisher export s", "engine load s", "engine calls s"], rows))
+                     "publisher export s", "engine load s", "of which device wait s",
+                     "engine calls s"], rows))
     _say(out)
     _say(out, "publisher export: rank 0's time laying chunks out, copying into the staging "
               "buffer (or exporting each tensor), synchronizing and exporting, per round; "
               "engine load: mean per worker and round inside `update_weights` (parse, map, "
-              "copy, synchronize); engine calls: the daemon's `/update_weights` calls per "
-              "round, end to end (the load plus HTTP, the engine's front and its hand-off to "
-              "the workers). The rest of a round is ZeroMQ, the daemon and the acks; packed, "
-              "the publisher fills chunk k+1 while the engine loads chunk k.")
+              "copy, synchronize), and of that the wait for the device's copies; engine calls: "
+              "the daemon's `/update_weights` calls per round, end to end (the load plus HTTP, "
+              "the engine's front and its hand-off to the workers; with `chunks_in_flight` > 1 "
+              "a call also counts its wait behind the one before, so the sum exceeds the "
+              "round). Engine figures are means over the counted rounds. The rest of a round "
+              "is ZeroMQ, the daemon and the acks; packed, the publisher fills the next chunks "
+              "while the engine loads chunk k.")
     _say(out)
     if args.profile:
         _print_profiles(args.profile)

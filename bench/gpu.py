@@ -136,7 +136,8 @@ class GpuRow:
     """One configuration's figures, seconds per round: ``rounds`` (counted rounds, slowest
     rank), ``export_s`` (rank 0's publisher: lay out, copy into staging, synchronize, export;
     median), ``engine_load_s`` (mean per worker and round inside the engine's
-    ``update_weights``: parse, map, copy, synchronize), ``engine_call_s`` (the daemon's
+    ``update_weights``: parse, map, copy, synchronize), ``engine_sync_s`` (of that, waiting
+    for the device's copies), ``engine_call_s`` (the daemon's
     ``/update_weights`` HTTP calls per round, from its ``/metrics``: the load plus HTTP, the
     engine's front and its hand-off to the workers)."""
 
@@ -146,6 +147,7 @@ class GpuRow:
     export_s: float
     engine_load_s: float
     engine_call_s: float = 0.0  # the daemon's update_weights HTTP calls, per round
+    engine_sync_s: float = 0.0  # of engine_load_s, the workers' wait for the device
 
 
 @dataclass
@@ -161,11 +163,13 @@ class GpuResult:
     rows: list[GpuRow]
 
 
-def _engine_load_s(engine: Any) -> float:
-    """Seconds the engine's workers spent in ``update_weights`` so far (mean per worker)."""
+def _engine_load_s(engine: Any) -> tuple[float, float]:
+    """Seconds the engine's workers spent in ``update_weights`` so far, and of those waiting
+    for the device (means per worker)."""
     _, stats = engine.request("GET", "/_slotsync/stats")
     ws = stats["workers"]
-    return sum(w["load_seconds"] for w in ws) / len(ws)
+    return (sum(w["load_seconds"] for w in ws) / len(ws),
+            sum(w.get("sync_seconds", 0.0) for w in ws) / len(ws))
 
 
 def run_gpu(
@@ -177,11 +181,13 @@ def run_gpu(
     device: str = "cuda",
     log: Any = print,
     profile_dir: str | None = None,
+    chunks_in_flight: int = 2,
 ) -> GpuResult:
-    """Run every configuration (a fresh daemon each, one engine for all) and the copy floor.
-    With ``profile_dir``, each rank writes ``rank<r>-<label>.prof`` (cProfile of the counted
-    ``publish`` calls) and each engine worker ``engine-worker-<i>.prof`` (every
-    ``update_weights`` of the run, so profile one configuration at a time).
+    """Run every configuration (a fresh daemon each, run with ``--chunks-in-flight
+    chunks_in_flight``; one engine for all) and the copy floor. With ``profile_dir``, each
+    rank writes ``rank<r>-<label>.prof`` (cProfile of the counted ``publish`` calls) and each
+    engine worker ``engine-worker-<i>.prof`` (every ``update_weights`` of the run, so profile
+    one configuration at a time).
 
     Raises:
         RuntimeError: a rank failed (traceback in the message).
@@ -241,7 +247,8 @@ def run_gpu(
                     f"from {cfg.staging_bytes / MiB:.0f} to {new / MiB:.0f} MiB")
                 cfg = GpuConfig(cfg.label, cfg.packed, new, cfg.staging_buffers)
             load0 = _engine_load_s(engine)
-            with DaemonProcess(args=["--log-level", "warning"]) as d:
+            with DaemonProcess(args=["--log-level", "warning", "--chunks-in-flight",
+                                     str(chunks_in_flight)]) as d:
                 for c in cmds:
                     c.put(("run", d.endpoint, engine.url, cfg, rounds))
                 call0 = 0.0
@@ -253,17 +260,21 @@ def run_gpu(
                         c.put(("continue",))
                 done = collect("done")
                 call_s = (engine_call_seconds(d.status_url)[0] - call0) / max(rounds - 1, 1)
-            load_s = (_engine_load_s(engine) - load0) / max(rounds - 1, 1)
+            load1 = _engine_load_s(engine)
+            load_s, sync_s = ((b - a) / max(rounds - 1, 1) for a, b in zip(load0, load1,
+                                                                            strict=True))
             per_round = [max(done[r][0][i] for r in range(ranks)) for i in range(rounds)]
             counted = per_round[1:] if rounds > 1 else per_round
             exports = done[0][2][1:] if rounds > 1 else done[0][2]
-            row = GpuRow(cfg, counted, done[0][1], statistics.median(exports), load_s, call_s)
+            row = GpuRow(cfg, counted, done[0][1], statistics.median(exports), load_s, call_s,
+                         sync_s)
             rows.append(row)
             med = statistics.median(counted)
             log(f"  {cfg.label}: {row.chunks} chunks, round {med:.3f} s "
                 f"({ranks * nbytes / med / 1e9:.1f} GB/s), {med / copy_s:.1f}x the copy "
                 f"[all rounds: {', '.join(f'{x:.3f}' for x in per_round)}]; publisher export "
-                f"{row.export_s:.3f} s, engine load {row.engine_load_s:.3f} s, engine calls "
+                f"{row.export_s:.3f} s, engine load {row.engine_load_s:.3f} s (device wait "
+                f"{row.engine_sync_s:.3f} s), engine calls "
                 f"{row.engine_call_s:.3f} s per round")
         return GpuResult(model.layers, len(specs), nbytes, ranks, copy_s, rows)
     finally:

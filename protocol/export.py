@@ -431,7 +431,7 @@ class ShmSegment:
 class StagingBuffer(ABC):
     """Reusable uint8 staging memory for packed chunks: ``slots`` regions of ``capacity``
     bytes each, so that a rank fills chunk k+1 into one region while the engine still reads
-    chunk k from the other (``slots=2``, double buffering).
+    earlier chunks from the others (``slots >= 2``).
 
     Per chunk: ``plan`` lays the chunk out in a region (CPU only), ``fill`` copies it in -- only
     once the chunk that last used that region was acknowledged (design.md I3) -- and ``handle``
@@ -557,7 +557,7 @@ class CudaStagingBuffer(StagingBuffer):
     * ``slots=1``: the region is exported once, whole, at the first chunk of an update, and
       every chunk of the update sends that handle (vLLM's own producer); the importer maps it
       once and releases it at finish.
-    * ``slots=2``: each chunk sends a fresh export of its region (a view of the one block).
+    * ``slots>=2``: each chunk sends a fresh export of its region (a view of the one block).
       The args change every chunk, so the importer rebuilds -- while its previous entry still
       holds the block, so torch's consumer finds the storage in its cache: no new mapping, and
       the new export's count is released at once. The first export is released when the
@@ -574,7 +574,7 @@ class CudaStagingBuffer(StagingBuffer):
     Args:
         capacity: bytes of each region (uint8).
         device: the CUDA device (the rank's own GPU).
-        slots: regions (1 or 2: double buffering).
+        slots: regions (1; 2 or more: the next chunk is filled while earlier ones load).
     """
 
     def __init__(self, capacity: int, device: torch.device | int | str, slots: int = 1) -> None:

@@ -19,7 +19,8 @@ update (best effort) and re-raises. Every wait for the daemon is bounded by ``ti
 produces the tensors: gathers, format conversion) while the daemon and the engine load chunk k.
 Packed with ``staging_buffers=2`` (the default), it fills chunk k+1 into the other half of the
 staging memory and sends it before chunk k's ack, so the daemon has chunk k+1 merged when the
-engine returns from chunk k; a region is refilled only after the ack of the chunk that used it
+engine returns from chunk k (with n regions, up to n - 1 chunks run ahead of their acks); a
+region is refilled only after the ack of the chunk that used it
 (see ``CudaStagingBuffer`` for how this keeps vLLM's packed importer to one mapping per update).
 ``staging_buffers=1`` is vLLM's own producer: one region, exported once per update, chunk k+1
 copied in after chunk k's ack. Unpacked, up to ``MAX_UNACKED_CHUNKS`` chunks are in flight
@@ -74,6 +75,8 @@ DEFAULT_STAGING_BYTES = 512 * 1024 * 1024
 
 MAX_UNACKED_CHUNKS = 2
 """Unpacked ``publish``: chunks in flight (packed: ``staging_buffers``)."""
+MAX_STAGING_BUFFERS = 8
+"""Packed: the most staging regions per rank."""
 
 _LINGER_MS = 500  # how long close() lets an unsent Abort try to get out
 
@@ -132,9 +135,12 @@ class Publisher:
             ``wire.logical_gpu_uuid(rank - slot.start)`` on shm.
         staging_bytes: packed: the size of each staging region; unpacked: the most bytes per
             chunk. ``publish`` cuts chunks of at most this many bytes. Allocated per update.
-        staging_buffers: packed: staging regions (GPU memory used: ``staging_buffers *
-            staging_bytes`` during an update). 2 fills the next chunk while the engine loads
-            the current one; 1 halves the memory and sends one chunk at a time.
+        staging_buffers: packed: staging regions, 1 to ``MAX_STAGING_BUFFERS`` (GPU memory
+            used: ``staging_buffers * staging_bytes`` during an update). With n > 1, up to
+            n - 1 chunks wait at the daemon and engine while the next one is filled: 2 fills
+            the next chunk while the engine loads the current one; 3 also keeps one queued
+            at the engine (the daemon's ``chunks_in_flight``), which pays with small chunks;
+            1 is vLLM's own producer: one chunk at a time.
         timeout_s: deadline of every wait for the daemon, in seconds. The default (360 s) is
             longer than the daemon's default ``engine_timeout_s`` (300 s), so that when an
             engine hangs, the daemon's error naming it reaches the rank before the rank's own
@@ -164,8 +170,9 @@ class Publisher:
             raise ValueError(f"rank {rank} is not in its engine slot {self.slot}")
         if staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
-        if staging_buffers not in (1, 2):
-            raise ValueError(f"staging_buffers must be 1 or 2, got {staging_buffers}")
+        if not 1 <= staging_buffers <= MAX_STAGING_BUFFERS:
+            raise ValueError(f"staging_buffers must be 1..{MAX_STAGING_BUFFERS}, got "
+                             f"{staging_buffers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.endpoint = endpoint
