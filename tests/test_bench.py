@@ -69,9 +69,11 @@ def test_bench_control_sweep_prints_the_scaling_and_writes_the_plot(tmp_path):
 def test_bench_gpu_dry_run_on_cpu(tmp_path):
     text = _bench("gpu", "--device", "cpu", "--layers", "1", "--experts", "4", "--vocab",
                   "1000", "--hidden", "256", "--staging-mb", "2", "--rounds", "2",
-                  tmp_path=tmp_path)
+                  "--regions", "3", "--chunks-in-flight", "3", tmp_path=tmp_path)
     assert "<!-- bench:gpu -->" in text and "x copy" in text
     assert "| unpacked (chunks <= 2 MiB) |" in text and "median of rounds 2..2" in text
+    assert "| packed 2 MiB x 3 regions (2 MiB each) |" in text
+    assert "`chunks_in_flight = 3`" in text and "of which device wait s" in text
 
 
 def test_bench_control_tiny_packed_with_two_regions_and_section(tmp_path):

@@ -353,8 +353,9 @@ def test_publisher_argument_checks(endpoint: str) -> None:
         Publisher(endpoint, 3, (0, 2), ENGINE, transport="shm")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         Publisher(endpoint, 0, (0, 2), ENGINE, transport="cuda", device="cpu")
-    with pytest.raises(ValueError, match="staging_buffers must be 1 or 2, got 3"):
-        Publisher(endpoint, 0, (0, 2), ENGINE, transport="shm", staging_buffers=3)
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=f"staging_buffers must be 1..8, got {bad}"):
+            Publisher(endpoint, 0, (0, 2), ENGINE, transport="shm", staging_buffers=bad)
     pub = Publisher(endpoint, 0, (0, 2), ENGINE, device="cpu",
                     gpu_uuid="GPU-AAAAAAAA-0000-0000-0000-000000000001")
     try:
@@ -397,13 +398,14 @@ def test_unpacked_publish_sends_the_next_chunk_before_the_ack(
     assert stats.wait_seconds > 0 and stats.export_seconds > 0
 
 
-@pytest.mark.parametrize("buffers", [1, 2])
+@pytest.mark.parametrize("buffers", [1, 2, 3])
 def test_packed_staging_region_is_not_refilled_before_the_ack(
     make_daemon: Callable[..., FakeDaemon], endpoint: str, buffers: int
 ) -> None:
     """Packed, a staging region is refilled only after the ack of the chunk that used it
-    (design.md I3). With two regions the next chunk is filled into the other one and already
-    sent while the engine loads the current chunk; with one it is sent only after the ack."""
+    (design.md I3). With two or more regions the next chunk is filled into another one and
+    already sent while the engine loads the current chunk; with one it is sent only after the
+    ack. Regions are used in turn."""
     held: list[tuple[int, bool, bool, int]] = []  # (index, bytes unchanged, next sent, offset)
 
     def slow_engine(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
@@ -422,8 +424,8 @@ def test_packed_staging_region_is_not_refilled_before_the_ack(
         pub.publish(named, weight_version="v")
     assert [i for i, *_ in held] == [0, 1, 2, 3]
     assert all(same for _, same, _, _ in held)  # never overwritten before its ack
-    assert [nxt for _, _, nxt, _ in held[:-1]] == [buffers == 2] * 3
-    assert [off for *_, off in held] == ([0, 64, 0, 64] if buffers == 2 else [0] * 4)
+    assert [nxt for _, _, nxt, _ in held[:-1]] == [buffers > 1] * 3
+    assert [off for *_, off in held] == [64 * (k % buffers) for k in range(4)]
     seen = {k: v for d in daemon.chunk_data for k, v in d.items()}
     assert seen == {n: _raw(t) for n, t in named}
 
