@@ -13,9 +13,15 @@ summarized in ``shared/vllm-contract.md``). It keeps vLLM's *per-worker* state m
 
 The parent process (``slotsync.engine.server``) talks to the worker over one
 ``multiprocessing`` pipe: it sends ``(method, kwargs)`` and receives ``("ok", result)`` or
-``("err", message)``. ``kwargs`` may carry ``inject="<message>"``: the worker then fails that
-call with ``RuntimeError(message)`` after the call's precondition checks, at the point where a
-real load failure would happen (test-only fault injection).
+``("err", message)``, one answer per request, in order. A packed chunk is answered only once
+its copies on the device are done (vLLM synchronizes before answering), but when the next
+request is already waiting the worker prepares it -- decode, map, launch its copy behind the
+first -- before it waits for the first chunk's copy: the CPU work of one chunk overlaps the
+device's copy of the one before (``overlapped_chunks``).
+
+``kwargs`` may carry ``inject="<message>"``: the worker then fails that call with
+``RuntimeError(message)`` after the call's precondition checks, at the point where a real load
+failure would happen (test-only fault injection).
 
 Handle values (``args``) this worker understands, per GPU UUID:
 
@@ -33,6 +39,7 @@ launched with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
 from __future__ import annotations
 
 import base64
+import collections
 import cProfile
 import os
 import pickle
@@ -365,6 +372,12 @@ class WorkerState:
         self.planned_chunks = 0  # packed chunks loaded through a remembered _PackedPlan
         self.planned_from_text = 0  # of those, found by their JSON text (_RawPackedUpdateInfo)
         self.scattered_chunks = 0  # of those, copied out by one gather.scatter_from kernel
+        self.overlapped_chunks = 0  # prepared while the previous chunk's copy still ran
+        # Set by the serve loop around an update_weights call: a scatter launched then is not
+        # waited for; its event (and the buffer it reads) wait in _copies for wait_copies.
+        self.defer_copy_wait = False
+        self._copies: collections.deque[tuple[torch.cuda.Event, torch.Tensor]] = (
+            collections.deque())
         # vLLM's PackedBufferImporter: one mapped packed buffer, keyed by its handle's args
         self._importer: tuple[tuple, torch.Tensor] | None = None
         self._flat: dict[str, _FlatWeight] = {}  # see _flat_weight
@@ -501,6 +514,7 @@ class WorkerState:
             "bytes_loaded": self.bytes_loaded,
             "load_seconds": self.load_seconds,
             "sync_seconds": self.sync_seconds,
+            "overlapped_chunks": self.overlapped_chunks,
             "packed_maps": self.packed_maps,
             "planned_chunks": self.planned_chunks,
             "planned_from_text": self.planned_from_text,
@@ -682,13 +696,37 @@ class WorkerState:
                 return None  # this buffer's base is less aligned than the plan's: copy narrower
             src = buf[: plan.need].view(plan.wide)
             if plan.table is not None and plan.dsts:
+                if self._copies:
+                    self.overlapped_chunks += 1
                 gather.scatter_from(src, plan.table, max(plan.splits) * 8)
-                self._synchronize()  # the producer reuses its buffer after this
+                if self.defer_copy_wait:
+                    done = torch.cuda.Event()
+                    done.record(torch.cuda.current_stream(self.device))
+                    self._copies.append((done, src))  # src keeps the mapping until then
+                else:
+                    self._synchronize()  # the producer reuses its buffer after this
                 self.scattered_chunks += 1
             else:
                 self._copy_out(src, plan.splits, plan.dsts)
         self.planned_chunks += 1
         return plan.need
+
+    def wait_copies(self, keep: int = 0) -> None:
+        """Wait for deferred copies, oldest first, until ``keep`` are left (their chunks'
+        answers may go out then: the producer reuses its buffer after it)."""
+        while len(self._copies) > keep:
+            done, _ = self._copies[0]
+            t0 = time.perf_counter()
+            done.synchronize()
+            wait = time.perf_counter() - t0
+            self.sync_seconds += wait
+            self.load_seconds += wait
+            self._copies.popleft()
+
+    @property
+    def copies_pending(self) -> int:
+        """Deferred copies not yet waited for."""
+        return len(self._copies)
 
     def _synchronize(self) -> None:
         """Wait for this worker's copies (vLLM answers only once they are done)."""
@@ -828,23 +866,49 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
 
 def _serve(state: WorkerState, spec: WorkerSpec, conn: Connection,
            prof: cProfile.Profile | None) -> None:
+    """Answer requests in order. ``held``: the answer of an ``update_weights`` whose copy
+    still runs on the device; it goes out once that copy is done -- at once when no request
+    is waiting, else after the next ``update_weights`` was prepared and launched."""
+    held: tuple[str, Any] | None = None
     while True:
+        if held is not None and not conn.poll(0):
+            state.wait_copies()
+            conn.send(held)
+            held = None
         try:
             method, kwargs = conn.recv()
         except (EOFError, OSError, KeyboardInterrupt):
             return
+        deferrable = method == "update_weights" and not kwargs.get("inject")
+        if held is not None and not deferrable:  # nothing else runs before it is answered
+            state.wait_copies()
+            conn.send(held)
+            held = None
         if method == "exit":
             conn.send(("ok", None))
             return
+        before = state.copies_pending
+        state.defer_copy_wait = deferrable
         try:
             fn = getattr(state, method)
             if prof is not None and method == "update_weights":
                 result = prof.runcall(fn, **kwargs)
             else:
                 result = fn(**kwargs)
+            answer: tuple[str, Any] = ("ok", result)
         except Exception as e:
             tb = traceback.format_exc().rstrip().replace("\n", f"\n[worker {spec.index}] ")
             print(f"[worker {spec.index}] {method} failed: {tb}", file=sys.stderr, flush=True)
-            conn.send(("err", str(e) or type(e).__name__))
-            continue
-        conn.send(("ok", result))
+            answer = ("err", str(e) or type(e).__name__)
+        finally:
+            state.defer_copy_wait = False
+        launched = state.copies_pending > before
+        if held is not None:  # the previous chunk's answer first, once its copy is done
+            state.wait_copies(keep=1 if launched else 0)
+            conn.send(held)
+            held = None
+        if launched:
+            held = answer
+        else:
+            state.wait_copies()
+            conn.send(answer)

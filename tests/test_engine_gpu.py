@@ -158,3 +158,95 @@ def test_default_uuid_is_the_real_one(exported: dict[str, Any]) -> None:
         assert eng.request("POST", "/finish_weight_update")[0] == 200
         sums = eng.request("POST", "/weight_checker", {"action": "checksum"})[1]["checksums"]
         assert sums == {real: dict(sorted(exported["checksums"].items()))}
+
+
+def chunks_producer_main(conn: Connection, n: int, numel: int) -> None:
+    """A rank with ``n`` one-tensor chunks in ``n`` regions of one block (the publisher's
+    staging with n regions). Commands: ``("fill", value)`` fills region k with ``value + k``
+    and answers a fresh export per region (update_info fields) and the expected checksums;
+    ``("scribble",)`` overwrites every region; ``("stop",)`` releases and exits."""
+    torch.cuda.set_device(0)
+    block = torch.empty(n * numel, dtype=torch.float32, device="cuda")
+    regions = [block[k * numel:(k + 1) * numel] for k in range(n)]
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "fill":
+            for k, r in enumerate(regions):
+                r.fill_(cmd[1] + k)
+            torch.cuda.synchronize()
+            conn.send(([handle_record(r.view(torch.uint8)) for r in regions],
+                       {f"w.{k}": tensor_checksum(r) for k, r in enumerate(regions)}))
+        elif cmd[0] == "scribble":
+            block.fill_(-1.0)
+            torch.cuda.synchronize()
+            conn.send("ok")
+        else:
+            break
+    del regions, block
+    torch.cuda.ipc_collect()
+    conn.send("bye")
+
+
+def test_queued_chunks_overlap_yet_each_answer_waits_for_its_copy() -> None:
+    """Chunks written to a worker back to back (the daemon's chunks_in_flight): once a chunk
+    is planned, the worker prepares and launches the next one before it waits for the copy of
+    the one before, yet answers each only after its copy is done -- the producer overwrites
+    every region as soon as the answers are in, and the weights keep the chunks' values."""
+    import asyncio
+
+    from slotsync.engine.server import WorkerPool
+    from slotsync.engine.worker import WorkerSpec
+    from slotsync.protocol import gather
+
+    if not gather.available():
+        pytest.skip("the deferred wait is the scatter kernel's (needs Triton)")
+    n, numel = 6, 4 << 20  # six 16 MiB chunks
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=chunks_producer_main, args=(child, n, numel), daemon=True)
+    proc.start()
+    uuid = logical_gpu_uuid(0)
+    pool = WorkerPool([WorkerSpec(0, "cuda:0", uuid, None)], startup_timeout_s=180)
+    try:
+        def infos(value: float) -> tuple[list[dict], dict[str, str]]:
+            conn.send(("fill", value))
+            records, sums = conn.recv()
+            return [{
+                "names": [f"w.{k}"], "dtype_names": ["float32"], "shapes": [[numel]],
+                "tensor_sizes": [numel * 4],
+                "ipc_handles_pickled": b64(pickle_packed({uuid: CudaIpcHandle(**rec)})),
+            } for k, rec in enumerate(records)], sums
+
+        async def one_round(value: float, together: bool) -> dict[str, str]:
+            chunks, sums = infos(value)
+            await pool.collective_rpc("start_weight_update")
+            calls = [pool.collective_rpc("update_weights", {"update_info": c}) for c in chunks]
+            if together:
+                assert await asyncio.gather(*calls) == [[numel * 4]] * n
+                conn.send(("scribble",))  # every answer is in: the regions are ours again
+                assert conn.recv() == "ok"
+            else:
+                for c in calls:
+                    await c
+            await pool.collective_rpc("finish_weight_update")
+            return sums
+
+        async def rounds() -> None:
+            await pool.collective_rpc("init_weight_transfer_engine",
+                                      {"init_info": {"packed": True}})
+            await one_round(1.0, False)  # creates the weights
+            await one_round(10.0, False)  # loads in place, keeps each chunk's plan
+            want = await one_round(100.0, True)  # planned: prepared while the last copy runs
+            (got,) = await pool.collective_rpc("checksums")
+            assert got == want
+            (stats,) = await pool.collective_rpc("stats")
+            assert stats["scattered_chunks"] == n and stats["overlapped_chunks"] >= 1, stats
+
+        asyncio.run(rounds())
+    finally:
+        pool.close()
+        conn.send(("stop",))
+        conn.poll(30)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
