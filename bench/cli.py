@@ -74,8 +74,8 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--systems", default="slotsync,baseline", help="slotsync,baseline")
     c.add_argument("--staging-mb", type=positive_int, default=512,
                    help="chunk size in MiB (default 512)")
-    c.add_argument("--staging-buffers", type=int, default=2, choices=range(1, 9),
-                   metavar="{1..8}", help="packed: the publisher's staging regions (default 2)")
+    c.add_argument("--staging-buffers", type=int, default=4, choices=range(1, 9),
+                   metavar="{1..8}", help="packed: the publisher's staging regions (default 4)")
     c.add_argument("--engine-url", action="append", default=None,
                    help="use this engine (one per slot) instead of a discarding reference one")
     c.add_argument("--sweep", action="store_true",
@@ -106,10 +106,12 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--staging-mb", type=_ints, default=[512, 1024, 4096],
                    help="packed staging sizes in MiB (default 512,1024,4096)")
     g.add_argument("--no-unpacked", action="store_true", help="skip the unpacked run")
-    g.add_argument("--regions", type=int, default=2, choices=range(2, 9), metavar="{2..8}",
-                   help="staging regions per rank of the packed runs (default 2)")
-    g.add_argument("--chunks-in-flight", type=int, default=2, choices=range(1, 9),
-                   metavar="{1..8}", help="the daemon's chunks_in_flight (default 2)")
+    g.add_argument("--regions", type=int, default=4, choices=range(2, 9), metavar="{2..8}",
+                   help="staging regions per rank of the packed runs (default 4, the "
+                        "publisher's)")
+    g.add_argument("--chunks-in-flight", type=int, default=3, choices=range(1, 9),
+                   metavar="{1..8}", help="the daemon's chunks_in_flight (default 3, the "
+                                         "daemon's)")
     g.add_argument("--single-buffer", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the smallest staging size with one region (default on)")
     g.add_argument("--profile", metavar="DIR", default=None,

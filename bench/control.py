@@ -85,7 +85,7 @@ class SessionPlan:
     phases: tuple[Phase, ...]
     systems: tuple[str, ...]
     timeout_s: float = 300.0
-    staging_buffers: int = 2  # packed: the publisher's staging regions (its pipeline depth)
+    staging_buffers: int = 4  # packed: the publisher's staging regions (its pipeline depth)
 
     @property
     def world(self) -> int:
@@ -422,7 +422,7 @@ def run_session(
     *,
     systems: Sequence[str] = SYSTEMS,
     staging_bytes: int = 512 << 20,
-    staging_buffers: int = 2,
+    staging_buffers: int = 4,
     engine_urls: Sequence[str] | None = None,
     timeout_s: float = 600.0,
     log: Any = None,

@@ -40,7 +40,7 @@ class GpuConfig:
     label: str
     packed: bool
     staging_bytes: int
-    staging_buffers: int = 2  # packed: the publisher's staging regions
+    staging_buffers: int = 4  # packed: the publisher's staging regions
 
 
 def _rank_main(rank: int, ranks: int, device: str, model: Qwen3MoeConfig, cmds: Any,
@@ -181,7 +181,7 @@ def run_gpu(
     device: str = "cuda",
     log: Any = print,
     profile_dir: str | None = None,
-    chunks_in_flight: int = 2,
+    chunks_in_flight: int = 3,
 ) -> GpuResult:
     """Run every configuration (a fresh daemon each, run with ``--chunks-in-flight
     chunks_in_flight``; one engine for all) and the copy floor. With ``profile_dir``, each

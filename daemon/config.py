@@ -69,7 +69,7 @@ class Config:
     engine_timeout_s: float = 300.0  # one vLLM HTTP request
     shutdown_grace_s: float = 60.0  # SIGTERM: how long an update in flight may still finish
     max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT  # cap on one frame from a rank
-    chunks_in_flight: int = 2  # /update_weights calls per engine at once (1: one at a time)
+    chunks_in_flight: int = 3  # /update_weights calls per engine at once (1: one at a time)
     allow_uids: str = ""  # peers allowed by user id (comma list); "" = the daemon's own uid
     allow_gids: str = ""  # peers allowed by group id (comma list); "" = the daemon's own gid
     log_level: str = "info"
@@ -186,7 +186,7 @@ _HELP = {
     "before it is failed (ranks told, engine left paused)",
     "max_message_bytes": "largest frame accepted from a rank, bytes",
     "chunks_in_flight": "/update_weights calls sent to one engine before the first returned "
-    "(vLLM runs them in order; 2 has the next chunk waiting when one finishes; 1: one at a "
+    "(vLLM runs them in order, so the next chunks are waiting when one finishes; 1: one at a "
     "time, as vLLM's examples do)",
     "allow_uids": "user ids whose processes may connect (comma list; default: the daemon's "
     "own; root always)",

@@ -180,7 +180,7 @@ class SlotCoordinator:
 
     def __init__(
         self, start: int, size: int, timeouts: Timeouts | None = None, daemon_version: str = "",
-        chunks_in_flight: int = 2,
+        chunks_in_flight: int = 3,
     ) -> None:
         if chunks_in_flight < 1:
             raise ValueError(f"chunks_in_flight must be >= 1, got {chunks_in_flight}")

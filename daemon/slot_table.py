@@ -22,7 +22,7 @@ class SlotTable:
     """
 
     def __init__(self, timeouts: Timeouts | None = None, daemon_version: str = "",
-                 chunks_in_flight: int = 2) -> None:
+                 chunks_in_flight: int = 3) -> None:
         self.timeouts = timeouts or Timeouts()
         self.daemon_version = daemon_version
         self.chunks_in_flight = chunks_in_flight

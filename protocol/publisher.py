@@ -17,10 +17,11 @@ update (best effort) and re-raises. Every wait for the daemon is bounded by ``ti
 
 ``publish`` pipelines: after sending chunk k it goes back to the caller's iterator (whatever
 produces the tensors: gathers, format conversion) while the daemon and the engine load chunk k.
-Packed with ``staging_buffers=2`` (the default), it fills chunk k+1 into the other half of the
-staging memory and sends it before chunk k's ack, so the daemon has chunk k+1 merged when the
-engine returns from chunk k (with n regions, up to n - 1 chunks run ahead of their acks); a
-region is refilled only after the ack of the chunk that used it
+Packed with n > 1 ``staging_buffers`` (default 4), it fills chunk k+1 into another region of
+the staging memory and sends it before chunk k's ack -- up to n - 1 chunks run ahead of their
+acks -- so the next chunks are merged (and, with the daemon's ``chunks_in_flight``, already
+queued at the engine) when the engine returns from chunk k; a region is refilled only after
+the ack of the chunk that used it
 (see ``CudaStagingBuffer`` for how this keeps vLLM's packed importer to one mapping per update).
 ``staging_buffers=1`` is vLLM's own producer: one region, exported once per update, chunk k+1
 copied in after chunk k's ack. Unpacked, up to ``MAX_UNACKED_CHUNKS`` chunks are in flight
@@ -66,7 +67,8 @@ from slotsync.protocol.export import (
 )
 from slotsync.protocol.topology import EngineSlot
 
-__all__ = ["DEFAULT_STAGING_BYTES", "MAX_UNACKED_CHUNKS", "PublishStats", "Publisher"]
+__all__ = ["DEFAULT_STAGING_BUFFERS", "DEFAULT_STAGING_BYTES", "MAX_UNACKED_CHUNKS",
+           "PublishStats", "Publisher"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,9 @@ DEFAULT_STAGING_BYTES = 512 * 1024 * 1024
 
 MAX_UNACKED_CHUNKS = 2
 """Unpacked ``publish``: chunks in flight (packed: ``staging_buffers``)."""
+DEFAULT_STAGING_BUFFERS = 4
+"""Packed: staging regions per rank (GPU memory: 4 x 512 MiB by default, vLLM's packed
+default is 2 x 1 GiB)."""
 MAX_STAGING_BUFFERS = 8
 """Packed: the most staging regions per rank."""
 
@@ -137,10 +142,11 @@ class Publisher:
             chunk. ``publish`` cuts chunks of at most this many bytes. Allocated per update.
         staging_buffers: packed: staging regions, 1 to ``MAX_STAGING_BUFFERS`` (GPU memory
             used: ``staging_buffers * staging_bytes`` during an update). With n > 1, up to
-            n - 1 chunks wait at the daemon and engine while the next one is filled: 2 fills
-            the next chunk while the engine loads the current one; 3 also keeps one queued
-            at the engine (the daemon's ``chunks_in_flight``), which pays with small chunks;
-            1 is vLLM's own producer: one chunk at a time.
+            n - 1 chunks wait at the daemon and engine while the next one is filled. Small
+            chunks need more: each chunk's ack comes back through the engine's HTTP answer,
+            the daemon and ZeroMQ before its region is filled again (on one H200, 512 MiB
+            chunks ran 6.1x the copy time with 2 regions, 4.5x with 3, 3.8x with 4;
+            ``BENCHMARKS.md``). 1 is vLLM's own producer: one chunk at a time.
         timeout_s: deadline of every wait for the daemon, in seconds. The default (360 s) is
             longer than the daemon's default ``engine_timeout_s`` (300 s), so that when an
             engine hangs, the daemon's error naming it reaches the rank before the rank's own
@@ -162,7 +168,7 @@ class Publisher:
         device: torch.device | int | str | None = None,
         gpu_uuid: str | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
-        staging_buffers: int = 2,
+        staging_buffers: int = DEFAULT_STAGING_BUFFERS,
         timeout_s: float = 360.0,
     ) -> None:
         self.slot = slot if isinstance(slot, EngineSlot) else EngineSlot(*slot)

@@ -122,7 +122,7 @@ class Harness:
     """Feeds events to one coordinator and runs engine calls through a ScriptedEngine."""
 
     def __init__(self, size: int = 2, packed: bool = True, timeouts: Timeouts | None = None,
-                 chunks_in_flight: int = 2):
+                 chunks_in_flight: int = 3):
         self.table = SlotTable(timeouts or Timeouts(10, 10, 10),
                                chunks_in_flight=chunks_in_flight)
         self.engine = ScriptedEngine(world_size=size)
