@@ -75,16 +75,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     Raises:
         ValueError: the dtype is not one ``wire.DTYPE_SIZES`` allows.
     """
-    name = _DTYPE_NAMES.get(dtype)
+    name = DTYPE_NAME_MEMO.get(dtype)
     if name is None:
         name = str(dtype).split(".")[-1]
         if name not in DTYPE_SIZES:
             raise ValueError(f"dtype {dtype} is not supported (allowed: {sorted(DTYPE_SIZES)})")
-        _DTYPE_NAMES[dtype] = name
+        DTYPE_NAME_MEMO[dtype] = name
     return name
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}  # memo of dtype_name (called once per tensor)
+DTYPE_NAME_MEMO: dict[torch.dtype, str] = {}
+"""Every dtype ``dtype_name`` accepted so far -> its name. Hot per-tensor loops read it inline
+(a call per tensor costs as much as the lookup) and call ``dtype_name`` on a miss."""
 
 
 def _qualified(cls: type) -> str:
@@ -149,6 +151,28 @@ def cuda_ipc_handle(t: torch.Tensor) -> CudaIpcHandle:
     if not t.is_cuda:
         raise ValueError(f"cuda_ipc_handle needs a CUDA tensor, got one on {t.device}")
     return handle_from_reduce_args(reduce_tensor(t)[1])
+
+
+def release_unconsumed(handle: CudaIpcHandle) -> None:
+    """Give back the reference that an export holds on its block for a consumer, for an
+    export no consumer will map.
+
+    torch counts each ``reduce_tensor`` export in a shared-memory counter that the consumer
+    decrements when it releases its mapping (or at once, when it finds the block mapped
+    already); a block whose storage dies with a count above zero waits in torch's IPC limbo
+    until ``torch.cuda.ipc_collect()`` finds it released -- for an export never mapped, for
+    the life of the process (measured on the H200: each failed packed update kept its whole
+    staging block). The publisher calls this, when an update fails, for the exports of the
+    chunks the engine never acknowledged: those it never mapped are freed, and one it mapped
+    before failing is freed while mapped but no longer read (the update failed; the engine
+    reloads everything in the next, full update).
+
+    Uses torch's consumer call ``UntypedStorage._release_ipc_counter`` (torch 2.x,
+    ``torch/multiprocessing/reductions.py``), as the consumer would.
+    """
+    torch.UntypedStorage._release_ipc_counter(
+        handle.ref_counter_handle, handle.ref_counter_offset, device=handle.device
+    )
 
 
 def gpu_uuid_of(device: torch.device | int | str | None = None) -> str:
@@ -262,7 +286,7 @@ def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
             poll()
         part = tensors[lo : lo + POLL_EVERY]
         # (dtype_name's memo read inline: a call per tensor costs as much as the read)
-        dtype_names += [_DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype) for t in part]
+        dtype_names += [DTYPE_NAME_MEMO.get(t.dtype) or dtype_name(t.dtype) for t in part]
         shapes += [list(t.shape) for t in part]
         if ptrs is not None:
             if all(t.get_device() == dev and t.is_contiguous() for t in part):

@@ -54,6 +54,7 @@ import zmq.utils.monitor
 from slotsync.protocol import wire
 from slotsync.protocol.errors import SlotsyncError, SlotsyncTimeout
 from slotsync.protocol.export import (
+    DTYPE_NAME_MEMO,
     CudaStagingBuffer,
     PackedLayout,
     ShmSegment,
@@ -64,6 +65,7 @@ from slotsync.protocol.export import (
     gpu_uuid_of,
     nbytes_of,
     pack_into,
+    release_unconsumed,
 )
 from slotsync.protocol.topology import EngineSlot
 
@@ -145,7 +147,7 @@ class Publisher:
             n - 1 chunks wait at the daemon and engine while the next one is filled. Small
             chunks need more: each chunk's ack comes back through the engine's HTTP answer,
             the daemon and ZeroMQ before its region is filled again (on one H200, 512 MiB
-            chunks ran 6.1x the copy time with 2 regions, 4.5x with 3, 3.8x with 4;
+            chunks ran 7.0x the copy time with 2 regions, 4.5x with 3, 4.1x with 4;
             ``BENCHMARKS.md``). 1 is vLLM's own producer: one chunk at a time.
         timeout_s: deadline of every wait for the daemon, in seconds. The default (360 s) is
             longer than the daemon's default ``engine_timeout_s`` (300 s), so that when an
@@ -211,6 +213,10 @@ class Publisher:
         self._export_s = 0.0
         self._wait_s = 0.0
         self._pinned: list[torch.Tensor] = []  # unpacked CUDA exports, until commit's ack
+        # CUDA exports sent this update: per chunk until its ack, then known consumed. On a
+        # failed update the others are given back (export.release_unconsumed).
+        self._chunk_exports: dict[int, list[wire.CudaIpcHandle]] = {}
+        self._consumed_exports: set[tuple[bytes, int]] = set()
         self._update_segments: list[ShmSegment] = []  # unpacked shm, until commit's ack
         self._segments: list[ShmSegment] = []  # every segment we own (for the finalizer)
         self._staging: list[StagingBuffer] = []  # at most one, created on first packed chunk
@@ -496,6 +502,9 @@ class Publisher:
         self._export_s += time.perf_counter() - t0
         self._send(chunk)
         self._unacked.append(index)
+        cuda = [h for h in handles if isinstance(h, wire.CudaIpcHandle)]
+        if cuda:
+            self._chunk_exports[index] = cuda
 
     def _wait_unacked(self, keep: int) -> None:
         """Wait for chunk acks, oldest first, until at most ``keep`` chunks are unacked."""
@@ -506,6 +515,8 @@ class Publisher:
             else:
                 self._wait_ack("chunk", index)
             self._unacked.popleft()
+            for h in self._chunk_exports.pop(index, ()):  # the engine mapped them
+                self._consumed_exports.add((h.ref_counter_handle, h.ref_counter_offset))
             log.debug("rank %d: update %s chunk %d acknowledged", self.rank, self._update_id,
                       index)
 
@@ -533,7 +544,7 @@ class Publisher:
             "rank %d: update %d committed: %d chunks, %d bytes",
             self.rank, uid, self._num_chunks, self._bytes,
         )
-        self._end_update()
+        self._end_update(succeeded=True)
 
     def abort(self, reason: str = "") -> None:
         """Give up on the open update (best effort: the ``Abort`` is sent without waiting) and
@@ -635,24 +646,42 @@ class Publisher:
 
     def _checked(self, items: Iterable[object]) -> Iterator[tuple[str, torch.Tensor, int]]:
         """``(name, tensor, bytes)`` per item, lazily, after the checks ``publish`` documents:
-        a (str, Tensor) pair, a name not seen before, at most ``staging_bytes``."""
+        a (str, Tensor) pair, a name not seen before, of 1 to ``wire.MAX_NAME_CHARS``
+        characters, a dtype of ``wire.DTYPE_SIZES``, not on the meta device, at most
+        ``staging_bytes``.
+
+        One test per check on the way through (this runs once per tensor and round); what
+        fails is told by ``_refuse``."""
         seen: set[str] = set()
+        limit, max_chars, known = self.staging_bytes, wire.MAX_NAME_CHARS, DTYPE_NAME_MEMO
         for item in items:
-            name, t = self._check_item(item)
-            if name in seen:
-                raise ValueError(f"tensor {name!r} appears twice in one update")
-            if not 0 < len(name) <= wire.MAX_NAME_CHARS:
-                raise ValueError(
-                    f"tensor name {name[:80]!r} must have 1 to {wire.MAX_NAME_CHARS} "
-                    f"characters (it has {len(name)})"
-                )
-            dtype_name(t.dtype)  # raises ValueError naming the allowed dtypes (memoized)
-            if t.is_meta:
-                raise ValueError(f"tensor {name!r} is on the meta device: it has no data")
+            if type(item) is tuple and len(item) == 2:
+                name, t = item
+                if type(name) is not str or not isinstance(t, torch.Tensor):
+                    name, t = self._check_item(item)  # raises the TypeError
+            else:
+                name, t = self._check_item(item)
+            n = t.nbytes
+            if (name in seen or not 0 < len(name) <= max_chars or t.dtype not in known
+                    or t.is_meta or n > limit):
+                self._refuse(name, t, n, seen)  # raises, or remembers a new dtype's name
             seen.add(name)
-            n = nbytes_of(t)
-            self._check_fits(name, n)
             yield name, t, n
+
+    def _refuse(self, name: str, t: torch.Tensor, n: int, seen: set[str]) -> None:
+        """Raise the ValueError saying which of ``_checked``'s checks ``(name, t)`` fails;
+        returns when none does (a dtype seen for the first time)."""
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice in one update")
+        if not 0 < len(name) <= wire.MAX_NAME_CHARS:
+            raise ValueError(
+                f"tensor name {name[:80]!r} must have 1 to {wire.MAX_NAME_CHARS} "
+                f"characters (it has {len(name)})"
+            )
+        dtype_name(t.dtype)  # raises ValueError naming the allowed dtypes (memoized)
+        if t.is_meta:
+            raise ValueError(f"tensor {name!r} is on the meta device: it has no data")
+        self._check_fits(name, n)
 
     @staticmethod
     def _check_item(item: object) -> tuple[str, torch.Tensor]:
@@ -751,12 +780,28 @@ class Publisher:
             off += n
         return layout, handles
 
-    def _end_update(self) -> None:
-        """Forget the open update: release exports, move to the next update id (I7)."""
+    def _end_update(self, succeeded: bool = False) -> None:
+        """Forget the open update: release exports, move to the next update id (I7). After
+        an update that did not succeed, the CUDA exports of chunks never acknowledged are
+        given back (``export.release_unconsumed``): else the block would stay allocated for
+        the life of the process."""
         uid = self._update_id
         self._update_id = None
         if uid is not None:
             self._next_id = max(self._next_id, uid + 1)
+        if not succeeded:
+            done = self._consumed_exports  # mapped by the engine, or given back below
+            for index in self._early_acks:  # acknowledged, not yet awaited: mapped too
+                done.update((h.ref_counter_handle, h.ref_counter_offset)
+                            for h in self._chunk_exports.get(index, ()))
+            for handles in self._chunk_exports.values():
+                for h in handles:
+                    key = (h.ref_counter_handle, h.ref_counter_offset)
+                    if key not in done:  # (one export may serve several chunks)
+                        done.add(key)
+                        release_unconsumed(h)
+        self._chunk_exports.clear()
+        self._consumed_exports.clear()
         self._pinned.clear()
         self._unacked.clear()
         self._early_acks.clear()

@@ -58,3 +58,35 @@ def test_cuda_ipc_rounds_land_in_every_worker(packed):
                 assert all(w["scattered_chunks"] >= 2 for w in stats["workers"])
         assert all(w["device"].startswith("cuda") for w in stats["workers"])
         assert eng.request("GET", "/weight_info")[1]["weight_version"] == "v3"
+
+
+@pytest.mark.parametrize("fail_after", [0, 3], ids=["first chunk fails", "fourth chunk fails"])
+def test_failed_packed_update_leaves_no_staging_memory_pinned(fail_after):
+    """A packed update whose chunk fails in the engine: the exports the engine never mapped are
+    given back, so the staging block is freed (before, torch kept it in its IPC limbo for the
+    life of the process: 4 x 64 MiB per failed update here). The next, full update succeeds."""
+    from slotsync.protocol import Publisher, SlotsyncError
+
+    mib = 1 << 20
+    named = [(f"w.{i}", torch.full((8 * mib,), float(i), device="cuda:0")) for i in range(16)]
+    uuid = logical_gpu_uuid(0)
+    with ReferenceEngine(workers=1, device="cuda", gpu_uuids=[uuid], cuda_devices=[0]) as eng, \
+            DaemonProcess() as d, \
+            Publisher(d.endpoint, 0, (0, 1), eng.url, packed=True, transport="cuda",
+                      device="cuda:0", gpu_uuid=uuid, staging_bytes=64 * mib,
+                      staging_buffers=4, timeout_s=60) as pub:
+        def left() -> int:  # bytes still allocated beyond the weights
+            torch.cuda.ipc_collect()
+            return torch.cuda.memory_allocated() - base
+
+        base = torch.cuda.memory_allocated()
+        pub.publish(named, "v1")
+        assert left() < 4096  # (the gather kernel's bounded table cache)
+        eng.request("POST", "/_slotsync/fault",
+                    {"route": "update_weights", "after": fail_after, "workers": [0]})
+        with pytest.raises(SlotsyncError, match="update_weights"):
+            pub.publish(named, "v2")
+        assert left() < 4096
+        pub.publish(named, "v3")  # a full update: the engine serves again
+        assert left() < 4096
+        assert eng.request("GET", "/weight_info")[1]["weight_version"] == "v3"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import itertools
 import logging
 import os
 import threading
@@ -63,6 +64,8 @@ class FakeDaemon:
 
     def _read_chunk(self, c: wire.Chunk) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
+        if not all(isinstance(h, wire.ShmHandle) for h in c.handles):
+            return out  # (a test's stand-in CUDA handles: nothing to read here)
         if self.packed:
             (h,) = c.handles
             assert isinstance(h, wire.ShmHandle)
@@ -688,3 +691,51 @@ def test_timeout_says_when_there_is_no_daemon_socket(tmp_path: Path) -> None:
     with _publisher(f"ipc://{path}", timeout_s=0.3) as pub, \
             pytest.raises(SlotsyncTimeout, match=f"there is no socket at {path}"):
         pub.register()
+
+
+def _stand_in_cuda_handle(nbytes: int, offset: int) -> wire.CudaIpcHandle:
+    """A well-formed CUDA IPC handle record whose ref-counter slot is ``offset``."""
+    return wire.CudaIpcHandle("torch.Tensor", (nbytes,), (1,), 0, "torch.storage.TypedStorage",
+                              "uint8", 0, b"\x07" * 66, nbytes, 0, False, b"/torch_1_2", offset,
+                              b"\x09" * 64, True)
+
+
+@pytest.mark.parametrize("fail_at", [2, None], ids=["chunk 2 fails", "success"])
+def test_failed_update_gives_back_the_exports_the_engine_never_acknowledged(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str, monkeypatch: pytest.MonkeyPatch,
+    fail_at: int | None,
+) -> None:
+    """An export no consumer maps keeps its block in torch's IPC limbo for good (on the H200
+    every failed packed update kept its staging block). When an update fails, the publisher
+    gives back the exports of every chunk the engine did not acknowledge -- each once -- and
+    none of those it acknowledged; a successful update gives back nothing."""
+    from slotsync.protocol import publisher as publisher_mod
+    from slotsync.protocol.export import ShmStagingBuffer
+
+    released: list[int] = []
+    monkeypatch.setattr(publisher_mod, "release_unconsumed",
+                        lambda h: released.append(h.ref_counter_offset))
+    exports = itertools.count()
+    monkeypatch.setattr(ShmStagingBuffer, "handle",
+                        lambda self, slot=0: _stand_in_cuda_handle(self.capacity, next(exports)))
+
+    def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Chunk) and msg.index == fail_at:
+            return [wire.Error("engine", "engine failed", [0, 2], msg.update_id, [])]
+        if isinstance(msg, wire.Chunk) and fail_at is not None and msg.index > fail_at:
+            return []  # already failed
+        return happy(msg)
+
+    daemon = make_daemon(script)
+    with _publisher(endpoint, packed=True, staging_bytes=64, staging_buffers=4) as pub:
+        if fail_at is None:
+            pub.publish(_many_tensors(6), weight_version="v")
+        else:
+            with pytest.raises(SlotsyncError, match="engine failed"):
+                pub.publish(_many_tensors(6), weight_version="v")
+    sent = {m.index: m.handles[0].ref_counter_offset for m in daemon.of_type(wire.Chunk)}
+    if fail_at is None:
+        assert len(sent) == 6 and released == []
+    else:
+        assert max(sent) >= fail_at  # chunk 2 went out (and maybe some after it)
+        assert sorted(released) == sorted(off for k, off in sent.items() if k >= fail_at)
