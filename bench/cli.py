@@ -397,9 +397,11 @@ def gpu_main(args: argparse.Namespace) -> int:
               f"{sum(s.nbytes for s in specs) / 1e9:.2f} GB bf16 per rank; {args.ranks} rank(s) "
               f"on {'cuda:0 with logical GPU UUIDs' if dev == 'cuda' else 'CPU (shared memory)'}")
     _say(out, "- engine: reference engine loading every chunk like vLLM 0.33 (packed: the "
-              "buffer mapped once per update as `PackedBufferImporter` does, each tensor copied "
-              "from it into its weight in one batched copy; unpacked: each tensor mapped and "
-              "copied)")
+              "buffer mapped as `PackedBufferImporter` does, each tensor copied from it into "
+              "its weight in one batched copy, a chunk answered once its copy is done; "
+              "unpacked: each tensor mapped and copied). Unlike vLLM, it prepares a chunk "
+              "already waiting while the previous chunk's copy runs, and does not run "
+              "`load_weights`: a faster engine than vLLM, so that slotsync's own cost shows")
     counted = (f"median of rounds 2..{args.rounds}" if args.rounds > 1
                else "one round, warm-up included (use --rounds 2 or more)")
     _say(out, f"- round = begin .. commit ack, slowest rank; {counted}")

@@ -147,7 +147,7 @@ class Publisher:
             n - 1 chunks wait at the daemon and engine while the next one is filled. Small
             chunks need more: each chunk's ack comes back through the engine's HTTP answer,
             the daemon and ZeroMQ before its region is filled again (on one H200, 512 MiB
-            chunks ran 7.0x the copy time with 2 regions, 4.5x with 3, 4.1x with 4;
+            chunks ran 7.0x the copy time with 2 regions, 4.5x with 3, 3.9x with 4;
             ``BENCHMARKS.md``). 1 is vLLM's own producer: one chunk at a time.
         timeout_s: deadline of every wait for the daemon, in seconds. The default (360 s) is
             longer than the daemon's default ``engine_timeout_s`` (300 s), so that when an

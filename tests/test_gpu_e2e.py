@@ -81,12 +81,13 @@ def test_failed_packed_update_leaves_no_staging_memory_pinned(fail_after):
 
         base = torch.cuda.memory_allocated()
         pub.publish(named, "v1")
-        assert left() < 4096  # (the gather kernel's bounded table cache)
+        after_ok = left()  # the gather kernel's table cache, found again by later rounds
+        assert after_ok < 4 * mib, after_ok  # (a staging region is 64 MiB)
         eng.request("POST", "/_slotsync/fault",
                     {"route": "update_weights", "after": fail_after, "workers": [0]})
         with pytest.raises(SlotsyncError, match="update_weights"):
             pub.publish(named, "v2")
-        assert left() < 4096
+        assert left() == after_ok
         pub.publish(named, "v3")  # a full update: the engine serves again
-        assert left() < 4096
+        assert left() == after_ok
         assert eng.request("GET", "/weight_info")[1]["weight_version"] == "v3"
