@@ -661,9 +661,12 @@ class Publisher:
                     name, t = self._check_item(item)  # raises the TypeError
             else:
                 name, t = self._check_item(item)
-            n = t.nbytes
-            if (name in seen or not 0 < len(name) <= max_chars or t.dtype not in known
-                    or t.is_meta or n > limit):
+            try:
+                n = t.nbytes
+            except RuntimeError:  # a sparse layout: _refuse says so
+                n = -1
+            if (n < 0 or name in seen or not 0 < len(name) <= max_chars
+                    or t.dtype not in known or t.is_meta or n > limit):
                 self._refuse(name, t, n, seen)  # raises, or remembers a new dtype's name
             seen.add(name)
             yield name, t, n
@@ -671,6 +674,9 @@ class Publisher:
     def _refuse(self, name: str, t: torch.Tensor, n: int, seen: set[str]) -> None:
         """Raise the ValueError saying which of ``_checked``'s checks ``(name, t)`` fails;
         returns when none does (a dtype seen for the first time)."""
+        if t.layout is not torch.strided:
+            raise ValueError(f"tensor {name!r} has layout {t.layout}: only dense (strided) "
+                             "tensors can be published")
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice in one update")
         if not 0 < len(name) <= wire.MAX_NAME_CHARS:

@@ -650,6 +650,8 @@ def test_publish_refuses_empty_and_bad_items_before_touching_the_engine(
             pub.publish([("w", w), ("c", torch.zeros(2, dtype=torch.complex64))], "v")
         with pytest.raises(ValueError, match="'m' is on the meta device"):
             pub.publish([("w", w), ("m", torch.zeros(2, device="meta"))], weight_version="v")
+        with pytest.raises(ValueError, match="'s' has layout torch.sparse_coo: only dense"):
+            pub.publish([("w", w), ("s", torch.zeros(2).to_sparse())], weight_version="v")
         assert daemon.of_type(wire.Begin) == []
         stats = pub.publish(dict(_many_tensors(2)), weight_version="v")
         assert stats.chunks == 1 and len(daemon.of_type(wire.Begin)) == 1
