@@ -17,6 +17,7 @@ This module imports torch; the daemon never imports it (design.md I6).
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -375,7 +376,9 @@ class ShmSegment:
         rank: the owner's global rank, used in the name.
 
     Raises:
-        OSError: the segment cannot be created (e.g. ``/dev/shm`` missing).
+        OSError: the segment cannot be created (e.g. ``/dev/shm`` missing), or is larger than
+            the free space of ``/dev/shm`` (tmpfs creates it sparse; the first write beyond
+            that space would kill the process with SIGBUS).
     """
 
     def __init__(self, size: int, *, rank: int = 0) -> None:
@@ -383,6 +386,13 @@ class ShmSegment:
             raise ValueError(f"shared-memory segment size must be >= 0, got {size}")
         self.size = size
         real = max(size, 1)
+        try:
+            st = os.statvfs("/dev/shm")
+        except OSError:
+            st = None  # no /dev/shm to ask: SharedMemory says what is wrong
+        if st is not None and real > st.f_bavail * st.f_frsize:
+            raise OSError(errno.ENOSPC, f"/dev/shm has {st.f_bavail * st.f_frsize} bytes free, "
+                          f"a segment of {real} bytes does not fit")
         while True:
             name = f"{SHM_PREFIX}{os.getpid()}-r{rank}-{next(_segment_counter)}"
             try:

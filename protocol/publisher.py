@@ -176,13 +176,22 @@ class Publisher:
         self.slot = slot if isinstance(slot, EngineSlot) else EngineSlot(*slot)
         if rank not in self.slot:
             raise ValueError(f"rank {rank} is not in its engine slot {self.slot}")
+        for arg, value in (("staging_bytes", staging_bytes), ("staging_buffers", staging_buffers)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
+        if not isinstance(packed, bool):
+            raise TypeError(f"packed must be True or False, got {type(packed).__name__} "
+                            f"{packed!r}")
+        if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool):
+            raise TypeError(f"timeout_s must be a number of seconds, got "
+                            f"{type(timeout_s).__name__} {timeout_s!r}")
         if staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
         if not 1 <= staging_buffers <= MAX_STAGING_BUFFERS:
             raise ValueError(f"staging_buffers must be 1..{MAX_STAGING_BUFFERS}, got "
                              f"{staging_buffers}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
         self.endpoint = endpoint
         self.rank = rank
         self.engine_url = engine_url
@@ -336,6 +345,7 @@ class Publisher:
             RuntimeError: an update is already open.
             SlotsyncError, SlotsyncTimeout: as ``register``, or the begin failed.
         """
+        _check_version(weight_version)
         uid = self._send_begin(weight_version)
         self._await_begin()
         return uid
@@ -591,18 +601,28 @@ class Publisher:
         self._check_usable()
         if self._update_id is not None:
             raise RuntimeError(f"update {self._update_id} is still open; commit or abort it first")
+        _check_version(weight_version)
+        whole = isinstance(named_tensors, Sequence | Mapping)
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
         checked = self._checked(named_tensors)
-        if isinstance(named_tensors, Sequence):
-            # A list is checked whole before begin, so a bad input never pauses the engine.
-            checked = iter(list(checked))
+        if whole:
+            # A list or mapping is checked whole before begin, so that bad input never
+            # pauses the engine: each tensor, then each chunk's message size.
+            items = list(checked)
+            if items:
+                if self.registered is None:
+                    self.register()  # (to learn the daemon's max_message_bytes)
+                self._check_message_sizes(items)
+            checked = iter(items)
         # Nothing to send must not pause the engine (e.g. a generator already consumed).
         first = next(checked, None)
         if first is None:
             raise ValueError(
                 "publish got no tensors: nothing to send (was the iterator already consumed?)"
             )
+        if self.packed:
+            self._allocate_staging()
         t0 = time.perf_counter()
         self._export_s = self._wait_s = 0.0
         ahead = self.staging_buffers - 1 if self.packed else MAX_UNACKED_CHUNKS - 1
@@ -644,6 +664,59 @@ class Publisher:
                 f"{self.staging_bytes} bytes (raise staging_bytes)"
             )
 
+    # A bound on one tensor's part of a chunk message beyond its name's UTF-8 bytes: the
+    # name's header, its dtype name, shape (per dimension) and size (msgpack), and with
+    # unpacked chunks its own handle record (~300 bytes for CUDA) -- see _check_message_sizes.
+    _TENSOR_BYTES, _DIM_BYTES, _HANDLE_BYTES = 32, 9, 512
+
+    def _check_message_sizes(self, items: list[tuple[str, torch.Tensor, int]]) -> None:
+        """Refuse, before the begin, a chunk whose message would exceed the daemon's
+        ``max_message_bytes`` (learnt at registration), cutting chunks as ``publish`` does.
+        Uses an upper bound of each message's size (``_TENSOR_BYTES`` ...), a few dozen bytes
+        per tensor above the real one; cheap: lengths only.
+
+        Raises:
+            ValueError: names the chunk, its tensor count and both sizes.
+        """
+        cap = self.registered.max_message_bytes if self.registered else 0
+        if not cap:
+            return
+        per_chunk = 1024 + (self._HANDLE_BYTES if self.packed else 0)
+        per_dim = self._DIM_BYTES * (1 if self.packed else 3)  # (+ size and stride tuples)
+        per_tensor = self._TENSOR_BYTES + (0 if self.packed else self._HANDLE_BYTES)
+        index, count, size, bound = 0, 0, 0, per_chunk
+        for name, t, n in items:
+            if count and size + n > self.staging_bytes:
+                index, count, size, bound = index + 1, 0, 0, per_chunk
+            size += n
+            count += 1
+            bound += (len(name) if name.isascii() else len(name.encode())) + per_tensor \
+                + per_dim * t.dim()
+            if bound > cap:
+                raise ValueError(
+                    f"chunk {index} of this update would encode to about {bound} bytes or more "
+                    f"({count}+ tensors: their names, shapes and handles), over the daemon's "
+                    f"max_message_bytes of {cap}: send fewer tensors per chunk (a smaller "
+                    "staging_bytes) or raise the daemon's --max-message-bytes"
+                )
+
+    def _allocate_staging(self) -> None:
+        """Allocate this update's staging memory before the begin, so that a size that does
+        not fit fails before the engine is paused.
+
+        Raises:
+            MemoryError: the regions cannot be allocated (names their size and the device).
+        """
+        try:
+            self._staging_buffer().tensor  # noqa: B018 - allocates (CUDA: once per update)
+        except (RuntimeError, OSError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            total = self.staging_bytes * self.staging_buffers
+            where = self.device if self.transport == "cuda" else "/dev/shm"
+            raise MemoryError(
+                f"cannot allocate {self.staging_buffers} staging region(s) of "
+                f"{self.staging_bytes} bytes ({total} bytes) on {where}: {e} (lower "
+                "staging_bytes or staging_buffers)") from None
+
     def _checked(self, items: Iterable[object]) -> Iterator[tuple[str, torch.Tensor, int]]:
         """``(name, tensor, bytes)`` per item, lazily, after the checks ``publish`` documents:
         a (str, Tensor) pair, a name not seen before, of 1 to ``wire.MAX_NAME_CHARS``
@@ -654,6 +727,7 @@ class Publisher:
         fails is told by ``_refuse``."""
         seen: set[str] = set()
         limit, max_chars, known = self.staging_bytes, wire.MAX_NAME_CHARS, DTYPE_NAME_MEMO
+        strided = torch.strided
         for item in items:
             if type(item) is tuple and len(item) == 2:
                 name, t = item
@@ -661,10 +735,7 @@ class Publisher:
                     name, t = self._check_item(item)  # raises the TypeError
             else:
                 name, t = self._check_item(item)
-            try:
-                n = t.nbytes
-            except RuntimeError:  # a sparse layout: _refuse says so
-                n = -1
+            n = t.nbytes if t.layout is strided else -1  # (sparse: _refuse says so)
             if (n < 0 or name in seen or not 0 < len(name) <= max_chars
                     or t.dtype not in known or t.is_meta or n > limit):
                 self._refuse(name, t, n, seen)  # raises, or remembers a new dtype's name
@@ -1002,11 +1073,26 @@ def _resolve_transport(
         else:
             transport = "cuda" if torch.cuda.is_available() else "shm"
     if transport == "cuda":
-        if dev is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        if dev.type != "cuda":
+        if dev is not None and dev.type != "cuda":
             raise ValueError(f"transport 'cuda' needs a CUDA device, got {dev}")
-        if dev.index is None:
+        if not torch.cuda.is_available():
+            raise ValueError("transport 'cuda' needs a CUDA build of torch and a visible GPU "
+                             "(torch.cuda.is_available() is False); use transport='shm'")
+        if dev is None or dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         return "cuda", dev
     return "shm", dev if dev is not None else torch.device("cpu")
+
+
+def _check_version(weight_version: object) -> None:
+    """A weight version the wire carries (``Begin``): a str of 1 to ``MAX_VERSION_CHARS``.
+
+    Raises:
+        TypeError: not a str. ValueError: empty or too long.
+    """
+    if not isinstance(weight_version, str):
+        raise TypeError(f"weight_version must be a str, got {type(weight_version).__name__} "
+                        f"{weight_version!r}"[:200])
+    if not 0 < len(weight_version) <= wire.MAX_VERSION_CHARS:
+        raise ValueError(f"weight_version must have 1 to {wire.MAX_VERSION_CHARS} characters "
+                         f"(it has {len(weight_version)})")

@@ -87,6 +87,8 @@ _SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Pos = Annotated[int, msgspec.Meta(gt=0)]
+MAX_VERSION_CHARS = 256
+"""Longest weight version a Begin carries (characters)."""
 HandleBytes = Annotated[bytes, msgspec.Meta(min_length=1, max_length=256)]
 ShortStr = Annotated[str, msgspec.Meta(max_length=1024)]
 MAX_NAME_CHARS = 1024
@@ -257,7 +259,7 @@ class Begin(msgspec.Struct, tag="begin", forbid_unknown_fields=True):
     given to vLLM's ``/finish_weight_update`` on success (recorded only then, I8)."""
 
     update_id: NonNeg
-    weight_version: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    weight_version: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_VERSION_CHARS)]
 
 
 class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True):

@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -359,6 +360,18 @@ def test_publisher_argument_checks(endpoint: str) -> None:
     for bad in (0, 9):
         with pytest.raises(ValueError, match=f"staging_buffers must be 1..8, got {bad}"):
             Publisher(endpoint, 0, (0, 2), ENGINE, transport="shm", staging_buffers=bad)
+    for kw, text in [({"staging_buffers": 2.5}, "staging_buffers must be an int, got float"),
+                     ({"staging_buffers": "4"}, "staging_buffers must be an int, got str"),
+                     ({"staging_bytes": 1e6}, "staging_bytes must be an int, got float"),
+                     ({"packed": "yes"}, "packed must be True or False, got str"),
+                     ({"timeout_s": "5"}, "timeout_s must be a number of seconds, got str")]:
+        with pytest.raises(TypeError, match=text):
+            Publisher(endpoint, 0, (0, 2), ENGINE, transport="shm", **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout_s must be positive and finite, got inf"):
+        Publisher(endpoint, 0, (0, 2), ENGINE, transport="shm", timeout_s=float("inf"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA build of torch and a visible GPU"):
+            Publisher(endpoint, 0, (0, 2), ENGINE, transport="cuda")
     pub = Publisher(endpoint, 0, (0, 2), ENGINE, device="cpu",
                     gpu_uuid="GPU-AAAAAAAA-0000-0000-0000-000000000001")
     try:
@@ -652,6 +665,18 @@ def test_publish_refuses_empty_and_bad_items_before_touching_the_engine(
             pub.publish([("w", w), ("m", torch.zeros(2, device="meta"))], weight_version="v")
         with pytest.raises(ValueError, match="'s' has layout torch.sparse_coo: only dense"):
             pub.publish([("w", w), ("s", torch.zeros(2).to_sparse())], weight_version="v")
+        with warnings.catch_warnings():  # ("sparse CSR support is in beta")
+            warnings.simplefilter("ignore")
+            csr = torch.ones(3, 3).to_sparse_csr()
+        with pytest.raises(ValueError, match="'s' has layout torch.sparse_csr: only dense"):
+            pub.publish({"w": w, "s": csr}, weight_version="v")
+        with pytest.raises(ValueError, match="'m' is on the meta device"):  # a mapping too
+            pub.publish({"w": w, "m": torch.zeros(2, device="meta")}, weight_version="v")
+        for version, err, text in [(5, TypeError, "weight_version must be a str, got int"),
+                                   ("", ValueError, "must have 1 to 256 characters .it has 0"),
+                                   ("v" * 257, ValueError, "1 to 256 characters .it has 257")]:
+            with pytest.raises(err, match=text):
+                pub.publish([("w", w)], weight_version=version)  # type: ignore[arg-type]
         assert daemon.of_type(wire.Begin) == []
         stats = pub.publish(dict(_many_tensors(2)), weight_version="v")
         assert stats.chunks == 1 and len(daemon.of_type(wire.Begin)) == 1
@@ -741,3 +766,40 @@ def test_failed_update_gives_back_the_exports_the_engine_never_acknowledged(
     else:
         assert max(sent) >= fail_at  # chunk 2 went out (and maybe some after it)
         assert sorted(released) == sorted(off for k, off in sent.items() if k >= fail_at)
+
+
+def test_chunk_message_over_the_daemons_cap_is_refused_before_the_begin(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str
+) -> None:
+    """A list or mapping whose chunk would not fit the daemon's max_message_bytes (told at
+    registration) is refused before the Begin, so the engine is not paused; an iterator is
+    refused when its chunk is sent (as documented)."""
+    def small_cap(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Register):
+            return [wire.Registered(rank=msg.rank, slot_start=msg.slot_start,
+                                    slot_size=msg.slot_size, next_update_id=NEXT_ID,
+                                    max_message_bytes=4096)]
+        return happy(msg)
+
+    daemon = make_daemon(small_cap)
+    many = [(f"model.layers.{i}.mlp.experts.{i}.w", torch.zeros(1)) for i in range(200)]
+    for packed in (True, False):
+        with _publisher(endpoint, packed=packed, staging_bytes=1 << 20) as pub:
+            begins = len(daemon.of_type(wire.Begin))
+            with pytest.raises(ValueError, match=r"chunk 0 of this update would encode to "
+                               r"about \d+ bytes or more .* max_message_bytes of 4096"):
+                pub.publish(many, weight_version="v")
+            assert len(daemon.of_type(wire.Begin)) == begins
+            pub.publish(many[:5], weight_version="v")  # a small one goes through
+    assert len(daemon.of_type(wire.Begin)) == 2
+
+
+def test_staging_that_cannot_be_allocated_fails_before_the_begin(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str
+) -> None:
+    daemon = make_daemon()
+    with _publisher(endpoint, packed=True, staging_bytes=1 << 50) as pub:
+        with pytest.raises(MemoryError, match=r"cannot allocate 4 staging region\(s\) of "
+                           r"1125899906842624 bytes .* on /dev/shm"):
+            pub.publish([("w", torch.zeros(2))], weight_version="v")
+    assert daemon.of_type(wire.Begin) == []
