@@ -109,8 +109,8 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--regions", type=int, default=4, choices=range(2, 9), metavar="{2..8}",
                    help="staging regions per rank of the packed runs (default 4, the "
                         "publisher's)")
-    g.add_argument("--chunks-in-flight", type=int, default=3, choices=range(1, 9),
-                   metavar="{1..8}", help="the daemon's chunks_in_flight (default 3, the "
+    g.add_argument("--chunks-in-flight", type=int, default=3, choices=range(1, 65),
+                   metavar="{1..64}", help="the daemon's chunks_in_flight (default 3, the "
                                          "daemon's)")
     g.add_argument("--single-buffer", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the smallest staging size with one region (default on)")
@@ -126,13 +126,44 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def main_from_args(args: argparse.Namespace) -> int:
-    """Run the chosen benchmark; 0 on success, 2 without a subcommand."""
+    """Run the chosen benchmark; 0 on success, 2 without a subcommand or with a ``--report``
+    file or ``--engine-url`` that cannot be used (checked before any run)."""
+    report = getattr(args, "report", "")
+    if report:
+        folder = os.path.dirname(os.path.abspath(report))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            print(f"slotsync bench: cannot write --report {report}: folder {folder} does not "
+                  "exist or is not writable", file=sys.stderr)
+            return 2
+    for url in getattr(args, "engine_url", None) or []:
+        problem = _engine_unreachable(url)
+        if problem:
+            print(f"slotsync bench: --engine-url {url}: {problem}", file=sys.stderr)
+            return 2
     if args.bench_command == "control":
         return control_main(args)
     if args.bench_command == "gpu":
         return gpu_main(args)
     print("usage: slotsync bench {control,gpu} ...  (see --help)", file=sys.stderr)
     return 2
+
+
+def _engine_unreachable(url: str) -> str:
+    """Why ``url`` cannot serve the bench (no answer to ``GET /get_world_size``), or ""."""
+    import urllib.error
+    import urllib.request
+
+    if url.startswith("unix://"):
+        return "" if os.path.exists(url[7:]) else f"no socket at {url[7:]}"
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/get_world_size", timeout=10) as r:
+            r.read()
+    except urllib.error.HTTPError as e:
+        return f"GET /get_world_size answered HTTP {e.code} (is it a vLLM server with "\
+            "VLLM_SERVER_DEV_MODE=1?)"
+    except (OSError, ValueError) as e:
+        return f"cannot reach it ({e})"
+    return ""
 
 
 # ------------------------------------------------------------------------------- control

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -119,6 +120,12 @@ class Config:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not -1 <= self.status_port <= 65535:
             raise ValueError(f"status_port must be -1..65535, got {self.status_port}")
+        if self.status_port != -1:
+            try:
+                socket.getaddrinfo(self.status_host, None)
+            except (OSError, UnicodeError) as e:
+                raise ValueError(f"status_host {self.status_host!r} is not an address this "
+                                 f"machine can bind: {e}") from None
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
         if self.log_format not in ("text", "json"):

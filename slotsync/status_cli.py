@@ -66,7 +66,7 @@ def render_table(status: dict) -> str:
         for r in [head, *rows]
     ]
     summary = (f"slotsyncd {status.get('version', '?')} at {status.get('endpoint', '?')}: "
-               f"{len(rows)} slot(s), {status.get('ranks_connected', 0)} rank(s) connected")
+               f"{len(rows)} slot(s), {status.get('ranks_connected', 0)} rank(s) registered")
     return "\n".join([summary, *lines]) if rows else summary + "\n(no slots yet)"
 
 

@@ -118,9 +118,16 @@ def test_profile_chunk_prints_the_split():
     (["gpu", "--device", "cpu", "--layers", "48", "--ranks", "4"], "lower --layers"),
     pytest.param(["gpu"], "no CUDA device is visible", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="a CUDA device is visible")),
+    (["control", "--report", "/nonexistent-dir/x.md"],
+     "cannot write --report /nonexistent-dir/x.md: folder /nonexistent-dir does not exist"),
+    (["gpu", "--device", "cpu", "--report", "/nonexistent-dir/x.md"], "cannot write --report"),
+    (["control", "--engine-url", "http://127.0.0.1:1"],
+     "--engine-url http://127.0.0.1:1: cannot reach it"),
+    (["control", "--engine-url", "unix:///nonexistent.sock"], "no socket at /nonexistent.sock"),
 ])
 def test_bench_refuses_bad_arguments_before_starting_anything(args, want):
-    out = subprocess.run([sys.executable, "-m", "slotsync.bench", *args, "--report", ""],
+    report = [] if "--report" in args else ["--report", ""]
+    out = subprocess.run([sys.executable, "-m", "slotsync.bench", *args, *report],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and want in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr

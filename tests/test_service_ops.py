@@ -85,6 +85,7 @@ def test_precedence_file_env_flags(tmp_path):
     ("", {}, ["--chunk-timeout-s", "nan"], "chunk_timeout_s must be a finite number"),
     ("", {"SLOTSYNC_BEGIN_TIMEOUT_S": "inf"}, [], "begin_timeout_s must be a finite number"),
     ("chunks_in_flight = 0\n", {}, [], "chunks_in_flight must be 1..64, got 0"),
+    ("", {}, ["--status-host", "999.1.1.1"], "status_host '999.1.1.1' is not an address"),
     ("[[engines]]\nurl='http://a:1'\nslot_start=0\nslot_size=4\n[[engines]]\n"
      "url='http://b:1'\nslot_start=2\nslot_size=4\n", {}, [], "overlaps slot"),
 ])
