@@ -684,6 +684,9 @@ class Publisher:
         per_chunk = 1024 + (self._HANDLE_BYTES if self.packed else 0)
         per_dim = self._DIM_BYTES * (1 if self.packed else 3)  # (+ size and stride tuples)
         per_tensor = self._TENSOR_BYTES + (0 if self.packed else self._HANDLE_BYTES)
+        worst = 4 * wire.MAX_NAME_CHARS + per_tensor + per_dim * wire.MAX_DIMS
+        if per_chunk + worst * len(items) <= cap:
+            return  # even the whole update in one message would fit (the usual case: free)
         index, count, size, bound = 0, 0, 0, per_chunk
         for name, t, n in items:
             if count and size + n > self.staging_bytes:

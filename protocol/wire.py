@@ -95,8 +95,10 @@ MAX_NAME_CHARS = 1024
 """Longest tensor name the wire carries, in characters."""
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
-Dims = Annotated[list[NonNeg], msgspec.Meta(max_length=64)]
-TupleDims = Annotated[tuple[NonNeg, ...], msgspec.Meta(max_length=64)]  # hashable records
+MAX_DIMS = 64
+"""Most dimensions of a tensor's shape on the wire."""
+Dims = Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_DIMS)]
+TupleDims = Annotated[tuple[NonNeg, ...], msgspec.Meta(max_length=MAX_DIMS)]  # hashable records
 
 
 class ProtocolError(ValueError):
