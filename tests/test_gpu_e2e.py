@@ -79,15 +79,17 @@ def test_failed_packed_update_leaves_no_staging_memory_pinned(fail_after):
             torch.cuda.ipc_collect()
             return torch.cuda.memory_allocated() - base
 
+        torch.cuda.ipc_collect()
         base = torch.cuda.memory_allocated()
         pub.publish(named, "v1")
         after_ok = left()  # the gather kernel's table cache, found again by later rounds
-        assert after_ok < 4 * mib, after_ok  # (a staging region is 64 MiB)
+        assert after_ok < 4 * mib, after_ok  # (a staging region is 64 MiB, the block 256)
         eng.request("POST", "/_slotsync/fault",
                     {"route": "update_weights", "after": fail_after, "workers": [0]})
         with pytest.raises(SlotsyncError, match="update_weights"):
             pub.publish(named, "v2")
-        assert left() == after_ok
+        # (a margin for other tests' leftovers collected meanwhile; a kept block is 256 MiB)
+        assert abs(left() - after_ok) < 16 * mib, (left(), after_ok)
         pub.publish(named, "v3")  # a full update: the engine serves again
-        assert left() == after_ok
+        assert abs(left() - after_ok) < 16 * mib, (left(), after_ok)
         assert eng.request("GET", "/weight_info")[1]["weight_version"] == "v3"
