@@ -592,9 +592,13 @@ class Publisher:
         Raises:
             ValueError: no tensors at all, a tensor larger than ``staging_bytes`` (names the
                 tensor and both sizes), a name that repeats, is empty or over 1,024
-                characters, an unsupported dtype, or a meta tensor. A list or mapping is
-                checked whole before the engine is paused; an iterator as it is consumed.
-            TypeError: an item is not a ``(str, torch.Tensor)`` pair.
+                characters, an unsupported dtype, a meta or sparse tensor, a chunk whose
+                message would exceed the daemon's ``max_message_bytes``, or a
+                ``weight_version`` of 0 or over 256 characters. A list or mapping is checked
+                whole before the engine is paused; an iterator as it is consumed.
+            TypeError: an item is not a ``(str, torch.Tensor)`` pair, or ``weight_version``
+                is not a str.
+            MemoryError: the staging regions cannot be allocated (before the pause).
             SlotsyncError, SlotsyncTimeout: the update failed.
             RuntimeError: an update is already open.
         """

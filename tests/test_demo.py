@@ -107,12 +107,17 @@ def test_killed_demo_leaves_no_daemon_or_engine_running(sig):
     SIGKILL of the demo takes them down (they die with their parent), and its trainer ranks
     too: their shared-memory segments are gone within seconds, not at their timeout."""
     import glob
+    import os
     import re
+    import shutil
     import signal
     import socket
+    import tempfile
     import time
 
     shm_before = set(glob.glob("/dev/shm/slotsync-*"))
+    demo_dirs = os.path.join(tempfile.gettempdir(), "slotsync-demo-*")
+    dirs_before = set(glob.glob(demo_dirs))
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "slotsync", "demo", "--rounds", "500", "--ranks", "2"],
@@ -150,3 +155,6 @@ def test_killed_demo_leaves_no_daemon_or_engine_running(sig):
     while left() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left(), f"shared memory left after {sig}: {sorted(left())}"
+    # (a SIGKILLed demo cannot remove its folder of logs: this test does, not to litter /tmp)
+    for d in set(glob.glob(demo_dirs)) - dirs_before:
+        shutil.rmtree(d, ignore_errors=True)
