@@ -131,6 +131,10 @@ def main_from_args(args: argparse.Namespace) -> int:
     report = getattr(args, "report", "")
     if report:
         folder = os.path.dirname(os.path.abspath(report))
+        if os.path.isdir(report):
+            print(f"slotsync bench: --report {report} is a folder: name a Markdown file",
+                  file=sys.stderr)
+            return 2
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             print(f"slotsync bench: cannot write --report {report}: folder {folder} does not "
                   "exist or is not writable", file=sys.stderr)

@@ -121,8 +121,11 @@ class Config:
         if not -1 <= self.status_port <= 65535:
             raise ValueError(f"status_port must be -1..65535, got {self.status_port}")
         if self.status_port != -1:
-            try:
-                socket.getaddrinfo(self.status_host, None)
+            try:  # resolve, and bind an ephemeral port there (the status port may be taken)
+                family, kind, proto, _, addr = socket.getaddrinfo(
+                    self.status_host, 0, type=socket.SOCK_STREAM)[0]
+                with socket.socket(family, kind, proto) as s:
+                    s.bind(addr)
             except (OSError, UnicodeError) as e:
                 raise ValueError(f"status_host {self.status_host!r} is not an address this "
                                  f"machine can bind: {e}") from None

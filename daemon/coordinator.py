@@ -290,9 +290,10 @@ class SlotCoordinator:
                 self.set_engine_url(msg.engine_url)  # a new engine: unknown state, new init
             self.engine_initialized = False
             prev = f"; before that: {self.last_error}" if self.last_error else ""
+            again = f", ranks {dropped} must register again" if dropped else ""
             self.last_error = (f"rank {msg.rank} re-registered with engine {msg.engine_url!r} "
-                               f"(packed={msg.packed}, {msg.transport}): slot reset, ranks "
-                               f"{dropped} must register again{prev}")[:4000]
+                               f"(packed={msg.packed}, {msg.transport}): slot reset"
+                               f"{again}{prev}")[:4000]
         others = {r: i for r, i in self.ranks.items() if r != msg.rank}
         if others:
             if msg.engine_url != self.engine_url:

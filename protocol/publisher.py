@@ -179,6 +179,9 @@ class Publisher:
         for arg, value in (("staging_bytes", staging_bytes), ("staging_buffers", staging_buffers)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
+        if gpu_uuid is not None and not isinstance(gpu_uuid, str):
+            raise TypeError(f"gpu_uuid must be a str, got {type(gpu_uuid).__name__} "
+                            f"{gpu_uuid!r}")
         if not isinstance(packed, bool):
             raise TypeError(f"packed must be True or False, got {type(packed).__name__} "
                             f"{packed!r}")
@@ -668,16 +671,18 @@ class Publisher:
                 f"{self.staging_bytes} bytes (raise staging_bytes)"
             )
 
-    # A bound on one tensor's part of a chunk message beyond its name's UTF-8 bytes: the
-    # name's header, its dtype name, shape (per dimension) and size (msgpack), and with
-    # unpacked chunks its own handle record (~300 bytes for CUDA) -- see _check_message_sizes.
-    _TENSOR_BYTES, _DIM_BYTES, _HANDLE_BYTES = 32, 9, 512
+    # Bounds of a chunk message's parts (msgpack), see _check_message_sizes: the message's
+    # own fields, and per tensor beyond its name's UTF-8 bytes the name's header, its dtype
+    # name and size and, per dimension, its shape; a handle record (CUDA: ~270 bytes plus
+    # its size and stride tuples; shm: ~60), one per chunk packed, one per tensor unpacked.
+    _CHUNK_BYTES, _TENSOR_BYTES, _DIM_BYTES = 128, 32, 9
+    _HANDLE_BYTES = {"cuda": 384, "shm": 96}
 
     def _check_message_sizes(self, items: list[tuple[str, torch.Tensor, int]]) -> None:
         """Refuse, before the begin, a chunk whose message would exceed the daemon's
         ``max_message_bytes`` (learnt at registration), cutting chunks as ``publish`` does.
-        Uses an upper bound of each message's size (``_TENSOR_BYTES`` ...), a few dozen bytes
-        per tensor above the real one; cheap: lengths only.
+        Uses an upper bound of each message's size (``_CHUNK_BYTES`` ...): a few hundred bytes
+        per message and a few dozen per tensor above the real one; cheap: lengths only.
 
         Raises:
             ValueError: names the chunk, its tensor count and both sizes.
@@ -685,9 +690,10 @@ class Publisher:
         cap = self.registered.max_message_bytes if self.registered else 0
         if not cap:
             return
-        per_chunk = 1024 + (self._HANDLE_BYTES if self.packed else 0)
-        per_dim = self._DIM_BYTES * (1 if self.packed else 3)  # (+ size and stride tuples)
-        per_tensor = self._TENSOR_BYTES + (0 if self.packed else self._HANDLE_BYTES)
+        handle = self._HANDLE_BYTES[self.transport]
+        per_chunk = self._CHUNK_BYTES + (handle if self.packed else 0)
+        per_dim = self._DIM_BYTES * (1 if self.packed or self.transport == "shm" else 3)
+        per_tensor = self._TENSOR_BYTES + (0 if self.packed else handle)
         worst = 4 * wire.MAX_NAME_CHARS + per_tensor + per_dim * wire.MAX_DIMS
         if per_chunk + worst * len(items) <= cap:
             return  # even the whole update in one message would fit (the usual case: free)
@@ -703,8 +709,8 @@ class Publisher:
                 raise ValueError(
                     f"chunk {index} of this update would encode to about {bound} bytes or more "
                     f"({count}+ tensors: their names, shapes and handles), over the daemon's "
-                    f"max_message_bytes of {cap}: send fewer tensors per chunk (a smaller "
-                    "staging_bytes) or raise the daemon's --max-message-bytes"
+                    f"max_message_bytes of {cap}: raise the daemon's --max-message-bytes (or "
+                    "send fewer tensors per chunk: a smaller staging_bytes)"
                 )
 
     def _allocate_staging(self) -> None:

@@ -124,6 +124,7 @@ def test_profile_chunk_prints_the_split():
     (["control", "--engine-url", "http://127.0.0.1:1"],
      "--engine-url http://127.0.0.1:1: cannot reach it"),
     (["control", "--engine-url", "unix:///nonexistent.sock"], "no socket at /nonexistent.sock"),
+    (["control", "--report", "/tmp"], "--report /tmp is a folder"),
 ])
 def test_bench_refuses_bad_arguments_before_starting_anything(args, want):
     report = [] if "--report" in args else ["--report", ""]

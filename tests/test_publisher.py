@@ -364,7 +364,8 @@ def test_publisher_argument_checks(endpoint: str) -> None:
                      ({"staging_buffers": "4"}, "staging_buffers must be an int, got str"),
                      ({"staging_bytes": 1e6}, "staging_bytes must be an int, got float"),
                      ({"packed": "yes"}, "packed must be True or False, got str"),
-                     ({"timeout_s": "5"}, "timeout_s must be a number of seconds, got str")]:
+                     ({"timeout_s": "5"}, "timeout_s must be a number of seconds, got str"),
+                     ({"gpu_uuid": 5}, "gpu_uuid must be a str, got int")]:
         with pytest.raises(TypeError, match=text):
             Publisher(endpoint, 0, (0, 2), ENGINE, transport="shm", **kw)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout_s must be positive and finite, got inf"):
@@ -791,7 +792,28 @@ def test_chunk_message_over_the_daemons_cap_is_refused_before_the_begin(
                 pub.publish(many, weight_version="v")
             assert len(daemon.of_type(wire.Begin)) == begins
             pub.publish(many[:5], weight_version="v")  # a small one goes through
-    assert len(daemon.of_type(wire.Begin)) == 2
+            pub.publish(many[:1], weight_version="v")
+    assert len(daemon.of_type(wire.Begin)) == 4
+
+
+def test_a_small_update_passes_the_smallest_message_cap(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str
+) -> None:
+    """The pre-check's bound stays close to the real size: three small tensors pass a daemon
+    at its smallest max_message_bytes (1024), packed and unpacked (the real frames are
+    ~150-250 bytes)."""
+    def cap_1024(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Register):
+            return [wire.Registered(rank=msg.rank, slot_start=msg.slot_start,
+                                    slot_size=msg.slot_size, next_update_id=NEXT_ID,
+                                    max_message_bytes=1024)]
+        return happy(msg)
+
+    daemon = make_daemon(cap_1024)
+    for packed in (True, False):
+        with _publisher(endpoint, packed=packed, staging_bytes=4096) as pub:
+            pub.publish(dict(_many_tensors(3)), weight_version="v")
+    assert len(daemon.of_type(wire.Commit)) == 2
 
 
 def test_staging_that_cannot_be_allocated_fails_before_the_begin(

@@ -86,6 +86,8 @@ def test_precedence_file_env_flags(tmp_path):
     ("", {"SLOTSYNC_BEGIN_TIMEOUT_S": "inf"}, [], "begin_timeout_s must be a finite number"),
     ("chunks_in_flight = 0\n", {}, [], "chunks_in_flight must be 1..64, got 0"),
     ("", {}, ["--status-host", "999.1.1.1"], "status_host '999.1.1.1' is not an address"),
+    ("", {}, ["--status-host", "192.0.2.1"], "status_host '192.0.2.1' is not an address this "
+     "machine can bind"),
     ("[[engines]]\nurl='http://a:1'\nslot_start=0\nslot_size=4\n[[engines]]\n"
      "url='http://b:1'\nslot_start=2\nslot_size=4\n", {}, [], "overlaps slot"),
 ])
