@@ -163,7 +163,7 @@ class GpuResult:
     rows: list[GpuRow]
 
 
-def _engine_load_s(engine: Any) -> tuple[float, float]:
+def _engine_seconds(engine: Any) -> tuple[float, float]:
     """Seconds the engine's workers spent in ``update_weights`` so far, and of those waiting
     for the device (means per worker)."""
     _, stats = engine.request("GET", "/_slotsync/stats")
@@ -246,7 +246,7 @@ def run_gpu(
                 log(f"  {cfg.label}: largest tensor is {biggest / MiB:.1f} MiB, staging raised "
                     f"from {cfg.staging_bytes / MiB:.0f} to {new / MiB:.0f} MiB")
                 cfg = GpuConfig(cfg.label, cfg.packed, new, cfg.staging_buffers)
-            load0 = _engine_load_s(engine)
+            load0 = _engine_seconds(engine)
             with DaemonProcess(args=["--log-level", "warning", "--chunks-in-flight",
                                      str(chunks_in_flight)]) as d:
                 for c in cmds:
@@ -254,13 +254,13 @@ def run_gpu(
                 call0 = 0.0
                 if rounds > 1:  # count the engine's time of the counted rounds only
                     collect("warm")
-                    load0 = _engine_load_s(engine)
+                    load0 = _engine_seconds(engine)
                     call0 = engine_call_seconds(d.status_url)[0]
                     for c in cmds:
                         c.put(("continue",))
                 done = collect("done")
                 call_s = (engine_call_seconds(d.status_url)[0] - call0) / max(rounds - 1, 1)
-            load1 = _engine_load_s(engine)
+            load1 = _engine_seconds(engine)
             load_s, sync_s = ((b - a) / max(rounds - 1, 1) for a, b in zip(load0, load1,
                                                                             strict=True))
             per_round = [max(done[r][0][i] for r in range(ranks)) for i in range(rounds)]

@@ -641,7 +641,7 @@ class Publisher:
             sizes: list[int] = []
             size = 0
             for name, t, n in itertools.chain((first,), checked):
-                if chunk and size + n > self.staging_bytes:
+                if self._cuts_before(size, n, bool(chunk)):
                     self._send_chunk(chunk, ahead, sizes, pipelined=True)
                     chunk, sizes, size = [], [], 0
                 chunk.append((name, t))
@@ -699,7 +699,7 @@ class Publisher:
             return  # even the whole update in one message would fit (the usual case: free)
         index, count, size, bound = 0, 0, 0, per_chunk
         for name, t, n in items:
-            if count and size + n > self.staging_bytes:
+            if self._cuts_before(size, n, bool(count)):
                 index, count, size, bound = index + 1, 0, 0, per_chunk
             size += n
             count += 1
@@ -712,6 +712,12 @@ class Publisher:
                     f"max_message_bytes of {cap}: raise the daemon's --max-message-bytes (or "
                     "send fewer tensors per chunk: a smaller staging_bytes)"
                 )
+
+    def _cuts_before(self, size: int, n: int, nonempty: bool) -> bool:
+        """Whether a tensor of ``n`` bytes starts a new chunk after ``size`` bytes of a chunk:
+        the one chunking rule (``publish`` and its pre-check cut alike; every rank of a slot
+        cuts identical chunks from the same names and sizes, I2)."""
+        return nonempty and size + n > self.staging_bytes
 
     def _allocate_staging(self) -> None:
         """Allocate this update's staging memory before the begin, so that a size that does

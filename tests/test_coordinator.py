@@ -283,14 +283,21 @@ def _chunk_acks(h: Harness, rank: int) -> list[int]:
     return [m.index for m in h.replies[rank] if isinstance(m, Ack) and m.phase == "chunk"]
 
 
-def test_chunks_in_flight_bounds_the_calls_and_acks_stay_in_index_order():
+def _chunks_held_at_the_engine(n: int) -> Harness:
+    """Update 0 begun with 2 in flight; every rank sent chunks 0..n-1; the engine holds its
+    calls (``h.pending_calls``)."""
     h = Harness(chunks_in_flight=2)
     h.register_all()
     h.begin()
     h.engine.hold = True
-    for k in range(3):
+    for k in range(n):
         for r in range(2):
             h.send(r, chunk(0, k, r))
+    return h
+
+
+def test_chunks_in_flight_bounds_the_calls_and_acks_stay_in_index_order():
+    h = _chunks_held_at_the_engine(3)
     # three chunks complete, two calls out: the third waits for a free place
     assert [c.index for c in h.pending_calls] == [0, 1]
     # chunk 1's call returns first (two HTTP requests may overtake each other): no ack yet,
@@ -312,13 +319,7 @@ def test_chunks_in_flight_bounds_the_calls_and_acks_stay_in_index_order():
 
 
 def test_failed_chunk_with_another_in_flight_fails_at_once_and_the_next_begin_waits_for_it():
-    h = Harness(chunks_in_flight=2)
-    h.register_all()
-    h.begin()
-    h.engine.hold = True
-    for k in range(2):
-        for r in range(2):
-            h.send(r, chunk(0, k, r))
+    h = _chunks_held_at_the_engine(2)
     first, second = h.pending_calls
     h.pending_calls.clear()
     h.engine.fail[("update_weights", 0)] = "HTTP 500: boom"

@@ -769,20 +769,25 @@ def test_failed_update_gives_back_the_exports_the_engine_never_acknowledged(
         assert sorted(released) == sorted(off for k, off in sent.items() if k >= fail_at)
 
 
+def _with_message_cap(cap: int) -> Script:
+    """``happy``, from a daemon whose ``max_message_bytes`` is ``cap``."""
+    def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Register):
+            return [wire.Registered(rank=msg.rank, slot_start=msg.slot_start,
+                                    slot_size=msg.slot_size, next_update_id=NEXT_ID,
+                                    max_message_bytes=cap)]
+        return happy(msg)
+
+    return script
+
+
 def test_chunk_message_over_the_daemons_cap_is_refused_before_the_begin(
     make_daemon: Callable[..., FakeDaemon], endpoint: str
 ) -> None:
     """A list or mapping whose chunk would not fit the daemon's max_message_bytes (told at
     registration) is refused before the Begin, so the engine is not paused; an iterator is
     refused when its chunk is sent (as documented)."""
-    def small_cap(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
-        if isinstance(msg, wire.Register):
-            return [wire.Registered(rank=msg.rank, slot_start=msg.slot_start,
-                                    slot_size=msg.slot_size, next_update_id=NEXT_ID,
-                                    max_message_bytes=4096)]
-        return happy(msg)
-
-    daemon = make_daemon(small_cap)
+    daemon = make_daemon(_with_message_cap(4096))
     many = [(f"model.layers.{i}.mlp.experts.{i}.w", torch.zeros(1)) for i in range(200)]
     for packed in (True, False):
         with _publisher(endpoint, packed=packed, staging_bytes=1 << 20) as pub:
@@ -802,14 +807,7 @@ def test_a_small_update_passes_the_smallest_message_cap(
     """The pre-check's bound stays close to the real size: three small tensors pass a daemon
     at its smallest max_message_bytes (1024), packed and unpacked (the real frames are
     ~150-250 bytes)."""
-    def cap_1024(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
-        if isinstance(msg, wire.Register):
-            return [wire.Registered(rank=msg.rank, slot_start=msg.slot_start,
-                                    slot_size=msg.slot_size, next_update_id=NEXT_ID,
-                                    max_message_bytes=1024)]
-        return happy(msg)
-
-    daemon = make_daemon(cap_1024)
+    daemon = make_daemon(_with_message_cap(1024))
     for packed in (True, False):
         with _publisher(endpoint, packed=packed, staging_bytes=4096) as pub:
             pub.publish(dict(_many_tensors(3)), weight_version="v")
