@@ -524,21 +524,24 @@ class StagingBuffer(ABC):
         """
         plan = chunk if isinstance(chunk, PackPlan) else self.plan(chunk, slot)
         self.launch(plan, slot)
-        self.ready()
+        self.ready(slot)
         return plan.layout
 
     def launch(self, plan: PackPlan, slot: int = 0) -> None:
         """Start ``fill``'s copies (a ``plan`` made for ``slot``) without waiting for them
         (CUDA: queued on the current stream), so the caller can lay out the next chunk
-        meanwhile; ``ready`` must run before the region's ``handle`` is handed out."""
+        meanwhile; ``ready(slot)`` must run before the region's ``handle`` is handed out.
+        Copies into different regions may be queued back to back."""
         run_pack(plan)
         self.used[slot] = plan.total
 
-    def ready(self) -> None:  # noqa: B027 - optional hook
-        """Wait until the launched copies are done (CUDA: synchronize; CPU copies are)."""
+    def ready(self, slot: int | None = None) -> None:  # noqa: B027 - optional hook
+        """Wait until the copies launched into region ``slot`` (None: every region) are done
+        (CPU copies are done when ``launch`` returns)."""
 
-    def copied(self) -> bool:
-        """Whether the launched copies are done, without waiting (CPU copies are)."""
+    def copied(self, slot: int | None = None) -> bool:
+        """Whether the copies launched into region ``slot`` (None: every region) are done,
+        without waiting (CPU copies are)."""
         return True
 
     @abstractmethod
@@ -619,7 +622,9 @@ class CudaStagingBuffer(StagingBuffer):
         if self.device.type != "cuda":
             raise ValueError(f"CudaStagingBuffer needs a CUDA device, got {self.device}")
         self._tensor: torch.Tensor | None = None
-        self._launched: torch.cuda.Event | None = None  # recorded after the last launch
+        # per region, recorded after its last launch: the publisher waits for chunk k's copy
+        # only, while chunk k+1's copy is queued behind it in another region
+        self._launched: list[torch.cuda.Event | None] = [None] * slots
         self._export: CudaIpcHandle | None = None  # slots=1: this update's one export
         self._closed = False
         self.exports = 0  # reduce_tensor calls so far
@@ -636,17 +641,25 @@ class CudaStagingBuffer(StagingBuffer):
 
     def launch(self, plan: PackPlan, slot: int = 0) -> None:
         super().launch(plan, slot)
-        if self._launched is None:
-            self._launched = torch.cuda.Event()
-        self._launched.record(torch.cuda.current_stream(self.device))
+        event = self._launched[slot]
+        if event is None:
+            event = self._launched[slot] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
 
-    def ready(self) -> None:
-        # The consumer is another process: make the copies visible before handing out the
-        # handle (cheap next to the engine's load of the chunk).
-        torch.cuda.synchronize(self.device)
+    def ready(self, slot: int | None = None) -> None:
+        # The consumer is another process: the copies must be done before the handle goes
+        # out (vLLM's producer synchronizes; a consumer that finds the storage in torch's IPC
+        # cache does not wait on the export's event).
+        if slot is None:
+            torch.cuda.synchronize(self.device)
+            return
+        event = self._launched[slot]
+        if event is not None:
+            event.synchronize()
 
-    def copied(self) -> bool:
-        return self._launched is None or self._launched.query()
+    def copied(self, slot: int | None = None) -> bool:
+        events = self._launched if slot is None else [self._launched[slot]]
+        return all(e is None or e.query() for e in events)
 
     def handle(self, slot: int = 0) -> CudaIpcHandle:
         if self.slots == 1:

@@ -436,7 +436,9 @@ class Publisher:
 
         ``pipelined`` (``publish``: names already checked): a packed chunk's copy is only
         launched; it is sent by the next call, after that call laid its own chunk out while
-        the GPU copied this one (``_send_pending``), or by ``commit``."""
+        the GPU copied this one (``_send_pending``), or by ``commit``. When that next chunk's
+        region is already free, its copy is queued before the pending chunk is sent, so that
+        the GPU copies chunk after chunk while the CPU waits, exports and sends."""
         self._require_open()
         if not items:
             raise ValueError("a chunk needs at least one tensor")
@@ -454,11 +456,23 @@ class Publisher:
             plan = staging.plan(items, slot, sizes,
                                 poll=self._send_if_copied if pipelined else None)
             self._export_s += time.perf_counter() - t0
-            self._send_pending()
-            # the region is free once the chunk that last used it was acknowledged
-            self._wait_unacked(min(max_unacked, staging.slots - 1))
+            # The region is free once the chunk that last used it, index - slots, was
+            # acknowledged. With the pending chunk (index - 1) not yet sent, that is at most
+            # slots - 2 chunks unacknowledged; if acks already arrived say so, this chunk's
+            # copy is queued behind the pending one's. Else the pending chunk goes out first,
+            # and then we wait (the engine must not wait for it while we do).
+            queue_first = (pipelined and staging.slots > 1 and self._pending is not None
+                           and self._wait_unacked(min(max_unacked, staging.slots - 1) - 1,
+                                                  block=False))
+            if not queue_first:
+                self._send_pending()
+                self._wait_unacked(min(max_unacked, staging.slots - 1))
             t0 = time.perf_counter()
             staging.launch(plan, slot)
+            self._export_s += time.perf_counter() - t0
+            if queue_first:
+                self._send_pending()  # waits for its own region's copy only
+            t0 = time.perf_counter()
             self._pending = (index, plan.layout, slot)
             self._num_chunks += 1
             self._bytes += plan.total
@@ -482,7 +496,8 @@ class Publisher:
         if self._pending is None:
             return
         self._drain()  # (reads an Ack(begin) that arrived)
-        if (self._begin_unacked is None or self._begin_acked) and self._staging[0].copied():
+        if ((self._begin_unacked is None or self._begin_acked)
+                and self._staging[0].copied(self._pending[2])):
             self._send_pending()
 
     def _send_pending(self) -> None:
@@ -495,7 +510,7 @@ class Publisher:
         self._pending = None
         t0 = time.perf_counter()
         staging = self._staging[0]
-        staging.ready()
+        staging.ready(slot)
         handles: list[wire.Handle] = [staging.handle(slot)]
         self._export_s += time.perf_counter() - t0
         self._send_chunk_message(self._require_open(), index, layout, handles)
@@ -519,19 +534,26 @@ class Publisher:
         if cuda:
             self._chunk_exports[index] = cuda
 
-    def _wait_unacked(self, keep: int) -> None:
-        """Wait for chunk acks, oldest first, until at most ``keep`` chunks are unacked."""
+    def _wait_unacked(self, keep: int, *, block: bool = True) -> bool:
+        """Wait for chunk acks, oldest first, until at most ``keep`` chunks are unacked.
+        With ``block=False``, take only the acks that already arrived; returns whether at
+        most ``keep`` are unacked."""
+        if not block:
+            self._drain()
         while len(self._unacked) > keep:
             index = self._unacked[0]
             if index in self._early_acks:
                 self._early_acks.discard(index)
-            else:
+            elif block:
                 self._wait_ack("chunk", index)
+            else:
+                return False
             self._unacked.popleft()
             for h in self._chunk_exports.pop(index, ()):  # the engine mapped them
                 self._consumed_exports.add((h.ref_counter_handle, h.ref_counter_offset))
             log.debug("rank %d: update %s chunk %d acknowledged", self.rank, self._update_id,
                       index)
+        return True
 
     def commit(self) -> None:
         """Close the update: send ``Commit(num_chunks)`` and wait for ``Ack(commit)`` (finish

@@ -234,6 +234,35 @@ def test_cuda_ipc_handle_real() -> None:
     buf2.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_staging_region_ready_waits_for_that_regions_copy() -> None:
+    """Copies into two regions are queued back to back; ``ready(slot)`` returns once that
+    region's copy is done (read here from another stream, which does not wait for the
+    copying one, as the engine's process does not) and ``copied(slot)`` says so."""
+    from slotsync.protocol.export import CudaStagingBuffer
+
+    n = 64 << 20  # 256 MiB of float32 per region: long enough to still run after the launch
+    big = [("a", torch.full((n // 4,), 1.5, device="cuda"))]
+    small = [("b", torch.full((256,), -2.0, device="cuda"))]
+    buf = CudaStagingBuffer(n, "cuda:0", slots=2)
+    side = torch.cuda.Stream()
+    for first, second in ((0, 1), (1, 0)):
+        buf.launch(buf.plan(big, first), first)
+        buf.launch(buf.plan(small, second), second)
+        buf.ready(first)
+        assert buf.copied(first)
+        with torch.cuda.stream(side):
+            got = buf.region(first)[:n].view(torch.float32)[:: 1 << 16].clone()
+        side.synchronize()
+        assert bool((got == 1.5).all())
+        buf.ready(second)
+        assert buf.copied(second) and buf.copied()
+        assert torch.equal(buf.region(second)[:1024].view(torch.float32).cpu(),
+                           torch.full((256,), -2.0))
+    buf.close()
+
+
 def test_pack_copies_as_wide_integers_when_aligned_and_bytes_otherwise() -> None:
     """The batched copy moves one element per thread: aligned chunks are copied as int64
     (8x fewer elements than bytes), any odd size or address falls back to a narrower type,

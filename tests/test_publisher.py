@@ -447,37 +447,62 @@ def test_packed_staging_region_is_not_refilled_before_the_ack(
     assert seen == {n: _raw(t) for n, t in named}
 
 
+@pytest.mark.parametrize(("buffers", "slow"), [(4, False), (2, True), (1, False)],
+                         ids=["4 regions", "2 regions, acks late", "1 region"])
 def test_publish_lays_out_the_next_chunk_before_sending_the_one_being_copied(
-    make_daemon: Callable[..., FakeDaemon], endpoint: str, monkeypatch: pytest.MonkeyPatch
+    make_daemon: Callable[..., FakeDaemon], endpoint: str, monkeypatch: pytest.MonkeyPatch,
+    buffers: int, slow: bool,
 ) -> None:
     """Packed ``publish`` launches chunk k's copy, lays chunk k+1 out (the per-tensor CPU
     work) while the copy runs, and only then waits for the copy and sends chunk k; the last
-    chunk goes out with the commit. ``send_chunk`` still sends at once."""
-    from slotsync.protocol.export import ShmStagingBuffer
+    chunk goes out with the commit. When chunk k+1's region is already free (its last chunk
+    acknowledged), chunk k+1's copy is launched before chunk k is sent, so the copies run back
+    to back; when it is not (acks still due, or one region), chunk k is sent first and then the
+    ack awaited. ``send_chunk`` still sends at once."""
+    from slotsync.protocol.export import ShmStagingBuffer, StagingBuffer
 
     events: list[tuple[str, int]] = []
-    plan, send = ShmStagingBuffer.plan, Publisher._send_chunk_message
+    plan, launch = ShmStagingBuffer.plan, StagingBuffer.launch
+    send = Publisher._send_chunk_message
 
     def traced_plan(self: Any, items: Any, slot: int = 0, sizes: Any = None, **kw: Any) -> Any:
         events.append(("plan", int(items[0][0].split(".")[2])))
         return plan(self, items, slot, sizes, **kw)
 
+    def traced_launch(self: Any, p: Any, slot: int = 0) -> None:
+        events.append(("launch", int(p.layout.names[0].split(".")[2])))
+        launch(self, p, slot)
+
     def traced_send(self: Any, uid: int, index: int, *rest: Any) -> None:
         events.append(("send", index))
         send(self, uid, index, *rest)
 
+    def slow_engine(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Chunk):
+            time.sleep(0.2)  # acks come back after the next chunk was laid out
+        return happy(msg)
+
     monkeypatch.setattr(ShmStagingBuffer, "plan", traced_plan)
+    monkeypatch.setattr(StagingBuffer, "launch", traced_launch)
     monkeypatch.setattr(Publisher, "_send_chunk_message", traced_send)
-    daemon = make_daemon()
+    daemon = make_daemon(slow_engine if slow else happy)
     named = _many_tensors(3)
-    with _publisher(endpoint, packed=True, staging_bytes=64) as pub:
+    with _publisher(endpoint, packed=True, staging_bytes=64, staging_buffers=buffers) as pub:
         pub.publish(named, weight_version="v")
-        assert events == [("plan", 0), ("plan", 1), ("send", 0), ("plan", 2), ("send", 1),
-                          ("send", 2)]
+        head = [("plan", 0), ("launch", 0), ("plan", 1)]
+        if buffers == 4:  # every region free: each copy is queued before the previous send
+            assert events == head + [("launch", 1), ("send", 0), ("plan", 2), ("launch", 2),
+                                     ("send", 1), ("send", 2)]
+        elif buffers == 2:  # chunk 2 needs chunk 0's region: chunk 1 goes out first
+            assert events == head + [("launch", 1), ("send", 0), ("plan", 2), ("send", 1),
+                                     ("launch", 2), ("send", 2)]
+        else:  # one region: send, then the ack, then the next copy
+            assert events == head + [("send", 0), ("launch", 1), ("plan", 2), ("send", 1),
+                                     ("launch", 2), ("send", 2)]
         events.clear()
         pub.begin("v2")
         pub.send_chunk(named[:1])
-        assert events == [("plan", 0), ("send", 0)]
+        assert events == [("plan", 0), ("launch", 0), ("send", 0)]
         pub.commit()
     seen = {k: v for d in daemon.chunk_data for k, v in d.items()}
     assert seen == {n: _raw(t) for n, t in named}
