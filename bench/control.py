@@ -422,7 +422,7 @@ def run_session(
     *,
     systems: Sequence[str] = SYSTEMS,
     staging_bytes: int = 512 << 20,
-    staging_buffers: int = 4,
+    staging_buffers: int | None = None,
     engine_urls: Sequence[str] | None = None,
     timeout_s: float = 600.0,
     log: Any = None,
@@ -436,6 +436,10 @@ def run_session(
     """
     from slotsync.daemon.launcher import DaemonProcess
     from slotsync.engine.launcher import ReferenceEngine, free_port
+    from slotsync.protocol.publisher import default_staging_buffers
+
+    if staging_buffers is None:
+        staging_buffers = default_staging_buffers(staging_bytes)
 
     engines: list[ReferenceEngine] = []
     try:
