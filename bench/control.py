@@ -302,19 +302,21 @@ def _rank_session(rank: int, plan: SessionPlan) -> dict[str, dict[str, dict[str,
         e0 = engine_call_seconds(plan.status_url) if measure and counted else None
         t_round = time.perf_counter()
         link.send(wire.Begin(update_id=uid, weight_version=f"bench-{uid}"))
-        link.wait("begin")
-        # The publisher's pipelining (``Publisher.publish``): packed, up to staging_buffers
-        # chunks in flight (a region is refilled after the ack of the chunk that used it);
-        # unpacked, up to MAX_UNACKED_CHUNKS. The next message is built before waiting.
+        # The publisher's pipelining (``Publisher.publish``): chunks go out without waiting
+        # for the begin's ack (the daemon holds them until the engine has started; the ack,
+        # which comes first, is skipped by the waits for chunk acks); packed, up to
+        # staging_buffers chunks in flight (a region is refilled after the ack of the chunk
+        # that used it); unpacked, up to MAX_UNACKED_CHUNKS. The next message is built before
+        # waiting; the commit goes out before the last chunks' acks.
         ahead = plan.staging_buffers - 1 if plan.packed else MAX_UNACKED_CHUNKS - 1
         unacked: list[int] = []
-        t_prev = time.perf_counter()
+        t_prev: float | None = None  # (from chunk 0's ack on: the begin's calls not counted)
 
         def ack_oldest() -> None:
             nonlocal t_prev
             link.wait("chunk", unacked.pop(0))
             t = time.perf_counter()
-            if measure and counted:
+            if measure and counted and t_prev is not None:
                 times.chunk_s.append(t - t_prev)
                 times.chunk_round.append(r)
             t_prev = t
@@ -330,9 +332,9 @@ def _rank_session(rank: int, plan: SessionPlan) -> dict[str, dict[str, dict[str,
                 ack_oldest()
             link.sock.send(frame)
             unacked.append(k)
+        link.send(wire.Commit(update_id=uid, num_chunks=len(chunks)))
         while unacked:
             ack_oldest()
-        link.send(wire.Commit(update_id=uid, num_chunks=len(chunks)))
         link.wait("commit")
         dt = time.perf_counter() - t_round
         if e0 is not None:

@@ -17,7 +17,9 @@ One update (design.md "Flow of one round")::
     first Begin ─► [get_world_size, init(packed): once per engine session]
     every rank's Begin ─► pause(keep) ─► [finish: recover] ─► start ─► Ack(begin) to every rank
     chunk k complete on every rank ─► merge ─► update_weights ─► Ack(chunk k) to every rank
-        (chunks k+1 .. k+chunks_in_flight-1 may already be at the engine, queued behind k)
+        (chunks may arrive right after their rank's Begin: they are merged meanwhile and go
+        out once start returned; chunks k+1 .. k+chunks_in_flight-1 may already be at the
+        engine, queued behind k)
     Commit from every rank (same count, all chunks consumed) ─► finish(version) ─► resume
       ─► Ack(commit) to every rank
 
@@ -640,12 +642,11 @@ class SlotCoordinator:
         u = self.current
         if u is None or msg.update_id != u.update_id:
             return self._not_current(rank, "chunk", f"chunk {msg.index}", msg.update_id)
-        if rank not in u.begun or not u.engine_started:
+        # A rank sends chunks right after its begin, without waiting for the begin's ack: they
+        # are merged while the engine is paused and started, and go out once it has started.
+        if rank not in u.begun:
             return self._fail(
-                now,
-                "chunk",
-                f"rank {rank} sent chunk {msg.index} before its begin was acknowledged",
-                [],
+                now, "chunk", f"rank {rank} sent chunk {msg.index} before its begin", []
             )
         if rank in u.committed:
             return self._fail(now, "chunk", f"rank {rank} sent chunk {msg.index} after commit", [])

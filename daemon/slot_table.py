@@ -83,6 +83,9 @@ class SlotTable:
                         f"{type(msg).__name__.lower()} from a connection that has not "
                         "registered (did the daemon restart? an update in flight then is lost; "
                         "the publisher registers again at its next begin)",
+                        # (the message's update id: a publisher that sent chunks after a
+                        # refused begin knows these answers as stale once registered again)
+                        update_id=getattr(msg, "update_id", None),
                         code=NOT_REGISTERED,
                     ),
                 )

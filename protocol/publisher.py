@@ -11,8 +11,9 @@ message, no empty delimiter frame)::
         optimizer.step()
         pub.publish(hf_named_tensors(model), weight_version=str(step))
 
-``publish`` = ``begin`` + one chunk at a time + ``commit``; on any failure it aborts the
-update (best effort) and re-raises. Every wait for the daemon is bounded by ``timeout_s``
+``publish`` = ``begin`` (without waiting for its ack: the daemon holds chunks that arrive
+before the engine's update started) + one chunk at a time + ``commit``; on any failure it
+aborts the update (best effort) and re-raises. Every wait for the daemon is bounded by ``timeout_s``
 (design.md I5).
 
 ``publish`` pipelines: after sending chunk k it goes back to the caller's iterator (whatever
@@ -245,6 +246,9 @@ class Publisher:
         self._begin_unacked: str | None = None  # weight version of a Begin not yet acked
         self._begin_acked = False  # its Ack(begin) was read while doing something else
         self._begin_refused: wire.Error | None = None  # ... or a "not registered" for it
+        # chunks sent before the begin's ack (index, layout, handles): sent again if a
+        # restarted daemon refused the begin, under the new update id
+        self._sent_before_ack: list[tuple[int, PackedLayout, list[wire.Handle]]] = []
         self._export_s = 0.0
         self._wait_s = 0.0
         self._pinned: list[torch.Tensor] = []  # unpacked CUDA exports, until commit's ack
@@ -321,10 +325,13 @@ class Publisher:
                 pid=os.getpid(),
             )
         )
+        # (an Error with an update id answers an earlier message, e.g. a chunk sent after a
+        # begin the restarted daemon refused: stale once we register again)
         reply = self._wait(
             "register",
             "Registered",
-            lambda m: isinstance(m, wire.Registered | wire.Error),
+            lambda m: isinstance(m, wire.Registered)
+            or (isinstance(m, wire.Error) and m.update_id is None),
         )
         if isinstance(reply, wire.Error):
             raise self._error(reply)
@@ -359,7 +366,8 @@ class Publisher:
     def begin(self, weight_version: str) -> int:
         """Open the next update and wait until the daemon has started the engine's update
         (``Ack(begin)``: generation paused, ``/start_weight_update`` returned). Registers first
-        if ``register`` was not called.
+        if ``register`` was not called. (``publish`` does not wait: it sends its chunks right
+        after the ``Begin``; the daemon holds them until the engine has started.)
 
         Args:
             weight_version: given to ``/finish_weight_update`` on success (I8).
@@ -378,7 +386,7 @@ class Publisher:
 
     def _send_begin(self, weight_version: str) -> int:
         """Open the next update and send its ``Begin``, without waiting for the ack
-        (``_await_begin``, which every chunk send calls first)."""
+        (``_await_begin``, called before any wait for a chunk's ack, and by ``commit``)."""
         self._check_usable()
         if self._update_id is not None:
             raise RuntimeError(f"update {self._update_id} is still open; commit or abort it first")
@@ -392,11 +400,14 @@ class Publisher:
         self._early_acks.clear()
         self._send(wire.Begin(update_id=uid, weight_version=weight_version))
         self._begin_unacked = weight_version
+        self._sent_before_ack.clear()
         return uid
 
     def _await_begin(self) -> None:
-        """Wait for the open update's ``Ack(begin)`` if it is still due. Nothing is exported
-        before it: a begin that fails leaves no export the engine will never release."""
+        """Wait for the open update's ``Ack(begin)`` if it is still due. Chunks may have gone
+        out before it (the daemon holds them until the engine has started): if the begin
+        fails, their exports are given back with the update's others (``_end_update``); if a
+        restarted daemon refused it, they are sent again after the new ``Begin``."""
         weight_version = self._begin_unacked
         if weight_version is None:
             return
@@ -418,12 +429,17 @@ class Publisher:
                 self._update_id = self._next_id
                 self._send(wire.Begin(update_id=self._update_id, weight_version=weight_version))
                 self._begin_unacked = None  # (a second refusal ends the update)
+                # the chunks the daemon refused with the begin: same exports (never mapped),
+                # the new update id
+                for index, layout, handles in self._sent_before_ack:
+                    self._send(self._chunk_message(self._update_id, index, layout, handles))
                 self._wait_ack("begin")
             except BaseException:
                 self._end_update()  # the chunk copied for the first begin goes too
                 raise
         self._begin_unacked = None
         self._begin_acked = False
+        self._sent_before_ack.clear()
         log.debug("rank %d: update %d begun (weight version %s)", self.rank, self._update_id,
                   weight_version)
 
@@ -503,7 +519,8 @@ class Publisher:
             if not pipelined:
                 self._send_pending()
             return index
-        self._await_begin()
+        if self._begin_refused is not None:
+            self._await_begin()
         t0 = time.perf_counter()
         layout, handles = self._export_unpacked(items)
         self._export_s += time.perf_counter() - t0
@@ -514,13 +531,12 @@ class Publisher:
         return index
 
     def _send_if_copied(self) -> None:
-        """While the next chunk is laid out: send the pending chunk if its copy is done and
-        the begin acknowledged, without waiting for either."""
+        """While the next chunk is laid out: send the pending chunk if its copy is done,
+        without waiting for it."""
         if self._pending is None:
             return
-        self._drain()  # (reads an Ack(begin) that arrived)
-        if ((self._begin_unacked is None or self._begin_acked)
-                and self._staging[0].copied(self._pending[2])):
+        self._drain()  # (reads acks, or an Error, that arrived)
+        if self._staging[0].copied(self._pending[2]):
             self._send_pending()
 
     def _send_pending(self) -> None:
@@ -528,7 +544,8 @@ class Publisher:
         region's handle is handed out only then (the engine reads it from another process)."""
         if self._pending is None:
             return
-        self._await_begin()  # the copy ran meanwhile; export only once the begin is acked
+        if self._begin_refused is not None:
+            self._await_begin()  # a restarted daemon refused the begin: register again first
         index, layout, slot = self._pending
         self._pending = None
         t0 = time.perf_counter()
@@ -538,10 +555,10 @@ class Publisher:
         self._export_s += time.perf_counter() - t0
         self._send_chunk_message(self._require_open(), index, layout, handles)
 
-    def _send_chunk_message(self, uid: int, index: int, layout: PackedLayout,
-                            handles: list[wire.Handle]) -> None:
-        t0 = time.perf_counter()
-        chunk = wire.OutgoingChunk(  # our own layout: the daemon checks it on decode
+    @staticmethod
+    def _chunk_message(uid: int, index: int, layout: PackedLayout,
+                       handles: list[wire.Handle]) -> wire.OutgoingChunk:
+        return wire.OutgoingChunk(  # our own layout: the daemon checks it on decode
             update_id=uid,
             index=index,
             names=layout.names,
@@ -550,8 +567,15 @@ class Publisher:
             tensor_sizes=layout.tensor_sizes,
             handles=handles,
         )
+
+    def _send_chunk_message(self, uid: int, index: int, layout: PackedLayout,
+                            handles: list[wire.Handle]) -> None:
+        t0 = time.perf_counter()
+        chunk = self._chunk_message(uid, index, layout, handles)
         self._export_s += time.perf_counter() - t0
         self._send(chunk)
+        if self._begin_unacked is not None and not self._begin_acked:
+            self._sent_before_ack.append((index, layout, handles))
         self._unacked.append(index)
         cuda = [h for h in handles if isinstance(h, wire.CudaIpcHandle)]
         if cuda:
@@ -560,9 +584,11 @@ class Publisher:
     def _wait_unacked(self, keep: int, *, block: bool = True) -> bool:
         """Wait for chunk acks, oldest first, until at most ``keep`` chunks are unacked.
         With ``block=False``, take only the acks that already arrived; returns whether at
-        most ``keep`` are unacked."""
+        most ``keep`` are unacked. (The begin's ack comes before any chunk's: awaited first.)"""
         if not block:
             self._drain()
+        elif len(self._unacked) > keep:
+            self._await_begin()
         while len(self._unacked) > keep:
             index = self._unacked[0]
             if index in self._early_acks:
@@ -679,8 +705,9 @@ class Publisher:
         self._export_s = self._wait_s = 0.0
         ahead = self.staging_buffers - 1 if self.packed else MAX_UNACKED_CHUNKS - 1
         try:
-            # Packed, chunk 0 is laid out and copied while the daemon pauses and starts the
-            # engine; it is exported and sent once the begin is acked (``_send_pending``).
+            # The first chunks are copied, exported and sent while the daemon pauses and
+            # starts the engine: it holds them until the start returned (no wait for the
+            # begin's ack here; the first wait for a chunk's ack awaits it first).
             self._send_begin(weight_version)
             chunk: list[tuple[str, torch.Tensor]] = []
             sizes: list[int] = []
@@ -950,6 +977,7 @@ class Publisher:
         self._begin_unacked = None
         self._begin_acked = False
         self._begin_refused = None
+        self._sent_before_ack.clear()
         for buf in self._staging:
             buf.end_update()
         if self.transport == "cuda":

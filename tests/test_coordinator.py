@@ -38,6 +38,7 @@ from slotsync.daemon.coordinator import (
 )
 from slotsync.daemon.slot_table import SlotTable
 from slotsync.protocol.wire import (
+    NOT_REGISTERED,
     PROTOCOL_VERSION,
     Abort,
     Ack,
@@ -204,6 +205,44 @@ def test_happy_round_order_and_acks():
     assert h.engine.calls[8:10] == ["pause", "start_weight_update"]
     assert h.engine.calls.count("start_weight_update") == 2
     assert h.engine.calls.count("finish_weight_update") == 2
+
+
+def test_chunks_sent_before_the_begin_is_acknowledged_wait_for_the_engines_start():
+    """Ranks send chunks right after their begin, without waiting for its ack: they are held
+    (and merged) while the engine is paused and started, and go out the moment
+    ``/start_weight_update`` returns, after the begin's acks (I4: never before the start). A
+    chunk from a rank that has not begun fails the update, before any engine call."""
+    h = Harness()
+    h.register_all()
+    h.engine.hold = True  # the begin's calls stay unanswered until released below
+    h.send(0, Begin(0, "v"))
+    h.send(0, chunk(0, 0, 0))  # before rank 1 has even begun
+    h.send(1, Begin(0, "v"))
+    h.send(1, chunk(0, 0, 1))
+    for r in range(2):
+        h.send(r, chunk(0, 1, r))
+    assert "update_weights" not in [c.route for c in h.pending_calls]
+    assert all(not any(isinstance(m, Ack) for m in h.replies[r]) for r in range(2))
+    assert 0 in h.coord.current.merged and 1 in h.coord.current.merged  # merged meanwhile
+    h.engine.hold = False
+    while h.pending_calls:  # answer the begin's calls one by one, as the engine would
+        call = h.pending_calls.pop(0)
+        h.run(h.coord.on_engine_result(call.call_id, *h.engine.answer(call), h.now))
+    assert h.engine.calls == ["get_world_size", "init_weight_transfer_engine", "pause",
+                              "start_weight_update", "update_weights", "update_weights"]
+    for r in range(2):
+        assert [(m.phase, m.index) for m in h.replies[r] if isinstance(m, Ack)] == [
+            ("begin", -1), ("chunk", 0), ("chunk", 1)]
+        h.send(r, Commit(0, 2))
+    assert h.ended[-1].outcome == "success" and h.engine.version == "v"
+
+    h2 = Harness()
+    h2.register_all()
+    h2.send(0, Begin(0, "v"))
+    h2.send(1, chunk(0, 0, 1))
+    err = h2.last(1)
+    assert isinstance(err, Error) and "rank 1 sent chunk 0 before its begin" in err.message
+    assert "pause" not in h2.engine.calls  # the engine was never paused
 
 
 def test_chunk_waits_for_every_rank_and_acks_only_after_engine_consumed():
@@ -625,6 +664,12 @@ def test_registration_conflicts():
     assert "overlaps" in e[0].msg.message
     f = t.on_message(ident(9), Begin(0, "v"), 0.0)
     assert "has not registered" in f[0].msg.message
+    # the refusals name the message's update id (a publisher that sent chunks after a begin a
+    # restarted daemon refused tells them from its new update's replies), none for others
+    assert (f[0].msg.code, f[0].msg.update_id) == (NOT_REGISTERED, 0)
+    g = t.on_message(ident(9), chunk(4, 0, 9), 0.0)
+    assert (g[0].msg.code, g[0].msg.update_id) == (NOT_REGISTERED, 4)
+    assert t.on_message(ident(9), Commit(4, 1), 0.0)[0].msg.update_id == 4
 
 
 def test_begin_waits_for_slot_registration_then_starts():

@@ -526,29 +526,35 @@ def test_publish_lays_out_the_next_chunk_before_sending_the_one_being_copied(
 
 
 @pytest.mark.parametrize("begin_ok", [True, False], ids=["acked", "refused"])
-def test_publish_copies_chunk_0_while_the_begin_is_in_flight_and_exports_after_its_ack(
+def test_publish_sends_chunks_while_the_begin_is_in_flight_and_gives_them_back_if_it_fails(
     make_daemon: Callable[..., FakeDaemon], endpoint: str, monkeypatch: pytest.MonkeyPatch,
     begin_ok: bool,
 ) -> None:
-    """Packed ``publish`` lays chunk 0 out and copies it while the daemon pauses and starts
-    the engine (a slow begin here), but takes the region's handle and sends the chunk only
-    after ``Ack(begin)``: a refused begin leaves no export behind. Unpacked exports nothing
-    before the ack either."""
-    from slotsync.protocol.export import ShmStagingBuffer, StagingBuffer
+    """``publish`` does not wait for ``Ack(begin)``: while the daemon pauses and starts the
+    engine (a slow begin here), chunks are copied, exported and sent (the daemon holds them
+    until the engine has started), packed and unpacked alike; the begin's ack is awaited
+    before any chunk's. If the begin fails, the exports sent meanwhile are given back, each
+    once (``release_unconsumed``), since no engine will map them."""
+    from slotsync.protocol import publisher as publisher_mod
+    from slotsync.protocol.export import ShmStagingBuffer
 
     events: list[str] = []
-    launch, handle = StagingBuffer.launch, ShmStagingBuffer.handle
+    released: list[int] = []
+    monkeypatch.setattr(publisher_mod, "release_unconsumed",
+                        lambda h: released.append(h.ref_counter_offset))
+    exports = itertools.count()
+
+    def handle(self: Any, slot: int = 0) -> wire.CudaIpcHandle:
+        events.append("export")
+        return _stand_in_cuda_handle(self.capacity, next(exports))
+
+    def export_unpacked(self: Any, items: Any) -> Any:
+        events.append("export")
+        return export(self, items)
+
     export = Publisher._export_unpacked
-
-    def traced(name: str, fn: Any) -> Any:
-        def wrapper(*a: Any, **kw: Any) -> Any:
-            events.append(name)
-            return fn(*a, **kw)
-        return wrapper
-
-    monkeypatch.setattr(StagingBuffer, "launch", traced("launch", launch))
-    monkeypatch.setattr(ShmStagingBuffer, "handle", traced("handle", handle))
-    monkeypatch.setattr(Publisher, "_export_unpacked", traced("export", export))
+    monkeypatch.setattr(ShmStagingBuffer, "handle", handle)
+    monkeypatch.setattr(Publisher, "_export_unpacked", export_unpacked)
 
     def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
         if isinstance(msg, wire.Begin):
@@ -557,34 +563,36 @@ def test_publish_copies_chunk_0_while_the_begin_is_in_flight_and_exports_after_i
             if not begin_ok:
                 return [wire.Error(phase="begin", message="engine down",
                                    update_id=msg.update_id)]
-        if isinstance(msg, wire.Chunk):
-            events.append("chunk received")
+        if isinstance(msg, wire.Chunk) and not begin_ok:
+            return []  # the update failed: nothing more is acknowledged
         return happy(msg)
 
-    make_daemon(script)
+    daemon = make_daemon(script)
     for packed in (True, False):
         events.clear()
         with _publisher(endpoint, packed=packed, staging_bytes=64) as pub:
-            if not begin_ok:
+            if begin_ok:
+                pub.publish(_many_tensors(3), weight_version="v")
+            else:
                 with pytest.raises(SlotsyncError, match="engine down"):
                     pub.publish(_many_tensors(3), weight_version="v")
-                assert "handle" not in events and "export" not in events, events
-                continue
-            pub.publish(_many_tensors(3), weight_version="v")
-        if packed:
-            assert events.index("launch") < events.index("begin answered"), events
-            assert events.index("begin answered") < events.index("handle"), events
-        else:
-            assert events.index("begin answered") < events.index("export"), events
-        assert events.index("begin answered") < events.index("chunk received"), events
+        # chunks were exported (and sent: one chunk per export) before the begin was answered
+        assert events.index("export") < events.index("begin answered"), events
+    chunks = daemon.of_type(wire.Chunk)
+    assert len(chunks) >= 2  # at least the first chunk of each mode went out early
+    if begin_ok:
+        assert released == []
+    else:  # the packed chunks' exports (stand-in CUDA handles), each once
+        sent = [m.handles[0].ref_counter_offset for m in chunks
+                if isinstance(m.handles[0], wire.CudaIpcHandle)]
+        assert sent and sorted(released) == sorted(sent)
 
 
 def test_publish_sends_a_chunk_from_within_the_next_chunks_layout_once_copied(
     make_daemon: Callable[..., FakeDaemon], endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Laying out a chunk of thousands of tensors takes milliseconds: the chunk copied before
-    it goes out from within that layout as soon as its copy is done and the begin acked
-    (read from the socket meanwhile), not after it."""
+    it goes out from within that layout as soon as its copy is done, not after it."""
     from slotsync.protocol import export
 
     events: list[str] = []
@@ -607,7 +615,7 @@ def test_publish_sends_a_chunk_from_within_the_next_chunks_layout_once_copied(
     def named() -> Iterator[tuple[str, torch.Tensor]]:  # 3 chunks of 200 tensors
         for i, item in enumerate(_many_tensors(600)):
             if i == 200:
-                time.sleep(0.2)  # (the begin's ack is there when the first poll looks)
+                time.sleep(0.2)  # (chunk 0's copy is done when the first poll looks)
             yield item
 
     with _publisher(endpoint, packed=True, staging_bytes=200 * 64) as pub:
@@ -621,16 +629,25 @@ def test_daemon_restart_seen_while_chunk_0_is_copied_registers_again(
     make_daemon: Callable[..., FakeDaemon], endpoint: str
 ) -> None:
     """A restarted daemon answers the Begin with "not registered" while the publisher lays
-    out chunk 1 (reading replies between blocks of tensors): the publisher registers again,
-    begins once more and sends the chunk it already copied."""
+    out chunk 1 (reading replies between blocks of tensors), and refuses the chunk sent after
+    it the same way, as slotsyncd does (each refusal names its message's update id): the
+    publisher registers again (the chunk's refusal is not taken for the registration's
+    answer), begins once more and sends again, under the new update id, the chunk it already
+    sent; the refusals that come late are ignored."""
     begins: list[int] = []
+    known = [True]  # the daemon restarts before the first begin
 
     def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
-        if isinstance(msg, wire.Begin):
+        if isinstance(msg, wire.Register):
+            known[0] = True
+        elif isinstance(msg, wire.Begin):
             begins.append(msg.update_id)
             if len(begins) == 1:
-                return [wire.Error(phase="register", message="not registered",
-                                   code=wire.NOT_REGISTERED)]
+                known[0] = False
+        if not known[0]:
+            return [wire.Error(phase="register", message="not registered",
+                               update_id=getattr(msg, "update_id", None),
+                               code=wire.NOT_REGISTERED)]
         return happy(msg)
 
     def named() -> Iterator[tuple[str, torch.Tensor]]:  # 3 chunks of 200 tensors
@@ -645,6 +662,38 @@ def test_daemon_restart_seen_while_chunk_0_is_copied_registers_again(
     assert len(daemon.of_type(wire.Register)) == 2 and len(begins) == 2
     seen = {k: v for d in daemon.chunk_data for k, v in d.items()}
     assert seen == {n: _raw(t) for n, t in _many_tensors(600)}
+    # chunk 0 went out under the refused update id, then again under the new one
+    sent = [(m.update_id, m.index) for m in daemon.of_type(wire.Chunk)]
+    assert sent[0] == (begins[0], 0) and sent[-3:] == [(begins[1], k) for k in range(3)]
+
+
+def test_refusals_of_chunks_sent_after_a_refused_begin_are_not_taken_for_registration(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str
+) -> None:
+    """One chunk, sent before a restarted daemon's slow "not registered" answer to the Begin:
+    that chunk's own refusal arrives while the publisher registers again. It answers the
+    chunk, not the Register (it names an update id), so the registration goes on, and the
+    update succeeds with the chunk sent again."""
+    known = [True]
+
+    def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Register):
+            known[0] = True
+        if isinstance(msg, wire.Begin) and not known[0]:
+            time.sleep(0.2)  # chunk 0 is sent meanwhile
+        if not known[0]:
+            return [wire.Error(phase="register", message="not registered",
+                               update_id=getattr(msg, "update_id", None),
+                               code=wire.NOT_REGISTERED)]
+        return happy(msg)
+
+    daemon = make_daemon(script)
+    with _publisher(endpoint, packed=True, staging_bytes=256) as pub:
+        pub.register()
+        known[0] = False  # the daemon restarts: this connection is unknown to it
+        assert pub.publish(_many_tensors(2), weight_version="v").chunks == 1
+    kinds = [type(m).__name__ for m in daemon.received]
+    assert kinds == ["Register", "Begin", "Chunk", "Register", "Begin", "Chunk", "Commit"]
 
 
 def test_commit_goes_out_before_the_last_chunks_are_acknowledged(
