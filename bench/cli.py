@@ -74,10 +74,8 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--systems", default="slotsync,baseline", help="slotsync,baseline")
     c.add_argument("--staging-mb", type=positive_int, default=512,
                    help="chunk size in MiB (default 512)")
-    c.add_argument("--staging-buffers", type=int, default=None, choices=range(1, 9),
-                   metavar="{1..8}", help="packed: the publisher's staging regions (default: "
-                                          "the publisher's, 6 for 512 MiB chunks, 4 for 1 GiB "
-                                          "and larger)")
+    c.add_argument("--staging-buffers", type=int, default=4, choices=range(1, 9),
+                   metavar="{1..8}", help="packed: the publisher's staging regions (default 4)")
     c.add_argument("--engine-url", action="append", default=None,
                    help="use this engine (one per slot) instead of a discarding reference one")
     c.add_argument("--sweep", action="store_true",
@@ -108,9 +106,9 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--staging-mb", type=_ints, default=[512, 1024, 4096],
                    help="packed staging sizes in MiB (default 512,1024,4096)")
     g.add_argument("--no-unpacked", action="store_true", help="skip the unpacked run")
-    g.add_argument("--regions", type=int, default=None, choices=range(2, 9), metavar="{2..8}",
-                   help="staging regions per rank of the packed runs (default: the "
-                        "publisher's, 6 for 512 MiB, 4 for 1 GiB and larger)")
+    g.add_argument("--regions", type=int, default=4, choices=range(2, 9), metavar="{2..8}",
+                   help="staging regions per rank of the packed runs (default 4, the "
+                        "publisher's)")
     g.add_argument("--chunks-in-flight", type=int, default=3, choices=range(1, 65),
                    metavar="{1..64}", help="the daemon's chunks_in_flight (default 3, the "
                                          "daemon's)")
@@ -225,10 +223,6 @@ def control_main(args: argparse.Namespace) -> int:
         specs = uniform_specs(args.tensors)
         what = f"{args.tensors} uniform tensors of 768x2048 bf16 (3 MiB)"
     staging = args.staging_mb * MiB
-    if args.staging_buffers is None:
-        from slotsync.protocol.publisher import default_staging_buffers
-
-        args.staging_buffers = default_staging_buffers(staging)
     nchunks = len(chunk_specs(specs, staging))
     title = "" if args.section == "control" else f" (section {args.section})"
     _say(out, f"## Control plane (CPU): `slotsync bench control`{title}")
@@ -373,12 +367,14 @@ def _plot(path: str, by_ranks: dict[int, dict[int, dict[str, float]]],
 # ------------------------------------------------------------------------------- gpu
 
 
-def _check_gpu_bench_fits(device: str, ranks: int, nbytes: int, staging: int) -> None:
+def _check_gpu_bench_fits(device: str, ranks: int, nbytes: int, staging: int,
+                          regions: int = 2) -> None:
     """Refuse, before starting anything, a ``bench gpu`` that cannot run here: no CUDA device
     for ``--device cuda``, or trainer + engine copies of the state dict (``nbytes`` per
-    rank, plus ``staging`` bytes of staging regions) beyond the device's or this machine's
-    memory (bytes). Raises SystemExit(2) after a line naming the options to change."""
-    need = ranks * (2 * nbytes + staging)
+    rank, plus ``regions`` staging regions of ``staging`` bytes) beyond the device's or this
+    machine's memory (bytes). Raises SystemExit(2) after a line naming the options to
+    change."""
+    need = ranks * (2 * nbytes + regions * staging)
     if device == "cuda":
         import torch
 
@@ -406,15 +402,13 @@ def _refuse(text: str) -> NoReturn:
 def gpu_main(args: argparse.Namespace) -> int:
     """``slotsync bench gpu``."""
     from slotsync.bench.gpu import GpuConfig, run_gpu
-    from slotsync.protocol.publisher import default_staging_buffers
 
     out: list[str] = []
     model = Qwen3MoeConfig(layers=args.layers, experts=args.experts, vocab=args.vocab,
                            hidden=args.hidden)
     specs = qwen3_moe_specs(model)
-    regions = {mb: args.regions or default_staging_buffers(mb * MiB) for mb in args.staging_mb}
-    configs = [GpuConfig(f"packed {mb} MiB x {regions[mb]} regions", True, mb * MiB,
-                         regions[mb]) for mb in args.staging_mb]
+    configs = [GpuConfig(f"packed {mb} MiB x {args.regions} regions", True, mb * MiB,
+                         args.regions) for mb in args.staging_mb]
     if args.single_buffer:  # vLLM's own producer: one region, one chunk at a time
         mb = min(args.staging_mb)
         configs.append(GpuConfig(f"packed {mb} MiB x 1 region", True, mb * MiB, 1))
@@ -423,7 +417,7 @@ def gpu_main(args: argparse.Namespace) -> int:
                                  min(args.staging_mb) * MiB))
     dev = args.device
     _check_gpu_bench_fits(dev, args.ranks, sum(s.nbytes for s in specs),
-                          max(mb * MiB * n for mb, n in regions.items()))
+                          max(args.staging_mb) * MiB, args.regions)
     _say(out, "## Data plane (GPU): `slotsync bench gpu`")
     _say(out)
     _say(out, f"- command: `{command_line()}`")

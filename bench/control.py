@@ -424,7 +424,7 @@ def run_session(
     *,
     systems: Sequence[str] = SYSTEMS,
     staging_bytes: int = 512 << 20,
-    staging_buffers: int | None = None,
+    staging_buffers: int = 4,
     engine_urls: Sequence[str] | None = None,
     timeout_s: float = 600.0,
     log: Any = None,
@@ -438,10 +438,6 @@ def run_session(
     """
     from slotsync.daemon.launcher import DaemonProcess
     from slotsync.engine.launcher import ReferenceEngine, free_port
-    from slotsync.protocol.publisher import default_staging_buffers
-
-    if staging_buffers is None:
-        staging_buffers = default_staging_buffers(staging_bytes)
 
     engines: list[ReferenceEngine] = []
     try:

@@ -18,8 +18,7 @@ aborts the update (best effort) and re-raises. Every wait for the daemon is boun
 
 ``publish`` pipelines: after sending chunk k it goes back to the caller's iterator (whatever
 produces the tensors: gathers, format conversion) while the daemon and the engine load chunk k.
-Packed with n > 1 ``staging_buffers`` (default ``default_staging_buffers``: 6 regions of the
-default 512 MiB), it fills chunk k+1 into another region of
+Packed with n > 1 ``staging_buffers`` (default 4), it fills chunk k+1 into another region of
 the staging memory and sends it before chunk k's ack -- up to n - 1 chunks run ahead of their
 acks -- so the next chunks are merged (and, with the daemon's ``chunks_in_flight``, already
 queued at the engine) when the engine returns from chunk k; a region is refilled only after
@@ -72,7 +71,7 @@ from slotsync.protocol.export import (
 from slotsync.protocol.topology import EngineSlot
 
 __all__ = ["DEFAULT_STAGING_BUFFERS", "DEFAULT_STAGING_BYTES", "MAX_UNACKED_CHUNKS",
-           "PublishStats", "Publisher", "default_staging_buffers"]
+           "PublishStats", "Publisher"]
 
 log = logging.getLogger(__name__)
 
@@ -82,28 +81,10 @@ DEFAULT_STAGING_BYTES = 512 * 1024 * 1024
 MAX_UNACKED_CHUNKS = 2
 """Unpacked ``publish``: chunks in flight (packed: ``staging_buffers``)."""
 DEFAULT_STAGING_BUFFERS = 4
-"""Packed: the fewest staging regions per rank by default (see ``default_staging_buffers``)."""
+"""Packed: staging regions per rank (GPU memory: 4 x 512 MiB by default, vLLM's packed
+default is 2 x 1 GiB)."""
 MAX_STAGING_BUFFERS = 8
 """Packed: the most staging regions per rank."""
-STAGING_IN_FLIGHT_BYTES = 3 << 30
-"""Packed: by default, small regions are added up to this many bytes (3 GiB), see
-``default_staging_buffers``."""
-
-
-def default_staging_buffers(staging_bytes: int) -> int:
-    """The staging regions ``Publisher`` uses when ``staging_buffers`` is not given: at least
-    ``DEFAULT_STAGING_BUFFERS`` (4), more for small regions until they hold
-    ``STAGING_IN_FLIGHT_BYTES`` (3 GiB), at most ``MAX_STAGING_BUFFERS`` (8). 512 MiB -> 6,
-    1 GiB and larger -> 4, 256 MiB -> 8.
-
-    Why: a region is refilled only after its chunk's ack came back through the engine's HTTP
-    answer, the daemon and ZeroMQ (~3 ms per chunk on the H200 host, whatever its size), so
-    small chunks need more regions to keep the engine fed. Measured on one H200
-    (``slotsync bench gpu``, × one plain copy of the bytes): 512 MiB chunks 3.9-4.1x with 4
-    regions, 3.5x with 5, 3.4-3.7x with 6; 4 GiB chunks 4.4x with 2, 3.3x with 4.
-    """
-    return max(DEFAULT_STAGING_BUFFERS,
-               min(MAX_STAGING_BUFFERS, -(-STAGING_IN_FLIGHT_BYTES // staging_bytes)))
 
 _LINGER_MS = 500  # how long close() lets an unsent Abort try to get out
 
@@ -166,9 +147,9 @@ class Publisher:
             used: ``staging_buffers * staging_bytes`` during an update). With n > 1, up to
             n - 1 chunks wait at the daemon and engine while the next one is filled. Small
             chunks need more: each chunk's ack comes back through the engine's HTTP answer,
-            the daemon and ZeroMQ before its region is filled again. Default (None):
-            ``default_staging_buffers(staging_bytes)``: 6 for the default 512 MiB (3 GiB),
-            4 for 1 GiB and larger. 1 is vLLM's own producer: one chunk at a time.
+            the daemon and ZeroMQ before its region is filled again (on one H200, 512 MiB
+            chunks ran 3.7x the copy time with 4 regions, 3.4-3.6x with 6;
+            ``BENCHMARKS.md``). 1 is vLLM's own producer: one chunk at a time.
         timeout_s: deadline of every wait for the daemon, in seconds. The default (360 s) is
             longer than the daemon's default ``engine_timeout_s`` (300 s), so that when an
             engine hangs, the daemon's error naming it reaches the rank before the rank's own
@@ -190,15 +171,13 @@ class Publisher:
         device: torch.device | int | str | None = None,
         gpu_uuid: str | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
-        staging_buffers: int | None = None,
+        staging_buffers: int = DEFAULT_STAGING_BUFFERS,
         timeout_s: float = 360.0,
     ) -> None:
         self.slot = slot if isinstance(slot, EngineSlot) else EngineSlot(*slot)
         if rank not in self.slot:
             raise ValueError(f"rank {rank} is not in its engine slot {self.slot}")
         for arg, value in (("staging_bytes", staging_bytes), ("staging_buffers", staging_buffers)):
-            if arg == "staging_buffers" and value is None:
-                continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
         if gpu_uuid is not None and not isinstance(gpu_uuid, str):
@@ -212,8 +191,6 @@ class Publisher:
                             f"{type(timeout_s).__name__} {timeout_s!r}")
         if staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
-        if staging_buffers is None:
-            staging_buffers = default_staging_buffers(staging_bytes)
         if not 1 <= staging_buffers <= MAX_STAGING_BUFFERS:
             raise ValueError(f"staging_buffers must be 1..{MAX_STAGING_BUFFERS}, got "
                              f"{staging_buffers}")

@@ -94,8 +94,7 @@ def test_bench_gpu_profile_writes_and_prints_profiles(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     files = sorted(p.name for p in prof.iterdir())
-    # (2 MiB regions: the publisher's default for small ones, 8)
-    assert files == ["engine-worker-0.prof", "rank0-packed_2_MiB_x_8_regions.prof"], files
+    assert files == ["engine-worker-0.prof", "rank0-packed_2_MiB_x_4_regions.prof"], files
     assert "### engine-worker-0.prof" in out.stdout and "plan_pack" in out.stdout
 
 

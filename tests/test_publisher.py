@@ -352,23 +352,6 @@ def test_close_leaves_no_shm(make_daemon: Callable[..., FakeDaemon], endpoint: s
             pub.begin("v")
 
 
-def test_default_staging_regions_grow_for_small_chunks(endpoint: str) -> None:
-    """Without ``staging_buffers``, small regions are added up to 3 GiB: 6 of the default
-    512 MiB, 8 (the most) of 256 MiB or less, and never fewer than 4 (1 GiB and larger); a
-    value given is kept."""
-    from slotsync.protocol.publisher import default_staging_buffers
-
-    mib = 1 << 20
-    assert [default_staging_buffers(n * mib) for n in (64, 256, 384, 512, 768, 1024, 4096)] \
-        == [8, 8, 8, 6, 4, 4, 4]
-    for nbytes, want in ((512 * mib, 6), (4096 * mib, 4), (64, 8)):
-        with Publisher(endpoint, 0, (0, 2), ENGINE, transport="shm",
-                       staging_bytes=nbytes) as pub:
-            assert pub.staging_buffers == want
-    with Publisher(endpoint, 0, (0, 2), ENGINE, transport="shm", staging_buffers=2) as pub:
-        assert pub.staging_buffers == 2
-
-
 def test_publisher_argument_checks(endpoint: str) -> None:
     with pytest.raises(ValueError, match="rank 3 is not in its engine slot"):
         Publisher(endpoint, 3, (0, 2), ENGINE, transport="shm")
