@@ -142,6 +142,7 @@ class _Update:
     begun: set[int] = field(default_factory=set)
     first_begin_at: float = 0.0
     engine_started: bool = False  # /start_weight_update returned 200
+    engine_started_at: float = 0.0  # ... then (chunks sent before it wait from here, I5)
     start_sent: bool = False
     steps: list[str] = field(default_factory=list)  # engine routes still to call before streaming
     pending: dict[int, dict[int, Chunk]] = field(default_factory=dict)  # index -> rank -> chunk
@@ -415,6 +416,7 @@ class SlotCoordinator:
             self.engine_paused = True
         elif route == "start_weight_update":
             u.engine_started = True
+            u.engine_started_at = now
             self.engine_dirty = True
             actions: list[Action] = [
                 Reply(self.ranks[r].identity, Ack(u.update_id, "begin")) for r in sorted(u.begun)
@@ -799,7 +801,8 @@ class SlotCoordinator:
             missing = sorted(all_ranks - set(u.pending[idx]))
             if missing:
                 return (
-                    u.first_arrival[idx] + self.timeouts.chunk_s,
+                    # (a chunk sent during the begin waits from the engine's start on)
+                    max(u.first_arrival[idx], u.engine_started_at) + self.timeouts.chunk_s,
                     "chunk",
                     f"chunk {idx}",
                     missing,

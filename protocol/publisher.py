@@ -13,8 +13,8 @@ message, no empty delimiter frame)::
 
 ``publish`` = ``begin`` (without waiting for its ack: the daemon holds chunks that arrive
 before the engine's update started) + one chunk at a time + ``commit``; on any failure it
-aborts the update (best effort) and re-raises. Every wait for the daemon is bounded by ``timeout_s``
-(design.md I5).
+aborts the update (best effort) and re-raises. Every wait for the daemon is bounded by
+``timeout_s`` (design.md I5).
 
 ``publish`` pipelines: after sending chunk k it goes back to the caller's iterator (whatever
 produces the tensors: gathers, format conversion) while the daemon and the engine load chunk k.

@@ -539,6 +539,29 @@ def test_missing_rank_chunk_deadline_names_rank():
     assert h.coord.current is None and h.coord.next_deadline() is None
 
 
+def test_chunk_sent_during_the_begin_waits_for_the_other_ranks_from_the_engines_start():
+    """A chunk that arrived while the engine was being paused and started (slowly here) gives
+    the other ranks ``chunk_s`` from the start's return, not from its arrival (I5)."""
+    h = Harness(timeouts=Timeouts(begin_s=50, chunk_s=3, commit_s=30))
+    h.register_all()
+    h.engine.hold = True
+    h.begin()
+    h.send(0, chunk(0, 0, 0))  # at t=0, while the begin's calls run
+    h.now = 10.0  # the engine took 10 s to pause and start
+    h.engine.hold = False
+    while h.pending_calls:
+        call = h.pending_calls.pop(0)
+        h.run(h.coord.on_engine_result(call.call_id, *h.engine.answer(call), h.now))
+    assert h.coord.next_deadline() == pytest.approx(13.0)
+    h.now = 12.9
+    h.run(h.table.poll(h.now))
+    assert h.coord.current is not None
+    h.now = 13.0
+    h.run(h.table.poll(h.now))
+    err = h.last(1)
+    assert isinstance(err, Error) and err.phase == "chunk" and err.missing_ranks == [1]
+
+
 def test_begin_deadline_names_missing_rank():
     h = Harness(timeouts=Timeouts(begin_s=5, chunk_s=3, commit_s=30))
     h.register_all()
