@@ -144,6 +144,14 @@ class Config:
             raise ValueError(f"socket path {self.endpoint()[6:]!r} is longer than the 107 "
                              "bytes a Unix socket path may have")
         check_engine_table(self.engines)
+        # The in-flight record is written before each engine's start: a folder it cannot be
+        # written to would pause every engine and then fail its update.
+        option = "state_dir" if self.state_dir else "runtime_dir"
+        folder = os.path.dirname(self.state_path())
+        why = _unwritable_folder(folder)
+        if why:
+            raise ValueError(f"{option} {folder!r}: {why} (the in-flight record inflight.json "
+                             "is written there before each update's start)")
 
     def describe(self) -> dict:
         """The effective options as a JSON-able dict (``--check-config`` prints it)."""
@@ -152,6 +160,19 @@ class Config:
         d["state_file"] = self.state_path()
         d["engines"] = [vars(e) for e in self.engines]
         return d
+
+
+def _unwritable_folder(folder: str) -> str:
+    """Why this user could not create files in ``folder`` (creating it and its missing
+    parents first), or '' if it could. Creates nothing."""
+    probe = os.path.abspath(folder)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable by uid {os.getuid()}"
+    return ""
 
 
 def check_engine_table(engines: list[EngineEntry]) -> None:

@@ -113,6 +113,24 @@ def test_check_config_prints_effective_config(tmp_path):
     assert bad.returncode == 2 and "status_port must be -1..65535" in bad.stderr
 
 
+def test_state_folder_that_cannot_be_written_is_refused_at_start(tmp_path):
+    """The in-flight record is written before each engine's start: a state_dir (or, without
+    one, a runtime_dir) that cannot hold it is refused by --check-config and at start (exit 2,
+    the option named), instead of pausing every engine and failing its update."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for argv, option in ((["--state-dir", str(blocker / "state")], "state_dir"),
+                         (["--runtime-dir", str(blocker / "run")], "runtime_dir")):
+        for mode in (["--check-config"], []):
+            out = subprocess.run([sys.executable, "-m", "slotsync.daemon", *mode,
+                                  "--status-port", "-1", *argv],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 2, out.stderr
+            assert f"{option} '{blocker}/" in out.stderr and "is not a folder" in out.stderr
+    assert Config(runtime_dir=str(tmp_path / "new" / "nested")).validate() is None  # creatable
+    assert not (tmp_path / "new").exists()  # (validate creates nothing)
+
+
 def test_socket_path_too_long_is_refused():
     with pytest.raises(ValueError, match="longer than the 107 bytes"):
         Config(runtime_dir="/tmp/" + "x" * 120).validate()
