@@ -37,16 +37,18 @@ shared-memory segments) are kept until the commit's ack, then released and, on C
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
 import socket
+import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 import zmq
@@ -74,6 +76,7 @@ __all__ = ["DEFAULT_STAGING_BUFFERS", "DEFAULT_STAGING_BYTES", "MAX_UNACKED_CHUN
            "PublishStats", "Publisher"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DEFAULT_STAGING_BYTES = 512 * 1024 * 1024
 """Default staging buffer (packed) / chunk limit (unpacked): 512 MiB."""
@@ -123,8 +126,30 @@ def _release(
     ctx.term()
 
 
+def _one_thread(method: Callable[..., _T]) -> Callable[..., _T]:
+    """A ``Publisher`` is used by one thread at a time: a call made while another thread is
+    inside ``publish``, ``begin``, ``send_chunk`` or ``commit`` raises RuntimeError at once,
+    instead of both threads' updates failing halfway (and leaving the engine paused until the
+    daemon's commit deadline)."""
+    @functools.wraps(method)
+    def guarded(self: Publisher, *args: object, **kwargs: object) -> _T:
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"Publisher.{method.__name__} called while another thread is using this "
+                "Publisher (it is not thread-safe: use it from one thread, or one Publisher "
+                "per thread)")
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy.release()
+
+    return guarded
+
+
 class Publisher:
     """Publishes one trainer rank's weights to its engine through the node's slotsync daemon.
+    Not thread-safe: use it from one thread (a second thread's call while one runs raises
+    RuntimeError).
 
     Args:
         endpoint: the daemon's ZeroMQ ROUTER endpoint, e.g. ``ipc:///run/slotsync/d.sock``.
@@ -174,12 +199,15 @@ class Publisher:
         staging_buffers: int = DEFAULT_STAGING_BUFFERS,
         timeout_s: float = 360.0,
     ) -> None:
+        for arg, value in (("rank", rank), ("staging_bytes", staging_bytes),
+                           ("staging_buffers", staging_buffers)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
         self.slot = slot if isinstance(slot, EngineSlot) else EngineSlot(*slot)
         if rank not in self.slot:
             raise ValueError(f"rank {rank} is not in its engine slot {self.slot}")
-        for arg, value in (("staging_bytes", staging_bytes), ("staging_buffers", staging_buffers)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
+        # held by the thread inside publish / begin / send_chunk / commit (see _one_thread)
+        self._busy = threading.RLock()
         if gpu_uuid is not None and not isinstance(gpu_uuid, str):
             raise TypeError(f"gpu_uuid must be a str, got {type(gpu_uuid).__name__} "
                             f"{gpu_uuid!r}")
@@ -340,6 +368,7 @@ class Publisher:
         )
         return reply
 
+    @_one_thread
     def begin(self, weight_version: str) -> int:
         """Open the next update and wait until the daemon has started the engine's update
         (``Ack(begin)``: generation paused, ``/start_weight_update`` returned). Registers first
@@ -420,6 +449,7 @@ class Publisher:
         log.debug("rank %d: update %d begun (weight version %s)", self.rank, self._update_id,
                   weight_version)
 
+    @_one_thread
     def send_chunk(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Export one chunk and wait until the engine consumed it (``Ack(chunk, index)``).
 
@@ -581,6 +611,7 @@ class Publisher:
                       index)
         return True
 
+    @_one_thread
     def commit(self) -> None:
         """Close the update: send ``Commit(num_chunks)`` and wait for ``Ack(commit)`` (finish
         and resume returned). Then release unpacked exports, call ``torch.cuda.ipc_collect()``
@@ -625,6 +656,7 @@ class Publisher:
         finally:
             self._end_update()
 
+    @_one_thread
     def publish(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],

@@ -368,6 +368,9 @@ def test_publisher_argument_checks(endpoint: str) -> None:
                      ({"gpu_uuid": 5}, "gpu_uuid must be a str, got int")]:
         with pytest.raises(TypeError, match=text):
             Publisher(endpoint, 0, (0, 2), ENGINE, transport="shm", **kw)  # type: ignore[arg-type]
+    for bad_rank in ("0", 0.0, True):  # (not "rank 0 is not in its engine slot [0, 2)")
+        with pytest.raises(TypeError, match=f"rank must be an int, got {type(bad_rank).__name__}"):
+            Publisher(endpoint, bad_rank, (0, 2), ENGINE, transport="shm")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout_s must be positive and finite, got inf"):
         Publisher(endpoint, 0, (0, 2), ENGINE, transport="shm", timeout_s=float("inf"))
     if not torch.cuda.is_available():
@@ -677,6 +680,44 @@ def test_refusals_of_chunks_sent_after_a_refused_begin_are_not_taken_for_registr
         assert pub.publish(_many_tensors(2), weight_version="v").chunks == 1
     kinds = [type(m).__name__ for m in daemon.received]
     assert kinds == ["Register", "Begin", "Chunk", "Register", "Begin", "Chunk", "Commit"]
+
+
+def test_second_thread_is_refused_while_one_publishes(
+    make_daemon: Callable[..., FakeDaemon], endpoint: str
+) -> None:
+    """A Publisher is used by one thread at a time: a second thread's publish (or begin,
+    commit) while one runs raises at once, and the first update succeeds; the daemon sees one
+    Begin, so no engine is left paused by the second."""
+    daemon = make_daemon()
+    inside = threading.Event()
+    release = threading.Event()
+
+    def slow() -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(_many_tensors(4)):
+            if i == 2:
+                inside.set()
+                release.wait(5)
+            yield item
+
+    errors: list[BaseException] = []
+    with _publisher(endpoint, packed=True, staging_bytes=64) as pub:
+        first = threading.Thread(target=lambda: pub.publish(slow(), weight_version="v1"))
+        first.start()
+        assert inside.wait(5)
+        for call in (lambda: pub.publish(_many_tensors(2), weight_version="v2"),
+                     lambda: pub.begin("v2"), pub.commit):
+            try:
+                call()
+            except RuntimeError as e:
+                errors.append(e)
+        release.set()
+        first.join(10)
+        assert not first.is_alive()
+        assert pub.publish(_many_tensors(2), weight_version="v3").chunks == 2  # usable again
+    assert len(errors) == 3 and all("another thread is using this Publisher" in str(e)
+                                    for e in errors), errors
+    assert [m.weight_version for m in daemon.of_type(wire.Begin)] == ["v1", "v3"]
+    assert len(daemon.of_type(wire.Commit)) == 2
 
 
 def test_commit_goes_out_before_the_last_chunks_are_acknowledged(
