@@ -146,12 +146,13 @@ class Config:
         check_engine_table(self.engines)
         # The in-flight record is written before each engine's start: a folder it cannot be
         # written to would pause every engine and then fail its update.
-        option = "state_dir" if self.state_dir else "runtime_dir"
         folder = os.path.dirname(self.state_path())
         why = _unwritable_folder(folder)
         if why:
-            raise ValueError(f"{option} {folder!r}: {why} (the in-flight record inflight.json "
-                             "is written there before each update's start)")
+            option, holds = ("state_dir", "") if self.state_dir else (
+                "runtime_dir", "the daemon's socket and ")
+            raise ValueError(f"{option} {folder!r}: {why} ({holds}the in-flight record "
+                             "inflight.json, written before each update's start, go there)")
 
     def describe(self) -> dict:
         """The effective options as a JSON-able dict (``--check-config`` prints it)."""

@@ -504,5 +504,5 @@ def test_socket_folder_that_is_a_file_is_named(tmp_path):
     f.write_text("x")
     out = subprocess.run([sys.executable, "-m", "slotsync.daemon", "--runtime-dir", str(f)],
                          capture_output=True, text=True, timeout=30)
-    assert out.returncode == 1
-    assert f"socket folder {f} exists and is not a directory" in out.stderr + out.stdout
+    assert out.returncode == 2  # refused with the options, before anything starts
+    assert f"runtime_dir '{f}': {f} is not a folder (the daemon's socket" in out.stderr
