@@ -206,8 +206,6 @@ class Publisher:
         self.slot = slot if isinstance(slot, EngineSlot) else EngineSlot(*slot)
         if rank not in self.slot:
             raise ValueError(f"rank {rank} is not in its engine slot {self.slot}")
-        # held by the thread inside publish / begin / send_chunk / commit (see _one_thread)
-        self._busy = threading.RLock()
         if gpu_uuid is not None and not isinstance(gpu_uuid, str):
             raise TypeError(f"gpu_uuid must be a str, got {type(gpu_uuid).__name__} "
                             f"{gpu_uuid!r}")
@@ -254,6 +252,8 @@ class Publisher:
         # chunks sent before the begin's ack (index, layout, handles): sent again if a
         # restarted daemon refused the begin, under the new update id
         self._sent_before_ack: list[tuple[int, PackedLayout, list[wire.Handle]]] = []
+        # held by the thread inside publish / begin / send_chunk / commit (see _one_thread)
+        self._busy = threading.RLock()
         self._export_s = 0.0
         self._wait_s = 0.0
         self._pinned: list[torch.Tensor] = []  # unpacked CUDA exports, until commit's ack
@@ -406,7 +406,6 @@ class Publisher:
         self._early_acks.clear()
         self._send(wire.Begin(update_id=uid, weight_version=weight_version))
         self._begin_unacked = weight_version
-        self._sent_before_ack.clear()
         return uid
 
     def _await_begin(self) -> None:
