@@ -1,7 +1,18 @@
 """HTTP client for one vLLM engine's weight-transfer routes (vllm-contract.md, vLLM 0.27–0.33).
 
-One ``aiohttp.ClientSession`` per engine keeps its connection alive across calls. The engine
+One ``aiohttp.ClientSession`` per engine keeps its connections alive across calls. The engine
 URL is ``http://host:port`` or, for ``vllm serve --uds PATH``, ``unix:///PATH``.
+
+Connections after a failure: vLLM answers a failed weight call (any worker error) with a 500
+raised through Starlette's ``ServerErrorMiddleware``, and uvicorn then closes the TCP
+connection, a moment after the response; a restarted engine leaves every pooled connection
+dead. A request on such a connection fails with "Connection reset by peer". So after a 5xx, a
+timeout or a connection error the client retires its session: later calls go out on fresh
+connections, while calls still running on the old session finish there (closing it would
+abort them, and the engine would still run them). A connection error on an idempotent probe
+(a ``GET``) is retried once, on a fresh connection. ``connection_errors`` counts refused and
+reset connections, so that the daemon can treat one since its last round as a possible
+engine restart (design.md I9).
 """
 
 from __future__ import annotations
@@ -25,9 +36,13 @@ ROUTES: dict[str, tuple[str, str]] = {
     "finish_recover": ("POST", "/finish_weight_update"),
     "resume": ("POST", "/resume"),
     "is_paused": ("GET", "/is_paused"),
+    "is_sleeping": ("GET", "/is_sleeping"),
     "weight_info": ("GET", "/weight_info"),
     "weight_checker": ("POST", "/weight_checker"),
 }
+
+# Routes that only read the engine's state: a connection error on one is retried once.
+PROBES = frozenset(r for r, (method, _) in ROUTES.items() if method == "GET")
 
 
 class EngineError(RuntimeError):
@@ -64,8 +79,13 @@ class VllmClient:
 
     Args:
         url: ``http://host:port`` or ``unix:///path/to.sock``.
-        timeout_s: bound on each request, seconds (design.md I5).
-        observe: called with ``(route, seconds, ok)`` after each call (metrics).
+        timeout_s: bound on each request, seconds (design.md I5); a retried probe may take
+            twice that.
+        observe: called with ``(route, seconds, ok)`` after each HTTP request (metrics).
+
+    Attributes:
+        connection_errors: refused or reset connections seen so far (a retried probe counts
+            too): a change since the last round means the engine may have restarted.
     """
 
     def __init__(
@@ -77,18 +97,36 @@ class VllmClient:
         self.url = url
         self.timeout_s = timeout_s
         self._observe = observe
+        self.connection_errors = 0
         if url.startswith("unix://"):
-            self._connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=url[7:])
+            self._path: str | None = url[7:]
             self._base = "http://localhost"
         else:
-            self._connector = aiohttp.TCPConnector(limit=4)
+            self._path = None
             self._base = url.rstrip("/")
-        self._session = aiohttp.ClientSession(
-            connector=self._connector, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        self._session = self._new_session()
+        self._users: dict[aiohttp.ClientSession, int] = {}  # session -> calls running on it
+        self._retired: set[aiohttp.ClientSession] = set()  # closed once no call uses them
+
+    def _new_session(self) -> aiohttp.ClientSession:
+        connector: aiohttp.BaseConnector = (
+            aiohttp.UnixConnector(path=self._path) if self._path is not None
+            else aiohttp.TCPConnector(limit=4)
+        )
+        return aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
         )
 
+    def _retire(self, session: aiohttp.ClientSession) -> None:
+        """Send later calls on fresh connections; ``session`` closes when its last call ends."""
+        if session is self._session:
+            self._retired.add(session)
+            self._session = self._new_session()
+
     async def close(self) -> None:
-        await self._session.close()
+        for s in (*self._retired, self._session):
+            await s.close()
+        self._retired.clear()
 
     async def call(self, route: str, body: Any = None) -> Any:
         """Call ``route`` (a key of ``ROUTES``) with JSON ``body``; return the parsed reply.
@@ -98,17 +136,33 @@ class VllmClient:
 
         Raises:
             EngineError: non-2xx status (with vLLM's message), a timeout after ``timeout_s``,
-                or no connection.
+                or no connection (status 0; a probe only after one retry).
         """
         method, path = ROUTES[route]
         data = None if body is None else msgspec.json.encode(body)
         headers = {"Content-Type": "application/json"} if data is not None else None
+        tries = 2 if route in PROBES else 1
+        for attempt in range(1, tries + 1):
+            try:
+                return await self._request(route, method, path, data, headers)
+            except _ConnectionLost as e:
+                if attempt == tries:
+                    raise EngineError(route, 0, f"cannot reach {self.url}: {e.cause}") from None
+        raise AssertionError("unreachable")
+
+    async def _request(self, route: str, method: str, path: str, data: bytes | None,
+                       headers: dict[str, str] | None) -> Any:
+        session = self._session
+        self._users[session] = self._users.get(session, 0) + 1
         t0 = time.perf_counter()
         ok = False
         try:
-            async with self._session.request(
+            async with session.request(
                 method, self._base + path, data=data, headers=headers
             ) as resp:
+                if resp.status >= 500:
+                    # uvicorn closes the connection after vLLM's 500 (see the module doc)
+                    self._retire(session)
                 text = await resp.text()
                 try:
                     parsed = msgspec.json.decode(text) if text else None
@@ -119,9 +173,28 @@ class VllmClient:
                 ok = True
                 return parsed
         except TimeoutError:
+            self._retire(session)
             raise EngineError(route, 0, f"no answer within {self.timeout_s:g} s") from None
+        except aiohttp.ClientConnectionError as e:
+            self._retire(session)
+            self.connection_errors += 1
+            raise _ConnectionLost(e) from None
         except aiohttp.ClientError as e:
+            self._retire(session)
             raise EngineError(route, 0, f"cannot reach {self.url}: {e}") from None
         finally:
             if self._observe is not None:
                 self._observe(route, time.perf_counter() - t0, ok)
+            self._users[session] -= 1
+            if session in self._retired and not self._users[session]:
+                del self._users[session]
+                self._retired.discard(session)
+                await session.close()
+
+
+class _ConnectionLost(Exception):
+    """A refused or reset connection (``aiohttp.ClientConnectionError``)."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
