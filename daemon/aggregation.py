@@ -127,7 +127,8 @@ def merge_chunk(
         info["tensor_sizes"] = ref.tensor_sizes
     else:
         pickled = pickle_unpacked(
-            [uuid_of_rank[r] for r in ranks], [chunks[r].handles for r in ranks]
+            [uuid_of_rank[r] for r in ranks], [chunks[r].handles for r in ranks],
+            dtype_names=ref.dtype_names, shapes=ref.shapes,  # (shm handles carry neither)
         )
     info["ipc_handles_pickled"] = pickled  # bytes: base64 by the JSON encoder (see MergedChunk)
     return MergedChunk(index, info, len(ref.names), sum(ref.tensor_sizes),

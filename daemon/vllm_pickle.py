@@ -34,8 +34,17 @@ with the rank's dict key in front, the rest of a handle is one ``struct.pack`` c
 rows are interleaved by C-level ``zip``/``join`` (``python -m slotsync.bench.profile_chunk``
 shows the split).
 
-The CPU shared-memory stand-in (``ShmHandle``) is written as the plain tuple
-``("slotsync.shm", segment, offset, nbytes)``, which only the reference engine understands.
+The CPU shared-memory stand-in (``ShmHandle``) is written as a 15-tuple shaped exactly like
+``reduce_tensor(t)[1]`` of a CUDA tensor, so that vLLM's own receive code takes it
+(``list_args[6] = device_index; rebuild_cuda_tensor(*list_args)``, vLLM 0.32
+``ipc_engine.receive_weights`` / ``packed_tensor.packed_ipc_consumer``): ``torch.Tensor``, the
+size, contiguous stride, storage offset 0, ``torch.storage.TypedStorage``, the dtype, device 0,
+storage handle ``b"slotsync.shm:" + segment`` (``SHM_HANDLE_PREFIX``), the region's byte count,
+its byte offset in the segment, ``False``, ref-counter handle ``b""``, offset 0, event handle
+``None``, ``False``. Packed, the region is a flat uint8 tensor of ``nbytes``; unpacked, the
+tensor's own dtype and shape (``pickle_unpacked``'s ``dtype_names`` / ``shapes``). Only the
+engines' stand-in for ``rebuild_cuda_tensor`` maps it (``slotsync.engine.shm``); a real CUDA
+rebuild refuses it. The globals are the allow-listed ones above, as for a CUDA handle.
 """
 
 from __future__ import annotations
@@ -55,7 +64,8 @@ from slotsync.protocol.wire import (
     ShmHandle,
 )
 
-SHM_TAG = "slotsync.shm"
+SHM_HANDLE_PREFIX = b"slotsync.shm:"
+"""Slot 7 (storage handle) of a shared-memory stand-in: these bytes, then the segment name."""
 
 # pickle opcodes (Lib/pickle.py)
 _PROTO4 = b"\x80\x04"
@@ -176,6 +186,26 @@ def _tail(n_ipc: int, n_ref: int, n_event: int) -> struct.Struct:
     return struct.Struct(f"<cicI{n_ipc}scicic" + f"cI{n_ref}sci" + event + "cc")
 
 
+def _shm_tail(h: ShmHandle) -> bytes:
+    """A shared-memory stand-in's opcodes after its layout: device 0, storage handle
+    ``SHM_HANDLE_PREFIX + segment``, the region's byte count and byte offset, requires_grad
+    False, ref-counter handle ``b""`` and offset 0, event handle None, event_sync_required
+    False, then TUPLE (closing the 15-tuple)."""
+    return b"".join((
+        _int(0), _bytes(SHM_HANDLE_PREFIX + h.segment.encode()), _int(h.nbytes),
+        _int(h.offset), _FALSE, _bytes(b""), _int(0), _NONE, _FALSE, _TUPLE,
+    ))  # fmt: skip
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride = []
+    acc = 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))
+
+
 @lru_cache(maxsize=65536)
 def _fragment(h: Handle) -> tuple[bytes, int]:
     """Pickle opcodes that push one handle's args onto the unpickler's stack, and the bit
@@ -184,17 +214,18 @@ def _fragment(h: Handle) -> tuple[bytes, int]:
     ``CudaIpcHandle`` → the 15-tuple ``(tensor_cls, torch.Size(size), stride, offset,
     storage_cls, dtype, device, handle, storage_bytes, storage_offset_bytes, requires_grad,
     ref_counter_handle, ref_counter_offset, event_handle, event_sync_required)``;
-    ``ShmHandle`` → ``("slotsync.shm", segment, offset, nbytes)``.
+    ``ShmHandle`` → the same 15-tuple for a flat uint8 tensor of ``nbytes`` (a packed
+    buffer; see the module docstring), storage handle ``b"slotsync.shm:" + segment``.
 
     Raises:
         TypeError: not a handle record.
         ValueError: a class or dtype outside the allow-list.
     """
     if isinstance(h, ShmHandle):
-        return (
-            _MARK + _str(SHM_TAG) + _str(h.segment) + _int(h.offset) + _int(h.nbytes) + _TUPLE,
-            0,
+        head, mask = _layout_fragment(
+            "torch.Tensor", (h.nbytes,), (1,), 0, "torch.storage.TypedStorage", "uint8"
         )
+        return head + _shm_tail(h), mask
     if not isinstance(h, CudaIpcHandle):
         raise TypeError(f"not a handle record: {type(h).__name__}")
     head, mask = _layout_fragment(
@@ -296,7 +327,13 @@ class _Memo:
                             dtype)
 
 
-def pickle_unpacked(uuids: Sequence[str], handles_by_rank: Sequence[Sequence[Handle]]) -> bytes:
+def pickle_unpacked(
+    uuids: Sequence[str],
+    handles_by_rank: Sequence[Sequence[Handle]],
+    *,
+    dtype_names: Sequence[str] | None = None,
+    shapes: Sequence[Sequence[int]] | None = None,
+) -> bytes:
     """Pickle of ``[{gpu_uuid: args}, ...]``, one dict per tensor (unpacked transfer).
 
     Each rank's GPU UUID and each distinct ``torch.Size`` / stride is written once, into the
@@ -306,10 +343,16 @@ def pickle_unpacked(uuids: Sequence[str], handles_by_rank: Sequence[Sequence[Han
     Args:
         uuids: GPU UUID of each rank, in the order of ``handles_by_rank``.
         handles_by_rank: per rank, one handle per tensor (all the same length).
+        dtype_names, shapes: each tensor's dtype name (``"bfloat16"``) and shape, as the
+            chunk's ``update_info`` gives them. Needed for shared-memory handles, whose
+            record carries only a byte range: the stand-in tuple then has the tensor's own
+            dtype, shape and contiguous stride (as ``reduce_tensor`` of the tensor would).
+            A CUDA handle carries its own and ignores them.
 
     Raises:
         ValueError: as many UUIDs as ranks are needed, and as many handles from every rank;
-            a class or dtype outside the allow-list.
+            shared-memory handles without ``dtype_names`` and ``shapes`` of that length; a
+            class or dtype outside the allow-list.
         TypeError: an element is not a handle record.
     """
     if len(uuids) != len(handles_by_rank):
@@ -322,7 +365,10 @@ def pickle_unpacked(uuids: Sequence[str], handles_by_rank: Sequence[Sequence[Han
     mask = 0
     columns = []
     for key, hs in zip(keys, handles_by_rank, strict=True):
-        column, m = _rank_fragments(key, hs, memo)
+        if hs and type(hs[0]) is ShmHandle:
+            column, m = _rank_fragments_shm(key, hs, memo, dtype_names, shapes)
+        else:
+            column, m = _rank_fragments(key, hs, memo)
         columns.append(column)
         mask |= m
     # Tensor i's dict: EMPTY_DICT MARK, then every rank's "uuid args" (columns[r][i]), SETITEMS.
@@ -350,7 +396,9 @@ def _rank_fragments(key: bytes, hs: Sequence[Handle], memo: _Memo) -> tuple[list
     heads: dict[tuple, bytes] = {}  # layout -> key + layout opcodes
     pack, lens = None, None  # the tail struct's pack for the handle byte lengths ``lens``
     for h in hs:
-        if type(h) is not CudaIpcHandle:  # the shm stand-in (or not a handle: TypeError)
+        if type(h) is not CudaIpcHandle:  # not a handle (TypeError) or shm among cuda ones
+            if type(h) is ShmHandle:
+                raise TypeError("a rank's handles mix transports (cuda and shm)")
             frag, m = _fragment(h)
             mask |= m
             append(key + frag)
@@ -390,3 +438,38 @@ def _rank_fragments(key: bytes, hs: Sequence[Handle], memo: _Memo) -> tuple[list
 def b64(pickled: bytes) -> str:
     """Standard base64 text, as ``ipc_handles_pickled`` carries it."""
     return base64.b64encode(pickled).decode("ascii")
+
+
+def _rank_fragments_shm(
+    key: bytes,
+    hs: Sequence[Handle],
+    memo: _Memo,
+    dtype_names: Sequence[str] | None,
+    shapes: Sequence[Sequence[int]] | None,
+) -> tuple[list[bytes], int]:
+    """``_rank_fragments`` for one rank's shared-memory handles: tensor ``i``'s stand-in tuple
+    has ``dtype_names[i]`` and ``shapes[i]`` (contiguous stride, storage offset 0) over the
+    handle's byte range (see the module docstring).
+
+    Raises:
+        ValueError: ``dtype_names`` / ``shapes`` missing or not one per handle; a dtype
+            outside the allow-list.
+        TypeError: a handle that is not a ``ShmHandle``.
+    """
+    if dtype_names is None or shapes is None:
+        raise ValueError("shared-memory handles need the tensors' dtype_names and shapes")
+    if len(dtype_names) != len(hs) or len(shapes) != len(hs):
+        raise ValueError(
+            f"{len(hs)} handles but {len(dtype_names)} dtype_names and {len(shapes)} shapes"
+        )
+    out: list[bytes] = []
+    mask = 0
+    for h, dtype, shape in zip(hs, dtype_names, shapes, strict=True):
+        if type(h) is not ShmHandle:
+            raise TypeError(f"not a shared-memory handle record: {type(h).__name__}")
+        size = tuple(int(d) for d in shape)
+        head, m = memo.layout("torch.Tensor", size, _contiguous_stride(size), 0,
+                              "torch.storage.TypedStorage", dtype)
+        mask |= m
+        out.append(key + head + _shm_tail(h))
+    return out, mask

@@ -28,9 +28,10 @@ Handle values (``args``) this worker understands, per GPU UUID:
 * the 15-tuple of ``torch.multiprocessing.reductions.reduce_tensor(t)[1]`` for a CUDA tensor:
   slot 6 is overwritten with this worker's device index and ``rebuild_cuda_tensor(*args)``
   maps the producer's memory (vLLM's behaviour);
-* the CPU stand-in ``("slotsync.shm", segment, offset, nbytes)``: bytes
-  ``[offset, offset + nbytes)`` of POSIX shared memory ``/dev/shm/<segment>``
-  (``slotsync.daemon.vllm_pickle.SHM_TAG``; vLLM itself does not know it).
+* the CPU stand-in: the same 15-tuple with storage handle ``b"slotsync.shm:" + segment``
+  (slot 7), naming bytes ``[slot 9, slot 9 + slot 8)`` of POSIX shared memory
+  ``/dev/shm/<segment>``, laid out as slots 1-5 say (``slotsync.engine.shm``); copied out
+  with ``slotsync.engine.shm.read_shm_args``.
 
 The reference engine always unpickles ``ipc_handles_pickled``: it stands in for a vLLM server
 launched with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
@@ -47,15 +48,14 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 import torch
 
-from slotsync.daemon.vllm_pickle import SHM_TAG
 from slotsync.engine.checksum import tensor_checksum
+from slotsync.engine.shm import is_shm_args, read_shm_args
 from slotsync.protocol import gather
 from slotsync.protocol.export import copy_width
 
@@ -208,9 +208,7 @@ def _storage_ptr(t: torch.Tensor) -> int:
 
 def _check_args(args: Any) -> None:
     """Discard mode: the handle value must look like one ``_materialize`` would accept."""
-    if isinstance(args, (tuple, list)) and (
-        len(args) == 15 or (len(args) == 4 and args[0] == SHM_TAG)
-    ):
+    if isinstance(args, (tuple, list)) and len(args) == 15:
         return
     raise ValueError(f"unrecognized IPC handle args of type {type(args).__name__}")
 
@@ -300,36 +298,6 @@ def parse_update_info(update_info: Any, packed: bool) -> ParsedUpdate:
     return ParsedUpdate(list(names), dtypes, shapes, handles, tensor_sizes)
 
 
-def read_shm(segment: str, offset: int, nbytes: int) -> torch.Tensor:
-    """Copy bytes ``[offset, offset + nbytes)`` of shared memory ``segment`` into a new
-    uint8 CPU tensor of shape ``[nbytes]``.
-
-    The segment is attached, copied from and closed; it is never unlinked (it belongs to the
-    producer), so on Python < 3.13 it is unregistered from the resource tracker at once.
-    """
-    if sys.version_info >= (3, 13):
-        shm = shared_memory.SharedMemory(name=segment, track=False)  # type: ignore[call-arg]
-    else:
-        shm = shared_memory.SharedMemory(name=segment)
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    try:
-        if offset < 0 or nbytes < 0 or offset + nbytes > shm.size:
-            raise ValueError(
-                f"shared memory {segment!r} has {shm.size} bytes; handle asks for "
-                f"[{offset}, {offset + nbytes})"
-            )
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        view = shm.buf[offset : offset + nbytes]
-        try:
-            out = torch.frombuffer(view, dtype=torch.uint8).clone()
-        finally:
-            view.release()
-        return out
-    finally:
-        shm.close()
-
-
 class WorkerState:
     """State of one worker: its weights and vLLM's per-worker weight-update state machine.
 
@@ -404,8 +372,8 @@ class WorkerState:
         a new export replaces it (releasing the old one), and the session's end releases it
         -- so each export is rebuilt and released exactly once, which is what torch's
         cross-process reference count pairs with one ``reduce_tensor``."""
-        if not (isinstance(args, (tuple, list)) and len(args) == 15):
-            return self._materialize(args)  # shm stand-in: nothing is ref-counted
+        if not (isinstance(args, (tuple, list)) and len(args) == 15) or is_shm_args(args):
+            return self._materialize(args)  # shm stand-in (a copy): nothing is ref-counted
         list_args = list(args)
         list_args[6] = self.device_index
         key = tuple(list_args)
@@ -534,9 +502,8 @@ class WorkerState:
 
     def _materialize(self, args: Any) -> torch.Tensor:
         """Turn one handle's ``args`` into a tensor on this worker's device."""
-        if isinstance(args, (tuple, list)) and len(args) == 4 and args[0] == SHM_TAG:
-            _, segment, offset, nbytes = args
-            return read_shm(str(segment), int(offset), int(nbytes)).to(self.device)
+        if is_shm_args(args):
+            return read_shm_args(args).to(self.device)
         if isinstance(args, (tuple, list)) and len(args) == 15:
             if self.device.type != "cuda":
                 raise ValueError(

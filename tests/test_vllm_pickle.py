@@ -52,9 +52,76 @@ def test_unpacked_one_dict_per_tensor():
     assert ours == [{"u0": torch_args(hs0[i]), "u1": torch_args(hs1[i])} for i in range(3)]
 
 
-def test_shm_stand_in_is_plain_tuple():
-    assert pickle.loads(pickle_packed({"u": ShmHandle("seg", 4, 8)})) == {
-        "u": ("slotsync.shm", "seg", 4, 8)}
+def shm_args(segment: str, offset: int, nbytes: int, dtype=None, shape=None) -> tuple:
+    """The 15-slot stand-in as torch would shape ``reduce_tensor(t)[1]`` of a CUDA tensor:
+    a flat uint8 buffer of ``nbytes`` (packed) or the tensor's dtype and shape (unpacked)."""
+    dtype = dtype or torch.uint8
+    size = torch.Size(shape if shape is not None else [nbytes])
+    stride = torch.empty(size, device="meta").stride()
+    return (torch.Tensor, size, stride, 0, torch.storage.TypedStorage, dtype, 0,
+            b"slotsync.shm:" + segment.encode(), nbytes, offset, False, b"", 0, None, False)
+
+
+def test_shm_stand_in_is_a_cuda_shaped_15_tuple():
+    got = pickle.loads(pickle_packed({"u": ShmHandle("seg", 4, 8)}))
+    assert got == {"u": shm_args("seg", 4, 8)}
+    args = got["u"]
+    assert type(args[1]) is torch.Size and args[4] is torch.storage.TypedStorage
+    assert args[5] is torch.uint8 and args[7] == b"slotsync.shm:seg"
+    # what vLLM does with it before rebuilding (ipc_engine.receive_weights)
+    list_args = list(args)
+    list_args[6] = 3
+    assert len(list_args) == 15
+
+
+def test_shm_unpacked_carries_each_tensors_dtype_and_shape():
+    hs = [ShmHandle("seg", 0, 24), ShmHandle("seg", 24, 4), ShmHandle("s2", 0, 2)]
+    dts, shapes = ["float32", "bfloat16", "int8"], [[2, 3], [2], [1, 2]]
+    got = pickle.loads(pickle_unpacked(["u0", "u1"], [hs, hs], dtype_names=dts, shapes=shapes))
+    want = [shm_args(h.segment, h.offset, h.nbytes, getattr(torch, d), s)
+            for h, d, s in zip(hs, dts, shapes, strict=True)]
+    assert got == [{"u0": w, "u1": w} for w in want]
+    assert got[0]["u0"][2] == (3, 1) and got[2]["u1"][5] is torch.int8
+    with pytest.raises(ValueError, match="need the tensors' dtype_names and shapes"):
+        pickle_unpacked(["u0"], [hs])
+    with pytest.raises(ValueError, match="3 handles but 1 dtype_names"):
+        pickle_unpacked(["u0"], [hs], dtype_names=["int8"], shapes=[[1]])
+    with pytest.raises(ValueError, match="dtype outside the allow-list"):
+        pickle_unpacked(["u0"], [hs[:1]], dtype_names=["complex64"], shapes=[[3]])
+    with pytest.raises(TypeError, match="mix transports"):
+        pickle_unpacked(["u0"], [[record(), hs[0]]])
+
+
+def test_shm_stand_in_maps_through_the_engines_rebuild():
+    """The engines' rebuild_cuda_tensor stand-in takes the tuple as vLLM passes it and
+    aliases the segment: a later write to the segment shows in the tensor."""
+    from multiprocessing import shared_memory
+
+    from slotsync.engine.shm import rebuild_shm_tensor
+
+    seg = shared_memory.SharedMemory(create=True, size=64)
+    try:
+        src = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        seg.buf[8:32] = src.numpy().tobytes()
+        (d,) = pickle.loads(pickle_unpacked(["u"], [[ShmHandle(seg.name, 8, 24)]],
+                                            dtype_names=["float32"], shapes=[[2, 3]]))
+        list_args = list(d["u"])
+        list_args[6] = None  # a CPU worker's device index
+        t = rebuild_shm_tensor(*list_args)
+        assert torch.equal(t, src) and t.dtype == torch.float32
+        seg.buf[8:12] = torch.tensor([9.0]).numpy().tobytes()
+        assert t[0, 0].item() == 9.0
+        flat = rebuild_shm_tensor(*pickle.loads(pickle_packed({"u": ShmHandle(seg.name, 8, 24)}))["u"])
+        assert flat.dtype == torch.uint8 and flat.shape == (24,)
+        too_big = list(list_args)
+        too_big[1] = torch.Size([4, 3])
+        too_big[2] = (3, 1)
+        with pytest.raises(RuntimeError):
+            rebuild_shm_tensor(*too_big)
+        del t, flat
+    finally:
+        seg.close()
+        seg.unlink()
 
 
 def test_rebuild_cuda_tensor_accepts_the_args_signature():
@@ -136,8 +203,9 @@ def test_unpacked_memo_beyond_256_slots():
 
 def test_unpacked_one_rank_shm_and_empty():
     hs = [ShmHandle("seg", 0, 8), ShmHandle("seg", 8, 4)]
-    assert pickle.loads(pickle_unpacked(["u"], [hs])) == [
-        {"u": ("slotsync.shm", "seg", 0, 8)}, {"u": ("slotsync.shm", "seg", 8, 4)}]
+    got = pickle.loads(pickle_unpacked(["u"], [hs], dtype_names=["uint8", "int32"],
+                                       shapes=[[8], [1]]))
+    assert got == [{"u": shm_args("seg", 0, 8)}, {"u": shm_args("seg", 8, 4, torch.int32, [1])}]
     assert pickle.loads(pickle_unpacked(["u0", "u1"], [[], []])) == []
     assert pickle.loads(pickle_unpacked([], [])) == []
 
