@@ -97,13 +97,23 @@ class PublishStats:
     """What one ``publish`` did: ``chunks`` sent, tensor ``bytes`` described, wall ``seconds``
     from begin to the commit's ack; of those, ``export_seconds`` laying out, copying into the
     staging buffer (and waiting for the copies) and exporting, and ``wait_seconds`` blocked on
-    the daemon's acks (begin, chunks, commit)."""
+    the daemon's acks (begin, chunks, commit).
+
+    ``omitted_count`` tensor names that the slot's previous successful update loaded were not
+    in this one (vLLM keeps their old values: a tied ``lm_head.weight`` that
+    ``named_parameters()`` skips, say); ``omitted_names`` lists the first 64, sorted (the
+    daemon also logs them, and refuses such an update with ``omitted_names = "refuse"``).
+    ``engine_resumed`` is False when the daemon left the engine paused because it found it
+    sleeping or paused by someone else at the begin."""
 
     chunks: int
     bytes: int
     seconds: float
     export_seconds: float = 0.0
     wait_seconds: float = 0.0
+    omitted_names: tuple[str, ...] = ()
+    omitted_count: int = 0
+    engine_resumed: bool = True
 
 
 def _release(
@@ -256,6 +266,7 @@ class Publisher:
         self._busy = threading.RLock()
         self._export_s = 0.0
         self._wait_s = 0.0
+        self._last_commit: wire.Ack | None = None  # the last update's Ack(commit)
         self._pinned: list[torch.Tensor] = []  # unpacked CUDA exports, until commit's ack
         # CUDA exports sent this update: per chunk until its ack, then known consumed. On a
         # failed update the others are given back (export.release_unconsumed).
@@ -370,10 +381,11 @@ class Publisher:
 
     @_one_thread
     def begin(self, weight_version: str) -> int:
-        """Open the next update and wait until the daemon has started the engine's update
-        (``Ack(begin)``: generation paused, ``/start_weight_update`` returned). Registers first
-        if ``register`` was not called. (``publish`` does not wait: it sends its chunks right
-        after the ``Begin``; the daemon holds them until the engine has started.)
+        """Open the next update: send its ``Begin`` (registering first if ``register`` was not
+        called) and return. The daemon pauses and starts the engine once every rank of the
+        slot has begun and the first chunk arrived (an update with no chunk never touches the
+        engine); the begin's ``Ack`` is awaited by the first ``send_chunk`` or by ``commit``,
+        which raise if the begin failed.
 
         Args:
             weight_version: given to ``/finish_weight_update`` on success (I8).
@@ -383,12 +395,11 @@ class Publisher:
 
         Raises:
             RuntimeError: an update is already open.
-            SlotsyncError, SlotsyncTimeout: as ``register``, or the begin failed.
+            ValueError, TypeError: a bad ``weight_version``.
+            SlotsyncError, SlotsyncTimeout: as ``register``.
         """
         _check_version(weight_version)
-        uid = self._send_begin(weight_version)
-        self._await_begin()
-        return uid
+        return self._send_begin(weight_version)
 
     def _send_begin(self, weight_version: str) -> int:
         """Open the next update and send its ``Begin``, without waiting for the ack
@@ -624,13 +635,20 @@ class Publisher:
         self._check_usable()
         self._require_open()
         self._send_pending()
-        self._await_begin()  # (a manual begin -> commit with no chunk)
+        if self._num_chunks:
+            self._await_begin()  # (the begin's ack comes once a chunk arrived: none did here,
+            # and the daemon refuses an update of no chunk, in answer to this commit)
         uid = self._require_open()  # a re-registration may have renumbered the update
         # The commit goes out before the last chunks' acks: the daemon finishes as soon as
         # the engine has loaded every chunk, without waiting for this rank to hear of it.
         self._send(wire.Commit(update_id=uid, num_chunks=self._num_chunks))
         self._wait_unacked(0)
-        self._wait_ack("commit")
+        ack = self._wait_ack("commit")
+        self._last_commit = ack
+        if ack.omitted_count:
+            log.warning("rank %d: update %d left out %d tensor name(s) the slot's previous "
+                        "update loaded (the engine keeps their old values): %s", self.rank, uid,
+                        ack.omitted_count, ", ".join(ack.omitted_names[:5]))
         log.debug(
             "rank %d: update %d committed: %d chunks, %d bytes",
             self.rank, uid, self._num_chunks, self._bytes,
@@ -735,12 +753,16 @@ class Publisher:
             if self._update_id is not None:
                 self.abort(f"{type(e).__name__}: {e}")
             raise
+        ack = self._last_commit
         return PublishStats(
             chunks=chunks,
             bytes=nbytes,
             seconds=time.perf_counter() - t0,
             export_seconds=self._export_s,
             wait_seconds=self._wait_s,
+            omitted_names=tuple(ack.omitted_names) if ack else (),
+            omitted_count=ack.omitted_count if ack else 0,
+            engine_resumed=ack.resumed if ack else True,
         )
 
     def _check_fits(self, name: str, n: int) -> None:

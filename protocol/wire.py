@@ -437,15 +437,28 @@ class Registered(msgspec.Struct, tag="registered"):
     max_message_bytes: int = 0  # the daemon's frame cap (0: unknown); publishers check it
 
 
+MAX_OMITTED_NAMES = 64
+"""Most names an ``Ack(commit)`` lists in ``omitted_names`` (``omitted_count`` has them all)."""
+
+
 class Ack(msgspec.Struct, tag="ack"):
     """A step of ``update_id`` is done. ``phase="chunk"``: chunk ``index`` was consumed by the
     engine and the rank may reuse its packed buffer (I3). ``phase="commit"``: finish and
-    resume returned; the rank may free every exported tensor and call ``ipc_collect``."""
+    resume returned; the rank may free every exported tensor and call ``ipc_collect``.
+
+    Commit acks also say what the update left out: ``omitted_count`` tensor names that the
+    slot's previous successful update loaded and this one did not (the engine keeps their old
+    values; the first ``MAX_OMITTED_NAMES`` of them, sorted, in ``omitted_names``), and
+    ``resumed``: False when the daemon left the engine paused because it found it sleeping or
+    paused by someone else at the begin (vLLM resumes it at its full ``/wake_up``)."""
 
     update_id: int
     phase: Literal["begin", "chunk", "commit"]
     index: int = -1
     seconds: float = 0.0
+    omitted_names: list[str] = []
+    omitted_count: int = 0
+    resumed: bool = True
 
 
 class Error(msgspec.Struct, tag="error"):
