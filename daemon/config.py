@@ -20,7 +20,8 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from slotsync.protocol.wire import MAX_MESSAGE_BYTES_DEFAULT, check_engine_url
+from slotsync.daemon.coordinator import OMITTED_NAMES_POLICIES
+from slotsync.protocol.wire import MAX_MESSAGE_BYTES_DEFAULT, check_engine_url, normalize_gpu_uuid
 
 SOCKET_NAME = "slotsyncd.sock"
 ENV_PREFIX = "SLOTSYNC_"
@@ -44,11 +45,15 @@ def default_endpoint() -> str:
 
 @dataclass(frozen=True)
 class EngineEntry:
-    """One declared engine: its slot ``[slot_start, slot_start + slot_size)`` and URL."""
+    """One declared engine: its slot ``[slot_start, slot_start + slot_size)``, URL and,
+    optionally, its workers' GPU UUIDs (torch format, any order; normalised: a ``GPU-`` prefix
+    and upper case are accepted), which the daemon checks as a set against the ranks' before
+    each pause (vLLM's ``/get_world_size`` reports only their count)."""
 
     url: str
     slot_start: int
     slot_size: int
+    gpu_uuids: tuple[str, ...] = ()
 
     @property
     def slot(self) -> tuple[int, int]:
@@ -71,6 +76,7 @@ class Config:
     shutdown_grace_s: float = 60.0  # SIGTERM: how long an update in flight may still finish
     max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT  # cap on one frame from a rank
     chunks_in_flight: int = 3  # /update_weights calls per engine at once (1: one at a time)
+    omitted_names: str = "warn"  # an update leaving out names the last one loaded: warn|refuse
     allow_uids: str = ""  # peers allowed by user id (comma list); "" = the daemon's own uid
     allow_gids: str = ""  # peers allowed by group id (comma list); "" = the daemon's own gid
     log_level: str = "info"
@@ -114,6 +120,9 @@ class Config:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.omitted_names not in OMITTED_NAMES_POLICIES:
+            raise ValueError(f"omitted_names must be {' or '.join(OMITTED_NAMES_POLICIES)}, got "
+                             f"{self.omitted_names!r}")
         if not 1 <= self.chunks_in_flight <= 64:
             raise ValueError(f"chunks_in_flight must be 1..64, got {self.chunks_in_flight}")
         if self.max_message_bytes < 1024:
@@ -159,7 +168,7 @@ class Config:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engines"}
         d["endpoint"] = self.endpoint()
         d["state_file"] = self.state_path()
-        d["engines"] = [vars(e) for e in self.engines]
+        d["engines"] = [{**vars(e), "gpu_uuids": list(e.gpu_uuids)} for e in self.engines]
         return d
 
 
@@ -193,6 +202,12 @@ def check_engine_table(engines: list[EngineEntry]) -> None:
                                  f"overlaps slot [{o.slot[0]}, {o.slot[1]}) of {o.url!r}")
             if o.url == e.url:
                 raise ValueError(f"engines: URL {e.url!r} names two slots")
+        if e.gpu_uuids:
+            if len(e.gpu_uuids) != e.slot_size:
+                raise ValueError(f"engines: {e.url!r} lists {len(e.gpu_uuids)} gpu_uuids for a "
+                                 f"slot of {e.slot_size} GPUs")
+            if len(set(e.gpu_uuids)) != len(e.gpu_uuids):
+                raise ValueError(f"engines: {e.url!r} lists a GPU UUID twice")
         seen.append(e)
 
 
@@ -220,6 +235,9 @@ _HELP = {
     "chunks_in_flight": "/update_weights calls sent to one engine before the first returned "
     "(vLLM runs them in order, so the next chunks are waiting when one finishes; 1: one at a "
     "time, as vLLM's examples do)",
+    "omitted_names": "what a successful update that leaves out tensor names the slot's last "
+    "successful update loaded does: warn (log line, metric, PublishStats.omitted_names; vLLM "
+    "keeps those tensors' old values) or refuse (fail it before the finish)",
     "allow_uids": "user ids whose processes may connect (comma list; default: the daemon's "
     "own; root always)",
     "allow_gids": "group ids whose processes may connect (comma list; default: the daemon's "
@@ -299,16 +317,25 @@ def _engine_table(path: Path, v: object) -> list[EngineEntry]:
                           "([[engines]])")
     out = []
     for i, e in enumerate(v):
-        if not isinstance(e, dict) or set(e) != {"url", "slot_start", "slot_size"}:
-            raise ConfigError(f"config file {path}: engines[{i}] must have exactly url, "
-                              f"slot_start, slot_size; got {e!r}")
+        if (not isinstance(e, dict) or not {"url", "slot_start", "slot_size"} <= set(e)
+                or not set(e) <= {"url", "slot_start", "slot_size", "gpu_uuids"}):
+            raise ConfigError(f"config file {path}: engines[{i}] must have url, slot_start, "
+                              f"slot_size and optionally gpu_uuids; got {e!r}")
         if not isinstance(e["url"], str) or not all(
             isinstance(e[k], int) and not isinstance(e[k], bool)
             for k in ("slot_start", "slot_size")
         ):
             raise ConfigError(f"config file {path}: engines[{i}]: url must be a string, "
                               "slot_start and slot_size integers")
-        out.append(EngineEntry(e["url"], e["slot_start"], e["slot_size"]))
+        uuids = e.get("gpu_uuids", [])
+        if not isinstance(uuids, list) or not all(isinstance(u, str) for u in uuids):
+            raise ConfigError(f"config file {path}: engines[{i}]: gpu_uuids must be a list of "
+                              "strings")
+        try:
+            norm = tuple(normalize_gpu_uuid(u) for u in uuids)
+        except ValueError as err:
+            raise ConfigError(f"config file {path}: engines[{i}]: gpu_uuids: {err}") from None
+        out.append(EngineEntry(e["url"], e["slot_start"], e["slot_size"], norm))
     return out
 
 

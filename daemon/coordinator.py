@@ -1,21 +1,35 @@
 """The per-slot update coordinator: an I/O-free state machine (h11 style).
 
 One ``SlotCoordinator`` per engine slot. The adapter (``slotsync.daemon.service``) feeds it
-events — rank messages (``on_register``, ``on_message``), engine call results
-(``on_engine_result``) and the clock (``poll``) — and executes the actions it returns:
+events -- rank messages (``on_register``, ``on_message``), engine call results
+(``on_engine_result``), connection trouble seen by the engine's HTTP client
+(``on_connection_lost``) and the clock (``poll``) -- and executes the actions it returns:
 
 * ``Reply(identity, msg)``: send a wire message to a rank's socket identity;
 * ``EngineCall(call_id, update_id, route, body, slot, index)``: one vLLM HTTP call; its outcome
-  must come back through ``on_engine_result(call_id, ...)``. One call at a time per slot, except
-  ``/update_weights``: up to ``chunks_in_flight`` of those may be in flight, so that the
-  engine finds the next chunk's request waiting when it finishes one (results may come back in
-  any order; chunks are acknowledged in index order);
-* ``UpdateEnded(...)``: an update finished or failed (for metrics and logs).
+  must come back through ``on_engine_result(call_id, ...)``. One begin stage at a time per
+  slot (a stage's probes go out together), then up to ``chunks_in_flight``
+  ``/update_weights`` calls, so that the engine finds the next chunk's request waiting when it
+  finishes one (results may come back in any order; chunks are acknowledged in index order);
+* ``UpdateEnded(...)``: an update finished or failed (for metrics and logs);
+* ``SlotEvent(slot, event, fields)``: something an operator should read in the log (an engine
+  restarted, found asleep, resumed after a failed update, names an update left out).
 
-One update (design.md "Flow of one round")::
+One update (design.md "Flow of one round"); each begin stage runs when the one before it
+returned and its condition holds::
 
-    first Begin ─► [get_world_size, init(packed): once per engine session]
-    every rank's Begin ─► pause(keep) ─► [finish: recover] ─► start ─► Ack(begin) to every rank
+    stage    engine calls (together)                      when
+    probe    get_world_size, weight_info, is_sleeping     every rank registered (each round:
+                                                          world size, session, sleep, I9)
+    init     init_weight_transfer_engine(packed)          the engine is not initialised: the
+                                                          slot's first update, after a failure,
+                                                          or the probe found a new session
+    pause    pause(keep)                                  every rank began, a chunk arrived (an
+                                                          update with no chunk never touches the
+                                                          engine), the GPU UUIDs match (I2)
+    recover  finish_recover (a 500 is expected)           the engine may hold a half-open session
+    start    start_weight_update                          -> Ack(begin) to every rank
+
     chunk k complete on every rank ─► merge ─► update_weights ─► Ack(chunk k) to every rank
         (chunks may arrive right after their rank's Begin: they are merged meanwhile and go
         out once start returned; chunks k+1 .. k+chunks_in_flight-1 may already be at the
@@ -23,12 +37,27 @@ One update (design.md "Flow of one round")::
     Commit from every rank (same count, all chunks consumed) ─► finish(version) ─► resume
       ─► Ack(commit) to every rank
 
+The probe decides what the daemon knows of the engine (design.md I9): a weight version other
+than the one it last saw, or a refused/reset connection since (``on_connection_lost``) with no
+version of its own to recognise, is a new engine session (restarted at the same URL): it is
+initialised again and the update must be a full one (it serves its checkpoint's weights). An
+engine found sleeping, or paused by someone else (``/is_sleeping``; in vLLM 0.32 a paused
+scheduler counts as sleeping), needs a full update too -- a level-2 sleep discards the
+weights -- and is left paused at the end: vLLM resumes it at its full ``/wake_up``.
+
+After a failed update the daemon's view must equal the engine's: if the update had sent
+``/start_weight_update`` the engine stays paused and needs a full update (I4); if it had only
+paused the engine (or the pause was in flight, its outcome unknown) and the weights were
+intact, the coordinator asks ``/is_paused`` once the failed update's calls have returned and
+resumes a paused engine (``recovering`` meanwhile).
+
 Invariants held here by construction (design.md): I1 one update per slot and exactly one start
 and finish per successful update; I2 a chunk is merged only when complete and consistent
-(``aggregation.merge_chunk``); I3 chunk acks only after ``update_weights`` returned, commit acks
-only after finish returned; I4 resume only after a successful finish, a failed update leaves
-the engine paused and ``needs_full_update``; I5 every wait has a deadline; I7 all state keyed by
-update id, stale ids refused; I8 the version is recorded only with a successful finish.
+(``aggregation.merge_chunk``) and the ranks' GPU UUIDs equal the engine's where those are known;
+I3 chunk acks only after ``update_weights`` returned, commit acks only after finish returned;
+I4 resume only after a successful finish, a failed update that started leaves the engine
+paused and ``needs_full_update``; I5 every wait has a deadline; I7 all state keyed by update
+id, stale ids refused; I8 the version is recorded only with a successful finish; I9 above.
 """
 
 from __future__ import annotations
@@ -46,6 +75,7 @@ from slotsync.daemon.aggregation import (
     merge_chunk,
 )
 from slotsync.protocol.wire import (
+    MAX_OMITTED_NAMES,
     PROTOCOL_VERSION,
     Abort,
     Ack,
@@ -56,10 +86,30 @@ from slotsync.protocol.wire import (
     FromDaemon,
     Register,
     Registered,
+    normalize_gpu_uuid,
 )
 
-_TOUCH_GENERATION = frozenset({"pause", "finish_recover", "start_weight_update"})
-"""Begin steps that pause or change the engine (the others only ask or initialize it)."""
+OMITTED_NAMES_POLICIES = ("warn", "refuse")
+"""What a successful update that leaves out names the slot's last successful update loaded
+does (``Config.omitted_names``): ``warn`` (log, metric, ``PublishStats``) or ``refuse``
+(fail it before the finish; the engine then needs a full update)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Stage:
+    name: str
+    routes: tuple[str, ...]  # issued together
+    touches_generation: bool  # only once every rank has begun and a chunk arrived
+
+
+_BEGIN_STAGES: tuple[_Stage, ...] = (
+    _Stage("probe", ("get_world_size", "weight_info", "is_sleeping"), False),
+    _Stage("init", ("init_weight_transfer_engine",), False),
+    _Stage("pause", ("pause",), True),
+    _Stage("recover", ("finish_recover",), True),
+    _Stage("start", ("start_weight_update",), True),
+)
+_STAGE_INDEX = {st.name: i for i, st in enumerate(_BEGIN_STAGES)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +159,21 @@ class UpdateEnded:
     chunks: int
     nbytes: int
     error: str = ""
+    omitted_names: int = 0  # names the slot's last successful update loaded, left out here
 
 
-Action = Reply | EngineCall | UpdateEnded
+@dataclass(frozen=True, slots=True)
+class SlotEvent:
+    """A line for the log: ``event`` (a snake_case name) about ``slot``, with ``fields``;
+    ``warning`` for what an operator should act on."""
+
+    slot: tuple[int, int]
+    event: str
+    fields: dict[str, Any]
+    warning: bool = True
+
+
+Action = Reply | EngineCall | UpdateEnded | SlotEvent
 
 
 class SlotState(StrEnum):
@@ -120,6 +182,7 @@ class SlotState(StrEnum):
     REGISTERING = "registering"  # not every rank of the slot has registered yet
     IDLE = "idle"
     UPDATING = "updating"
+    RECOVERING = "recovering"  # after a failed update: checking / restoring the engine's pause
     FAILED = "failed"  # last update failed: engine paused, needs a full update
 
 
@@ -143,8 +206,10 @@ class _Update:
     first_begin_at: float = 0.0
     engine_started: bool = False  # /start_weight_update returned 200
     engine_started_at: float = 0.0  # ... then (chunks sent before it wait from here, I5)
+    stage: int = 0  # next begin stage (index into _BEGIN_STAGES)
+    pause_sent: bool = False
     start_sent: bool = False
-    steps: list[str] = field(default_factory=list)  # engine routes still to call before streaming
+    weights_intact: bool = True  # at begin: the engine did not need a full update
     pending: dict[int, dict[int, Chunk]] = field(default_factory=dict)  # index -> rank -> chunk
     # complete chunks merged ahead of their turn (while the engine loads an earlier one)
     merged: dict[int, MergedChunk | ChunkMismatch] = field(default_factory=dict)
@@ -154,13 +219,15 @@ class _Update:
     next_send: int = 0  # next chunk to hand to the engine
     loaded: set[int] = field(default_factory=set)  # returned, waiting for an earlier chunk
     consumed_bytes: int = 0
-    names: set[str] = field(default_factory=set)  # loaded in this update (full updates only)
-    new_names: set[str] = field(default_factory=set)  # loaded, not yet in known_names
+    names: set[str] = field(default_factory=set)  # loaded in this update
+    omitted: list[str] = field(default_factory=list)  # the last successful update's, not here
     committed: dict[int, int] = field(default_factory=dict)  # rank -> num_chunks
     last_progress: float = 0.0
     finishing: bool = False
     finished: bool = False  # /finish_weight_update returned 200
     start_retried: bool = False  # start met an unrecorded session once and was retried
+    # the engine was sleeping, or paused by someone else, at the begin: leave it paused
+    found_asleep: bool = False
 
 
 class SlotCoordinator:
@@ -176,18 +243,23 @@ class SlotCoordinator:
             second one only waits there -- and is ready the moment the first returns, instead
             of after its answer, the acks and this daemon's next turn. 1 keeps vLLM's own
             examples' order (each call after the previous one returned).
+        omitted_names: ``"warn"`` or ``"refuse"`` (see ``OMITTED_NAMES_POLICIES``).
 
     Raises:
-        ValueError: ``chunks_in_flight`` < 1.
+        ValueError: ``chunks_in_flight`` < 1, or an unknown ``omitted_names`` policy.
     """
 
     def __init__(
         self, start: int, size: int, timeouts: Timeouts | None = None, daemon_version: str = "",
-        chunks_in_flight: int = 3,
+        chunks_in_flight: int = 3, omitted_names: str = "warn",
     ) -> None:
         if chunks_in_flight < 1:
             raise ValueError(f"chunks_in_flight must be >= 1, got {chunks_in_flight}")
+        if omitted_names not in OMITTED_NAMES_POLICIES:
+            raise ValueError(f"omitted_names must be one of {OMITTED_NAMES_POLICIES}, got "
+                             f"{omitted_names!r}")
         self.chunks_in_flight = chunks_in_flight
+        self.omitted_names = omitted_names
         self.start = start
         self.size = size
         self.timeouts = timeouts or Timeouts()
@@ -199,10 +271,22 @@ class SlotCoordinator:
         self.engine_initialized = False
         self.engine_paused = False
         self.needs_full_update = False  # I4: set after a failed update
-        # every tensor name a successful update of this slot has loaded: after a failure, the
-        # next update must cover them all before the engine is resumed (I4)
-        self.known_names: set[str] = set()
+        # the tensor names of the slot's last successful update: a later update that leaves
+        # some out is reported (or refused), and after a failure the update that restores the
+        # engine must cover them all before it is resumed (I4)
+        self.last_ok_names: frozenset[str] = frozenset()
         self.engine_dirty = False  # a start may be active on some engine workers
+        # What the daemon knows of the engine's session (design.md I9): the weight version it
+        # should report (seen at the last probe, or finished by the daemon since), whether a
+        # refused or reset connection was seen since (a possible restart), and whether it was
+        # sleeping or paused by someone else at the last begin.
+        self.engine_version: str | None = None
+        self.session_suspect = False
+        self.engine_asleep = False
+        # GPU UUIDs of the engine's workers where they can be known: the engine table's
+        # (declared) or the engine's own report (the reference engine's /get_world_size)
+        self.declared_gpu_uuids: tuple[str, ...] | None = None
+        self.engine_gpu_uuids: tuple[str, ...] | None = None
         self.world_size: int | None = None
         self.next_update_id = 0
         self.current: _Update | None = None
@@ -220,6 +304,10 @@ class SlotCoordinator:
         # calls wait for them (vLLM queues calls in arrival order, but two HTTP requests may
         # overtake each other before they reach its engine core).
         self._orphans: set[int] = set()
+        # After a failed update that paused (or may have paused) an engine whose weights are
+        # intact: once the orphans returned, ask /is_paused and resume it (_maintain).
+        self._reconcile = False
+        self._maintenance: dict[int, EngineCall] = {}  # its calls in flight
         self._pending_url: str | None = None  # engine table reload during an update
 
     # ------------------------------------------------------------------ properties
@@ -236,6 +324,8 @@ class SlotCoordinator:
     def state(self) -> SlotState:
         if self.current is not None:
             return SlotState.UPDATING
+        if self._reconcile or self._maintenance:
+            return SlotState.RECOVERING
         if self.needs_full_update:  # before "registering": the engine is paused either way
             return SlotState.FAILED
         if len(self.ranks) < self.size:
@@ -370,10 +460,13 @@ class SlotCoordinator:
     ) -> list[Action]:
         """The engine call ``call_id`` returned: ``ok`` with the parsed JSON ``result``, or not
         ok with ``error`` (HTTP status and vLLM's message, or a timeout / connection error)."""
+        if call_id in self._maintenance:
+            return self._on_maintenance_result(self._maintenance.pop(call_id), ok, result,
+                                               error, now)
         call = self._calls.pop(call_id, None)
         if call is None:
             # A call of an update that already failed (I7: its result is dropped); the last
-            # one to return lets a waiting update's calls go out.
+            # one to return lets a waiting update's calls (or the engine check) go out.
             if call_id in self._orphans:
                 self._orphans.discard(call_id)
                 return self._advance(now)
@@ -395,10 +488,12 @@ class SlotCoordinator:
                 # its state dir): end it, tolerating the 500, and start once more.
                 u.start_retried = True
                 u.start_sent = True  # the engine may be mid-update: record it as such
-                u.steps = ["finish_recover", "start_weight_update"]
+                self.engine_dirty = True
+                u.stage = _STAGE_INDEX["recover"]
                 return self._advance(now)
             return self._fail(now, "engine", f"vLLM {route} failed: {error}", [])
         u.last_progress = now
+        out: list[Action] = []
         if route == "get_world_size":
             ws = result.get("world_size") if isinstance(result, dict) else None
             if ws != self.size:
@@ -410,6 +505,11 @@ class SlotCoordinator:
                     [],
                 )
             self.world_size = ws
+            self.engine_gpu_uuids = _reported_uuids(result)
+        elif route == "weight_info":
+            out += self._check_session(u, result)
+        elif route == "is_sleeping":
+            out += self._check_sleep(u, result)
         elif route == "init_weight_transfer_engine":
             self.engine_initialized = True
         elif route == "pause":
@@ -432,24 +532,95 @@ class SlotCoordinator:
             u.finished = True
             self.engine_dirty = False
             self.needs_full_update = False
-            self.known_names |= u.new_names
+            self.last_ok_names = frozenset(u.names)
             self.last_version = u.weight_version  # I8: recorded only with a successful finish
+            self.engine_version = u.weight_version  # what the engine reports from now on
+            if u.found_asleep:
+                # vLLM resumes a sleeping engine itself once fully awake; one that someone
+                # else paused is theirs to resume.
+                return self._complete(now)
         elif route == "resume":
             self.engine_paused = False
             return self._complete(now)
-        return self._advance(now)
+        return out + self._advance(now)
+
+    def on_connection_lost(self, now: float) -> list[Action]:
+        """The engine's HTTP client saw a refused or reset connection (counted by
+        ``VllmClient.connection_errors``): the engine may have restarted at the same URL. The
+        next begin's probe then treats a weight version it cannot recognise as a new session
+        (design.md I9). Returns no actions."""
+        self.session_suspect = True
+        return []
+
+    def _check_session(self, u: _Update, result: Any) -> list[Action]:
+        """``/weight_info`` at the begin: is the engine the session this daemon initialised?"""
+        v = result.get("weight_version") if isinstance(result, dict) else None
+        v = v if isinstance(v, str) else None
+        seen, suspect = self.engine_version, self.session_suspect
+        self.session_suspect = False
+        self.engine_version = v
+        if not self.engine_initialized:
+            return []  # initialised in this begin anyway; v is the baseline from now on
+        if seen is not None and v != seen:
+            why = (f"engine {self.engine_url} reports weight version {v!r}, but the daemon "
+                   f"last saw {seen!r}: restarted at the same URL, or updated by someone else")
+        elif suspect and (seen is None or seen == "default"):
+            why = (f"a connection to engine {self.engine_url} was refused or reset since the "
+                   f"last round and its weight version {v!r} does not tell its session apart")
+        elif suspect:
+            # the same version the daemon finished: the same process; initialise it again to
+            # be sure (the IPC backend's init only records the packed flag)
+            self.engine_initialized = False
+            return []
+        else:
+            return []
+        return self._new_session(u, why)
+
+    def _new_session(self, u: _Update, why: str) -> list[Action]:
+        """The engine is not the session this daemon initialised: initialise it again, ask its
+        world size again (the probe did, in this stage) and require a full update (it serves
+        the weights of its own checkpoint, not the last ones the daemon loaded)."""
+        self.engine_initialized = False
+        self.engine_dirty = False  # a new process holds no half-open session
+        if self.last_ok_names:
+            self.needs_full_update = True
+            u.weights_intact = False
+        return [SlotEvent(self.slot, "engine_session_new", {
+            "engine": self.engine_url, "update_id": u.update_id, "why": why,
+            "full_update_needed": self.needs_full_update})]
+
+    def _check_sleep(self, u: _Update, result: Any) -> list[Action]:
+        """``/is_sleeping`` at the begin (vLLM 0.32: the scheduler paused, or the executor
+        asleep at any level)."""
+        sleeping = bool(result.get("is_sleeping")) if isinstance(result, dict) else False
+        if not sleeping:
+            self.engine_asleep = False
+            if self.engine_paused:
+                # paused by this daemon (a failed update), serving now: resumed by someone
+                # else, or a restarted process (the weight version tells which)
+                self.engine_paused = False
+                return [SlotEvent(self.slot, "engine_serving_unexpectedly", {
+                    "engine": self.engine_url, "update_id": u.update_id,
+                    "needs_full_update": self.needs_full_update})]
+            return []
+        if self.engine_paused and not self.engine_asleep:
+            return []  # this daemon's own pause (a failed update): nothing new
+        self.engine_asleep = True
+        u.found_asleep = True
+        u.weights_intact = False
+        self.needs_full_update = True
+        self.engine_paused = True
+        return [SlotEvent(self.slot, "engine_found_sleeping", {
+            "engine": self.engine_url, "update_id": u.update_id,
+            "why": "vLLM /is_sleeping is true (asleep, or paused by someone else): a level-2 "
+                   "sleep discards the weights, so this update must be a full one, and the "
+                   "engine is left paused at the end (vLLM resumes it at its full /wake_up)"})]
 
     def _consumed(self, u: _Update, idx: int) -> list[Action]:
         """Chunk ``idx`` (the next to acknowledge) was loaded: account for it, ack every rank."""
         u.loaded.discard(idx)
         loaded = next(iter(u.pending[idx].values()))
-        # Names this update adds to the successful updates' (known_names, merged at its
-        # finish): found per loaded chunk -- lookups only, as rounds re-send the same
-        # names -- so that the finish does not merge thousands of names before the resume.
-        known = self.known_names
-        u.new_names.update(n for n in loaded.names if n not in known)
-        if self.needs_full_update:
-            u.names.update(loaded.names)  # checked against known_names before finish
+        u.names.update(loaded.names)  # against last_ok_names before the finish
         del u.pending[idx]
         u.first_arrival.pop(idx, None)
         u.next_index += 1
@@ -472,10 +643,17 @@ class SlotCoordinator:
         )
 
     def on_daemon_stop(self, now: float, reason: str) -> list[Action]:
-        """The daemon is shutting down: fail the update in flight (engine stays paused, I4)."""
+        """The daemon is shutting down: fail the update in flight. The engine is left as it is
+        (paused if the update paused it, I4): no engine check runs after this, and the durable
+        record names the slot, so the next daemon recovers it as possibly mid-update."""
         if self.current is None:
             return []
-        return self._fail(now, "shutdown", reason, [])
+        out = self._fail(now, "shutdown", reason, [])
+        if self._reconcile:
+            self._reconcile = False
+            self.engine_paused = True
+            self.needs_full_update = True  # (a check it could not make: recover it fully)
+        return [a for a in out if not isinstance(a, EngineCall)]
 
     def restore_dirty(self, engine_url: str, update_id: int, weight_version: str,
                       state: str) -> None:
@@ -523,7 +701,10 @@ class SlotCoordinator:
             self.engine_initialized = False
             self.engine_dirty = False
             self.engine_paused = False
-            self.known_names = set()  # another engine: nothing known about its weights
+            self.engine_asleep = False
+            self.engine_version = None
+            self.engine_gpu_uuids = None
+            self.last_ok_names = frozenset()  # another engine: nothing known about its weights
             self._pending_url = None
         else:
             self._pending_url = url
@@ -560,6 +741,10 @@ class SlotCoordinator:
             "engine_paused": self.engine_paused,
             "needs_full_update": self.needs_full_update,
             "engine_may_be_mid_update": self.engine_dirty,
+            "engine_sleeping": self.engine_asleep,
+            "engine_weight_version": self.engine_version,
+            "engine_gpu_uuids": list(self.declared_gpu_uuids or self.engine_gpu_uuids or []),
+            "last_update_names": len(self.last_ok_names),
             "next_update_id": self.next_update_id,
             "current_update": cur,
             "last_version": self.last_version,
@@ -626,18 +811,9 @@ class SlotCoordinator:
                 f"{self.next_update_id}",
                 msg.update_id,
             )
-        u = _Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now)
-        # The world size and init are checked once per engine session: any failure (an engine
-        # restarted with another layout fails its first update) or a new engine URL clears
-        # engine_initialized, and the next update checks both again. One call less per round.
-        steps = [] if self.engine_initialized else ["get_world_size",
-                                                    "init_weight_transfer_engine"]
-        steps.append("pause")
-        if self.engine_dirty:
-            steps.append("finish_recover")
-        steps.append("start_weight_update")
-        u.steps = steps
-        self.current = u
+        u = _Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now,
+                    weights_intact=not self.needs_full_update)
+        self.current = u  # its begin stages (the table at the top) run from _advance
         return self._advance(now)
 
     def _on_chunk(self, rank: int, msg: Chunk, now: float) -> list[Action]:
@@ -710,6 +886,14 @@ class SlotCoordinator:
         u.committed[rank] = msg.num_chunks
         u.last_progress = now
         counts = set(u.committed.values())
+        if counts == {0} and len(u.committed) == self.size:
+            # (the pause waits for a first chunk: the engine was not touched)
+            return self._fail(
+                now, "commit",
+                f"update {u.update_id} has no chunks: every rank of the slot (ranks "
+                f"{sorted(u.committed)}) committed 0 chunks; there is nothing to load, so the "
+                "engine was neither paused nor started", [],
+            )
         if len(counts) > 1:
             return self._fail(
                 now,
@@ -726,32 +910,27 @@ class SlotCoordinator:
         self._calls[call.call_id] = call
         if route == "start_weight_update":
             u.start_sent = True
+        elif route == "pause":
+            u.pause_sent = True
         self.engine_calls[route] = self.engine_calls.get(route, 0) + 1
         return [call]
 
     def _advance(self, now: float) -> list[Action]:
-        """Issue the next engine call(s) the update can make: one at a time, except up to
-        ``chunks_in_flight`` ``update_weights`` calls."""
+        """Issue the next engine call(s): the engine check after a failure first, then the
+        update's next begin stage, then up to ``chunks_in_flight`` ``update_weights`` calls,
+        then finish and resume."""
+        out = self._maintain(now)
+        if out or self._orphans or self._maintenance or self._reconcile:
+            return out
         u = self.current
-        if u is None or self._orphans:
+        if u is None:
             return []
-        if u.steps:
-            if self._calls:
-                return []
-            if len(self.ranks) < self.size:
-                return []  # wait for the slot's last registrations (begin deadline bounds it)
-            if u.steps[0] in _TOUCH_GENERATION and len(u.begun) < self.size:
-                # Generation is paused only once every rank has begun: a rank that never
-                # comes (or is refused) fails the begin with the engine still serving.
-                return []
-            route = u.steps.pop(0)
-            body = {"init_info": {"packed": self.packed}} if route.startswith("init") else None
-            return self._call(u, route, body)
-        if not u.engine_started or (self._calls and u.finishing):
+        if not u.engine_started:
+            return self._advance_begin(u, now)
+        if self._calls and u.finishing:
             return []
         if u.finished:
             return self._call(u, "resume")
-        out: list[Action] = []
         while len(self._calls) < self.chunks_in_flight:
             merged = u.merged.get(u.next_send)
             if merged is None:
@@ -773,25 +952,139 @@ class SlotCoordinator:
             and not u.pending
             and u.next_index == next(iter(u.committed.values()))
         ):
-            if self.needs_full_update and not self.known_names <= u.names:
-                # I4: finishing would resume an engine that still holds half-loaded weights
-                missing = sorted(self.known_names - u.names)
-                return self._fail(
-                    now, "commit",
-                    f"the slot needs a full update after a failed one, but update "
-                    f"{u.update_id} loaded {len(u.names)} tensors and misses "
-                    f"{len(missing)} of the {len(self.known_names)} tensor names that earlier "
-                    f"successful updates loaded (e.g. {missing[:3]}); publish every tensor", [],
-                )  # fmt: skip
-            u.finishing = True
-            return self._call(u, "finish_weight_update", {"weight_version": u.weight_version})
+            return self._before_finish(u, now)
         return []
+
+    def _advance_begin(self, u: _Update, now: float) -> list[Action]:
+        """Issue the next begin stage whose condition holds (the table at the top)."""
+        if self._calls or len(self.ranks) < self.size:
+            return []  # a stage in flight; or the slot's last registrations (begin deadline)
+        while u.stage < len(_BEGIN_STAGES):
+            st = _BEGIN_STAGES[u.stage]
+            if st.name == "init" and self.engine_initialized:
+                u.stage += 1
+                continue
+            if st.name == "recover" and not self.engine_dirty:
+                u.stage += 1
+                continue
+            if st.touches_generation:
+                if len(u.begun) < self.size:
+                    # Generation is paused only once every rank has begun: a rank that never
+                    # comes (or is refused) fails the begin with the engine still serving.
+                    return []
+                if not u.sent_count:
+                    return []  # nothing to load yet (an update of no chunk is refused)
+                if st.name == "pause":
+                    wrong = self._uuid_mismatch()
+                    if wrong:
+                        return self._fail(now, "begin", wrong, [])
+            u.stage += 1
+            out: list[Action] = []
+            for route in st.routes:
+                body = ({"init_info": {"packed": self.packed}}
+                        if route == "init_weight_transfer_engine" else None)
+                out += self._call(u, route, body)
+            return out
+        return []  # start in flight
+
+    def _uuid_mismatch(self) -> str:
+        """Why the ranks' GPU UUIDs are not the engine's workers' (I2, before the pause), or
+        '' when they match or the engine's are not known (then vLLM names a missing one)."""
+        want = self.declared_gpu_uuids or self.engine_gpu_uuids
+        if not want:
+            return ""
+        have = {i.gpu_uuid: r for r, i in self.ranks.items()}
+        if set(have) == set(want):
+            return ""
+        strays = sorted((r, g) for g, r in have.items() if g not in want)
+        lacking = sorted(set(want) - set(have))
+        source = ("the engine table declares" if self.declared_gpu_uuids
+                  else f"engine {self.engine_url} reports")
+        parts = []
+        if strays:
+            parts.append("rank(s) " + ", ".join(f"{r} ({g})" for r, g in strays)
+                         + " have GPU UUIDs the engine does not")
+        if lacking:
+            parts.append(f"no rank has {', '.join(lacking)}")
+        return (f"the ranks' GPU UUIDs are not the engine's: {'; '.join(parts)} ({source} "
+                f"{list(want)}); the engine was not paused")
+
+    def _before_finish(self, u: _Update, now: float) -> list[Action]:
+        """Every chunk is loaded and every rank committed: check what the update left out of
+        the slot's last successful update, then finish (I4)."""
+        missing = self.last_ok_names - u.names
+        if missing and self.needs_full_update:
+            # I4: finishing would resume an engine that still holds half-loaded weights
+            names = sorted(missing)
+            return self._fail(
+                now, "commit",
+                f"the slot needs a full update (after a failed one, a restarted or sleeping "
+                f"engine), but update {u.update_id} misses {len(names)} of the "
+                f"{len(self.last_ok_names)} tensor names the last successful update loaded: "
+                f"{_some(names)}; publish every tensor", [],
+            )  # fmt: skip
+        if missing and self.omitted_names == "refuse":
+            names = sorted(missing)
+            return self._fail(
+                now, "commit",
+                f"update {u.update_id} leaves out {len(names)} tensor names the slot's last "
+                f"successful update loaded: {_some(names)} (vLLM would keep their old values; "
+                "omitted_names = \"refuse\")", [],
+            )  # fmt: skip
+        u.omitted = sorted(missing)
+        u.finishing = True
+        return self._call(u, "finish_weight_update", {"weight_version": u.weight_version})
+
+    def _maintain(self, now: float) -> list[Action]:
+        """After a failed update that paused an intact engine: once its calls returned, ask
+        ``/is_paused`` (the engine's answer, not the daemon's guess, I9)."""
+        if not self._reconcile or self._orphans or self._maintenance:
+            return []
+        self._reconcile = False
+        return [self._maintenance_call("is_paused")]
+
+    def _maintenance_call(self, route: str) -> EngineCall:
+        self._call_id += 1
+        call = EngineCall(self._call_id, self.next_update_id - 1, route, None, self.slot)
+        self._maintenance[call.call_id] = call
+        self.engine_calls[route] = self.engine_calls.get(route, 0) + 1
+        return call
+
+    def _on_maintenance_result(self, call: EngineCall, ok: bool, result: Any, error: str,
+                               now: float) -> list[Action]:
+        uid = call.update_id
+        if call.route == "is_paused":
+            if not ok:
+                self.engine_paused = True  # unknown: say paused (the next begin probes again)
+                self.last_error = (f"{self.last_error}; then /is_paused failed ({error}): the "
+                                   "engine may still be paused")[:4000]
+                return [SlotEvent(self.slot, "engine_state_unknown", {
+                    "engine": self.engine_url, "update_id": uid, "error": error})]
+            paused = bool(result.get("is_paused")) if isinstance(result, dict) else True
+            if not paused:
+                self.engine_paused = False
+                return self._advance(now)
+            return [self._maintenance_call("resume")]
+        # resume
+        if not ok:
+            self.engine_paused = True
+            self.last_error = (f"{self.last_error}; then resuming the engine failed ({error}): "
+                               "it stays paused until the next round")[:4000]
+            return [SlotEvent(self.slot, "engine_resume_failed", {
+                "engine": self.engine_url, "update_id": uid, "error": error})] + self._advance(now)
+        self.engine_paused = False
+        ev = SlotEvent(self.slot, "engine_resumed_after_failure", {
+            "engine": self.engine_url, "update_id": uid,
+            "why": "the failed update had paused the engine but not started a weight update: "
+                   "its weights are intact"}, warning=False)
+        return [ev, *self._advance(now)]
 
     def _deadline(self) -> tuple[float, str, str, list[int]] | None:
         """(time, phase, what, missing ranks) of the wait in force, or None."""
         u = self.current
-        if u is None or self._calls or self._orphans or u.finishing:
-            return None
+        if (u is None or self._calls or self._orphans or self._maintenance or self._reconcile
+                or u.finishing):
+            return None  # (each engine call is bounded by the HTTP client's timeout)
         all_ranks = set(range(self.start, self.end))
         not_begun = sorted(all_ranks - u.begun)
         if not_begun:
@@ -816,24 +1109,39 @@ class SlotCoordinator:
         )
 
     def _fail(self, now: float, phase: str, text: str, missing: list[int]) -> list[Action]:
-        """Fail the update in flight: one Error to every rank of the slot; the engine stays
-        paused and is marked as needing a full update if it was paused (I4)."""
+        """Fail the update in flight: one Error to every rank of the slot. If it had sent
+        ``/start_weight_update`` the engine stays paused and needs a full update (I4); if it
+        had only paused an engine whose weights were intact (or the pause was in flight), the
+        engine is checked once the update's calls returned and resumed if paused (I9)."""
         u = self.current
         if u is None:
             return []
         self.current = None
         # Late results of its calls are dropped in on_engine_result; the next update's calls
-        # wait for them.
+        # (and the engine check) wait for them.
         self._orphans.update(self._calls)
         self._calls.clear()
         self.next_update_id = max(self.next_update_id, u.update_id + 1)
-        if self.engine_paused or u.start_sent:
-            self.needs_full_update = True
         if u.start_sent:
+            self.needs_full_update = True
             self.engine_dirty = True
+            self.engine_paused = True
+            fate = "the engine stays paused and needs a full update"
+        elif u.pause_sent and u.weights_intact:
+            self._reconcile = True  # after the orphans: /is_paused, then resume
+            self.engine_paused = True  # (may be: the check tells)
+            fate = ("no weight update had started: the engine is resumed if the pause reached "
+                    "it")
+        elif u.pause_sent or self.engine_paused:
+            self.engine_paused = True
+            fate = ("the engine stays paused and needs a full update" if self.needs_full_update
+                    else "the engine stays paused")
+        else:
+            fate = "the engine was not paused"
         # The engine may have restarted or been swapped: re-check and re-init next time.
         self.engine_initialized = False
-        message = f"slot [{self.start}, {self.end}) update {u.update_id} failed in {phase}: {text}"
+        message = (f"slot [{self.start}, {self.end}) update {u.update_id} failed in {phase}: "
+                   f"{text} ({fate})")
         self.last_error = message
         self._failed = (u.update_id, message)
         self.last_outcome = "failed"
@@ -841,6 +1149,7 @@ class SlotCoordinator:
         self.last_duration_s = now - u.started_at
         err = Error(phase, message, list(self.slot), u.update_id, list(missing))
         if self._pending_url is not None:
+            self._reconcile = False  # (another engine from now on)
             self.set_engine_url(self._pending_url)
         actions: list[Action] = [Reply(i.identity, err) for i in self._by_rank()]
         actions.append(
@@ -856,7 +1165,7 @@ class SlotCoordinator:
                 message,
             )
         )
-        return actions
+        return actions + self._maintain(now)
 
     def _complete(self, now: float, resume_error: str | None = None) -> list[Action]:
         u = self.current
@@ -870,13 +1179,23 @@ class SlotCoordinator:
             if resume_error
             else None
         )
+        if u.found_asleep:
+            self.last_error = ("loaded; the engine was sleeping or paused by someone else at "
+                               "the begin, so it is left paused (vLLM resumes it at its full "
+                               "/wake_up)")
         self.updates_ok += 1
         if self._pending_url is not None:
             self.set_engine_url(self._pending_url)
-        acks: list[Action] = [
-            Reply(i.identity, Ack(u.update_id, "commit", -1, now - u.started_at))
-            for i in self._by_rank()
-        ]
+        ack = Ack(u.update_id, "commit", -1, now - u.started_at,
+                  u.omitted[:MAX_OMITTED_NAMES], len(u.omitted), not u.found_asleep)
+        acks: list[Action] = [Reply(i.identity, ack) for i in self._by_rank()]
+        if u.omitted:
+            acks.append(SlotEvent(self.slot, "omitted_names", {
+                "engine": self.engine_url, "update_id": u.update_id,
+                "version": u.weight_version, "count": len(u.omitted),
+                "names": ",".join(u.omitted[:MAX_OMITTED_NAMES]),
+                "why": "the slot's last successful update loaded them and this one did not: "
+                       "vLLM keeps their old values"}))
         acks.append(
             UpdateEnded(
                 self.slot,
@@ -888,6 +1207,25 @@ class SlotCoordinator:
                 u.next_index,
                 u.consumed_bytes,
                 self.last_error or "",
+                len(u.omitted),
             )
         )
         return acks
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    """The first ``n`` of ``names`` and how many more, for an error message."""
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def _reported_uuids(result: Any) -> tuple[str, ...] | None:
+    """The worker GPU UUIDs an engine reports next to its world size (the reference engine's
+    ``/get_world_size`` extension; vLLM reports none), normalised, or None."""
+    uuids = result.get("gpu_uuids") if isinstance(result, dict) else None
+    if not isinstance(uuids, list) or not all(isinstance(x, str) for x in uuids):
+        return None
+    try:
+        return tuple(normalize_gpu_uuid(x) for x in uuids)
+    except ValueError:
+        return None

@@ -5,7 +5,7 @@ Conventions (https://prometheus.io/docs/practices/naming/):
 * one ``slotsync_`` prefix; base units in the name (``_seconds``, ``_bytes``); counters end in
   ``_total``; ``slotsync_build_info`` is the usual constant-1 info gauge;
 * small, fixed label sets only: ``outcome`` (2 values), ``route`` (the vLLM routes of
-  ``vllm_client.ROUTES``), ``state`` (the 4 ``SlotState`` values). Nothing is labelled by rank,
+  ``vllm_client.ROUTES``), ``state`` (the ``SlotState`` values). Nothing is labelled by rank,
   slot, update id or weight version: those are unbounded over a run and belong in ``/status``
   and the logs;
 * every labelled child that can exist is created at start, so a counter's first increment is
@@ -136,6 +136,12 @@ class Metrics:
         self.bad_messages = Counter(
             "slotsync_rejected_messages", "Frames from ranks that failed to decode", registry=r
         )
+        self.omitted_names = Counter(
+            "slotsync_omitted_names",
+            "Tensor names a successful update left out although the slot's previous successful "
+            "update loaded them (vLLM keeps their old values)",
+            registry=r,
+        )
 
         # ---- gauges derived from the slot table at scrape time (see watch)
         self.in_flight = Gauge("slotsync_updates_in_flight", "Updates in flight", registry=r)
@@ -189,6 +195,7 @@ class Metrics:
         self.update_duration.observe(e.seconds)
         self.chunks.inc(e.chunks)
         self.bytes.inc(e.nbytes)
+        self.omitted_names.inc(e.omitted_names)
         if outcome == "success":
             self.last_success.set(time.time())
 

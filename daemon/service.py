@@ -32,6 +32,7 @@ from slotsync.daemon.coordinator import (
     Action,
     EngineCall,
     Reply,
+    SlotEvent,
     SlotState,
     Timeouts,
     UpdateEnded,
@@ -60,6 +61,12 @@ log = logging.getLogger("slotsync.daemon")
 def _slot(slot: tuple[int, int] | list[int]) -> str:
     """A slot in log lines, as everywhere else: ``[start,end)``."""
     return f"[{slot[0]},{slot[1]})"
+
+def _engine_table(engines) -> tuple[dict, dict]:
+    """``config.engines`` as ``SlotTable.set_engine_table`` takes it: URLs and GPU UUIDs."""
+    return ({e.slot: e.url for e in engines},
+            {e.slot: tuple(e.gpu_uuids) for e in engines if e.gpu_uuids})
+
 
 class DaemonAlreadyRunning(RuntimeError):
     """Another live daemon owns the socket path."""
@@ -105,6 +112,7 @@ class Daemon:
             Timeouts(config.begin_timeout_s, config.chunk_timeout_s, config.commit_timeout_s),
             __version__,
             config.chunks_in_flight,
+            config.omitted_names,
         )
         self.metrics.watch(self.table)  # slot/rank/in-flight gauges read the table per scrape
         self.endpoint = config.endpoint()
@@ -121,7 +129,7 @@ class Daemon:
         self.notifier = Notifier()
         self._last_update: str = ""
         if config.engines:
-            self.table.set_engine_table({e.slot: e.url for e in config.engines})
+            self.table.set_engine_table(*_engine_table(config.engines))
         self.record = InflightRecord(config.state_path())
         self._chunk_meta = ChunkMetaCache()  # each round re-sends the same chunk lists
         # Record writes run in order on one thread, off the event loop (a slow state disk
@@ -240,7 +248,7 @@ class Daemon:
         except (ConfigError, ValueError) as e:
             log_event(log, logging.ERROR, "reload_failed", error=str(e))
             return
-        changes = self.table.set_engine_table({e.slot: e.url for e in fresh.engines})
+        changes = self.table.set_engine_table(*_engine_table(fresh.engines))
         self.config.engines = fresh.engines
         log_event(log, logging.INFO, "reload", changes=changes or ["none"])
         self._after_actions()
@@ -415,6 +423,9 @@ class Daemon:
                 t.add_done_callback(self._tasks.discard)
             elif isinstance(a, UpdateEnded):
                 self._record(a)
+            elif isinstance(a, SlotEvent):
+                log_event(log, logging.WARNING if a.warning else logging.INFO, a.event,
+                          slot=_slot(a.slot), **a.fields)
         self._persist(before_actions=False)
         self._after_actions()
 
@@ -436,11 +447,14 @@ class Daemon:
         if err:
             result, ok = None, False
         else:
+            lost = client.connection_errors
             try:
                 result = await client.call(call.route, call.body)
                 ok, err = True, ""
             except EngineError as e:
                 result, ok, err = None, False, str(e)
+            if client.connection_errors != lost:  # refused / reset: a restarted engine?
+                await self._execute(self.table.on_connection_lost(url, time.monotonic()))
         await self._execute(coord.on_engine_result(call.call_id, ok, result, err, time.monotonic()))
 
     def _record(self, e: UpdateEnded) -> None:

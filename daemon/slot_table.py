@@ -19,13 +19,16 @@ class SlotTable:
         daemon_version: reported to ranks at registration.
         chunks_in_flight: ``/update_weights`` calls each slot may have in flight (see
             ``SlotCoordinator``).
+        omitted_names: each slot's policy for updates that leave out names (see
+            ``coordinator.OMITTED_NAMES_POLICIES``).
     """
 
     def __init__(self, timeouts: Timeouts | None = None, daemon_version: str = "",
-                 chunks_in_flight: int = 3) -> None:
+                 chunks_in_flight: int = 3, omitted_names: str = "warn") -> None:
         self.timeouts = timeouts or Timeouts()
         self.daemon_version = daemon_version
         self.chunks_in_flight = chunks_in_flight
+        self.omitted_names = omitted_names
         self.slots: dict[tuple[int, int], SlotCoordinator] = {}
         self.declared: dict[tuple[int, int], str] = {}  # engine table: slot -> URL (optional)
         self.draining = False  # shutting down: no new registrations or updates
@@ -34,10 +37,14 @@ class SlotTable:
 
     def _coordinator(self, start: int, size: int) -> SlotCoordinator:
         return SlotCoordinator(start, size, self.timeouts, self.daemon_version,
-                               self.chunks_in_flight)
+                               self.chunks_in_flight, self.omitted_names)
 
-    def set_engine_table(self, table: dict[tuple[int, int], str]) -> list[str]:
-        """Declare (or re-declare, on SIGHUP) the engine slots and their URLs.
+    def set_engine_table(
+        self, table: dict[tuple[int, int], str],
+        gpu_uuids: dict[tuple[int, int], tuple[str, ...]] | None = None,
+    ) -> list[str]:
+        """Declare (or re-declare, on SIGHUP) the engine slots, their URLs and, where known,
+        their workers' GPU UUIDs (checked as a set against the ranks' before each pause).
 
         New slots are created empty; a changed URL applies to an idle slot at once and to a
         slot with an update in flight when that update ends; a slot no longer declared is
@@ -45,6 +52,7 @@ class SlotTable:
         change, for the log.
         """
         changes: list[str] = []
+        gpu_uuids = gpu_uuids or {}
         for key, url in sorted(table.items()):
             c = self.slots.get(key)
             if c is None:
@@ -55,6 +63,12 @@ class SlotTable:
                 changes.append(f"slot [{key[0]}, {key[1]}) engine {c.engine_url} -> {url}"
                                + (" (after the update in flight)" if c.current else ""))
                 c.set_engine_url(url)
+            uuids = gpu_uuids.get(key) or None
+            if uuids != c.declared_gpu_uuids:
+                if c.declared_gpu_uuids is not None or uuids is not None:
+                    changes.append(f"slot [{key[0]}, {key[1]}) GPU UUIDs "
+                                   f"{list(uuids) if uuids else 'not declared'}")
+                c.declared_gpu_uuids = uuids
         for key in sorted(set(self.declared) - set(table)):
             c = self.slots.get(key)
             if c is not None and not c.ranks and c.dirty_state() is None:
@@ -106,6 +120,15 @@ class SlotTable:
 
     def coordinator(self, slot: tuple[int, int]) -> SlotCoordinator:
         return self.slots[slot]
+
+    def on_connection_lost(self, engine_url: str, now: float) -> list[Action]:
+        """The HTTP client of ``engine_url`` saw a refused or reset connection: tell the slot
+        that drives it (a possible engine restart, see ``SlotCoordinator.on_connection_lost``)."""
+        out: list[Action] = []
+        for c in self.slots.values():
+            if c.engine_url == engine_url:
+                out += c.on_connection_lost(now)
+        return out
 
     def connected_ranks(self) -> int:
         return len(self._rank_of)

@@ -32,6 +32,7 @@ from slotsync.daemon.coordinator import (
     EngineCall,
     Reply,
     SlotCoordinator,
+    SlotEvent,
     SlotState,
     Timeouts,
     UpdateEnded,
@@ -53,6 +54,9 @@ from slotsync.protocol.wire import (
 )
 
 URL = "http://engine:8000"
+PROBES = ["get_world_size", "weight_info", "is_sleeping"]  # every begin's first stage (I9)
+BEGIN_ROUTES = frozenset({*PROBES, "init_weight_transfer_engine", "pause", "finish_recover",
+                          "start_weight_update"})
 
 
 def ident(rank: int) -> bytes:
@@ -87,7 +91,16 @@ class ScriptedEngine:
     paused: bool = False
     active: bool = False
     version: str = "default"
+    asleep: bool = False  # executor sleeping (vLLM /sleep level >= 1)
+    packed: bool | None = None  # set by init (None: a fresh process, never initialised)
     bodies: list = field(default_factory=list)
+
+    def restart(self) -> None:
+        """A new engine process at the same URL: its checkpoint's weights, no session, not
+        paused, never initialised, version "default"."""
+        self.paused = self.active = self.asleep = False
+        self.packed = None
+        self.version = "default"
 
     def answer(self, call: EngineCall) -> tuple[bool, object, str]:
         self.calls.append(call.route)
@@ -100,6 +113,14 @@ class ScriptedEngine:
         r = call.route
         if r == "get_world_size":
             return True, {"world_size": self.world_size}, ""
+        if r == "weight_info":
+            return True, {"weight_version": self.version}, ""
+        if r == "is_sleeping":  # vLLM 0.32 EngineCore.is_sleeping: paused or asleep
+            return True, {"is_sleeping": self.paused or self.asleep}, ""
+        if r == "is_paused":
+            return True, {"is_paused": self.paused}, ""
+        if r == "init_weight_transfer_engine":
+            self.packed = call.body["init_info"]["packed"]
         if r == "pause":
             self.paused = True
         elif r == "resume":
@@ -116,6 +137,9 @@ class ScriptedEngine:
                 self.version = call.body["weight_version"]
         elif r == "update_weights":
             assert self.active and self.paused
+            if self.packed is None:  # vLLM 0.33: packed False until init; bare assert
+                self.active = False
+                return False, None, "HTTP 500: Call to collective_rpc method failed: "
         return True, {"message": "ok"}, ""
 
 
@@ -187,7 +211,7 @@ def test_happy_round_order_and_acks():
     h.round(0, n_chunks=2, version="step-1")
     # I1 + I4: paused before start, one start, one finish, resume last
     assert h.engine.calls == [
-        "get_world_size", "init_weight_transfer_engine", "pause", "start_weight_update",
+        *PROBES, "init_weight_transfer_engine", "pause", "start_weight_update",
         "update_weights", "update_weights", "finish_weight_update", "resume",
     ]
     assert h.engine.version == "step-1" and not h.engine.paused
@@ -198,11 +222,11 @@ def test_happy_round_order_and_acks():
     assert h.coord.state is SlotState.IDLE
     assert h.ended[-1].outcome == "success" and h.ended[-1].chunks == 2
     # init only once across rounds (init_info packed flag sent)
-    assert h.engine.bodies[1] == {"init_info": {"packed": True}}
+    assert h.engine.bodies[3] == {"init_info": {"packed": True}}
     h.round(1)
     assert h.engine.calls.count("init_weight_transfer_engine") == 1
-    # the world size too is checked once per engine session: round 2 starts with the pause
-    assert h.engine.calls[8:10] == ["pause", "start_weight_update"]
+    # each round probes the engine (world size, session, sleep: I9), then pauses it
+    assert h.engine.calls[10:15] == [*PROBES, "pause", "start_weight_update"]
     assert h.engine.calls.count("start_weight_update") == 2
     assert h.engine.calls.count("finish_weight_update") == 2
 
@@ -228,7 +252,7 @@ def test_chunks_sent_before_the_begin_is_acknowledged_wait_for_the_engines_start
     while h.pending_calls:  # answer the begin's calls one by one, as the engine would
         call = h.pending_calls.pop(0)
         h.run(h.coord.on_engine_result(call.call_id, *h.engine.answer(call), h.now))
-    assert h.engine.calls == ["get_world_size", "init_weight_transfer_engine", "pause",
+    assert h.engine.calls == [*PROBES, "init_weight_transfer_engine", "pause",
                               "start_weight_update", "update_weights", "update_weights"]
     for r in range(2):
         assert [(m.phase, m.index) for m in h.replies[r] if isinstance(m, Ack)] == [
@@ -271,6 +295,13 @@ def _answer_held(h: Harness) -> None:
     h.run(h.coord.on_engine_result(call.call_id, ok, res, err, h.now))
 
 
+def _answer_begin(h: Harness) -> None:
+    """Answer the held begin-stage calls (the pause waits for a first chunk) until the engine
+    has started; the chunks' calls stay held."""
+    while h.pending_calls and h.pending_calls[0].route in BEGIN_ROUTES:
+        _answer_held(h)
+
+
 @pytest.mark.parametrize("in_flight", [1, 2])
 def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monkeypatch,
                                                                             in_flight):
@@ -294,6 +325,7 @@ def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monk
     for k in range(2):  # ranks run one chunk ahead of their acks (the publisher's window)
         for r in range(2):
             h.send(r, chunk(0, k, r, packed=False))
+    _answer_begin(h)  # (the first chunk let the pause and start go out)
     # chunk 1 merged while chunk 0's call is still in flight; with 2 in flight its call is
     # already out too, waiting at the engine behind chunk 0
     assert [c.route for c in h.pending_calls] == ["update_weights"] * in_flight
@@ -332,6 +364,7 @@ def _chunks_held_at_the_engine(n: int) -> Harness:
     for k in range(n):
         for r in range(2):
             h.send(r, chunk(0, k, r))
+    _answer_begin(h)
     return h
 
 
@@ -376,10 +409,13 @@ def test_failed_chunk_with_another_in_flight_fails_at_once_and_the_next_begin_wa
     assert h.coord.next_deadline() is None  # bounded by the HTTP client's timeout instead
     h.run(h.coord.on_engine_result(second.call_id, False, None, "HTTP 500: no active update",
                                    h.now))
-    assert h.engine.calls[len(calls_before):] == [
-        "get_world_size", "init_weight_transfer_engine", "pause", "finish_recover",
-        "start_weight_update"]
-    assert all(isinstance(h.last(r), Ack) and h.last(r).phase == "begin" for r in range(2))
+    assert h.engine.calls[len(calls_before):] == [*PROBES, "init_weight_transfer_engine"]
+    for r in range(2):  # the pause waits for a first chunk
+        h.send(r, chunk(1, 0, r))
+    assert h.engine.calls[len(calls_before) + 4:] == [
+        "pause", "finish_recover", "start_weight_update", "update_weights"]
+    assert all(any(isinstance(m, Ack) and m.phase == "begin" and m.update_id == 1
+                   for m in h.replies[r]) for r in range(2))
 
 
 def test_chunks_in_flight_must_be_at_least_one():
@@ -422,7 +458,9 @@ def test_merged_update_info_carries_every_uuid_packed():
     assert info["names"] == ["a", "b"] and info["tensor_sizes"] == [16, 16]
     handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"], validate=True))
     assert set(handles) == {logical_gpu_uuid(0), logical_gpu_uuid(1)}
-    assert handles[logical_gpu_uuid(1)] == ("slotsync.shm", "seg-1", 0, 32)
+    args = handles[logical_gpu_uuid(1)]  # reduce_tensor's 15 slots; a flat uint8 buffer
+    assert len(args) == 15 and tuple(args[1]) == (32,) and str(args[5]) == "torch.uint8"
+    assert args[7:10] == (b"slotsync.shm:seg-1", 32, 0)
 
 
 def test_merged_update_info_unpacked_one_dict_per_tensor():
@@ -434,7 +472,9 @@ def test_merged_update_info_unpacked_one_dict_per_tensor():
     handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"], validate=True))
     assert len(handles) == 2 and all(set(d) == {logical_gpu_uuid(0), logical_gpu_uuid(1)}
                                      for d in handles)
-    assert handles[1][logical_gpu_uuid(0)] == ("slotsync.shm", "seg-0", 64, 16)
+    args = handles[1][logical_gpu_uuid(0)]  # the tensor's own dtype and shape
+    assert len(args) == 15 and tuple(args[1]) == (2, 2) and str(args[5]) == "torch.float32"
+    assert args[7:10] == (b"slotsync.shm:seg-0", 16, 64)
 
 
 def test_dtype_mismatch_rejected_before_engine_sees_it():
@@ -472,7 +512,7 @@ def test_engine_500_on_chunk_k_every_rank_gets_error_engine_not_resumed():
     h.engine.calls.clear()
     h.round(1, n_chunks=1)
     assert h.engine.calls == [
-        "get_world_size", "init_weight_transfer_engine", "pause", "finish_recover",
+        *PROBES, "init_weight_transfer_engine", "pause", "finish_recover",
         "start_weight_update", "update_weights", "finish_weight_update", "resume",
     ]
     assert h.coord.state is SlotState.IDLE and h.coord.last_version == "v1"
@@ -501,8 +541,8 @@ def test_full_update_after_a_failure_covers_what_successful_updates_loaded():
         return h.last(0)
 
     err = update(2, ("a",))
-    assert isinstance(err, Error) and "misses 1 of the 2 tensor names that earlier " \
-        "successful updates loaded (e.g. ['b'])" in err.message, err
+    assert isinstance(err, Error) and "misses 1 of the 2 tensor names the last successful " \
+        "update loaded: b;" in err.message, err
     assert h.engine.paused and "resume" not in h.engine.calls[-3:]
     ok = update(3, ("b", "a"))  # x and y, loaded only by the failed update, are not needed
     assert isinstance(ok, Ack) and ok.phase == "commit" and not h.engine.paused
@@ -513,6 +553,7 @@ def test_recovery_finish_clears_split_engine():
     h = Harness()
     h.register_all()
     h.begin()
+    h.send(0, chunk(0, 0, 0))  # a first chunk: the engine is paused and started
     h.send(0, Abort(0, "trainer crashed"))
     assert all(isinstance(h.last(r), Error) and h.last(r).phase == "abort" for r in range(2))
     assert h.engine.active  # start happened, no finish
@@ -628,10 +669,10 @@ def test_second_update_refused_while_one_in_flight_and_stale_id():
     assert isinstance(err, Error) and not err.fatal and "refusing a second update" in err.message
     assert "start_weight_update" not in h.engine.calls  # rank 1 has not begun yet
     h.send(1, Begin(0, "v"))
-    assert h.engine.calls.count("start_weight_update") == 1  # I1
     for k in range(1):
         for r in range(2):
             h.send(r, chunk(0, k, r))
+    assert h.engine.calls.count("start_weight_update") == 1  # I1
     for r in range(2):
         h.send(r, Commit(0, 1))
     assert isinstance(h.last(0), Ack) and h.last(0).phase == "commit"
@@ -656,19 +697,18 @@ def test_world_size_mismatch_refused_before_start():
     assert "world size 4" in h.last(0).message
 
 
-def test_engine_restarted_with_another_world_size_is_caught_after_its_first_failure():
-    """The world size is checked once per engine session. An engine restarted with another
-    layout fails the next update (here: its start), and the update after checks it again."""
+def test_engine_restarted_with_another_world_size_is_refused_before_the_pause():
+    """The world size is probed at every begin (I9): an engine restarted with another layout
+    between two rounds is refused with the engine still serving."""
     h = Harness()
     h.register_all()
     h.round(0)
+    h.engine.restart()
     h.engine.world_size = 4
-    h.engine.fail[("start_weight_update", 1)] = "HTTP 500: Weight transfer not configured"
+    h.engine.calls.clear()
     h.begin(1)
-    assert h.engine.calls[-2:] == ["pause", "start_weight_update"]  # no world size check
-    assert "not configured" in h.last(0).message
-    h.begin(2)
-    assert h.engine.calls[-1] == "get_world_size" and "world size 4" in h.last(0).message
+    assert "pause" not in h.engine.calls and not h.engine.paused
+    assert "world size 4" in h.last(0).message
 
 
 def test_registration_conflicts():
@@ -703,6 +743,8 @@ def test_begin_waits_for_slot_registration_then_starts():
     h.send(1, reg(1))
     assert "pause" not in h.engine.calls  # rank 1 has not begun: generation goes on
     h.send(1, Begin(0, "v"))
+    assert "pause" not in h.engine.calls  # no chunk yet: nothing to load
+    h.send(1, chunk(0, 0, 1))
     assert h.engine.calls[-2:] == ["pause", "start_weight_update"]
     assert isinstance(h.last(0), Ack) and h.last(0).phase == "begin"
 
@@ -743,7 +785,9 @@ def test_late_engine_result_of_failed_update_is_dropped():
     h.engine.hold = True
     for r in range(2):
         h.send(r, chunk(0, 0, r))
+    _answer_begin(h)
     call = h.pending_calls.pop()
+    assert call.route == "update_weights"
     h.send(0, Abort(0, "x"))
     assert h.coord.on_engine_result(call.call_id, True, {}, "", h.now) == []
 
@@ -752,9 +796,17 @@ def test_daemon_stop_fails_update_and_leaves_engine_paused():
     h = Harness()
     h.register_all()
     h.begin()
+    h.send(0, chunk(0, 0, 0))  # the engine is paused and started
     h.run(h.table.shutdown(h.now, "SIGTERM"))
     assert all(h.last(r).phase == "shutdown" for r in range(2))
     assert h.engine.paused and h.coord.needs_full_update
+    # an update that had not touched the engine yet leaves it serving
+    h2 = Harness()
+    h2.register_all()
+    h2.begin()
+    h2.run(h2.table.shutdown(h2.now, "SIGTERM"))
+    assert all(h2.last(r).phase == "shutdown" for r in range(2))
+    assert not h2.engine.paused and not h2.coord.needs_full_update
 
 
 def test_reregistration_during_update_fails_it():
@@ -771,8 +823,8 @@ def test_unrecorded_session_on_engine_is_ended_and_start_retried_once():
     h.engine.active = True  # e.g. a daemon restarted without its state dir
     h.register_all()
     h.round(0, n_chunks=1)
-    assert h.engine.calls[:6] == [
-        "get_world_size", "init_weight_transfer_engine", "pause", "start_weight_update",
+    assert h.engine.calls[:8] == [
+        *PROBES, "init_weight_transfer_engine", "pause", "start_weight_update",
         "finish_recover", "start_weight_update",
     ]
     assert isinstance(h.last(0), Ack) and h.last(0).phase == "commit"
@@ -807,6 +859,7 @@ def test_reregistration_of_a_rank_that_had_not_begun_keeps_the_update():
     h.send(1, reg(1))  # its new process registers
     assert h.coord.current is not None
     h.send(1, Begin(0, "v"))
+    h.send(1, chunk(0, 0, 1))
     assert isinstance(h.last(1), Ack) and h.last(1).phase == "begin"
 
 
@@ -851,7 +904,7 @@ def test_after_a_failure_only_an_update_covering_every_known_tensor_resumes_the_
     _send_round(h, 2, [("a", "b")])  # "c" missing: loaded, but not finished nor resumed
     err = h.last(0)
     assert isinstance(err, Error) and err.phase == "commit" and "full update" in err.message
-    assert "['c']" in err.message
+    assert "misses 1 of the 3 tensor names the last successful update loaded: c;" in err.message
     assert "finish_weight_update" not in h.engine.calls and "resume" not in h.engine.calls
     assert h.coord.state is SlotState.FAILED and h.coord.last_version == "v0"
     _send_round(h, 3, [("c",), ("b", "a")])  # every tensor again, any order: recovers
@@ -896,3 +949,269 @@ def test_two_slots_cannot_feed_one_engine():
     # another engine for that slot is fine
     assert isinstance(table.on_message(ident(7), reg(7, 7, 2, url="http://other:8000"),
                                        0.0)[0].msg, Registered)
+
+
+# ---------------------------------------------------------------- issue 14: what vLLM does
+
+
+class EventLog(Harness):
+    """A Harness that also keeps the SlotEvents (log lines) the coordinator emits."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.events: list[SlotEvent] = []
+
+    def run(self, actions: list) -> None:
+        self.events += [a for a in actions if isinstance(a, SlotEvent)]
+        queue = [a for a in actions if not isinstance(a, SlotEvent)]
+        while queue:
+            a = queue.pop(0)
+            if isinstance(a, EngineCall) and not self.engine.hold:
+                ok, res, err = self.engine.answer(a)
+                out = self.coord.on_engine_result(a.call_id, ok, res, err, self.now)
+                self.events += [x for x in out if isinstance(x, SlotEvent)]
+                queue += [x for x in out if not isinstance(x, SlotEvent)]
+            else:
+                super().run([a])
+
+
+def test_failure_while_the_pause_is_in_flight_resumes_the_engine():
+    """Defect 2 of issue 14: an update that fails while /pause is in flight (here a rank
+    aborts) left the engine paused while /status said idle, engine_paused=false. Now the
+    daemon asks /is_paused once the pause returned and resumes the engine (no weight update
+    had started: its weights are intact)."""
+    h = EventLog()
+    h.register_all()
+    h.begin()
+    h.engine.hold = True
+    for r in range(2):
+        h.send(r, chunk(0, 0, r))
+    pause = h.pending_calls.pop(0)
+    assert pause.route == "pause"
+    h.send(1, Abort(0, "input error"))
+    assert "engine is resumed if the pause reached it" in h.last(0).message
+    assert h.coord.state is SlotState.RECOVERING
+    assert h.coord.status()["engine_paused"] is True  # it may be: the check will tell
+    h.engine.hold = False
+    h.run(h.coord.on_engine_result(pause.call_id, *h.engine.answer(pause), h.now))
+    assert h.engine.calls[-3:] == ["pause", "is_paused", "resume"]
+    assert not h.engine.paused
+    st = h.coord.status()
+    assert st["state"] == "idle" and st["engine_paused"] is False
+    assert st["needs_full_update"] is False
+    assert [e.event for e in h.events] == ["engine_resumed_after_failure"]
+    h.round(1)  # a partial update is fine: the weights were never touched
+    assert h.coord.last_version == "v1"
+
+
+def test_pause_that_timed_out_is_checked_and_a_paused_engine_resumed():
+    """The pause's own failure (a timeout: it may have reached the engine) is checked too; a
+    failed update that had started leaves the engine paused and failed instead (I4)."""
+    h = Harness()
+    h.register_all()
+    real = h.engine.answer
+
+    late = {"pause": True}
+
+    def late_pause(call):  # the first pause lands, but its answer comes after the deadline
+        if call.route == "pause" and late.pop("pause", False):
+            h.engine.calls.append("pause")
+            h.engine.paused = True
+            return False, None, "pause: no answer within 2.5 s"
+        return real(call)
+
+    h.engine.answer = late_pause
+    h.begin()
+    for r in range(2):
+        h.send(r, chunk(0, 0, r))
+    assert h.last(0).phase == "engine" and "no answer" in h.last(0).message
+    assert h.engine.calls[-2:] == ["is_paused", "resume"] and not h.engine.paused
+    assert h.coord.state is SlotState.IDLE and not h.coord.needs_full_update
+    h.engine.calls.clear()
+    h.engine.fail[("update_weights", 0)] = "HTTP 500: boom"
+    h.round(1, n_chunks=1)
+    assert "is_paused" not in h.engine.calls and "resume" not in h.engine.calls
+    assert h.engine.paused and h.coord.state is SlotState.FAILED
+
+
+def test_engine_restarted_between_rounds_is_initialised_again_and_needs_a_full_update():
+    """Defect 3 of issue 14: an engine restarted at the same URL between rounds was not
+    initialised again (vLLM's packed flag is False until init: its next packed update fails
+    with a bare AssertionError). The begin's /weight_info probe now sees the restart."""
+    h = EventLog()
+    h.register_all()
+    _send_round(h, 0, [("a", "b"), ("c",)])
+    h.engine.restart()
+    h.engine.calls.clear()
+    _send_round(h, 1, [("a", "b")])  # partial: must not resume a restarted engine
+    err = h.last(0)
+    assert isinstance(err, Error) and "needs a full update" in err.message
+    assert "misses 1 of the 3" in err.message and "c;" in err.message
+    assert h.engine.calls[:4] == [*PROBES, "init_weight_transfer_engine"]
+    assert [e.event for e in h.events] == ["engine_session_new"]
+    assert "'default'" in h.events[0].fields["why"] and "'v0'" in h.events[0].fields["why"]
+    _send_round(h, 2, [("a", "b"), ("c",)])
+    assert isinstance(h.last(0), Ack) and h.last(0).phase == "commit"
+    assert h.coord.last_version == "v2" and not h.engine.paused
+
+
+def test_connection_lost_since_the_last_round_counts_as_a_possible_restart():
+    """A refused or reset connection since the last round: the engine is initialised again;
+    the weight version the daemon finished proves it is the same process (no full update);
+    an engine that reports 'default' cannot be told apart and is treated as new."""
+    h = Harness()
+    h.register_all()
+    _send_round(h, 0, [("a", "b")])
+    h.coord.on_connection_lost(h.now)
+    h.engine.calls.clear()
+    _send_round(h, 1, [("a",)])  # partial, but the engine is the same: fine
+    assert h.coord.last_version == "v1" and h.last(0).omitted_names == ["b"]
+    assert h.engine.calls[:4] == [*PROBES, "init_weight_transfer_engine"]
+    h2 = Harness()
+    h2.register_all()
+    h2.engine.fail[("update_weights", 0)] = "HTTP 500: boom"
+    _send_round(h2, 0, [("a", "b")])  # no success yet: the engine still says "default"
+    h2.engine.fail.clear()
+    _send_round(h2, 1, [("a", "b")])
+    assert h2.coord.last_version == "v1"
+    h2.engine.restart()
+    h2.coord.on_connection_lost(h2.now)
+    h2.engine.calls.clear()
+    _send_round(h2, 2, [("a", "b")])
+    assert h2.coord.last_version == "v2"  # (v1 was finished: its version proves nothing lost)
+    assert "init_weight_transfer_engine" in h2.engine.calls
+
+
+def test_update_with_no_chunk_from_any_rank_is_refused_at_commit_before_the_engine_is_touched():
+    """Defect 4 of issue 14: every rank committing zero chunks paused, started, finished and
+    resumed the engine and moved its weight version with no weights loaded."""
+    h = Harness()
+    h.register_all()
+    h.round(0, n_chunks=1)
+    h.engine.calls.clear()
+    h.begin(1)
+    for r in range(2):
+        h.send(r, Commit(1, 0))
+    for r in range(2):
+        err = h.last(r)
+        assert isinstance(err, Error) and err.phase == "commit", err
+        assert "has no chunks" in err.message and "ranks [0, 1]" in err.message
+        assert "neither paused nor started" in err.message
+    assert not set(h.engine.calls) & {"pause", "start_weight_update", "finish_weight_update"}
+    assert h.engine.version == "v0" and h.coord.last_version == "v0"
+    assert h.coord.state is SlotState.IDLE and not h.engine.paused
+
+
+def test_update_leaving_out_names_of_the_last_one_is_reported():
+    """Defect 5 of issue 14 (warn): a successful update that omits a name the previous one
+    loaded (a tied lm_head.weight) succeeds, and vLLM keeps that tensor's old values: the
+    commit ack (PublishStats), a log line and UpdateEnded (the metric) say so."""
+    h = EventLog()
+    h.register_all()
+    _send_round(h, 0, [("a", "lm_head.weight"), ("c",)])
+    _send_round(h, 1, [("a",), ("c",)])
+    ack = h.last(0)
+    assert isinstance(ack, Ack) and ack.phase == "commit"
+    assert ack.omitted_names == ["lm_head.weight"] and ack.omitted_count == 1
+    assert h.ended[-1].outcome == "success" and h.ended[-1].omitted_names == 1
+    ev = [e for e in h.events if e.event == "omitted_names"]
+    assert len(ev) == 1 and ev[0].fields["names"] == "lm_head.weight" and ev[0].warning
+    _send_round(h, 2, [("a",), ("c",)])  # compared with the last successful update only
+    assert h.last(0).omitted_count == 0 and h.ended[-1].omitted_names == 0
+
+
+def test_omitted_names_refuse_fails_before_the_finish():
+    h = Harness()
+    h.table = SlotTable(Timeouts(10, 10, 10), omitted_names="refuse")
+    h.register_all()
+    _send_round(h, 0, [("a", "lm_head.weight")])
+    h.engine.calls.clear()
+    _send_round(h, 1, [("a",)])
+    err = h.last(0)
+    assert isinstance(err, Error) and err.phase == "commit"
+    assert "leaves out 1 tensor names" in err.message and "lm_head.weight" in err.message
+    assert "finish_weight_update" not in h.engine.calls and h.engine.paused
+    assert h.coord.state is SlotState.FAILED
+    with pytest.raises(ValueError, match="omitted_names"):
+        SlotCoordinator(0, 2, omitted_names="ignore")
+
+
+def test_restoring_update_covers_the_last_successful_update_not_every_name_ever_seen():
+    """Defect 5 of issue 14: after a failure the full-update rule wanted every name loaded
+    since the daemon started, so a model that legitimately stopped sending one kept its
+    engine paused until the daemon restarted."""
+    h = Harness()
+    h.register_all()
+    _send_round(h, 0, [("a", "b"), ("old",)])
+    _send_round(h, 1, [("a", "b")])  # "old" is gone from the model (a warning)
+    h.engine.fail[("update_weights", 3)] = "HTTP 500: boom"
+    _send_round(h, 2, [("a", "b")])
+    assert h.coord.state is SlotState.FAILED
+    _send_round(h, 3, [("b",)])
+    err = h.last(0)
+    assert isinstance(err, Error) and "misses 1 of the 2 tensor names" in err.message
+    assert "a;" in err.message and "old" not in err.message  # names what is missing
+    _send_round(h, 4, [("a", "b")])
+    assert h.coord.last_version == "v4" and not h.engine.paused
+
+
+def test_gpu_uuid_set_is_checked_before_the_pause():
+    """Defect 6 of issue 14: only the count was compared with /get_world_size; a wrong UUID
+    surfaced after the pause, as vLLM's 'IPC handle not found'. Known UUIDs (the engine
+    table's, or the reference engine's report) are now compared as a set first."""
+    other = "0aaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
+    h = Harness()
+    h.table.set_engine_table({(0, 2): URL}, {(0, 2): (logical_gpu_uuid(0), other)})
+    h.register_all()
+    h.round(0, n_chunks=1)
+    err = next(m for m in h.replies[1] if isinstance(m, Error))
+    assert err.phase == "begin" and err.fatal
+    assert f"rank(s) 1 ({logical_gpu_uuid(1)})" in err.message and other in err.message
+    assert "engine table declares" in err.message
+    assert "pause" not in h.engine.calls and not h.engine.paused
+    h2 = Harness()
+    real = h2.engine.answer
+
+    def with_uuids(call):
+        ok, res, err = real(call)
+        if call.route == "get_world_size":
+            res = {**res, "gpu_uuids": [logical_gpu_uuid(1), "GPU-" + other.upper()]}
+        return ok, res, err
+
+    h2.engine.answer = with_uuids
+    h2.register_all()
+    h2.round(0, n_chunks=1)
+    err = next(m for m in h2.replies[0] if isinstance(m, Error))
+    assert "engine http://engine:8000 reports" in err.message
+    assert "pause" not in h2.engine.calls
+    h3 = Harness()  # matching, any order: the update goes through
+    h3.table.set_engine_table({(0, 2): URL}, {(0, 2): (logical_gpu_uuid(1), logical_gpu_uuid(0))})
+    h3.register_all()
+    h3.round(0, n_chunks=1)
+    assert h3.coord.last_version == "v0"
+
+
+def test_engine_found_sleeping_needs_a_full_update_and_is_left_paused():
+    """Defect 7 of issue 14: vLLM's /sleep?level=2 discards the weights, and the daemon never
+    noticed a sleep it did not send: it resumed such an engine after a partial update. Now
+    /is_sleeping at the begin requires a full update, and the engine is left paused for
+    vLLM's own full /wake_up to resume."""
+    h = Harness()
+    h.register_all()
+    _send_round(h, 0, [("a", "b")])
+    h.engine.asleep = h.engine.paused = True  # /sleep?level=2, then /wake_up?tags=weights
+    _send_round(h, 1, [("a",)])
+    err = h.last(0)
+    assert isinstance(err, Error) and "needs a full update" in err.message
+    assert h.coord.status()["engine_sleeping"] is True
+    _send_round(h, 2, [("a", "b")])
+    ack = h.last(0)
+    assert isinstance(ack, Ack) and ack.phase == "commit" and ack.resumed is False
+    assert h.engine.paused and h.engine.calls[-1] == "finish_weight_update"
+    st = h.coord.status()
+    assert st["state"] == "idle" and st["engine_paused"] and not st["needs_full_update"]
+    h.engine.asleep = h.engine.paused = False  # /wake_up?tags=kv_cache: vLLM resumes it
+    _send_round(h, 3, [("a",)])
+    ack = h.last(0)
+    assert ack.resumed is True and ack.omitted_names == ["b"]
+    assert not h.engine.paused and h.coord.status()["engine_sleeping"] is False

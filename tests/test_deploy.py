@@ -281,6 +281,9 @@ def test_example_engine_table_parses_when_uncommented(tmp_path, monkeypatch):
         pytest.skip("this daemon has no engine table")
     assert [(e.url, e.slot_start, e.slot_size) for e in cfg.engines] == [
         ("http://127.0.0.1:8000", 0, 8)]
+    uuids = getattr(cfg.engines[0], "gpu_uuids", None)
+    if uuids is not None:  # normalised to torch's format (no GPU- prefix)
+        assert len(uuids) == 8 and not any(u.startswith("GPU-") for u in uuids)
 
 
 # ---------------------------------------------------------------------------- sidecar, Ray

@@ -59,6 +59,19 @@ def test_notify_protocol_ready_status_watchdog_stopping(tmp_path):
 # ------------------------------------------------------------------ configuration
 
 
+_U0 = "5c8a1e2f-0000-0000-0000-000000000000"
+
+
+def test_engine_table_gpu_uuids_and_omitted_names(tmp_path):
+    f = tmp_path / "d.toml"
+    f.write_text('omitted_names = "refuse"\n[[engines]]\nurl = "http://e:1"\nslot_start = 0\n'
+                 f'slot_size = 2\ngpu_uuids = ["GPU-{_U0.upper()}", "{_U0[:-1]}1"]\n')
+    cfg, _ = load_config(["--config", str(f)], environ={})
+    assert cfg.omitted_names == "refuse"
+    assert cfg.engines[0].gpu_uuids == (_U0, _U0[:-1] + "1")  # normalised
+    assert cfg.describe()["engines"][0]["gpu_uuids"] == [_U0, _U0[:-1] + "1"]
+
+
 def test_precedence_file_env_flags(tmp_path):
     f = tmp_path / "d.toml"
     f.write_text('status_port = 1111\nchunk_timeout_s = 5\nlog_format = "json"\n'
@@ -90,6 +103,15 @@ def test_precedence_file_env_flags(tmp_path):
      "machine can bind"),
     ("[[engines]]\nurl='http://a:1'\nslot_start=0\nslot_size=4\n[[engines]]\n"
      "url='http://b:1'\nslot_start=2\nslot_size=4\n", {}, [], "overlaps slot"),
+    ("omitted_names = 'ignore'\n", {}, [], "omitted_names must be warn or refuse"),
+    ("[[engines]]\nurl='http://a:1'\nslot_start=0\nslot_size=2\ngpu_uuids=['GPU-x']\n", {},
+     [], "engines[0]: gpu_uuids:"),
+    (f"[[engines]]\nurl='http://a:1'\nslot_start=0\nslot_size=2\ngpu_uuids=['{_U0}']\n", {},
+     [], "lists 1 gpu_uuids for a slot of 2 GPUs"),
+    (f"[[engines]]\nurl='http://a:1'\nslot_start=0\nslot_size=2\n"
+     f"gpu_uuids=['{_U0}', 'GPU-{_U0.upper()}']\n", {}, [], "lists a GPU UUID twice"),
+    ("[[engines]]\nurl='http://a:1'\nslot_start=0\nslot_size=2\ngpus=1\n", {}, [],
+     "optionally gpu_uuids"),
 ])
 def test_invalid_configuration_refused_naming_the_option(tmp_path, capsys, toml, env, argv,
                                                          text):
