@@ -25,7 +25,11 @@ engine worker unpickles the whole list, and this halves its ``pickle.loads`` and
 pickle by a quarter (an 8-rank Qwen3-30B-A3B chunk: 357 -> 272 kB), while the objects it
 unpickles to are equal to those of torch's own pickle. Packed, a handle's fragment is cached
 by value, so a staging buffer that is exported once and reused across chunks is encoded
-once; the per-chunk cost is then O(ranks) concatenation.
+once; the per-chunk cost is then O(ranks) concatenation. That cache only ever hits within
+one update (on CUDA every update exports its staging block anew), so it is small: enough for
+every staging region of 64 ranks; a bigger one only grew the daemon over a 1,000-round CUDA
+soak (50.7 -> 65.0 MB, issue 14). For the same reason values that are new with every export
+(CUDA IPC, event handles) are never put in the ``_bytes`` cache.
 Unpacked, every export is fresh (no cache could hit), and the per-handle loop
 (``_rank_fragments``, 8 ranks x ~170 tensors per chunk on the daemon's event loop) does the
 least Python it can: the shape-dependent part (class, ``torch.Size``, stride, offset, dtype)
@@ -87,10 +91,15 @@ def _str(s: str) -> bytes:
     return b"X" + struct.pack("<I", len(b)) + b  # BINUNICODE
 
 
-@lru_cache(maxsize=65536)
+def _bytes_once(b: bytes) -> bytes:
+    """BINBYTES of a value that is new with every export (not worth a cache entry)."""
+    return b"B" + struct.pack("<I", len(b)) + b
+
+
+@lru_cache(maxsize=4096)
 def _bytes(b: bytes) -> bytes:
-    # cached: a rank's ref-counter file name, event and segment handles repeat across exports
-    return b"B" + struct.pack("<I", len(b)) + b  # BINBYTES
+    # cached: values that repeat across exports (a segment's storage handle, b"")
+    return _bytes_once(b)
 
 
 _BININT = struct.Struct("<i")
@@ -206,7 +215,12 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-@lru_cache(maxsize=65536)
+FRAGMENT_CACHE_SIZE = 64 * 8 * 2
+"""Handle fragments kept (``_fragment``): 64 ranks x 8 staging regions, twice over (two
+updates' worth while one ends and the next begins)."""
+
+
+@lru_cache(maxsize=FRAGMENT_CACHE_SIZE)
 def _fragment(h: Handle) -> tuple[bytes, int]:
     """Pickle opcodes that push one handle's args onto the unpickler's stack, and the bit
     mask of the memoized globals they use (see ``_GLOBALS``).
@@ -235,7 +249,6 @@ def _fragment(h: Handle) -> tuple[bytes, int]:
         h.device, h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_offset
     )
     flags = (_TRUE if h.requires_grad else _FALSE, _TRUE if h.event_sync_required else _FALSE)
-    event = _NONE if h.event_handle is None else _bytes(h.event_handle)
     if dev < _2_31 and size < _2_31 and off < _2_31 and rc < _2_31:  # all NonNeg (wire)
         # fast path: everything after the layout in one struct.pack call (one C call per
         # handle; the per-field Python calls were most of merge_chunk for unpacked chunks)
@@ -252,9 +265,10 @@ def _fragment(h: Handle) -> tuple[bytes, int]:
             )  # fmt: skip
         frag = head + tail
     else:  # e.g. a staging buffer of 2 GiB or more: LONG1 where needed
+        event = _NONE if h.event_handle is None else _bytes_once(h.event_handle)
         frag = b"".join((
-            head, _int(dev), _bytes(h.ipc_handle), _int(size), _int(off), flags[0],
-            _bytes(h.ref_counter_handle), _int(rc), event, flags[1], _TUPLE,
+            head, _int(dev), _bytes_once(h.ipc_handle), _int(size), _int(off), flags[0],
+            _bytes_once(h.ref_counter_handle), _int(rc), event, flags[1], _TUPLE,
         ))  # fmt: skip
     return frag, mask
 
