@@ -109,9 +109,12 @@ class VllmClient:
         self._retired: set[aiohttp.ClientSession] = set()  # closed once no call uses them
 
     def _new_session(self) -> aiohttp.ClientSession:
+        # Idle connections are dropped after 4 s, before uvicorn's keep-alive timeout (vLLM's
+        # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) closes them under a request reusing them.
         connector: aiohttp.BaseConnector = (
-            aiohttp.UnixConnector(path=self._path) if self._path is not None
-            else aiohttp.TCPConnector(limit=4)
+            aiohttp.UnixConnector(path=self._path, keepalive_timeout=4.0)
+            if self._path is not None
+            else aiohttp.TCPConnector(limit=4, keepalive_timeout=4.0)
         )
         return aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
