@@ -1,8 +1,25 @@
-"""``python -m slotsync.engine``: run the reference engine (see ``slotsync.engine.server``).
+"""``python -m slotsync.engine``: run an engine for tests, demos and benchmarks.
+
+Two implementations (``--impl``):
+
+* ``reference`` (default): slotsync's reference engine (aiohttp front ``slotsync.engine.server``,
+  workers ``slotsync.engine.worker``). ``--receive vllm`` makes its workers load every update
+  through vLLM's own ``IPCWeightTransferEngine.update_weights`` (``parse_update_info``,
+  ``receive_weights``, ``PackedBufferImporter``; ``slotsync.engine.vllm_receive``): for the GPU
+  machine, where only ``vllm/distributed/weight_transfer`` can be made importable
+  (``tools/vllm_shim.py``; ``SLOTSYNC_VLLM_SHIM=DIR`` puts such a folder first on the
+  workers' ``sys.path``).
+* ``vllm``: vLLM's own router, exception handlers, uvicorn launcher and per-worker
+  ``gpu_worker.Worker`` state machine over stand-ins for the engine core and the CUDA calls
+  (``slotsync.engine.vllm_server``, ``slotsync.engine.vllm_worker``). Needs the vllm package
+  and ``--model``.
+
+Both exit 2 with a message when what they need cannot be imported.
 
 Example::
 
     python -m slotsync.engine --port 8000 --workers 4 --device cpu
+    python -m slotsync.engine --impl vllm --workers 2 --model m.safetensors
     python -m slotsync.engine --port 8000 --workers 2 --device cuda --cuda-devices 0,0 \\
         --gpu-uuids $(python -c 'from slotsync.protocol.wire import logical_gpu_uuid as u; \\
         print(u(0) + "," + u(1))')
@@ -12,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -28,8 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     p = argparse.ArgumentParser(
         prog="python -m slotsync.engine",
-        description="Reference engine speaking vLLM 0.33's weight-transfer HTTP contract.",
+        description="Engine speaking vLLM's weight-transfer HTTP contract: slotsync's "
+        "reference engine, or vLLM's own router and worker code (--impl vllm).",
     )
+    p.add_argument("--impl", choices=("reference", "vllm"), default="reference",
+                   help="reference: slotsync's reference engine (default); vllm: vLLM's own "
+                   "router, handlers, uvicorn launcher and gpu_worker.Worker state machine "
+                   "(needs vllm and --model)")
+    p.add_argument("--receive", choices=("reference", "vllm"), default="reference",
+                   help="reference engine only: how workers load an update; vllm: through "
+                   "vLLM's IPCWeightTransferEngine.update_weights (needs "
+                   "vllm.distributed.weight_transfer.ipc_engine importable)")
+    p.add_argument("--executor-replies", choices=("vllm", "all"), default="vllm",
+                   help="--impl vllm with several workers: vllm (default) reads worker "
+                   "replies as vLLM 0.32's MultiprocExecutor does (stops at the first "
+                   "failure, later replies stay queued for the next calls); all: reads every "
+                   "reply of each call")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--uds", default=None,
@@ -105,16 +137,43 @@ def build_specs(args: argparse.Namespace) -> list[WorkerSpec]:
             idx = list(range(n)) if count >= n else [0] * n
         devices = [f"cuda:{i}" for i in idx]
     return [
-        WorkerSpec(i, devices[i], uuids[i], args.model, discard=args.discard)
+        WorkerSpec(i, devices[i], uuids[i], args.model, discard=args.discard,
+                   receive=args.receive)
         for i in range(n)
     ]
 
 
+def _require(modules: Sequence[str], what: str) -> None:
+    """Import ``modules`` or exit 2 saying why ``what`` cannot run."""
+    import importlib
+
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # noqa: BLE001 - ImportError, or vllm failing to initialise
+            print(f"[slotsync.engine] {what} needs {m}, which cannot be imported: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Start the workers, then serve HTTP until SIGINT/SIGTERM."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.impl == "vllm":
+        if args.model is None:
+            parser.error("--impl vllm needs --model (vLLM always serves a model)")
+        if args.discard or args.receive != "reference":
+            parser.error("--discard and --receive are reference-engine options")
     specs = build_specs(args)
+    if args.impl == "vllm":
+        _main_vllm(args, specs)
+        return
+    if args.receive == "vllm":
+        from slotsync.engine.vllm_receive import use_shim_path
 
+        use_shim_path()  # SLOTSYNC_VLLM_SHIM, as the workers will
+        _require(["vllm.distributed.weight_transfer.ipc_engine"], "--receive vllm")
 
     from slotsync.engine.server import EngineApp, WorkerPool
 
@@ -141,6 +200,71 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(1) from None
     except KeyboardInterrupt:
         pass
+
+
+def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
+    """``--impl vllm``: vLLM-code workers, vLLM's router and launcher."""
+    import importlib.util
+    import threading
+
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    if importlib.util.find_spec("vllm") is None:
+        _require(["vllm"], "--impl vllm")
+    # The front's vLLM imports (seconds) run while the workers start (each imports vLLM too).
+    failed: list[BaseException] = []
+
+    def front_imports() -> None:
+        try:
+            _require(["vllm.entrypoints.rl.online.api_router",
+                      "vllm.entrypoints.serve.dev.sleep.api_router",
+                      "vllm.entrypoints.serve.exception_handling.register",
+                      "vllm.entrypoints.launchers.launcher",
+                      "vllm.distributed.weight_transfer.ipc_engine",
+                      "vllm.v1.worker.gpu_worker"], "--impl vllm")
+        except BaseException as e:  # SystemExit(2) from _require
+            failed.append(e)
+
+    importer = threading.Thread(target=front_imports, name="vllm-imports")
+    importer.start()
+    from slotsync.engine.pool import WorkerPool
+    from slotsync.engine.vllm_worker import VllmWorkerSpec, vllm_worker_main
+
+    vspecs = [VllmWorkerSpec(s.index, s.device, s.gpu_uuid, str(args.model), len(specs))
+              for s in specs]
+    try:
+        pool = WorkerPool(vspecs, startup_timeout_s=args.startup_timeout,
+                          target=vllm_worker_main)
+    except BaseException:
+        importer.join()
+        if failed:  # the workers failed for the same reason: say it as an import error
+            raise failed[0] from None
+        raise
+    importer.join()
+    if failed:
+        pool.close()
+        raise failed[0]
+    from slotsync.engine.vllm_server import VllmEngineClient, build_app, serve
+
+    client = VllmEngineClient(pool, replies=args.executor_replies)
+    for w in pool.workers:
+        print(f"[slotsync.engine] worker {w.spec.index}: {w.device} gpu_uuid={w.gpu_uuid} "
+              "(vLLM gpu_worker.Worker)", file=sys.stderr, flush=True)
+    where = f"unix://{args.uds}" if args.uds else f"http://{args.host}:{args.port}"
+    app = build_app(client)
+    try:
+        import uvloop  # as vLLM's api_server entry (uvloop.run)
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        runner(serve(app, client, args.host, args.port, args.uds, where))
+    except OSError as e:
+        print(f"[slotsync.engine] cannot listen on {where}: {e.strerror}", file=sys.stderr)
+        client.shutdown()
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        client.shutdown()
 
 
 async def _serve(app, args: argparse.Namespace, where: str, world_size: int) -> None:

@@ -1,10 +1,12 @@
-"""Start and stop a reference engine as a subprocess, for tests and demos.
+"""Start and stop an engine (``python -m slotsync.engine``) as a subprocess, for tests and demos.
 
 Example::
 
     with ReferenceEngine(workers=2) as eng:
         status, body = eng.request("GET", "/get_world_size")   # 200, {"world_size": 2}
         eng.gpu_uuids                                          # logical UUIDs of workers 0, 1
+    with ReferenceEngine(workers=2, impl="vllm", model="m.safetensors") as eng:
+        ...                                                    # vLLM's own router and workers
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class EngineStartError(RuntimeError):
 
 
 class ReferenceEngine:
-    """``python -m slotsync.engine`` in a subprocess on a loopback port.
+    """``python -m slotsync.engine`` in a subprocess on a loopback port (the reference engine,
+    or with ``impl="vllm"`` the vLLM-code engine; the class keeps its name for both).
 
     Args:
         workers: number of worker processes (= ``/get_world_size``).
@@ -54,6 +57,10 @@ class ReferenceEngine:
         log_path: file receiving the subprocess's stdout and stderr (default: a temp file,
             deleted by :meth:`stop`).
         discard: start the engine with ``--discard`` (validate updates, load nothing).
+        impl: ``"reference"`` or ``"vllm"`` (``--impl``; ``"vllm"`` needs ``model``).
+        receive: reference engine: ``"reference"`` or ``"vllm"`` (``--receive``).
+        executor_replies: ``impl="vllm"``: ``"vllm"`` or ``"all"`` (``--executor-replies``);
+            None: the engine's default.
 
     The engine starts in the constructor unless ``start=False``; :meth:`stop` (also run by
     the context manager) terminates it, then kills it after a grace period.
@@ -73,9 +80,17 @@ class ReferenceEngine:
         log_path: str | os.PathLike[str] | None = None,
         start: bool = True,
         discard: bool = False,
+        impl: str = "reference",
+        receive: str = "reference",
+        executor_replies: str | None = None,
     ) -> None:
+        if impl not in ("reference", "vllm"):
+            raise ValueError(f"impl must be 'reference' or 'vllm', not {impl!r}")
         self.workers = workers
         self.discard = discard
+        self.impl = impl
+        self.receive = receive
+        self.executor_replies = executor_replies
         self.device = device
         self.host = host
         self.port = port or free_port(host)
@@ -115,8 +130,12 @@ class ReferenceEngine:
         cmd = [
             sys.executable, "-m", "slotsync.engine",
             "--host", self.host, "--port", str(self.port),
-            "--workers", str(self.workers), "--device", self.device,
+            "--workers", str(self.workers), "--device", self.device, "--impl", self.impl,
         ]  # fmt: skip
+        if self.receive != "reference":
+            cmd += ["--receive", self.receive]
+        if self.executor_replies is not None:
+            cmd += ["--executor-replies", self.executor_replies]
         if self._gpu_uuids is not None:
             cmd += ["--gpu-uuids", ",".join(self._gpu_uuids)]
         if self._cuda_devices is not None:
@@ -154,7 +173,8 @@ class ReferenceEngine:
                 tail = self.log_tail()
                 self.stop()
                 raise EngineStartError(
-                    f"reference engine exited with code {rc} during startup; output tail:\n{tail}"
+                    f"{self.impl} engine exited with code {rc} during startup; output "
+                    f"tail:\n{tail}"
                 )
             try:
                 status, _ = self.request("GET", "/get_world_size", timeout=2.0)
@@ -166,7 +186,7 @@ class ReferenceEngine:
                 tail = self.log_tail()
                 self.stop()
                 raise EngineStartError(
-                    f"reference engine did not answer {self.url}/get_world_size within "
+                    f"{self.impl} engine did not answer {self.url}/get_world_size within "
                     f"{self.startup_timeout_s:.0f} s; output tail:\n{tail}"
                 )
             time.sleep(0.1)

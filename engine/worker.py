@@ -72,10 +72,8 @@ START_ACTIVE_MSG = (
 )
 UPDATE_INACTIVE_MSG = "start_weight_update must be called before update_weights."
 FINISH_INACTIVE_MSG = "finish_weight_update called without a matching start_weight_update."
-SHUTDOWN_ACTIVE_MSG = (
-    "Cannot shut down the weight transfer engine while a weight update is active. "
-    "Call finish_weight_update first."
-)
+SHUTDOWN_ACTIVE_MSG = "Cannot release a trainer connection during a weight update"
+"""vLLM 0.32 ``Worker.shutdown_weight_transfer_engine``'s refusal during an update."""
 NOT_SERVABLE_MSG = (
     "weights are on the meta device: a weight update was started and has not finished "
     "successfully (start_weight_update ... finish_weight_update)"
@@ -97,6 +95,9 @@ class WorkerSpec:
             exactly as usual (unpickle, lengths, this worker's GPU UUID present, handle
             shape, packed sizes) but maps no memory and stores nothing, so a control-plane
             benchmark can send synthetic handles without a GPU.
+        receive: ``"reference"`` (this module's parse / map / copy, with its fast paths) or
+            ``"vllm"``: every chunk goes through vLLM's own
+            ``IPCWeightTransferEngine.update_weights`` (``slotsync.engine.vllm_receive``).
     """
 
     index: int
@@ -104,6 +105,7 @@ class WorkerSpec:
     gpu_uuid: str | None
     model_path: str | None
     discard: bool = False
+    receive: str = "reference"
 
 
 @dataclass
@@ -130,13 +132,18 @@ def _dtype(name: Any) -> torch.dtype:
 
 
 def _check_dataclass_kwargs(d: Any, allowed: frozenset, what: str, cls: str) -> None:
-    """Refuse a non-object or an unknown key the way vLLM's dataclass constructor does
-    (``TypeError: <cls>.__init__() got an unexpected keyword argument '<key>'``)."""
+    """Refuse a non-object or an unknown key the way vLLM 0.32's
+    ``WeightTransferEngine.parse_init_info`` / ``parse_update_info`` do: the dataclass
+    constructor's ``TypeError`` wrapped as ``ValueError("Invalid <what> for
+    IPCWeightTransferEngine: <cls>.__init__() got an unexpected keyword argument '<key>'")``."""
     if not isinstance(d, dict):
         raise TypeError(f"{what} must be a JSON object, got {type(d).__name__}")
     unknown = sorted(set(d) - allowed)
     if unknown:
-        raise TypeError(f"{cls}.__init__() got an unexpected keyword argument '{unknown[0]}'")
+        raise ValueError(
+            f"Invalid {what} for IPCWeightTransferEngine: {cls}.__init__() got an unexpected "
+            f"keyword argument '{unknown[0]}'"
+        )
 
 
 def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
@@ -235,24 +242,30 @@ def _handles_of(update_info: dict) -> Any:
 
 
 def parse_update_info(update_info: Any, packed: bool) -> ParsedUpdate:
-    """Validate one ``update_info`` as vLLM 0.33's ``IPCWeightTransferUpdateInfo`` does.
+    """Validate one ``update_info`` as vLLM's IPC backend does, in its order.
 
-    Rules (vLLM 0.33 ``/update_weights``, IPC backend): ``names``, ``dtype_names`` and
-    ``shapes`` have the same length; exactly one of ``ipc_handles`` / ``ipc_handles_pickled``
-    is given, the latter being standard base64 of a pickle; unpacked handles are a list of one
-    dict per name, packed handles one dict plus ``tensor_sizes`` (bytes per tensor, same
-    length as ``names``).
+    Rules, from vLLM 0.32 ``ipc_engine.py`` (``IPCWeightTransferUpdateInfo.__post_init__``,
+    then ``IPCWeightTransferEngine.receive_weights``): unknown or missing keys fail
+    ``parse_update_info`` (``Invalid update_info for IPCWeightTransferEngine: ...``); exactly
+    one of ``ipc_handles`` / ``ipc_handles_pickled`` (standard base64 of a pickle);
+    ``dtype_names`` and ``shapes`` as long as ``names``, and a handle list too. Then, packed:
+    ``tensor_sizes`` is required (``ValueError("`tensor_sizes` is required when
+    packed=True")``) and the handles must be one dict -- else vLLM's bare ``assert
+    isinstance(update_info.ipc_handles, dict)`` fails with an empty message; unpacked: the
+    handles must be a list (bare ``assert isinstance(..., list)``). Beyond vLLM, packed
+    ``tensor_sizes`` must be as long as ``names`` (vLLM's ``zip`` would drop the rest).
 
     Raises:
-        ValueError, TypeError: with vLLM-like texts; the caller turns them into a 500.
+        ValueError, TypeError, AssertionError: with vLLM's texts; the caller turns them into
+            a 500.
     """
     _check_dataclass_kwargs(update_info, _UPDATE_INFO_KEYS, "update_info",
                             "IPCWeightTransferUpdateInfo")
     for key in ("names", "dtype_names", "shapes"):
         if key not in update_info:
-            raise TypeError(
-                f"IPCWeightTransferUpdateInfo.__init__() missing 1 required positional "
-                f"argument: '{key}'"
+            raise ValueError(
+                "Invalid update_info for IPCWeightTransferEngine: IPCWeightTransferUpdateInfo"
+                f".__init__() missing 1 required positional argument: '{key}'"
             )
     names = update_info["names"]
     dtype_names = update_info["dtype_names"]
@@ -267,15 +280,16 @@ def parse_update_info(update_info: Any, packed: bool) -> ParsedUpdate:
         raise ValueError(
             f"`shapes` should be of the same size as `names`: got {len(shapes)} and {n}"
         )
+    if isinstance(handles, list) and len(handles) != n:
+        raise ValueError(
+            f"`ipc_handles` should be of the same size as `names`: got {len(handles)} and {n}"
+        )
     tensor_sizes = update_info.get("tensor_sizes")
     if packed:
-        if not isinstance(handles, dict):
-            raise ValueError(
-                "packed transfer (init_info packed=true) expects `ipc_handles` to be one "
-                f"{{gpu_uuid: args}} dict, got {type(handles).__name__}"
-            )
         if tensor_sizes is None:
-            raise ValueError("packed transfer requires `tensor_sizes`")
+            raise ValueError("`tensor_sizes` is required when packed=True")
+        if not isinstance(handles, dict):
+            raise AssertionError  # vLLM: assert isinstance(update_info.ipc_handles, dict)
         if len(tensor_sizes) != n:
             raise ValueError(
                 f"`tensor_sizes` should be of the same size as `names`: "
@@ -284,14 +298,7 @@ def parse_update_info(update_info: Any, packed: bool) -> ParsedUpdate:
         tensor_sizes = [int(s) for s in tensor_sizes]
     else:
         if not isinstance(handles, list):
-            raise ValueError(
-                "unpacked transfer (init_info packed=false) expects `ipc_handles` to be a list "
-                f"of {{gpu_uuid: args}} dicts, got {type(handles).__name__}"
-            )
-        if len(handles) != n:
-            raise ValueError(
-                f"`ipc_handles` should be of the same size as `names`: got {len(handles)} and {n}"
-            )
+            raise AssertionError  # vLLM: assert isinstance(update_info.ipc_handles, list)
         tensor_sizes = None
     dtypes = [_dtype(d) for d in dtype_names]
     shapes = [[int(d) for d in s] for s in shapes]
@@ -353,12 +360,26 @@ class WorkerState:
         self._raw_plans: dict[tuple[bytes, ...], _PackedPlan] = {}  # see _RawPackedUpdateInfo
         self._last_copy: tuple[torch.dtype, list[int], list[torch.Tensor]] | None = None
         self.init_count = 0
+        self.sleep_level = 0
+        self.receiver = None  # --receive vllm: vLLM's IPCWeightTransferEngine
+        if spec.receive == "vllm":
+            from slotsync.engine.vllm_receive import VllmReceiver
+
+            self.receiver = VllmReceiver(self.device, self.gpu_uuid, self._load_pairs)
 
     # -- vLLM worker methods ---------------------------------------------------------------
 
     def init_weight_transfer_engine(self, init_info: Any, inject: str | None = None) -> None:
-        """vLLM 0.33 ``init_weight_transfer_engine``: ``init_info = {"packed": bool}``;
-        an unknown key fails like the dataclass constructor would."""
+        """vLLM ``init_weight_transfer_engine``: ``init_info = {"packed": bool}``; an unknown
+        key fails as vLLM 0.32's ``parse_init_info`` does (``Invalid init_info for
+        IPCWeightTransferEngine: ...``)."""
+        if self.receiver is not None:
+            if inject:
+                raise RuntimeError(inject)
+            self.receiver.init(init_info)
+            self.packed = self.receiver.packed
+            self.init_count += 1
+            return
         _check_dataclass_kwargs(init_info, _INIT_INFO_KEYS, "init_info",
                                 "IPCWeightTransferInitInfo")
         if inject:
@@ -399,15 +420,19 @@ class WorkerState:
         self.start_count += 1
 
     def update_weights(self, update_info: Any = None, inject: str | None = None,
-                       update_info_json: bytes | None = None) -> int:
+                       update_info_json: bytes | None = None,
+                       missing_rank: bool = False) -> int:
         """Load one chunk; returns the bytes loaded. Any failure ends the session.
 
         ``update_info`` comes decoded, or as JSON text in ``update_info_json`` (the server
         forwards the request's text so that each worker decodes it in parallel).
+        ``missing_rank``: the request's ``update_info`` list has no entry for this worker's
+        rank (vLLM 0.32 ``Worker.update_weights`` indexes it: ``IndexError``).
 
         Raises:
             RuntimeError: no active session, or an injected fault.
-            ValueError, TypeError: the update_info fails vLLM's checks (or is not JSON).
+            ValueError, TypeError, AssertionError, IndexError: the update_info fails vLLM's
+                checks (or is not JSON).
         """
         if not self.active:
             raise RuntimeError(UPDATE_INACTIVE_MSG)
@@ -415,28 +440,73 @@ class WorkerState:
         try:
             if inject:
                 raise RuntimeError(inject)
-            n = None
-            if update_info_json is not None:
-                n = self._load_planned_raw(update_info_json)
-                if n is None:
+            if missing_rank:
+                raise IndexError("list index out of range")
+            if self.receiver is not None:
+                if update_info_json is not None:
                     try:
                         update_info = _JSON.decode(update_info_json)
                     except msgspec.DecodeError as e:
                         raise ValueError(f"update_info is not valid JSON: {e}") from None
-            if n is None:
-                n = self._load_planned(update_info)
-            if n is None:
-                parsed = parse_update_info(update_info, self.packed)
-                n = self._check_only(parsed) if self.discard else self._load_chunk(parsed)
-                self._remember(update_info, parsed, update_info_json)
+                n = self.receiver.update(update_info)
+                self.packed_maps = self.receiver.packed_maps
+            else:
+                n = self._load_update(update_info, update_info_json)
         except BaseException:
             self.active = False
-            self._importer = None
+            self._importer = None  # (vLLM's importer, --receive vllm, is kept, as in vLLM)
             raise
         self.update_count += 1
         self.bytes_loaded += n
         self.load_seconds += time.perf_counter() - t0
         return n
+
+    def _load_update(self, update_info: Any, update_info_json: bytes | None) -> int:
+        """The reference receive path: a remembered plan, else parse, check and load."""
+        n = None
+        if update_info_json is not None:
+            n = self._load_planned_raw(update_info_json)
+            if n is None:
+                try:
+                    update_info = _JSON.decode(update_info_json)
+                except msgspec.DecodeError as e:
+                    raise ValueError(f"update_info is not valid JSON: {e}") from None
+        if n is None:
+            n = self._load_planned(update_info)
+        if n is None:
+            parsed = parse_update_info(update_info, self.packed)
+            n = self._check_only(parsed) if self.discard else self._load_chunk(parsed)
+            self._remember(update_info, parsed, update_info_json)
+        return n
+
+    def _load_pairs(self, pairs: list[tuple[str, torch.Tensor]]) -> int:
+        """``--receive vllm``: the model's ``load_weights``: copy each received tensor into
+        the weight of that name in place (a new name creates it, without ``--model``);
+        returns the bytes loaded. Waits for the device's copies (vLLM answers after them).
+
+        Raises:
+            ValueError: with ``--model``, an unknown name or another dtype / shape.
+        """
+        total = 0
+        for name, t in pairs:
+            cur = self.weights.get(name)
+            if self.strict:
+                if cur is None:
+                    raise ValueError(f"unknown weight name {name!r}: not a parameter of the model")
+                if cur.dtype != t.dtype or cur.shape != t.shape:
+                    raise ValueError(
+                        f"weight {name!r}: model has {cur.dtype} {list(cur.shape)}, update "
+                        f"has {t.dtype} {list(t.shape)}"
+                    )
+            if cur is not None and cur.dtype == t.dtype and cur.shape == t.shape:
+                cur.copy_(t)
+            else:
+                self.weights[name] = t.to(self.device, copy=True)
+                self._flat.pop(name, None)
+            total += t.numel() * t.element_size()
+        if self.device.type == "cuda":
+            self._synchronize()
+        return total
 
     def finish_weight_update(self, inject: str | None = None) -> None:
         """Close the session; fails without an active one. Weights are servable again."""
@@ -448,6 +518,8 @@ class WorkerState:
         self.servable = True
         self.finish_count += 1
         self._importer = None  # vLLM: finish_weight_update closes the packed importer
+        if self.receiver is not None:
+            self.receiver.end_session()
 
     def shutdown_weight_transfer_engine(self, inject: str | None = None) -> None:
         """Shut the transfer engine down; refused during an active session."""
@@ -455,6 +527,27 @@ class WorkerState:
             raise RuntimeError(SHUTDOWN_ACTIVE_MSG)
         if inject:
             raise RuntimeError(inject)
+
+    def sleep(self, level: int = 1, inject: str | None = None) -> None:
+        """``/sleep?level=``'s worker part (vLLM 0.32 ``Worker.sleep``): level 2 discards the
+        weights -- every byte becomes 0xFF (NaN for floating dtypes), what vLLM's weights
+        hold after a level-2 sleep and a wake (no contents); level 1 keeps them (vLLM
+        offloads them to CPU and restores them)."""
+        if inject:
+            raise RuntimeError(inject)
+        if level >= 2:
+            for t in self.weights.values():
+                if t.numel():
+                    t.reshape(-1).view(torch.uint8).fill_(0xFF)
+        self.sleep_level = level
+
+    def wake_up(self, tags: list[str] | None = None, inject: str | None = None) -> None:
+        """``/wake_up``'s worker part: the weights are resident again (with the contents
+        sleep left them)."""
+        if inject:
+            raise RuntimeError(inject)
+        if tags is None or "weights" in tags:
+            self.sleep_level = 0
 
     # -- reference-engine extras -----------------------------------------------------------
 
@@ -488,6 +581,9 @@ class WorkerState:
             "planned_from_text": self.planned_from_text,
             "scattered_chunks": self.scattered_chunks,
             "num_weights": len(self.weights),
+            "sleep_level": self.sleep_level,
+            "receive": "vllm" if self.receiver is not None else "reference",
+            "vllm_file": None if self.receiver is None else self.receiver.vllm_file,
         }
 
     # -- loading ---------------------------------------------------------------------------
@@ -814,6 +910,9 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     Sends ``("ready", {"gpu_uuid", "device"})`` or ``("err", traceback)`` once, then serves
     ``(method, kwargs)`` requests until ``("exit", {})`` or until the parent goes away.
     """
+    from slotsync.daemon.launcher import die_with_parent
+
+    die_with_parent()  # SIGTERM when the engine's front dies, even by SIGKILL
     try:
         state = WorkerState(spec)
     except BaseException:
@@ -866,7 +965,7 @@ def _serve(state: WorkerState, spec: WorkerSpec, conn: Connection,
         except Exception as e:
             tb = traceback.format_exc().rstrip().replace("\n", f"\n[worker {spec.index}] ")
             print(f"[worker {spec.index}] {method} failed: {tb}", file=sys.stderr, flush=True)
-            answer = ("err", str(e) or type(e).__name__)
+            answer = ("err", str(e))  # vLLM's WorkerProc: str(exception), "" for a bare assert
         finally:
             state.defer_copy_wait = False
         launched = state.copies_pending > before

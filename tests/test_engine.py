@@ -442,7 +442,7 @@ def test_update_info_validation(eng: ReferenceEngine, segs: Segments) -> None:
     eng.request("POST", "/init_weight_transfer_engine", {"init_info": {"packed": True}})
     assert eng.request("POST", "/start_weight_update")[0] == 200
     status, body = eng.request("POST", "/update_weights", {"update_info": info})
-    assert status == 500 and "packed transfer" in err_message(body)
+    assert status == 500 and "`tensor_sizes` is required when packed=True" in err_message(body)
 
 
 def test_shutdown_refused_during_update(eng: ReferenceEngine) -> None:

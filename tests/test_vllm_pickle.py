@@ -111,7 +111,8 @@ def test_shm_stand_in_maps_through_the_engines_rebuild():
         assert torch.equal(t, src) and t.dtype == torch.float32
         seg.buf[8:12] = torch.tensor([9.0]).numpy().tobytes()
         assert t[0, 0].item() == 9.0
-        flat = rebuild_shm_tensor(*pickle.loads(pickle_packed({"u": ShmHandle(seg.name, 8, 24)}))["u"])
+        packed = pickle.loads(pickle_packed({"u": ShmHandle(seg.name, 8, 24)}))
+        flat = rebuild_shm_tensor(*packed["u"])
         assert flat.dtype == torch.uint8 and flat.shape == (24,)
         too_big = list(list_args)
         too_big[1] = torch.Size([4, 3])

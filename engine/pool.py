@@ -1,0 +1,262 @@
+"""Worker processes of an engine and a ``collective_rpc`` over them (both engine impls).
+
+Each worker is one spawned process serving ``(method, kwargs)`` requests over a
+``multiprocessing`` pipe, one at a time, in the order they were written; it answers each with
+``("ok", result)`` or ``("err", message)``. The reference engine's workers run
+``slotsync.engine.worker.worker_main``; the vLLM-code engine's run
+``slotsync.engine.vllm_worker.vllm_worker_main``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+from slotsync.engine.worker import WorkerSpec, worker_main
+
+
+class CollectiveRpcError(Exception):
+    """One or more workers failed a fanned-out call.
+
+    Attributes:
+        errors: ``[(worker index, message)]`` in rank order, failing workers only.
+        world_size: number of workers of the engine.
+    """
+
+    def __init__(self, errors: list[tuple[int, str]], world_size: int) -> None:
+        self.errors = errors
+        self.world_size = world_size
+        super().__init__(self.api_message())
+
+    def api_message(self) -> str:
+        """The ``error.message`` vLLM 0.33 puts in the 500 body."""
+        msg = self.errors[0][1]
+        if self.world_size > 1:
+            msg = (
+                f"Worker failed with error '{msg}', please check the stack trace above for "
+                "the root cause"
+            )
+        return f"Call to collective_rpc method failed: {msg}"
+
+
+class _WorkerProc:
+    """Parent-side end of one worker process: a socket pair speaking
+    ``multiprocessing.connection``'s framing (the worker uses a plain ``Connection``), driven
+    from the event loop (``send``) during the engine's life, blocking before and after.
+
+    The worker answers requests one at a time, in the order they were written; a request may
+    be written while earlier ones are still running, so that the worker finds it waiting
+    (vLLM's engine core queues utility calls the same way). One reader task matches each
+    answer to the oldest request still waiting for one."""
+
+    def __init__(self, spec: WorkerSpec, ctx: mp.context.SpawnContext,
+                 target: Callable[..., None] = worker_main) -> None:
+        self.spec = spec
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=target, args=(spec, child), name=f"slotsync-engine-worker-{spec.index}"
+        )
+        self.process.daemon = True
+        self.process.start()
+        child.close()
+        self._sock: socket.socket | None = None  # non-blocking twin of conn (send)
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+        self._reader: asyncio.Task | None = None
+        self.gpu_uuid = spec.gpu_uuid or ""
+        self.device = spec.device
+
+    def wait_ready(self, deadline: float) -> None:
+        if not self.conn.poll(max(0.0, deadline - time.monotonic())):
+            raise RuntimeError(f"worker {self.spec.index} did not start in time")
+        kind, payload = self.conn.recv()
+        if kind != "ready":
+            raise RuntimeError(f"worker {self.spec.index} failed to start:\n{payload}")
+        self.gpu_uuid = payload["gpu_uuid"]
+        self.device = payload["device"]
+
+    async def send(self, request: bytes) -> asyncio.Future:
+        """Write ``request`` (``pickle.dumps((method, kwargs))``, what ``Connection.send``
+        writes) without leaving the event loop; returns a future of the worker's answer
+        ``(ok, result or error text)``. A worker that died is reported as an error. Requests
+        must be written one at a time (the pool's send lock)."""
+        loop = asyncio.get_running_loop()
+        if self._sock is None:
+            self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+            self._sock.setblocking(False)
+            # room for a few update_infos of thousands of tensors while the worker is busy
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        fut = loop.create_future()
+        n = len(request)
+        # multiprocessing.connection framing: "!i" length, or -1 then "!Q" above 2 GiB
+        head = struct.pack("!i", n) if n < 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+        try:
+            await loop.sock_sendall(self._sock, head + request if n < 65536 else head)
+            if n >= 65536:
+                await loop.sock_sendall(self._sock, request)
+        except OSError as e:
+            fut.set_result((False, f"worker {self.spec.index} is gone ({type(e).__name__})"))
+            return fut
+        self._waiting.append(fut)
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.create_task(self._read_answers())
+        return fut
+
+    async def _read_answers(self) -> None:
+        """Resolve the waiting futures with the worker's answers, oldest first."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._waiting:
+                (size,) = struct.unpack("!i", await self._recv_exactly(loop, 4))
+                if size == -1:
+                    (size,) = struct.unpack("!Q", await self._recv_exactly(loop, 8))
+                kind, payload = pickle.loads(await self._recv_exactly(loop, size))
+                fut = self._waiting.popleft()
+                if not fut.done():
+                    fut.set_result((kind == "ok", payload))
+        except (EOFError, OSError) as e:
+            while self._waiting:
+                fut = self._waiting.popleft()
+                if not fut.done():
+                    fut.set_result(
+                        (False, f"worker {self.spec.index} is gone ({type(e).__name__})"))
+
+    async def _recv_exactly(self, loop: asyncio.AbstractEventLoop, n: int) -> bytearray:
+        assert self._sock is not None
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = await loop.sock_recv_into(self._sock, view[got:])
+            if k == 0:
+                raise EOFError
+            got += k
+        return buf
+
+    def close(self, grace_s: float = 3.0) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        try:
+            if self.process.is_alive():
+                self.conn.send(("exit", {}))
+        except (OSError, BrokenPipeError):
+            pass
+        self.process.join(grace_s)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(grace_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+class WorkerPool:
+    """N worker processes (spawn context) and a ``collective_rpc`` over them.
+
+    Calls run in the order they arrive, one at a time on each worker (vLLM's engine core
+    handles utility calls in order); within a call the workers run concurrently. A call is
+    written to the workers as soon as it arrives, behind the ones still running, so each
+    worker starts it the moment it answers the one before.
+    """
+
+    def __init__(self, specs: list[Any], startup_timeout_s: float = 300.0,
+                 target: Callable[..., None] = worker_main) -> None:
+        ctx = mp.get_context("spawn")
+        self.workers = [_WorkerProc(s, ctx, target) for s in specs]
+        deadline = time.monotonic() + startup_timeout_s
+        try:
+            for w in self.workers:
+                w.wait_ready(deadline)
+        except BaseException:
+            self.close()
+            raise
+        self._send_lock = asyncio.Lock()  # every worker gets the calls in the same order
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers (= GPU UUIDs every handle dict must hold)."""
+        return len(self.workers)
+
+    @property
+    def gpu_uuids(self) -> list[str]:
+        """Each worker's GPU UUID, in rank order."""
+        return [w.gpu_uuid for w in self.workers]
+
+    async def collective_rpc(
+        self,
+        method: str,
+        kwargs: dict[str, Any] | None = None,
+        per_worker: list[dict[str, Any]] | None = None,
+        inject: dict[int, str] | None = None,
+    ) -> list[Any]:
+        """Run ``method`` on every worker and return their results in rank order.
+
+        Args:
+            kwargs: keyword arguments for every worker.
+            per_worker: keyword arguments per worker (overrides ``kwargs``), length N.
+            inject: ``{worker index: message}`` test faults raised inside the call.
+
+        Raises:
+            CollectiveRpcError: any worker failed (after all of them ran the call).
+        """
+        # Shielded: a cancelled request (client gone) still writes its call to every worker
+        # (the reader tasks take the answers), so every worker sees the same calls.
+        results = await asyncio.shield(self._fan_out(method, kwargs, per_worker, inject))
+        errors = [(i, str(p)) for i, (ok, p) in enumerate(results) if not ok]
+        if errors:
+            raise CollectiveRpcError(errors, self.world_size)
+        return [p for _, p in results]
+
+    async def submit(
+        self,
+        method: str,
+        kwargs: dict[str, Any] | None = None,
+        per_worker: list[dict[str, Any]] | None = None,
+        inject: dict[int, str] | None = None,
+    ) -> list[asyncio.Future]:
+        """Write one call to every worker (same arguments as :meth:`collective_rpc`) and
+        return, in rank order, the futures of their answers ``(ok, result or error text)``
+        without waiting for them. Shielded like :meth:`collective_rpc`: once started, the
+        call reaches every worker."""
+        return await asyncio.shield(self._submit(method, kwargs, per_worker, inject))
+
+    async def _fan_out(self, method: str, kwargs: dict[str, Any] | None,
+                       per_worker: list[dict[str, Any]] | None,
+                       inject: dict[int, str] | None) -> list[tuple[bool, Any]]:
+        answers = await self._submit(method, kwargs, per_worker, inject)
+        return list(await asyncio.gather(*answers))
+
+    async def _submit(self, method: str, kwargs: dict[str, Any] | None,
+                      per_worker: list[dict[str, Any]] | None,
+                      inject: dict[int, str] | None) -> list[asyncio.Future]:
+        # The same request for every worker: pickle it once, not once per worker (an
+        # update_info of thousands of tensors takes a while to pickle).
+        shared = (pickle.dumps((method, dict(kwargs or {})), pickle.HIGHEST_PROTOCOL)
+                  if per_worker is None else None)
+        requests = []
+        for i in range(len(self.workers)):
+            if shared is not None and not (inject and i in inject):
+                requests.append(shared)
+                continue
+            kw = dict(per_worker[i] if per_worker is not None else (kwargs or {}))
+            if inject and i in inject:
+                kw["inject"] = inject[i]
+            requests.append(pickle.dumps((method, kw), pickle.HIGHEST_PROTOCOL))
+        async with self._send_lock:
+            return [await w.send(r) for w, r in zip(self.workers, requests, strict=True)]
+
+    def close(self) -> None:
+        """Stop every worker (exit message, then terminate, then kill)."""
+        for w in self.workers:
+            w.close()

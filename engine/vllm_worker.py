@@ -1,0 +1,335 @@
+"""One worker of the vLLM-code engine (``python -m slotsync.engine --impl vllm``).
+
+Each worker process holds a real ``vllm.v1.worker.gpu_worker.Worker`` made without its
+constructor (``object.__new__(Worker)``) and given exactly the attributes its weight-update
+methods read, and calls vLLM's own methods on it, so vLLM's per-worker state machine runs:
+
+============================  ===================================================================
+``Worker`` attribute          value
+============================  ===================================================================
+``vllm_config``               ``VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=
+                              N), weight_transfer_config=WeightTransferConfig(backend="ipc"))``
+``parallel_config``           ``vllm_config.parallel_config`` (as ``WorkerBase.__init__``)
+``rank``, ``local_rank``      the worker's index
+``weight_transfer_engine``    vLLM's ``IPCWeightTransferEngine``, made by
+                              ``WeightTransferEngineFactory.create_engine`` (as
+                              ``Worker.load_model``)
+``_weight_update_active``,    ``False`` (as ``Worker.__init__``)
+``_weight_update_is_draft``
+``model_runner``              ``model``, ``get_model()``, ``get_draft_model()`` (None),
+                              ``reset_lora_state()`` (no LoRA: nothing to reset),
+                              ``reset_mm_cache()`` / ``reset_encoder_cache()`` (no caches)
+============================  ===================================================================
+
+vLLM code that runs for real here: ``Worker.init_weight_transfer_engine``,
+``start_weight_update``, ``update_weights``, ``finish_weight_update``,
+``shutdown_weight_transfer_engine``, ``compute_weight_checksums`` (``_weight_checksum_prefix``,
+``compute_tensor_digests``), ``reset_weights`` (``zero_weights``), ``synchronize_device``;
+``IPCWeightTransferEngine`` (``parse_init_info`` / ``parse_update_info``, unpickling
+``ipc_handles_pickled`` under ``VLLM_ALLOW_INSECURE_SERIALIZATION``, ``receive_weights``,
+``packed_ipc_consumer``, ``PackedBufferImporter``); layerwise reload
+(``initialize_layerwise_reload`` at start, ``finalize_layerwise_reload`` at finish);
+``default_weight_loader``; ``record_metadata_for_reloading`` (``slotsync.engine.vllm_model``).
+
+Memory vLLM leaves uninitialized shows: the worker turns on torch's deterministic mode
+(``use_deterministic_algorithms(True, warn_only=True)``, ``fill_uninitialized_memory``), so
+``torch.empty*`` is filled with NaN (floating) or the largest value (integers).
+
+Stood in for: vLLM's distributed groups in ``_weight_checksum_prefix`` (``get_tp_group`` ->
+rank = worker index, ``get_pp_group`` / ``get_pcp_group`` -> rank 0), the CUDA calls of the
+receive path (``slotsync.engine.cuda_standin``), and sleep: ``Worker.sleep`` / ``wake_up``
+need vLLM's CuMem allocator, so :meth:`VllmWorkerHost.sleep` does what it does to the
+weights -- level 1 keeps them (offloaded and restored), level 2 discards them: every weight
+byte becomes ``0xFF`` (NaN for floating dtypes), what "no contents" looks like after a wake.
+
+Fault injection (test-only ``inject="<message>"`` in a call's keyword arguments) raises
+``RuntimeError(message)`` *inside* vLLM's weight transfer engine, so that vLLM's ``Worker``
+reacts as it really does: in ``parse_init_info`` (init), the engine's
+``start_weight_update`` hook (start: the session does not open), ``receive_weights``
+(update: ``Worker.update_weights`` ends the session), the engine's ``finish_weight_update``
+hook (finish: ``_weight_update_active`` stays set), ``shutdown`` (shutdown); at the entry of
+any other method.
+
+The process speaks the reference engine's worker protocol (``slotsync.engine.pool``): it
+answers each ``(method, kwargs)`` with ``("ok", result)`` or ``("err", str(exception))`` --
+what vLLM's ``WorkerProc.enqueue_output`` sends back (``str(output)``; an ``AssertionError``
+without a message gives ``""``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class VllmWorkerSpec:
+    """What the parent tells a vLLM-code worker process at spawn.
+
+    Attributes:
+        index: worker rank (TP rank) within the engine, 0-based.
+        device: ``"cpu"`` or ``"cuda:<i>"``.
+        gpu_uuid: torch-format GPU UUID to answer to, or None on CUDA for the real one.
+        model_path: safetensors file the model is built from.
+        world_size: the engine's number of workers (``tensor_parallel_size``).
+    """
+
+    index: int
+    device: str
+    gpu_uuid: str | None
+    model_path: str
+    world_size: int
+
+
+# Method -> the weight-transfer-engine attribute that raises an injected fault.
+_FAULT_HOOKS = {
+    "init_weight_transfer_engine": "parse_init_info",
+    "start_weight_update": "start_weight_update",
+    "update_weights": "receive_weights",
+    "finish_weight_update": "finish_weight_update",
+    "shutdown_weight_transfer_engine": "shutdown",
+}
+
+
+def _fill_discarded(t: torch.Tensor) -> None:
+    """Overwrite every byte of ``t`` with 0xFF (level-2 sleep discarded the weights)."""
+    if t.numel() and not t.is_meta:
+        t.data.reshape(-1).view(torch.uint8).fill_(0xFF)
+
+
+class VllmWorkerHost:
+    """One vLLM ``Worker`` and the stand-ins around it (see the module docstring). Every
+    public method is a ``collective_rpc`` target."""
+
+    def __init__(self, spec: VllmWorkerSpec) -> None:
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        # What vLLM leaves uninitialized (``torch.empty_strided`` in layerwise reload's
+        # ``materialize_meta_tensor``) is filled by torch (NaN, or the largest integer), so
+        # that it shows in a checksum instead of holding whatever the allocator had.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+        self.index = spec.index
+        self.device = torch.device(spec.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            real = str(torch.cuda.get_device_properties(self.device).uuid)
+            self.gpu_uuid = spec.gpu_uuid or real
+        else:
+            if spec.gpu_uuid is None:
+                raise ValueError("a CPU worker needs an explicit (logical) GPU UUID")
+            self.gpu_uuid = spec.gpu_uuid
+        from slotsync.engine import cuda_standin
+
+        cuda_standin.install(self.device, self.gpu_uuid)
+
+        import vllm.v1.worker.gpu_worker as gpu_worker
+        from vllm.config import ParallelConfig, VllmConfig
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+        from slotsync.engine.vllm_model import load_model
+
+        cuda_standin.patch_ipc_engine()
+        # _weight_checksum_prefix reads the distributed groups' ranks: without vLLM's
+        # distributed init, answer this worker's TP rank (and rank 0 of PP / PCP).
+        tp = types.SimpleNamespace(rank_in_group=spec.index)
+        one = types.SimpleNamespace(rank_in_group=0)
+        gpu_worker.get_tp_group = lambda: tp
+        gpu_worker.get_pp_group = lambda: one
+        gpu_worker.get_pcp_group = lambda: one
+
+        self.model = load_model(spec.model_path, self.device)
+        vllm_config = VllmConfig(
+            parallel_config=ParallelConfig(tensor_parallel_size=spec.world_size),
+            weight_transfer_config=WeightTransferConfig(backend="ipc"),
+        )
+        model = self.model
+        w = object.__new__(gpu_worker.Worker)
+        w.vllm_config = vllm_config
+        w.parallel_config = vllm_config.parallel_config
+        w.rank = spec.index
+        w.local_rank = spec.index
+        w.model_runner = types.SimpleNamespace(
+            model=model,
+            get_model=lambda: model,
+            get_draft_model=lambda: None,
+            reset_lora_state=lambda: None,
+            reset_mm_cache=lambda: None,
+            reset_encoder_cache=lambda: None,
+        )
+        w._weight_update_active = False
+        w._weight_update_is_draft = False
+        w.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
+            vllm_config.weight_transfer_config, vllm_config, self.device, model
+        )
+        self.worker = w
+        self._fault: str | None = None
+        self._install_fault_hooks()
+        self.counts = {k: 0 for k in ("init_count", "start_count", "finish_count",
+                                      "update_count", "shutdown_count")}
+        self.sleep_level = 0
+
+    # -- fault injection ----------------------------------------------------------------
+
+    def _install_fault_hooks(self) -> None:
+        """Wrap the engine's hook methods (instance attributes; the class is untouched) so
+        that a pending injected fault raises inside them."""
+        engine = self.worker.weight_transfer_engine
+        for attr in set(_FAULT_HOOKS.values()):
+            real = getattr(engine, attr)
+
+            def hooked(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+                msg, self._fault = self._fault, None
+                if msg is not None:
+                    raise RuntimeError(msg)
+                return _real(*args, **kwargs)
+
+            setattr(engine, attr, hooked)
+
+    @contextmanager
+    def _injected(self, method: str, inject: str | None):
+        """Arm ``inject`` for the hook of ``method`` (or raise it now, for methods without
+        one); disarm it afterwards (a call that failed before reaching its hook)."""
+        if inject is not None and method not in _FAULT_HOOKS:
+            raise RuntimeError(inject)
+        self._fault = inject
+        try:
+            yield
+        finally:
+            self._fault = None
+
+    # -- vLLM Worker methods ------------------------------------------------------------
+
+    def init_weight_transfer_engine(self, init_info: Any, inject: str | None = None) -> None:
+        """vLLM's ``Worker.init_weight_transfer_engine(init_info)``."""
+        with self._injected("init_weight_transfer_engine", inject):
+            self.worker.init_weight_transfer_engine(init_info)
+        self.counts["init_count"] += 1
+
+    def start_weight_update(self, inject: str | None = None) -> None:
+        """vLLM's ``Worker.start_weight_update()``: layerwise reload puts the parameters on
+        the meta device until finish."""
+        with self._injected("start_weight_update", inject):
+            self.worker.start_weight_update()
+        self.counts["start_count"] += 1
+
+    def update_weights(self, update_info: Any, inject: str | None = None) -> None:
+        """vLLM's ``Worker.update_weights(update_info)`` (a dict, or a list indexed by global
+        worker rank)."""
+        with self._injected("update_weights", inject):
+            self.worker.update_weights(update_info)
+        self.counts["update_count"] += 1
+
+    def finish_weight_update(self, inject: str | None = None) -> None:
+        """vLLM's ``Worker.finish_weight_update()``."""
+        with self._injected("finish_weight_update", inject):
+            self.worker.finish_weight_update()
+        self.counts["finish_count"] += 1
+
+    def shutdown_weight_transfer_engine(self, inject: str | None = None) -> None:
+        """vLLM's ``Worker.shutdown_weight_transfer_engine()``."""
+        with self._injected("shutdown_weight_transfer_engine", inject):
+            self.worker.shutdown_weight_transfer_engine()
+        self.counts["shutdown_count"] += 1
+
+    def compute_weight_checksums(self, inject: str | None = None) -> dict[str, str]:
+        """vLLM's ``Worker.compute_weight_checksums()``: ``{"dp0:pp0:pcp0:tp<i>:<name>":
+        sha256 hex of the raw bytes}``; fails on meta-device parameters."""
+        with self._injected("compute_weight_checksums", inject):
+            return self.worker.compute_weight_checksums()
+
+    def reset_weights(self, inject: str | None = None) -> None:
+        """vLLM's ``Worker.reset_weights()`` (``/weight_checker`` ``reset``): zeroes every
+        weight."""
+        with self._injected("reset_weights", inject):
+            self.worker.reset_weights()
+
+    def synchronize_device(self, inject: str | None = None) -> None:
+        """vLLM's ``WorkerBase.synchronize_device()`` (the engine core's pause runs it)."""
+        with self._injected("synchronize_device", inject):
+            self.worker.synchronize_device()
+
+    def reset_mm_cache(self, inject: str | None = None) -> None:
+        """``Worker.reset_mm_cache()`` (pause with ``clear_cache``): no multimodal cache."""
+        with self._injected("reset_mm_cache", inject):
+            self.worker.model_runner.reset_mm_cache()
+
+    def reset_encoder_cache(self, inject: str | None = None) -> None:
+        """``Worker.reset_encoder_cache()`` (pause with ``clear_cache``): no encoder cache."""
+        with self._injected("reset_encoder_cache", inject):
+            self.worker.model_runner.reset_encoder_cache()
+
+    # -- stand-ins ----------------------------------------------------------------------
+
+    def sleep(self, level: int = 1, inject: str | None = None) -> None:
+        """Stand-in for ``Worker.sleep(level)`` (see the module docstring): level 2 discards
+        every weight (bytes become 0xFF), level 1 keeps them."""
+        with self._injected("sleep", inject):
+            if level >= 2:
+                with torch.no_grad():
+                    for p in self.model.parameters():
+                        _fill_discarded(p)
+            self.sleep_level = level
+
+    def wake_up(self, tags: list[str] | None = None, inject: str | None = None) -> None:
+        """Stand-in for ``Worker.wake_up(tags)``: the weights are resident again (with
+        whatever contents sleep left them)."""
+        with self._injected("wake_up", inject):
+            if tags is None or "weights" in tags:
+                self.sleep_level = 0
+
+    def stats(self, inject: str | None = None) -> dict[str, Any]:
+        """Counters for ``GET /_slotsync/stats`` (counts of successful calls)."""
+        params = list(self.model.parameters())
+        engine = self.worker.weight_transfer_engine
+        return {
+            "index": self.index,
+            "gpu_uuid": self.gpu_uuid,
+            "device": str(self.device),
+            "active": bool(self.worker._weight_update_active),
+            "servable": not any(p.is_meta for p in params),
+            "packed": bool(engine.packed),
+            **self.counts,
+            "num_weights": len(params),
+            "sleep_level": self.sleep_level,
+        }
+
+
+def vllm_worker_main(spec: VllmWorkerSpec, conn: Connection) -> None:
+    """Entry point of a vLLM-code worker process (multiprocessing, spawn context).
+
+    Sends ``("ready", {"gpu_uuid", "device"})`` or ``("err", traceback)`` once, then serves
+    ``(method, kwargs)`` requests in order until ``("exit", {})`` or until the parent goes.
+    """
+    from slotsync.daemon.launcher import die_with_parent
+
+    die_with_parent()  # SIGTERM when the engine's front dies, even by SIGKILL
+    try:
+        host = VllmWorkerHost(spec)
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+        return
+    conn.send(("ready", {"gpu_uuid": host.gpu_uuid, "device": str(host.device)}))
+    while True:
+        try:
+            method, kwargs = conn.recv()
+        except (EOFError, OSError, KeyboardInterrupt):
+            return
+        if method == "exit":
+            conn.send(("ok", None))
+            return
+        try:
+            answer: tuple[str, Any] = ("ok", getattr(host, method)(**kwargs))
+        except Exception as e:  # vLLM's WorkerProc: any Exception becomes a FAILURE reply
+            tb = traceback.format_exc().rstrip().replace("\n", f"\n[worker {spec.index}] ")
+            print(f"[worker {spec.index}] {method} failed: {tb}", file=sys.stderr, flush=True)
+            answer = ("err", str(e))
+        conn.send(answer)
