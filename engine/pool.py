@@ -36,15 +36,22 @@ class CollectiveRpcError(Exception):
         self.world_size = world_size
         super().__init__(self.api_message())
 
-    def api_message(self) -> str:
-        """The ``error.message`` vLLM 0.33 puts in the 500 body."""
+    def api_message(self, utility: str = "collective_rpc") -> str:
+        """The ``error.message`` vLLM puts in the 500 body: ``Call to <utility> method failed:
+        <msg>`` (vLLM 0.32 ``EngineCoreProc._invoke_utility_method``; ``utility`` is
+        ``collective_rpc`` for the weight routes, ``compute_weight_checksums`` for
+        ``/weight_checker``), ``<msg>`` wrapped ``Worker failed with error '<msg>', please
+        check the stack trace above for the root cause`` with several workers
+        (``MultiprocExecutor``), then stripped as vLLM's ``sanitize_message`` strips it (a
+        bare ``AssertionError`` on one worker gives ``Call to collective_rpc method
+        failed:``)."""
         msg = self.errors[0][1]
         if self.world_size > 1:
             msg = (
                 f"Worker failed with error '{msg}', please check the stack trace above for "
                 "the root cause"
             )
-        return f"Call to collective_rpc method failed: {msg}"
+        return f"Call to {utility} method failed: {msg}".strip()
 
 
 class _WorkerProc:

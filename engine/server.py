@@ -1,44 +1,66 @@
-"""HTTP front of the reference engine: vLLM 0.33's weight-transfer routes over N workers.
+"""HTTP front of the reference engine: vLLM's weight-transfer routes over N workers.
 
-Routes, bodies, status codes and error shapes follow ``shared/vllm-contract.md`` (vLLM 0.33
-``vllm/entrypoints/rl/online/api_router.py``). Each weight route fans out to every worker
-(vLLM's ``collective_rpc``): every worker runs the call even when another one fails, and keeps
-its own "update active" flag, so a failed chunk can leave the engine split exactly as vLLM's
-would. Worker errors come back as HTTP 500::
+Routes, bodies, status codes and error shapes follow vLLM 0.32's own router and exception
+handlers (``vllm/entrypoints/rl/online/api_router.py``,
+``vllm/entrypoints/serve/dev/sleep/api_router.py``,
+``vllm/entrypoints/serve/exception_handling/``), checked against them by
+``tests/test_vllm_engine.py`` (``--impl vllm`` runs that code). Each weight route fans out to
+every worker (vLLM's ``collective_rpc``): every worker runs the call even when another one
+fails, and keeps its own "update active" flag, so a failed chunk can leave the engine split
+exactly as vLLM's would. Worker errors come back as HTTP 500::
 
     {"error": {"message": "Call to collective_rpc method failed: <msg>",
                "type": "InternalServerError", "param": null, "code": 500}}
 
 with ``<msg>`` wrapped as ``Worker failed with error '<msg>', please check the stack trace
 above for the root cause`` when the engine has more than one worker (the first failing worker
-in rank order is reported). Pause/resume errors use ``{"error": "<str>"}``; a missing body key
-is 400 ``{"detail": "Missing '<key>' in request body"}`` (FastAPI ``HTTPException``).
+in rank order is reported; unlike vLLM's ``MultiprocExecutor``, every worker's reply of each
+call is read, see ``slotsync.engine.vllm_server``). ``/weight_checker``'s worker errors say
+``Call to compute_weight_checksums method failed``.
+
+Connections: after a 500 of a route whose error vLLM raises through Starlette's
+``ServerErrorMiddleware`` (the weight routes, ``/weight_checker``, ``/weight_info``,
+``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/get_world_size``) the connection is closed
+after the response, as uvicorn does there; the pause / resume / is_paused routes catch their
+errors (``{"error": "Failed to pause generation: ..."}``) and 400s go through vLLM's handlers,
+so those keep the connection. A 400 has vLLM's shape ``{"error": {"message": ..., "type":
+"Bad Request", "param": "body.<key>" | "query.<key>" | null, "code": 400}}``.
+
+Sleep (vLLM 0.32 ``EngineCore.sleep / wake_up / is_sleeping``): ``/sleep?level=0|1|2&mode=``
+pauses the scheduler, from level 1 the weights sleep (level 2 discards them: every byte 0xFF
+after the wake); ``/wake_up?tags=weights|kv_cache|scheduling`` resumes the scheduler only
+once nothing sleeps; ``/is_sleeping`` is "paused or sleeping" (a plain ``/pause`` makes it
+true).
 
 The engine always accepts ``ipc_handles_pickled``: it stands in for a vLLM server launched with
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, ``VLLM_SERVER_DEV_MODE=1`` and
-``--weight-transfer-config '{"backend":"ipc"}'``.
+``--weight-transfer-config '{"backend":"ipc"}'``. ``GET /get_world_size`` also answers
+``"gpu_uuids"``: each worker's GPU UUID in rank order (an extension; vLLM does not report
+them).
 
 Test-only control routes (not part of vLLM), under ``/_slotsync/``:
 
 ``GET /_slotsync/stats``
-    ``{"world_size": N, "paused": bool, "weight_version": str, "packed": bool,
-    "init_count": int, "pause_count": int, "resume_count": int, "shutdown_count": int,
-    "route_counts": {route: int}, "faults": [fault, ...],
-    "workers": [{"index", "gpu_uuid", "device", "active", "servable", "packed", "init_count",
-    "start_count", "finish_count", "update_count", "bytes_loaded", "load_seconds",
-    "sync_seconds", "packed_maps", "num_weights"}, ...]}`` (``load_seconds``: seconds inside
-    ``update_weights``; ``sync_seconds``: of those, waiting for the device's copies;
-    ``packed_maps``: packed buffers mapped anew rather than found mapped).
+    ``{"impl": "reference", "world_size": N, "paused": bool, "weight_version": str,
+    "packed": bool, "init_count": int, "pause_count": int, "resume_count": int,
+    "shutdown_count": int, "sleeping": bool, "sleeping_tags": [str], "route_counts": {route:
+    int}, "faults": [fault, ...], "workers": [{"index", "gpu_uuid", "device", "active",
+    "servable", "packed", "init_count", "start_count", "finish_count", "update_count",
+    "bytes_loaded", "load_seconds", "sync_seconds", "packed_maps", "num_weights",
+    "sleep_level", "receive"}, ...]}`` (``load_seconds``: seconds inside ``update_weights``;
+    ``sync_seconds``: of those, waiting for the device's copies; ``packed_maps``: packed
+    buffers mapped anew rather than found mapped).
 
 ``POST /_slotsync/fault``
     ``{"route": "<route name without '/'>", "after": k, "status": 500, "workers": [i, ...] |
-    null, "hang_s": float | null, "times": 1, "message": str | null}`` adds a fault: the
-    route's next ``k`` calls pass, the ``times`` calls after that fail. ``workers: null``
-    fails at the HTTP layer with ``status`` before any fan-out (no worker sees the call);
-    a list makes those workers raise inside the call (the engine ends split). ``hang_s``
-    sleeps that many seconds before the faulted answer; with ``workers: null`` and a
-    ``status`` below 400 the call then proceeds normally (a pure delay). ``{"clear": true}``
-    removes every fault. Answers ``{"faults": [...]}``.
+    null, "hang_s": float | null, "times": 1, "message": str | null}`` adds a fault
+    (``slotsync.engine.faults``): the route's next ``k`` calls pass, the ``times`` calls after
+    that fail. ``workers: null`` fails at the HTTP layer with ``status`` before any fan-out (no
+    worker sees the call), with the text vLLM's ``AsyncLLM`` would raise; a list makes those
+    workers raise inside the call (the engine ends split). ``hang_s`` sleeps that many seconds
+    before the faulted answer; with ``workers: null`` and a ``status`` below 400 the call then
+    proceeds normally (a pure delay). ``{"clear": true}`` removes every fault. Answers
+    ``{"faults": [...]}``.
 """
 
 from __future__ import annotations
@@ -47,35 +69,25 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from slotsync.engine.faults import Fault, FaultTable
 from slotsync.engine.pool import CollectiveRpcError, WorkerPool
 
 PAUSE_MODES = ("abort", "wait", "keep")
-
-
-@dataclass
-class Fault:
-    """One injected fault (see the module docstring, ``POST /_slotsync/fault``)."""
-
-    route: str
-    after: int = 0
-    status: int = 500
-    workers: list[int] | None = None
-    hang_s: float | None = None
-    times: int = 1
-    message: str | None = None
-    seen: int = 0
-    fired: int = 0
+_CLOSE_AFTER = "slotsync.close_after"  # response key: close the connection once it is sent
+SLEEP_TAGS = frozenset(("weights", "kv_cache"))
+"""vLLM 0.32 ``v1/executor/abstract.py SLEEP_TAGS``."""
 
 
 @dataclass
 class EngineState:
-    """Engine-level state (vLLM's API-server side): pause flag, weight version, counters."""
+    """Engine-level state (vLLM's API-server, engine-core and executor side): pause flag,
+    weight version, sleeping tags, counters, faults."""
 
     paused: bool = False
     weight_version: str = "default"
@@ -84,38 +96,76 @@ class EngineState:
     pause_count: int = 0
     resume_count: int = 0
     shutdown_count: int = 0
-    route_counts: dict[str, int] = field(default_factory=dict)
-    faults: list[Fault] = field(default_factory=list)
+    sleeping_tags: set[str] = field(default_factory=set)
+    fault_table: FaultTable = field(default_factory=FaultTable)
     baseline: dict[str, str] | None = None
+
+    @property
+    def faults(self) -> list[Fault]:
+        """The injected faults."""
+        return self.fault_table.faults
+
+    @property
+    def route_counts(self) -> dict[str, int]:
+        """Calls per route name."""
+        return self.fault_table.route_counts
 
     def match_fault(self, route: str) -> Fault | None:
         """Count one call of ``route``; return the fault that fires on it, if any."""
-        self.route_counts[route] = self.route_counts.get(route, 0) + 1
-        for f in self.faults:
-            if f.route != route or f.fired >= f.times:
-                continue
-            f.seen += 1
-            if f.seen > f.after:
-                f.fired += 1
-                return f
-        return None
+        return self.fault_table.match(route)
 
 
-def _err500(message: str, status: int = 500) -> web.Response:
-    return web.json_response(
+def _err500(message: str, status: int = 500, close: bool = True) -> web.Response:
+    """vLLM's error body; ``close``: close the connection after it, as uvicorn does after an
+    error raised through ``ServerErrorMiddleware`` (vLLM's handlers render any status but
+    only an unhandled ``Exception``'s 500 is re-raised there)."""
+    resp = web.json_response(
         {
             "error": {
                 "message": message,
-                "type": "InternalServerError",
+                "type": "InternalServerError" if status == 500 else _phrase(status),
                 "param": None,
                 "code": status,
             }
         },
         status=status,
     )
+    if close and status == 500:
+        resp[_CLOSE_AFTER] = True  # see EngineApp._log_middleware
+    return resp
+
+
+def _phrase(status: int) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+def _bad_request(message: str, param: str | None = None) -> web.Response:
+    """A 400 as vLLM's validation / HTTP-exception handlers render it (connection kept)."""
+    return web.json_response(
+        {"error": {"message": message, "type": "Bad Request", "param": param, "code": 400}},
+        status=400,
+    )
+
+
+def _missing(key: str) -> web.Response:
+    """vLLM 0.32's 400 for a missing ``Body(embed=True)`` key (pydantic's error, as vLLM's
+    ``validation_exception_handler`` formats it)."""
+    err = {"type": "missing", "loc": f"body.{key}", "msg": "Field required", "input": "None"}
+    return _bad_request(f"1 validation error:\n  {err}", f"body.{key}")
+
+
+def _query_error(err: dict[str, Any]) -> web.Response:
+    """vLLM 0.32's 400 for a query parameter pydantic refused (``err["loc"]`` its name)."""
+    return _bad_request(f"1 validation error:\n  {err}", err["loc"])
 
 
 def _detail(status: int, detail: Any) -> web.Response:
+    """The test-only routes' error shape."""
     return web.json_response({"detail": detail}, status=status)
 
 
@@ -136,9 +186,9 @@ async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return _detail(400, "Invalid JSON format")
+        return _bad_request("Invalid JSON format", "body")
     if not isinstance(body, dict):
-        return _detail(400, "Request body must be a JSON object")
+        return _bad_request("Request body must be a JSON object", "body")
     return body
 
 
@@ -166,6 +216,9 @@ class EngineApp:
         r.add_get("/get_world_size", self.get_world_size)
         r.add_get("/weight_info", self.weight_info)
         r.add_post("/weight_checker", self.weight_checker)
+        r.add_post("/sleep", self.sleep)
+        r.add_post("/wake_up", self.wake_up)
+        r.add_get("/is_sleeping", self.is_sleeping)
         r.add_get("/_slotsync/stats", self.stats)
         r.add_post("/_slotsync/fault", self.fault)
         self.app.on_cleanup.append(self._cleanup)
@@ -180,6 +233,14 @@ class EngineApp:
         try:
             resp = await handler(request)
             status = resp.status
+            if resp.get(_CLOSE_AFTER) and request.transport is not None:
+                # uvicorn after an exception raised through ServerErrorMiddleware: the
+                # response goes out as usual (no "Connection: close"), then the transport
+                # closes -- a client reusing the connection finds it reset
+                transport = request.transport
+                await resp.prepare(request)
+                await resp.write_eof()
+                transport.close()
             return resp
         except web.HTTPException as e:
             status = e.status
@@ -195,21 +256,26 @@ class EngineApp:
     # -- fault helpers ---------------------------------------------------------------------
 
     async def _apply_fault(
-        self, route: str, error_shape: str = "collective"
+        self, route: str, utility: str = "collective_rpc", plain: str | None = None
     ) -> tuple[web.Response | None, dict[int, str] | None]:
-        """Returns (response to send instead, worker injections) for this call of ``route``."""
+        """Returns (response to send instead, worker injections) for this call of ``route``.
+
+        ``utility``: the engine-core method vLLM's error names; ``plain``: the route catches
+        its errors itself and answers ``{"error": "<plain>: Call to <utility> method failed:
+        <msg>"}`` (vLLM's pause / resume / is_paused), keeping the connection."""
         f = self.state.match_fault(route)
         if f is None:
             return None, None
         if f.hang_s:
             await asyncio.sleep(f.hang_s)
-        msg = f.message or f"injected fault on {route} (call {f.seen})"
+        msg = f.text()
         if f.workers is None:
             if f.status < 400:
                 return None, None
-            if error_shape == "plain":
-                return web.json_response({"error": msg}, status=f.status), None
-            return _err500(f"Call to collective_rpc method failed: {msg}", f.status), None
+            text = f"Call to {utility} method failed: {msg}"
+            if plain is not None:
+                return web.json_response({"error": f"{plain}: {text}"}, status=f.status), None
+            return _err500(text, f.status), None
         return None, {i: msg for i in f.workers}
 
     async def _fanout(
@@ -218,14 +284,15 @@ class EngineApp:
         method: str,
         kwargs: dict[str, Any] | None = None,
         per_worker: list[dict[str, Any]] | None = None,
+        utility: str = "collective_rpc",
     ) -> list[Any] | web.Response:
-        early, inject = await self._apply_fault(route)
+        early, inject = await self._apply_fault(route, utility)
         if early is not None:
             return early
         try:
             return await self.pool.collective_rpc(method, kwargs, per_worker, inject)
         except CollectiveRpcError as e:
-            return _err500(e.api_message())
+            return _err500(e.api_message(utility))
 
     # -- vLLM routes -----------------------------------------------------------------------
 
@@ -236,7 +303,7 @@ class EngineApp:
             return body
         init_info = body.get("init_info")
         if init_info is None:
-            return _detail(400, "Missing 'init_info' in request body")
+            return _missing("init_info")
         res = await self._fanout(
             "init_weight_transfer_engine", "init_weight_transfer_engine", {"init_info": init_info}
         )
@@ -257,8 +324,10 @@ class EngineApp:
         return web.json_response({"message": "Weight update started"})
 
     async def update_weights(self, request: web.Request) -> web.Response:
-        """``POST /update_weights`` ``{"update_info": {...}}`` or a list of N of them (one per
-        worker rank).
+        """``POST /update_weights`` ``{"update_info": {...}}`` or a list of them indexed by
+        global worker rank (vLLM 0.32 ``Worker.update_weights``: worker ``i`` takes entry
+        ``i``; a list too short fails on the workers past its end with ``IndexError: list
+        index out of range``, extra entries are ignored).
 
         One ``update_info`` for every worker travels to them as its JSON text, checked here
         for syntax only: each worker decodes it itself, in parallel, instead of this process
@@ -268,12 +337,12 @@ class EngineApp:
         try:
             top = _UPDATE_BODY.decode(raw) if raw.strip() else _UpdateBody()
         except msgspec.ValidationError:
-            return _detail(400, "Request body must be a JSON object")
+            return _bad_request("Request body must be a JSON object", "body")
         except msgspec.DecodeError:
-            return _detail(400, "Invalid JSON format")
+            return _bad_request("Invalid JSON format", "body")
         text = bytes(top.update_info)
         if text == b"null":
-            return _detail(400, "Missing 'update_info' in request body")
+            return _missing("update_info")
         if not text.startswith(b"["):
             res = await self._fanout("update_weights", "update_weights",
                                      {"update_info_json": text})
@@ -281,18 +350,10 @@ class EngineApp:
                 return res
             return web.json_response({"message": "Weights updated"})
         update_info = json.loads(text)
-        per_worker = None
-        if isinstance(update_info, list):
-            if len(update_info) != self.pool.world_size:
-                self.state.match_fault("update_weights")
-                return _err500(
-                    "Call to collective_rpc method failed: update_info list has "
-                    f"{len(update_info)} entries, world size is {self.pool.world_size}"
-                )
-            per_worker = [{"update_info": u} for u in update_info]
-        res = await self._fanout(
-            "update_weights", "update_weights", {"update_info": update_info}, per_worker
-        )
+        n = self.pool.world_size
+        per_worker = [{"update_info": update_info[i]} if i < len(update_info)
+                      else {"missing_rank": True} for i in range(n)]
+        res = await self._fanout("update_weights", "update_weights", None, per_worker)
         if isinstance(res, web.Response):
             return res
         return web.json_response({"message": "Weights updated"})
@@ -319,25 +380,26 @@ class EngineApp:
         if isinstance(res, web.Response):
             return res
         self.state.shutdown_count += 1
-        return web.json_response({"message": "Weight transfer engine shut down"})
+        return web.json_response({"message": "Weight transfer shut down"})
+
+    def _mode(self, request: web.Request) -> str | web.Response:
+        """The ``mode`` query parameter (default ``abort``), or vLLM's 400 for another."""
+        mode = request.query.get("mode", "abort")
+        if mode in PAUSE_MODES:
+            return mode
+        return _query_error({
+            "type": "literal_error", "loc": "query.mode",
+            "msg": "Input should be 'abort', 'wait' or 'keep'", "input": mode,
+            "ctx": {"expected": "'abort', 'wait' or 'keep'"},
+        })  # fmt: skip
 
     async def pause(self, request: web.Request) -> web.Response:
         """``POST /pause?mode=abort|wait|keep`` (default ``abort``) -> ``{"status": "paused"}``."""
-        mode = request.query.get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            return _detail(
-                422,
-                [
-                    {
-                        "type": "literal_error",
-                        "loc": ["query", "mode"],
-                        "msg": "Input should be 'abort', 'wait' or 'keep'",
-                        "input": mode,
-                        "ctx": {"expected": "'abort', 'wait' or 'keep'"},
-                    }
-                ],
-            )
-        early, _ = await self._apply_fault("pause", "plain")
+        mode = self._mode(request)
+        if isinstance(mode, web.Response):
+            return mode
+        early, _ = await self._apply_fault("pause", "pause_scheduler",
+                                           plain="Failed to pause generation")
         if early is not None:
             return early
         self.state.paused = True
@@ -346,7 +408,8 @@ class EngineApp:
 
     async def resume(self, request: web.Request) -> web.Response:
         """``POST /resume`` -> ``{"status": "resumed"}``."""
-        early, _ = await self._apply_fault("resume", "plain")
+        early, _ = await self._apply_fault("resume", "resume_scheduler",
+                                           plain="Failed to resume generation")
         if early is not None:
             return early
         self.state.paused = False
@@ -355,27 +418,32 @@ class EngineApp:
 
     async def is_paused(self, request: web.Request) -> web.Response:
         """``GET /is_paused`` -> ``{"is_paused": bool}``."""
-        early, _ = await self._apply_fault("is_paused", "plain")
+        early, _ = await self._apply_fault("is_paused", "is_scheduler_paused",
+                                           plain="Failed to fetch pause status")
         if early is not None:
             return early
         return web.json_response({"is_paused": self.state.paused})
 
     async def get_world_size(self, request: web.Request) -> web.Response:
-        """``GET /get_world_size`` -> ``{"world_size": N}`` (N workers; one DP rank)."""
+        """``GET /get_world_size`` -> ``{"world_size": N, "gpu_uuids": [...]}`` (N workers, one
+        DP rank, with or without ``include_dp``; ``gpu_uuids``: each worker's GPU UUID in rank
+        order, an extension vLLM does not have)."""
         early, _ = await self._apply_fault("get_world_size")
         if early is not None:
             return early
-        return web.json_response({"world_size": self.pool.world_size})
+        return web.json_response({"world_size": self.pool.world_size,
+                                  "gpu_uuids": self.pool.gpu_uuids})
 
     async def weight_info(self, request: web.Request) -> web.Response:
         """``GET /weight_info`` -> ``{"weight_version": str}`` (``"default"`` at first)."""
-        early, _ = await self._apply_fault("weight_info")
+        early, _ = await self._apply_fault("weight_info", "get_weight_version")
         if early is not None:
             return early
         return web.json_response({"weight_version": self.state.weight_version})
 
     async def weight_checker(self, request: web.Request) -> web.Response:
-        """``POST /weight_checker``.
+        """``POST /weight_checker`` (the reference engine's shapes; vLLM's differ, see
+        ``slotsync.engine.checksum.checksums_by_worker``).
 
         * ``{"action": "checksum"}`` -> ``{"checksums": {gpu_uuid: {name: sha256 hex}}}``
           (``slotsync.engine.checksum.tensor_checksum`` of each worker's weights); also kept
@@ -383,16 +451,18 @@ class EngineApp:
         * ``{"action": "compare", "baseline": {name: hex}?}`` -> ``{"match": bool,
           "mismatches": [{"gpu_uuid", "name", "expected", "actual"}]}``, every worker against
           the given baseline (or the stored one); ``actual`` is null for a missing name.
-        * ``{"action": "reset"}`` -> ``{"status": "reset"}``: forgets the stored baseline.
+        * ``{"action": "reset"}`` -> ``{"status": "reset"}``: forgets the stored baseline
+          (vLLM's zeroes every weight).
         """
         body = await _read_json(request)
         if isinstance(body, web.Response):
             return body
         action = body.get("action")
         if action is None:
-            return _detail(400, "Missing 'action' in request body")
+            return _missing("action")
         if action not in ("checksum", "compare", "reset"):
-            return _detail(400, f"Unknown action {action!r}: use checksum, compare or reset")
+            return _bad_request(f"Unknown action {action!r}: use checksum, compare or reset",
+                                "body.action")
         if action == "reset":
             self.state.baseline = None
             return web.json_response({"status": "reset"})
@@ -400,10 +470,11 @@ class EngineApp:
         if action == "compare" and baseline is None:
             baseline = self.state.baseline
             if baseline is None:
-                return _detail(400, "compare needs a 'baseline' (or an earlier checksum)")
+                return _bad_request("action='compare' requires a 'baseline' object")
         if baseline is not None and not isinstance(baseline, dict):
-            return _detail(400, "'baseline' must be an object {name: hex}")
-        res = await self._fanout("weight_checker", "checksums")
+            return _bad_request("'baseline' must be an object {name: hex}", "body.baseline")
+        res = await self._fanout("weight_checker", "checksums",
+                                 utility="compute_weight_checksums")
         if isinstance(res, web.Response):
             return res
         sums = {w.gpu_uuid: r for w, r in zip(self.pool.workers, res, strict=True)}
@@ -419,6 +490,78 @@ class EngineApp:
         ]
         return web.json_response({"match": not mismatches, "mismatches": mismatches})
 
+    # -- sleep (vLLM 0.32 EngineCore.sleep / wake_up / is_sleeping, Executor.sleep) -----------
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        """``POST /sleep?level=0|1|2&mode=`` -> ``{"status": "sleeping", "level": L}``: pause
+        the scheduler, then from level 1 put the workers to sleep (unless already asleep);
+        level 2 discards the weights."""
+        text = request.query.get("level", "1")
+        try:
+            level = int(text)
+        except ValueError:
+            return _query_error({
+                "type": "int_parsing", "loc": "query.level",
+                "msg": "Input should be a valid integer, unable to parse string as an "
+                       "integer", "input": text,
+            })  # fmt: skip
+        if level < 0 or level > 2:
+            kind, bound = ("greater_than_equal", 0) if level < 0 else ("less_than_equal", 2)
+            word = "greater" if level < 0 else "less"
+            return _query_error({
+                "type": kind, "loc": "query.level",
+                "msg": f"Input should be {word} than or equal to {bound}", "input": text,
+                "ctx": {"ge" if level < 0 else "le": bound},
+            })  # fmt: skip
+        mode = self._mode(request)
+        if isinstance(mode, web.Response):
+            return mode
+        early, inject = await self._apply_fault("sleep", "sleep")
+        if early is not None:
+            return early
+        self.state.paused = True
+        if level >= 1 and "weights" not in self.state.sleeping_tags:
+            try:
+                await self.pool.collective_rpc("sleep", {"level": level}, inject=inject)
+            except CollectiveRpcError as e:
+                return _err500(e.api_message("sleep"))
+            self.state.sleeping_tags |= SLEEP_TAGS
+        return web.json_response({"status": "sleeping", "level": level})
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        """``POST /wake_up?tags=...`` (repeatable; none: everything) -> ``{"status": "awake" |
+        "sleeping", "tags": [...] | null}``: wake those tags (``scheduling`` only resumes);
+        the scheduler resumes once nothing sleeps. An unknown tag wakes nothing (vLLM logs
+        a warning)."""
+        tags: list[str] | None = request.query.getall("tags", []) or None
+        early, inject = await self._apply_fault("wake_up", "wake_up")
+        if early is not None:
+            return early
+        t = tags
+        if t is not None and "scheduling" in t:
+            t = [x for x in t if x != "scheduling"]
+        st = self.state
+        if (t is None or t) and st.sleeping_tags and all(x in st.sleeping_tags
+                                                         for x in (t or ())):
+            try:
+                await self.pool.collective_rpc("wake_up", {"tags": t}, inject=inject)
+            except CollectiveRpcError as e:
+                return _err500(e.api_message("wake_up"))
+            st.sleeping_tags = st.sleeping_tags - set(t) if t else set()
+        awake = not st.sleeping_tags
+        if awake:
+            st.paused = False
+        return web.json_response({"status": "awake" if awake else "sleeping", "tags": tags})
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        """``GET /is_sleeping`` -> ``{"is_sleeping": bool}``: paused or any tag asleep (vLLM
+        0.32 ``EngineCore.is_sleeping``)."""
+        early, _ = await self._apply_fault("is_sleeping", "is_sleeping")
+        if early is not None:
+            return early
+        return web.json_response({"is_sleeping": self.state.paused
+                                  or bool(self.state.sleeping_tags)})
+
     # -- test-only control routes ----------------------------------------------------------
 
     async def stats(self, request: web.Request) -> web.Response:
@@ -426,10 +569,11 @@ class EngineApp:
         try:
             workers = await self.pool.collective_rpc("stats")
         except CollectiveRpcError as e:
-            return _err500(e.api_message())
+            return _err500(e.api_message(), close=False)
         s = self.state
         return web.json_response(
             {
+                "impl": "reference",
                 "world_size": self.pool.world_size,
                 "paused": s.paused,
                 "weight_version": s.weight_version,
@@ -438,39 +582,23 @@ class EngineApp:
                 "pause_count": s.pause_count,
                 "resume_count": s.resume_count,
                 "shutdown_count": s.shutdown_count,
+                "sleeping": s.paused or bool(s.sleeping_tags),
+                "sleeping_tags": sorted(s.sleeping_tags),
                 "route_counts": s.route_counts,
-                "faults": [asdict(f) for f in s.faults],
+                "faults": s.fault_table.as_json(),
                 "workers": workers,
             }
         )
 
     async def fault(self, request: web.Request) -> web.Response:
         """``POST /_slotsync/fault``: add one fault, or ``{"clear": true}``."""
-        body = await _read_json(request)
-        if isinstance(body, web.Response):
-            return body
-        if body.get("clear"):
-            self.state.faults.clear()
-            return web.json_response({"faults": []})
-        if not isinstance(body.get("route"), str):
-            return _detail(400, "Missing 'route' in request body")
-        allowed = {"route", "after", "status", "workers", "hang_s", "times", "message"}
-        unknown = sorted(set(body) - allowed)
-        if unknown:
-            return _detail(400, f"unknown fault fields {unknown}")
+        raw = await request.read()
         try:
-            f = Fault(
-                route=body["route"].lstrip("/"),
-                after=int(body.get("after", 0)),
-                status=int(body.get("status", 500)),
-                workers=None if body.get("workers") is None else [int(i) for i in body["workers"]],
-                hang_s=None if body.get("hang_s") is None else float(body["hang_s"]),
-                times=int(body.get("times", 1)),
-                message=body.get("message"),
-            )
-        except (TypeError, ValueError) as e:
-            return _detail(400, f"bad fault: {e}")
-        if f.workers is not None and any(not 0 <= i < self.pool.world_size for i in f.workers):
-            return _detail(400, f"workers must be in [0, {self.pool.world_size})")
-        self.state.faults.append(f)
-        return web.json_response({"faults": [asdict(x) for x in self.state.faults]})
+            body = json.loads(raw) if raw.strip() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _detail(400, "Invalid JSON format")
+        try:
+            faults = self.state.fault_table.apply(body, self.pool.world_size)
+        except ValueError as e:
+            return _detail(400, str(e))
+        return web.json_response({"faults": faults})

@@ -619,8 +619,14 @@ class WorkerState:
 
     @staticmethod
     def _check_sizes(p: ParsedUpdate) -> None:
-        """Packed: each ``tensor_sizes`` entry must equal its shape's bytes."""
+        """Packed: each ``tensor_sizes`` entry must equal its shape's bytes, and each tensor's
+        byte offset in the buffer must be a multiple of its element size: vLLM's packed
+        consumer views every tensor in place before cloning it (vLLM 0.32
+        ``packed_tensor.unpack_tensor``: ``tensor.contiguous().view(dtype)`` of a uint8
+        slice), which torch refuses otherwise -- the same check, with torch's own message, on
+        a meta tensor here."""
         assert p.tensor_sizes is not None
+        off = 0
         for name, dt, shape, size in zip(p.names, p.dtypes, p.shapes, p.tensor_sizes,
                                          strict=True):
             want = _nbytes(dt, shape)
@@ -629,6 +635,9 @@ class WorkerState:
                     f"tensor {name!r}: tensor_sizes says {size} bytes, shape {shape} of "
                     f"{dt} is {want} bytes"
                 )
+            if off % dt.itemsize:
+                torch.empty(off + size, dtype=torch.uint8, device="meta")[off:].view(dt)
+            off += size
 
     def _packed_buffer(self, handles: Any, need: int) -> torch.Tensor:
         """Map this worker's packed buffer (from the chunk's ``{gpu_uuid: args}``) as flat

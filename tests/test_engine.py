@@ -116,12 +116,15 @@ def checksums(eng: ReferenceEngine) -> dict[str, dict[str, str]]:
 
 def sample_tensors(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
+    # (in this order every tensor's byte offset in a packed chunk is a multiple of its
+    # element size, as vLLM's packed consumer needs: test_packed_offsets_must_be_aligned)
+    up = torch.randn(4, 3, generator=g)
+    norm = torch.randn(5, generator=g).to(torch.bfloat16)
+    embed = torch.randint(-100, 100, (2, 2, 2), generator=g).to(torch.int32)
     return {
-        "model.layers.0.mlp.up_proj.weight": torch.randn(4, 3, generator=g),
-        "model.norm.weight": torch.randn(5, generator=g).to(torch.bfloat16),
-        "model.embed_tokens.weight": torch.randint(-100, 100, (2, 2, 2), generator=g).to(
-            torch.int32
-        ),
+        "model.layers.0.mlp.up_proj.weight": up,
+        "model.embed_tokens.weight": embed,
+        "model.norm.weight": norm,
     }
 
 
@@ -154,9 +157,13 @@ def eng(engine: ReferenceEngine) -> ReferenceEngine:
 
 
 def test_fresh_engine_reports_defaults(engine: ReferenceEngine) -> None:
-    assert engine.request("GET", "/get_world_size") == (200, {"world_size": 2})
+    # world_size exactly as vLLM's; gpu_uuids: the one sanctioned extension
+    assert engine.request("GET", "/get_world_size") == (
+        200, {"world_size": 2, "gpu_uuids": [logical_gpu_uuid(0), logical_gpu_uuid(1)]})
+    assert engine.request("GET", "/get_world_size?include_dp=false")[1]["world_size"] == 2
     assert engine.request("GET", "/weight_info") == (200, {"weight_version": "default"})
     assert engine.request("GET", "/is_paused") == (200, {"is_paused": False})
+    assert engine.request("GET", "/is_sleeping") == (200, {"is_sleeping": False})
     s = stats(engine)
     assert [w["gpu_uuid"] for w in s["workers"]] == [logical_gpu_uuid(0), logical_gpu_uuid(1)]
     assert engine.gpu_uuids == [logical_gpu_uuid(0), logical_gpu_uuid(1)]
@@ -193,32 +200,41 @@ def test_pause_resume(eng: ReferenceEngine) -> None:
     assert eng.request("GET", "/is_paused") == (200, {"is_paused": True})
     assert eng.request("POST", "/resume") == (200, {"status": "resumed"})
     assert eng.request("GET", "/is_paused") == (200, {"is_paused": False})
+    # vLLM's validation handler: 400 (not FastAPI's 422), param "query.mode"
     status, body = eng.request("POST", "/pause?mode=sideways")
-    assert status == 422 and body["detail"][0]["loc"] == ["query", "mode"]
+    assert status == 400 and body["error"]["param"] == "query.mode"
+    assert body["error"]["type"] == "Bad Request"
+    assert body["error"]["message"].startswith("1 validation error:\n  {'type': 'literal_error'")
     s = stats(eng)
     assert s["pause_count"] >= 1 and s["resume_count"] >= 1
 
 
+def missing_key_400(key: str) -> tuple[int, dict]:
+    """vLLM 0.32's answer to a body without its ``Body(embed=True)`` key (pydantic's error as
+    vLLM's validation handler formats it; tests/test_vllm_engine.py checks vLLM's own)."""
+    err = {"type": "missing", "loc": f"body.{key}", "msg": "Field required", "input": "None"}
+    return 400, {"error": {"message": f"1 validation error:\n  {err}", "type": "Bad Request",
+                           "param": f"body.{key}", "code": 400}}
+
+
 def test_bad_bodies_are_400(eng: ReferenceEngine) -> None:
-    assert eng.request("POST", "/update_weights", {}) == (
-        400,
-        {"detail": "Missing 'update_info' in request body"},
-    )
-    assert eng.request("POST", "/init_weight_transfer_engine", {}) == (
-        400,
-        {"detail": "Missing 'init_info' in request body"},
-    )
+    assert eng.request("POST", "/update_weights", {}) == missing_key_400("update_info")
+    assert eng.request("POST", "/init_weight_transfer_engine", {}) == missing_key_400(
+        "init_info")
     status, body = eng.request("POST", "/init_weight_transfer_engine", {"init_info": {"x": 1}})
     assert status == 500 and "unexpected keyword argument 'x'" in err_message(body)
+    assert "Invalid init_info for IPCWeightTransferEngine: " in err_message(body)
     # /update_weights forwards update_info's JSON text to the workers: the front still
     # answers 400 for a body that is not JSON or not an object
-    for raw, detail in ((b'{"update_info": {"names": [}}', "Invalid JSON format"),
-                        (b"[1, 2]", "Request body must be a JSON object"),
-                        (b'{"update_info": null}', "Missing 'update_info' in request body")):
+    for raw, want in ((b'{"update_info": {"names": [}}', "Invalid JSON format"),
+                      (b"[1, 2]", "Request body must be a JSON object"),
+                      (b'{"update_info": null}', missing_key_400("update_info")[1])):
         req = urllib.request.Request(eng.url + "/update_weights", data=raw, method="POST")
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=30)
-        assert (e.value.code, json.loads(e.value.read())) == (400, {"detail": detail})
+        body = json.loads(e.value.read())
+        assert e.value.code == 400
+        assert body == want if isinstance(want, dict) else body["error"]["message"] == want
     assert eng.request("POST", "/start_weight_update")[0] == 200
     status, body = eng.request("POST", "/update_weights", {"update_info": "names"})
     assert status == 500 and "update_info must be a JSON object" in err_message(body), body
@@ -408,17 +424,19 @@ def test_http_level_faults(eng: ReferenceEngine) -> None:
     before = [w["start_count"] for w in stats(eng)["workers"]]
     eng.request("POST", "/_slotsync/fault", {"route": "start_weight_update", "status": 503})
     status, body = eng.request("POST", "/start_weight_update")
-    assert status == 503 and body["error"]["type"] == "InternalServerError"
+    assert status == 503 and body["error"]["type"] == "Service Unavailable"
     assert [w["start_count"] for w in stats(eng)["workers"]] == before  # no fan-out
     assert not any(w["active"] for w in stats(eng)["workers"])
     eng.request("POST", "/_slotsync/fault", {"route": "pause", "message": "cannot pause"})
-    assert eng.request("POST", "/pause?mode=keep") == (500, {"error": "cannot pause"})
+    assert eng.request("POST", "/pause?mode=keep") == (500, {
+        "error": "Failed to pause generation: Call to pause_scheduler method failed: "
+                 "cannot pause"})
     assert eng.request("POST", "/pause?mode=keep")[0] == 200  # times=1
     eng.request(
         "POST", "/_slotsync/fault", {"route": "get_world_size", "hang_s": 0.3, "status": 200}
     )
     t = time.monotonic()
-    assert eng.request("GET", "/get_world_size") == (200, {"world_size": 2})
+    assert eng.request("GET", "/get_world_size")[1]["world_size"] == 2
     assert time.monotonic() - t >= 0.3
 
 
@@ -556,3 +574,181 @@ def test_worker_pool_matches_queued_answers_to_their_calls() -> None:
             assert isinstance(r, CollectiveRpcError) and "worker 1 is gone" in str(r)
     finally:
         pool.close()
+
+
+# --------------------------------------------------------------------------------------------
+# behaving like vLLM where the daemon can tell (tests/test_vllm_engine.py checks vLLM's own)
+# --------------------------------------------------------------------------------------------
+
+
+def _keepalive(eng: ReferenceEngine):
+    import http.client
+
+    return http.client.HTTPConnection(eng.host, eng.port, timeout=60)
+
+
+def _on(conn, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    conn.request(method, path, body=None if body is None else json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read() or b"null")
+
+
+def test_connection_closed_after_a_weight_route_500_kept_otherwise(eng: ReferenceEngine) -> None:
+    """As uvicorn under vLLM's handlers: after a 500 raised through ServerErrorMiddleware the
+    server closes the connection; after a 400 or a pause/resume route's own 500 it stays."""
+    import http.client
+
+    conn = _keepalive(eng)
+    try:
+        assert _on(conn, "POST", "/update_weights", {})[0] == 400
+        assert _on(conn, "GET", "/is_paused") == (200, {"is_paused": False})
+        eng.request("POST", "/_slotsync/fault", {"route": "resume", "message": "nope"})
+        assert _on(conn, "POST", "/resume") == (500, {
+            "error": "Failed to resume generation: Call to resume_scheduler method failed: nope"})
+        assert _on(conn, "GET", "/is_paused")[0] == 200
+        status, body = _on(conn, "POST", "/finish_weight_update")  # nothing active: 500
+        assert status == 500 and FINISH_NO_START in err_message(body)
+        with pytest.raises((ConnectionError, http.client.HTTPException)):
+            _on(conn, "GET", "/is_paused")
+    finally:
+        conn.close()
+    for fault, path in (({"route": "start_weight_update"}, "/start_weight_update"),
+                        ({"route": "weight_info", "status": 500}, "/weight_info")):
+        conn = _keepalive(eng)
+        try:
+            eng.request("POST", "/_slotsync/fault", fault)
+            assert _on(conn, "POST" if "start" in path else "GET", path)[0] == 500
+            with pytest.raises((ConnectionError, http.client.HTTPException)):
+                _on(conn, "GET", "/is_paused")
+        finally:
+            conn.close()
+
+
+def test_payload_of_the_other_shape_fails_with_a_bare_assert(eng: ReferenceEngine,
+                                                             segs: Segments) -> None:
+    """vLLM 0.32 ipc_engine.receive_weights: ``tensor_sizes`` is checked first when packed,
+    then a bare ``assert isinstance(ipc_handles, dict / list)`` (empty message)."""
+    tensors = {"w": torch.ones(4)}
+    data = _bytes_of(tensors["w"])
+    by_uuid = {u: ShmHandle(segment=segs.put(data).name, offset=0, nbytes=len(data))
+               for u in eng.gpu_uuids}
+    wrap = ("Call to collective_rpc method failed: Worker failed with error '{}', please "
+            "check the stack trace above for the root cause")
+    # an engine restarted without init (packed False) given a packed chunk
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    status, body = eng.request("POST", "/update_weights",
+                               {"update_info": packed_info(tensors, by_uuid)})
+    assert (status, err_message(body)) == (500, wrap.format(""))
+    assert not any(w["active"] for w in stats(eng)["workers"])
+    # packed engine: unpacked chunk -> tensor_sizes first, then the dict assert
+    eng.request("POST", "/init_weight_transfer_engine", {"init_info": {"packed": True}})
+    info = unpacked_info(tensors, eng.gpu_uuids, segs)
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    status, body = eng.request("POST", "/update_weights", {"update_info": info})
+    assert (status, err_message(body)) == (500, wrap.format(
+        "`tensor_sizes` is required when packed=True"))
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    status, body = eng.request("POST", "/update_weights",
+                               {"update_info": {**info, "tensor_sizes": [16]}})
+    assert (status, err_message(body)) == (500, wrap.format(""))
+
+
+def test_packed_offsets_must_be_aligned(eng: ReferenceEngine, segs: Segments) -> None:
+    """vLLM's packed consumer views each tensor in the buffer before cloning it: a tensor
+    whose byte offset is not a multiple of its element size fails with torch's message."""
+    eng.request("POST", "/init_weight_transfer_engine", {"init_info": {"packed": True}})
+    tensors = {"a": torch.ones(5, dtype=torch.bfloat16), "b": torch.ones(2, dtype=torch.int32)}
+    data = b"".join(_bytes_of(t) for t in tensors.values())
+    by_uuid = {u: ShmHandle(segment=segs.put(data).name, offset=0, nbytes=len(data))
+               for u in eng.gpu_uuids}
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    status, body = eng.request("POST", "/update_weights",
+                               {"update_info": packed_info(tensors, by_uuid)})
+    assert status == 500
+    assert ("self.storage_offset() must be divisible by 4 to view Byte as Int (different "
+            "element sizes), but got 10") in err_message(body)
+
+
+def test_update_info_list_is_indexed_by_worker_rank(eng: ReferenceEngine, segs: Segments
+                                                    ) -> None:
+    """vLLM 0.32 Worker.update_weights takes ``update_info[rank]``: extra entries are
+    ignored, a missing one fails that worker only (IndexError)."""
+    tensors = {"w": torch.arange(3, dtype=torch.float32)}
+    infos = [unpacked_info(tensors, [u], segs) for u in eng.gpu_uuids]
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    assert eng.request("POST", "/update_weights", {"update_info": [*infos, infos[0]]})[0] == 200
+    status, body = eng.request("POST", "/update_weights", {"update_info": infos[:1]})
+    assert status == 500 and "Worker failed with error 'list index out of range'" in \
+        err_message(body)
+    assert [w["active"] for w in stats(eng)["workers"]] == [True, False]
+
+
+def test_shutdown_texts_are_vllms(eng: ReferenceEngine) -> None:
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    status, body = eng.request("POST", "/shutdown_weight_transfer_engine")
+    assert status == 500
+    assert "Cannot release a trainer connection during a weight update" in err_message(body)
+    assert eng.request("POST", "/finish_weight_update")[0] == 200
+    assert eng.request("POST", "/shutdown_weight_transfer_engine") == (
+        200, {"message": "Weight transfer shut down"})
+
+
+def test_sleep_wake_and_is_sleeping(eng: ReferenceEngine, segs: Segments) -> None:
+    """vLLM 0.32 EngineCore semantics (see tests/test_vllm_engine.py for vLLM's own): sleep
+    pauses first; is_sleeping = paused or asleep; a partial wake does not resume; level 2
+    discards the weights."""
+    tensors = sample_tensors(21)
+    assert eng.request("POST", "/start_weight_update")[0] == 200
+    info = unpacked_info(tensors, eng.gpu_uuids, segs)
+    assert eng.request("POST", "/update_weights", {"update_info": info})[0] == 200
+    assert eng.request("POST", "/finish_weight_update")[0] == 200
+    before = checksums(eng)
+    assert eng.request("POST", "/pause?mode=keep")[0] == 200
+    assert eng.request("GET", "/is_sleeping") == (200, {"is_sleeping": True})
+    assert eng.request("POST", "/resume")[0] == 200
+    assert eng.request("POST", "/sleep?level=1") == (200, {"status": "sleeping", "level": 1})
+    assert eng.request("GET", "/is_paused") == (200, {"is_paused": True})
+    assert eng.request("POST", "/wake_up") == (200, {"status": "awake", "tags": None})
+    assert checksums(eng) == before
+    assert eng.request("POST", "/sleep?level=2&mode=keep")[0] == 200
+    assert stats(eng)["sleeping_tags"] == ["kv_cache", "weights"]
+    assert eng.request("POST", "/wake_up?tags=weights") == (
+        200, {"status": "sleeping", "tags": ["weights"]})
+    assert eng.request("GET", "/is_sleeping") == (200, {"is_sleeping": True})
+    assert eng.request("GET", "/is_paused") == (200, {"is_paused": True})
+    assert eng.request("POST", "/wake_up?tags=kv_cache") == (
+        200, {"status": "awake", "tags": ["kv_cache"]})
+    assert eng.request("GET", "/is_paused") == (200, {"is_paused": False})
+    after = checksums(eng)
+    assert all(after[u][n] != before[u][n] for u in before for n in tensors)
+    assert eng.request("POST", "/sleep?level=0")[0] == 200
+    assert eng.request("GET", "/is_sleeping") == (200, {"is_sleeping": True})
+    assert eng.request("POST", "/wake_up?tags=scheduling") == (
+        200, {"status": "awake", "tags": ["scheduling"]})
+    assert eng.request("GET", "/is_sleeping") == (200, {"is_sleeping": False})
+    status, body = eng.request("POST", "/sleep?level=3")
+    assert status == 400 and body["error"]["param"] == "query.level"
+
+
+def test_restart_forgets_version_and_pause_one_worker_bare_assert(tmp_path: Path,
+                                                                  segs: Segments) -> None:
+    """A restarted engine answers weight version "default", is not paused and has packed
+    False; with one worker the bare assert's message is vLLM's stripped
+    ``Call to collective_rpc method failed:``."""
+    with ReferenceEngine(workers=1, startup_timeout_s=90) as one:
+        assert one.request("POST", "/init_weight_transfer_engine",
+                           {"init_info": {"packed": True}})[0] == 200
+        assert one.request("POST", "/start_weight_update")[0] == 200
+        assert one.request("POST", "/finish_weight_update", {"weight_version": "v9"})[0] == 200
+        assert one.request("POST", "/pause?mode=keep")[0] == 200
+        one.stop()
+        one.start()  # the same port, a new process
+        assert one.request("GET", "/weight_info") == (200, {"weight_version": "default"})
+        assert one.request("GET", "/is_paused") == (200, {"is_paused": False})
+        data = _bytes_of(torch.ones(2))
+        by_uuid = {one.gpu_uuids[0]: ShmHandle(segs.put(data).name, 0, len(data))}
+        assert one.request("POST", "/start_weight_update")[0] == 200
+        status, body = one.request("POST", "/update_weights",
+                                   {"update_info": packed_info({"w": torch.ones(2)}, by_uuid)})
+        assert (status, err_message(body)) == (500, "Call to collective_rpc method failed:")
