@@ -42,6 +42,32 @@ def use_shim_path() -> str | None:
     return d or None
 
 
+def receive_env(shim_dir: str | os.PathLike[str] | None = None) -> dict[str, str] | None:
+    """The extra environment under which an engine subprocess can import
+    ``vllm.distributed.weight_transfer.ipc_engine`` (for ``--receive vllm``): ``{}`` when
+    this interpreter's own vllm has it, ``{"SLOTSYNC_VLLM_SHIM": shim_dir}`` when the shim
+    folder imports, else None (tests skip then). Checked in a fresh interpreter."""
+    import subprocess
+
+    code = "import vllm.distributed.weight_transfer.ipc_engine"
+    tries: list[dict[str, str]] = [{}]
+    if shim_dir is not None and os.path.isdir(shim_dir):
+        tries.append({SHIM_ENV: os.fspath(shim_dir)})
+    for extra in tries:
+        env = {**os.environ, **extra}
+        if extra:
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (extra[SHIM_ENV], os.environ.get("PYTHONPATH", "")) if p)
+        try:
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                 timeout=300)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0:
+            return extra
+    return None
+
+
 class InPlaceLoader:
     """The "model" handed to vLLM's engine: ``load_weights(weights)`` calls ``load`` with the
     ``(name, tensor)`` list (which copies them into the worker's weights) and remembers the

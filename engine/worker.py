@@ -74,10 +74,10 @@ UPDATE_INACTIVE_MSG = "start_weight_update must be called before update_weights.
 FINISH_INACTIVE_MSG = "finish_weight_update called without a matching start_weight_update."
 SHUTDOWN_ACTIVE_MSG = "Cannot release a trainer connection during a weight update"
 """vLLM 0.32 ``Worker.shutdown_weight_transfer_engine``'s refusal during an update."""
-NOT_SERVABLE_MSG = (
-    "weights are on the meta device: a weight update was started and has not finished "
-    "successfully (start_weight_update ... finish_weight_update)"
-)
+NOT_SERVABLE_MSG = "Cannot copy out of meta tensor; no data!"
+"""What vLLM's ``/weight_checker`` reports between start and a successful finish: its
+``compute_tensor_digests`` reads the parameters layerwise reload put on the meta device
+(torch's ``NotImplementedError`` text)."""
 
 
 @dataclass(frozen=True)

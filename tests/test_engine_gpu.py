@@ -4,7 +4,9 @@ A separate producer process (standing in for a trainer rank) puts tensors on cud
 them with ``torch.multiprocessing.reductions.reduce_tensor``; the test turns the exported args
 into ``CudaIpcHandle`` records, pickles them with the daemon's writer, and an engine with two
 workers on cuda:0 (two logical GPU UUIDs sharing the GPU) maps and loads them, unpacked and
-packed. Checksums must equal the producer's.
+packed. Checksums must equal the producer's. The engine tests run twice: receiving with the
+reference engine's own code and with vLLM's (``--receive vllm``, from the installed vllm or
+the ``build/vllm-shim`` of ``tools/vllm_shim.py``; skipped when neither imports).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +29,21 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", params=["reference", "vllm"],
+                ids=["receive=reference", "receive=vllm"])
+def receive(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
+    """The workers' receive path and the engine's extra environment for it."""
+    if request.param == "reference":
+        return "reference", {}
+    from slotsync.engine.vllm_receive import receive_env
+
+    env = receive_env(ROOT / "build" / "vllm-shim")
+    if env is None:
+        pytest.skip("vllm.distributed.weight_transfer.ipc_engine is not importable")
+    return "vllm", env
 
 
 def _qualname(cls: type) -> str:
@@ -112,7 +130,8 @@ def exported() -> Iterator[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_cuda_ipc_load_two_logical_workers(exported: dict[str, Any], packed: bool) -> None:
+def test_cuda_ipc_load_two_logical_workers(exported: dict[str, Any], packed: bool,
+                                           receive: tuple[str, dict[str, str]]) -> None:
     uuids = [logical_gpu_uuid(0), logical_gpu_uuid(1)]
     meta = {k: exported[k] for k in ("names", "dtype_names", "shapes")}
     if packed:
@@ -126,7 +145,8 @@ def test_cuda_ipc_load_two_logical_workers(exported: dict[str, Any], packed: boo
         hs = [CudaIpcHandle(**r) for r in exported["unpacked"]]
         info = {**meta, "ipc_handles_pickled": b64(pickle_unpacked(uuids, [hs, hs]))}
     with ReferenceEngine(
-        workers=2, device="cuda", cuda_devices=[0, 0], gpu_uuids=uuids, startup_timeout_s=180
+        workers=2, device="cuda", cuda_devices=[0, 0], gpu_uuids=uuids, startup_timeout_s=180,
+        receive=receive[0], env=receive[1],
     ) as eng:
         init = {"init_info": {"packed": packed}}
         assert eng.request("POST", "/init_weight_transfer_engine", init)[0] == 200
@@ -141,15 +161,57 @@ def test_cuda_ipc_load_two_logical_workers(exported: dict[str, Any], packed: boo
         assert (status, body) == (200, {"match": True, "mismatches": []})
 
 
-def test_default_uuid_is_the_real_one(exported: dict[str, Any]) -> None:
-    """Without --gpu-uuids a CUDA worker answers to torch's UUID of its device."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_vllm_impl_on_cuda_two_logical_workers(exported: dict[str, Any], packed: bool,
+                                               tmp_path: Path) -> None:
+    """``--impl vllm`` on CUDA: vLLM's gpu_worker.Worker, IPCWeightTransferEngine (real
+    rebuild_cuda_tensor, PackedBufferImporter) and layerwise reload on cuda:0, two logical
+    GPU UUIDs (each worker's get_device_properties(0).uuid stood in for). Needs the vllm
+    package (not the shim)."""
+    pytest.importorskip("vllm.v1.worker.gpu_worker")
+    from safetensors.torch import save_file
+
+    from slotsync.engine.checksum import checksums_by_worker
+
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    model = {n: torch.zeros(shape, dtype=dtypes[d]) for n, d, shape in
+             zip(exported["names"], exported["dtype_names"], exported["shapes"], strict=True)}
+    save_file(model, str(tmp_path / "m.safetensors"))
+    uuids = [logical_gpu_uuid(0), logical_gpu_uuid(1)]
+    meta = {k: exported[k] for k in ("names", "dtype_names", "shapes")}
+    if packed:
+        info = {**meta, "tensor_sizes": exported["tensor_sizes"], "ipc_handles_pickled":
+                b64(pickle_packed({u: CudaIpcHandle(**exported["packed"]) for u in uuids}))}
+    else:
+        hs = [CudaIpcHandle(**r) for r in exported["unpacked"]]
+        info = {**meta, "ipc_handles_pickled": b64(pickle_unpacked(uuids, [hs, hs]))}
+    with ReferenceEngine(workers=2, device="cuda", cuda_devices=[0, 0], gpu_uuids=uuids,
+                         impl="vllm", model=tmp_path / "m.safetensors",
+                         startup_timeout_s=300) as eng:
+        init = {"init_info": {"packed": packed}}
+        assert eng.request("POST", "/init_weight_transfer_engine", init)[0] == 200
+        assert eng.request("POST", "/start_weight_update")[0] == 200
+        status, body = eng.request("POST", "/update_weights", {"update_info": info})
+        assert status == 200, body
+        assert eng.request("POST", "/finish_weight_update", {"weight_version": "g"})[0] == 200
+        status, body = eng.request("POST", "/weight_checker", {"action": "checksum"})
+        assert status == 200, body
+        assert checksums_by_worker(body) == {"tp0": exported["checksums"],
+                                             "tp1": exported["checksums"]}
+
+
+def test_default_uuid_is_the_real_one(exported: dict[str, Any],
+                                      receive: tuple[str, dict[str, str]]) -> None:
+    """Without --gpu-uuids a CUDA worker answers to torch's UUID of its device (vLLM's
+    receive path then looks it up itself: nothing is stood in for)."""
     real = exported["gpu_uuid"]
     hs = [CudaIpcHandle(**r) for r in exported["unpacked"]]
     info = {
         **{k: exported[k] for k in ("names", "dtype_names", "shapes")},
         "ipc_handles_pickled": b64(pickle_unpacked([real], [hs])),
     }
-    with ReferenceEngine(workers=1, device="cuda", startup_timeout_s=180) as eng:
+    with ReferenceEngine(workers=1, device="cuda", startup_timeout_s=180,
+                         receive=receive[0], env=receive[1]) as eng:
         assert eng.gpu_uuids == [real]
         assert eng.request("POST", "/init_weight_transfer_engine", {"init_info": {}})[0] == 200
         assert eng.request("POST", "/start_weight_update")[0] == 200

@@ -599,3 +599,139 @@ def test_impl_vllm_refuses_without_model_or_vllm(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "--impl vllm needs vllm" in out.stderr and "no vllm here" in out.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# the reference engine answers as vLLM's code does
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["reference", "vllm"],
+                ids=["receive=reference", "receive=vllm"])
+def ref_engine(model_path: Path, request: pytest.FixtureRequest) -> Iterator[ReferenceEngine]:
+    """The reference engine with this model, receiving with its own code or (``--receive
+    vllm``) with vLLM's IPCWeightTransferEngine.update_weights."""
+    with ReferenceEngine(workers=2, model=model_path, receive=request.param,
+                         startup_timeout_s=120) as eng:
+        yield eng
+
+
+def _run_step(eng: ReferenceEngine, fault: dict | None, method: str, path: str,
+              body: Any) -> tuple[int, Any, bool]:
+    """(status, body, closed): the call on a kept-alive connection, then whether the server
+    closed that connection after answering."""
+    if fault is not None:
+        assert request(eng, "POST", "/_slotsync/fault", fault)[0] == 200
+    conn = raw_conn(eng)
+    try:
+        status, got = on(conn, method, path, body)
+        try:
+            on(conn, "GET", "/get_world_size")
+            closed = False
+        except (ConnectionError, http.client.HTTPException):
+            closed = True
+    finally:
+        conn.close()
+    if path.startswith("/get_world_size") and isinstance(got, dict):
+        got.pop("gpu_uuids", None)  # the reference engine's extension
+    return status, got, closed
+
+
+def test_reference_engine_answers_as_vllm_does(eng: ReferenceEngine, ref_engine: ReferenceEngine,
+                                               segs: Segments) -> None:
+    """The same calls -- bad bodies, the state machine, payloads of the wrong shape, a
+    missing GPU UUID, a rank list too short, shutdown, pause / sleep / wake, injected faults
+    -- give the same status, body and connection handling on both engines."""
+    uuids = eng.gpu_uuids
+    assert ref_engine.gpu_uuids == uuids
+    t = model_tensors(13)
+    unpacked = update_info(t, uuids, segs, packed=False)
+    packed = update_info({UP: t[UP], SCALE: t[SCALE]}, uuids, segs, packed=True)
+    misaligned = update_info({NORM: t[NORM], EMBED: t[EMBED]}, uuids, segs, packed=True)
+    only_u0 = update_info({NORM: t[NORM]}, uuids[:1], segs, packed=False)
+    per_rank = [update_info({NORM: t[NORM]}, [u], segs, packed=False) for u in uuids]
+    steps: list[tuple[str, dict | None, str, str, Any]] = [
+        ("world size", None, "GET", "/get_world_size?include_dp=true", None),
+        ("paused", None, "GET", "/is_paused", None),
+        ("sleeping", None, "GET", "/is_sleeping", None),
+        ("no update_info", None, "POST", "/update_weights", {}),
+        ("no init_info", None, "POST", "/init_weight_transfer_engine", {}),
+        ("bad mode", None, "POST", "/pause?mode=sideways", None),
+        ("level 3", None, "POST", "/sleep?level=3", None),
+        ("level -1", None, "POST", "/sleep?level=-1", None),
+        ("level x", None, "POST", "/sleep?level=x", None),
+        ("init bad key", None, "POST", "/init_weight_transfer_engine",
+         {"init_info": {"x": 1}}),
+        ("init", None, "POST", "/init_weight_transfer_engine", {"init_info": {}}),
+        ("start", None, "POST", "/start_weight_update", None),
+        ("start again", None, "POST", "/start_weight_update", None),
+        ("checksum on meta", None, "POST", "/weight_checker", {"action": "checksum"}),
+        ("finish", None, "POST", "/finish_weight_update", None),
+        ("finish again", None, "POST", "/finish_weight_update", None),
+        ("update, no start", None, "POST", "/update_weights", {"update_info": unpacked}),
+        ("start", None, "POST", "/start_weight_update", None),
+        ("packed to unpacked", None, "POST", "/update_weights", {"update_info": packed}),
+        ("init packed", None, "POST", "/init_weight_transfer_engine",
+         {"init_info": {"packed": True}}),
+        ("start", None, "POST", "/start_weight_update", None),
+        ("unpacked to packed", None, "POST", "/update_weights", {"update_info": unpacked}),
+        ("start", None, "POST", "/start_weight_update", None),
+        ("list + sizes to packed", None, "POST", "/update_weights",
+         {"update_info": {**unpacked, "tensor_sizes": [48, 8, 10, 32]}}),
+        ("start", None, "POST", "/start_weight_update", None),
+        ("misaligned", None, "POST", "/update_weights", {"update_info": misaligned}),
+        ("init unpacked", None, "POST", "/init_weight_transfer_engine",
+         {"init_info": {"packed": False}}),
+        ("start", None, "POST", "/start_weight_update", None),
+        ("uuid missing", None, "POST", "/update_weights", {"update_info": only_u0}),
+        ("start split", None, "POST", "/start_weight_update", None),
+        ("finish split", None, "POST", "/finish_weight_update", None),
+        ("start", None, "POST", "/start_weight_update", None),
+        ("list too short", None, "POST", "/update_weights", {"update_info": per_rank[:1]}),
+        ("finish split", None, "POST", "/finish_weight_update", None),
+        ("start", None, "POST", "/start_weight_update", None),
+        ("rank list", None, "POST", "/update_weights", {"update_info": [*per_rank, {}]}),
+        ("shutdown in update", None, "POST", "/shutdown_weight_transfer_engine", None),
+        ("finish", None, "POST", "/finish_weight_update", {"weight_version": "p1"}),
+        ("version", None, "GET", "/weight_info", None),
+        ("shutdown", None, "POST", "/shutdown_weight_transfer_engine", None),
+        ("pause", None, "POST", "/pause?mode=keep", None),
+        ("paused is sleeping", None, "GET", "/is_sleeping", None),
+        ("resume", None, "POST", "/resume", None),
+        ("sleep 2", None, "POST", "/sleep?level=2&mode=keep", None),
+        ("wake weights", None, "POST", "/wake_up?tags=weights", None),
+        ("still sleeping", None, "GET", "/is_sleeping", None),
+        ("still paused", None, "GET", "/is_paused", None),
+        ("wake unknown", None, "POST", "/wake_up?tags=bogus", None),
+        ("wake kv", None, "POST", "/wake_up?tags=kv_cache", None),
+        ("awake", None, "GET", "/is_paused", None),
+        ("pause fault", {"route": "pause", "message": "f1"}, "POST", "/pause?mode=keep", None),
+        ("resume fault", {"route": "resume", "message": "f2"}, "POST", "/resume", None),
+        ("is_paused fault", {"route": "is_paused", "message": "f3"}, "GET", "/is_paused",
+         None),
+        ("start fault", {"route": "start_weight_update", "message": "f4"}, "POST",
+         "/start_weight_update", None),
+        ("version fault", {"route": "weight_info", "status": 503, "message": "f5"}, "GET",
+         "/weight_info", None),
+        ("start", None, "POST", "/start_weight_update", None),
+        ("worker fault", {"route": "update_weights", "workers": [1], "message": "f6"},
+         "POST", "/update_weights", {"update_info": unpacked}),
+        ("finish after", None, "POST", "/finish_weight_update", None),
+        ("start", None, "POST", "/start_weight_update", None),
+        ("full update", None, "POST", "/update_weights", {"update_info": unpacked}),
+        ("finish", None, "POST", "/finish_weight_update", {"weight_version": "p2"}),
+        ("version", None, "GET", "/weight_info", None),
+    ]
+    request(ref_engine, "POST", "/_slotsync/fault", {"clear": True})
+    request(ref_engine, "POST", "/finish_weight_update")
+    request(ref_engine, "POST", "/resume")
+    theirs = [_run_step(eng, *s[1:]) for s in steps]
+    ours = [_run_step(ref_engine, *s[1:]) for s in steps]
+    for (label, *_), a, b in zip(steps, theirs, ours, strict=True):
+        assert b == a, f"step {label!r}: vLLM {a}, reference {b}"
+    assert checksums_by_worker({"checksums": {f"dp0:pp0:pcp0:tp{i}:{n}": h for i in range(2)
+                                              for n, h in want_sums(t).items()}}) == \
+        sums(eng)
+    ref = checksums_by_worker(request(ref_engine, "POST", "/weight_checker",
+                                      {"action": "checksum"})[1])
+    assert ref == {u: want_sums(t) for u in uuids}

@@ -231,3 +231,63 @@ def test_json_encoder_writes_pickle_bytes_as_standard_base64():
     for pk in (pickle_unpacked(["u0"], [[record(), record(event_handle=None)]]), b"",
                b"\xff", b"\xfb\xef", bytes(range(256)) * 7):
         assert json.loads(msgspec.json.encode({"p": pk}))["p"] == b64(pk)
+
+
+def test_vllms_own_receive_path_maps_the_shm_stand_in():
+    """vLLM's own parse_update_info (unpickling ipc_handles_pickled) and receive code, with
+    the engines' CPU stand-in for rebuild_cuda_tensor / the GPU UUID lookup
+    (slotsync.engine.cuda_standin), map the daemon's shared-memory tuples: unpacked through
+    ipc_engine.rebuild_cuda_tensor, packed through PackedBufferImporter (which imports
+    torch's rebuild_cuda_tensor lazily)."""
+    import json
+    import os
+    from multiprocessing import shared_memory
+
+    import msgspec
+
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    ipc = pytest.importorskip("vllm.distributed.weight_transfer.ipc_engine")
+    from slotsync.daemon.aggregation import merge_chunk
+    from slotsync.engine import cuda_standin
+    from slotsync.protocol.wire import Chunk
+
+    class Model:
+        loaded: list = []
+
+        def load_weights(self, weights):
+            self.loaded = [(n, t.clone()) for n, t in weights]
+
+    a, b = torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([7, 8],
+                                                                            dtype=torch.int16)
+    seg = shared_memory.SharedMemory(create=True, size=64)
+    cuda_standin.install(torch.device("cpu"), "u0")
+    try:
+        seg.buf[0:24] = a.numpy().tobytes()
+        seg.buf[24:28] = b.numpy().tobytes()
+        for packed in (False, True):
+            hs = ([ShmHandle(seg.name, 0, 28)] if packed
+                  else [ShmHandle(seg.name, 0, 24), ShmHandle(seg.name, 24, 4)])
+            chunk = Chunk(1, 0, ["a", "b"], ["float32", "int16"], [[2, 3], [2]], [24, 4], hs)
+            merged = merge_chunk(0, {0: chunk}, {0: "u0"}, packed=packed, transport="shm",
+                                 world_size=1)
+            info = json.loads(msgspec.json.encode(merged.update_info))
+            engine = object.__new__(ipc.IPCWeightTransferEngine)
+            engine.packed, engine.device = packed, torch.device("cpu")
+            engine._packed_importer = ipc.PackedBufferImporter()
+            engine.model = model = Model()
+            engine.receive_weights(engine.parse_update_info(info))
+            assert [n for n, _ in model.loaded] == ["a", "b"]
+            assert torch.equal(model.loaded[0][1], a) and torch.equal(model.loaded[1][1], b)
+            # a handle without this worker's UUID: vLLM's own error text
+            bad = {**info, "ipc_handles_pickled": b64(pickle_unpacked(
+                ["u9"], [hs], dtype_names=["float32", "int16"], shapes=[[2, 3], [2]])
+                if not packed else pickle_packed({"u9": hs[0]}))}
+            with pytest.raises(ValueError, match=r"IPC handle not found for GPU UUID u0\. "
+                                                 r"Available UUIDs: \['u9'\]"):
+                engine.receive_weights(engine.parse_update_info(bad))
+    finally:
+        cuda_standin.uninstall()
+        seg.close()
+        seg.unlink()
+    assert torch.multiprocessing.reductions.rebuild_cuda_tensor.__module__ == \
+        "torch.multiprocessing.reductions"
