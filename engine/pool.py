@@ -77,6 +77,7 @@ class _WorkerProc:
         self._sock: socket.socket | None = None  # non-blocking twin of conn (send)
         self._waiting: collections.deque[asyncio.Future] = collections.deque()
         self._reader: asyncio.Task | None = None
+        self._exit_requested = False
         self.gpu_uuid = spec.gpu_uuid or ""
         self.device = spec.device
 
@@ -147,7 +148,11 @@ class _WorkerProc:
             got += k
         return buf
 
-    def close(self, grace_s: float = 3.0) -> None:
+    def request_exit(self) -> None:
+        """Stop reading answers and ask the worker to exit (without waiting for it); once."""
+        if self._exit_requested:
+            return
+        self._exit_requested = True
         if self._reader is not None:
             self._reader.cancel()
         if self._sock is not None:
@@ -158,6 +163,10 @@ class _WorkerProc:
                 self.conn.send(("exit", {}))
         except (OSError, BrokenPipeError):
             pass
+
+    def close(self, grace_s: float = 3.0) -> None:
+        """Ask the worker to exit, wait up to ``grace_s`` seconds, then terminate, then kill."""
+        self.request_exit()
         self.process.join(grace_s)
         if self.process.is_alive():
             self.process.terminate()
@@ -264,6 +273,9 @@ class WorkerPool:
             return [await w.send(r) for w, r in zip(self.workers, requests, strict=True)]
 
     def close(self) -> None:
-        """Stop every worker (exit message, then terminate, then kill)."""
+        """Stop every worker (exit message, then terminate, then kill). The exit messages go
+        out first, so the workers' interpreters shut down side by side."""
+        for w in self.workers:
+            w.request_exit()
         for w in self.workers:
             w.close()
