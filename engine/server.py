@@ -32,6 +32,9 @@ after the wake); ``/wake_up?tags=weights|kv_cache|scheduling`` resumes the sched
 once nothing sleeps; ``/is_sleeping`` is "paused or sleeping" (a plain ``/pause`` makes it
 true).
 
+``POST /collective_rpc`` (vLLM's dev-mode RPC router) runs ``check_health`` on every worker
+(``{"results": [null, ...]}``); any other method fails as on vLLM's ``Worker``.
+
 The engine always accepts ``ipc_handles_pickled``: it stands in for a vLLM server launched with
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, ``VLLM_SERVER_DEV_MODE=1`` and
 ``--weight-transfer-config '{"backend":"ipc"}'``. ``GET /get_world_size`` also answers
@@ -219,6 +222,7 @@ class EngineApp:
         r.add_post("/sleep", self.sleep)
         r.add_post("/wake_up", self.wake_up)
         r.add_get("/is_sleeping", self.is_sleeping)
+        r.add_post("/collective_rpc", self.collective_rpc)
         r.add_get("/_slotsync/stats", self.stats)
         r.add_post("/_slotsync/fault", self.fault)
         self.app.on_cleanup.append(self._cleanup)
@@ -561,6 +565,29 @@ class EngineApp:
             return early
         return web.json_response({"is_sleeping": self.state.paused
                                   or bool(self.state.sleeping_tags)})
+
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        """``POST /collective_rpc`` ``{"method": str, "args": [...], "kwargs": {...}}`` (vLLM's
+        dev-mode RPC router) -> ``{"results": [one per worker]}``. Only vLLM ``Worker``
+        methods the reference worker has run (``check_health``); another name fails on every
+        worker as vLLM's ``getattr(worker, method)`` does."""
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _bad_request(f"JSON decode error: {e}")
+        if not isinstance(body, dict):
+            return _bad_request("Request body must be a JSON object")
+        method = body.get("method")
+        if method is None:
+            return _bad_request("Missing 'method' in request body")
+        res = await self._fanout("collective_rpc", "rpc", {
+            "method": method, "args": list(body.get("args", [])),
+            "kwargs": dict(body.get("kwargs", {}))})
+        if isinstance(res, web.Response):
+            return res
+        return web.json_response({"results": [
+            r if r is None or isinstance(r, dict | list) else str(r) for r in res]})
 
     # -- test-only control routes ----------------------------------------------------------
 

@@ -4,7 +4,8 @@ The routes are vLLM's own: a FastAPI app that includes vLLM 0.32's RL router
 (``vllm.entrypoints.rl.online.api_router.router``: pause / resume / is_paused, the weight
 transfer routes, ``/weight_info``, ``/weight_checker``, ``/get_world_size``) and its sleep router
 (``vllm.entrypoints.serve.dev.sleep.api_router.router``: ``/sleep``, ``/wake_up``,
-``/is_sleeping``), with vLLM's exception handlers
+``/is_sleeping``) and dev-mode RPC router (``vllm.entrypoints.serve.dev.rpc.api_router``:
+``POST /collective_rpc``), with vLLM's exception handlers
 (``vllm.entrypoints.serve.exception_handling.register.init_exception_handler``), served by
 vLLM's own ``vllm.entrypoints.launchers.launcher.serve_http`` (uvicorn, ``NoSignalServer``,
 its SIGINT / SIGTERM handling and engine watchdog) with the arguments vLLM's
@@ -296,17 +297,22 @@ class VllmEngineClient:
 
     async def collective_rpc(self, method: str, timeout: float | None = None,
                              args: tuple = (), kwargs: dict | None = None,
-                             _route: str | None = None) -> list[Any]:
-        """``AsyncLLM.collective_rpc``: utility ``collective_rpc`` over every worker.
+                             _route: str | None = "collective_rpc") -> list[Any]:
+        """``AsyncLLM.collective_rpc``: utility ``collective_rpc`` over every worker (vLLM's
+        dev-mode ``POST /collective_rpc`` calls it with the body's ``method`` / ``args`` /
+        ``kwargs``; a method the host does not define runs on vLLM's ``Worker`` object, e.g.
+        ``check_health``). Faults: route ``collective_rpc`` (``/weight_checker``'s reset
+        counts as that route too). ``timeout`` is not applied.
 
         Raises:
             Exception: ``Call to collective_rpc method failed: ...``.
         """
+        kw = dict(kwargs or {})
         if args:
-            raise NotImplementedError("positional collective_rpc args are not supported")
+            kw["_args"] = list(args)
 
         async def work(inject: dict[int, str] | None) -> list[Any]:
-            return await self.executor.collective_rpc(method, kwargs, inject)
+            return await self.executor.collective_rpc(method, kw, inject)
 
         return await self._utility(_route, "collective_rpc", work)
 
@@ -500,17 +506,19 @@ class _RouteFaults:
 
 
 def build_app(client: VllmEngineClient, log_error_stack: bool = False) -> Any:
-    """The FastAPI app: vLLM's RL and sleep routers, vLLM's exception handlers, the
-    test-only ``/_slotsync/`` routes. ``app.state.args`` carries ``log_error_stack`` (read by
-    vLLM's handlers)."""
+    """The FastAPI app: vLLM's RL, sleep and dev-mode RPC (``POST /collective_rpc``) routers,
+    vLLM's exception handlers, the test-only ``/_slotsync/`` routes. ``app.state.args``
+    carries ``log_error_stack`` (read by vLLM's handlers)."""
     from fastapi import FastAPI
     from vllm.entrypoints.rl.online.api_router import router as rl_router
+    from vllm.entrypoints.serve.dev.rpc.api_router import router as rpc_router
     from vllm.entrypoints.serve.dev.sleep.api_router import router as sleep_router
     from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
 
     app = FastAPI()
     app.include_router(rl_router)
     app.include_router(sleep_router)
+    app.include_router(rpc_router)
     app.state.engine_client = client
     app.state.args = argparse.Namespace(log_error_stack=log_error_stack)
     init_exception_handler(app)

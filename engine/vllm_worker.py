@@ -303,6 +303,23 @@ class VllmWorkerHost:
         }
 
 
+def _call(host: VllmWorkerHost, method: str, kwargs: dict[str, Any]) -> Any:
+    """Run one request: the host's method of that name, else (``/collective_rpc`` with any
+    method) vLLM's ``Worker`` method of that name, as vLLM's ``WorkerProc`` does
+    (``getattr(self.worker, method)``: an unknown name is its ``AttributeError``).
+    ``_args``: positional arguments; ``inject``: a test fault, raised at once for a Worker
+    method."""
+    args = kwargs.pop("_args", ())
+    fn = getattr(type(host), method, None)
+    if fn is not None and not method.startswith("_"):
+        return getattr(host, method)(*args, **kwargs)
+    inject = kwargs.pop("inject", None)
+    target = getattr(host.worker, method)
+    if inject is not None:
+        raise RuntimeError(inject)
+    return target(*args, **kwargs)
+
+
 def vllm_worker_main(spec: VllmWorkerSpec, conn: Connection) -> None:
     """Entry point of a vLLM-code worker process (multiprocessing, spawn context).
 
@@ -327,7 +344,7 @@ def vllm_worker_main(spec: VllmWorkerSpec, conn: Connection) -> None:
             conn.send(("ok", None))
             return
         try:
-            answer: tuple[str, Any] = ("ok", getattr(host, method)(**kwargs))
+            answer: tuple[str, Any] = ("ok", _call(host, method, kwargs))
         except Exception as e:  # vLLM's WorkerProc: any Exception becomes a FAILURE reply
             tb = traceback.format_exc().rstrip().replace("\n", f"\n[worker {spec.index}] ")
             print(f"[worker {spec.index}] {method} failed: {tb}", file=sys.stderr, flush=True)

@@ -549,6 +549,20 @@ class WorkerState:
         if tags is None or "weights" in tags:
             self.sleep_level = 0
 
+    def rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
+            inject: str | None = None) -> Any:
+        """``POST /collective_rpc``'s worker part: the vLLM ``Worker`` methods this worker
+        has (``check_health``: healthy while it runs, vLLM 0.32 ``gpu_worker.py``).
+
+        Raises:
+            AttributeError: another name, with vLLM's ``getattr(worker, method)`` text.
+        """
+        if inject:
+            raise RuntimeError(inject)
+        if method == "check_health":
+            return None
+        raise AttributeError(f"'Worker' object has no attribute '{method}'")
+
     # -- reference-engine extras -----------------------------------------------------------
 
     def checksums(self, inject: str | None = None) -> dict[str, str]:

@@ -584,6 +584,17 @@ def test_multiproc_executor_leaves_later_replies_unread(model_path: Path) -> Non
         assert request(eng, "GET", "/weight_info")[1] == {"weight_version": "default"}
         assert stats(eng)["unread_replies"] == [0, 1]  # the lag stays
         assert request(eng, "POST", "/start_weight_update")[0] == 200  # reads the finish's
+        # another failure on both: two replies behind; vLLM's dev-mode /collective_rpc with
+        # check_health (vLLM's Worker.check_health returns None) first reads a stale success,
+        # then the stale error of the start
+        status, body = request(eng, "POST", "/start_weight_update")
+        assert status == 500 and ALREADY_ACTIVE in message(body)
+        assert stats(eng)["unread_replies"] == [0, 2]
+        rpc = {"method": "check_health"}
+        assert request(eng, "POST", "/collective_rpc", rpc) == (200, {"results": [None, None]})
+        status, body = request(eng, "POST", "/collective_rpc", rpc)
+        assert status == 500 and message(body) == WRAP.format(
+            ALREADY_ACTIVE + ". Call finish_weight_update first.")
 
 
 def test_impl_vllm_refuses_without_model_or_vllm(tmp_path: Path) -> None:
@@ -694,6 +705,10 @@ def test_reference_engine_answers_as_vllm_does(eng: ReferenceEngine, ref_engine:
         ("shutdown in update", None, "POST", "/shutdown_weight_transfer_engine", None),
         ("finish", None, "POST", "/finish_weight_update", {"weight_version": "p1"}),
         ("version", None, "GET", "/weight_info", None),
+        ("check_health", None, "POST", "/collective_rpc", {"method": "check_health"}),
+        ("rpc no method", None, "POST", "/collective_rpc", {"args": []}),
+        ("rpc not an object", None, "POST", "/collective_rpc", [1]),
+        ("rpc unknown", None, "POST", "/collective_rpc", {"method": "nope"}),
         ("shutdown", None, "POST", "/shutdown_weight_transfer_engine", None),
         ("pause", None, "POST", "/pause?mode=keep", None),
         ("paused is sleeping", None, "GET", "/is_sleeping", None),
