@@ -110,6 +110,13 @@ _BEGIN_STAGES: tuple[_Stage, ...] = (
     _Stage("start", ("start_weight_update",), True),
 )
 _STAGE_INDEX = {st.name: i for i, st in enumerate(_BEGIN_STAGES)}
+_EXECUTOR_STAGES = frozenset({"init", "recover", "start"})
+"""Begin stages whose calls vLLM runs on every worker through its executor (the probes and the
+pause are answered by the API server or the engine core)."""
+
+WORKER_FAILED = "Worker failed with error"
+"""vLLM's MultiprocExecutor (engines of several workers) wraps a worker's error in this text
+(vLLM 0.32 ``v1/executor/multiproc_executor.py`` ``collective_rpc``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +290,18 @@ class SlotCoordinator:
         self.engine_version: str | None = None
         self.session_suspect = False
         self.engine_asleep = False
+        # vLLM's MultiprocExecutor reads the workers' replies in rank order and raises at the
+        # first failure, leaving later workers' replies queued: the next call then reads them
+        # as its own (vLLM gh-58242, PR 57846 open). After a worker's failure the next executor
+        # call is a harmless check_health (replies_suspect); a stale error answering it means
+        # the replies are out of step until the engine restarts (engine_out_of_step: why).
+        self.replies_suspect = False
+        self.engine_out_of_step: str | None = None
+        # End a half-open session before the start (finish first), or start first and end the
+        # session only where a worker says it is already active: after a failed finish the
+        # workers that succeeded hold no session, so a finish would fail on worker 0 first.
+        self.recover_first = True
+        self._failed_call: tuple[str, str] | None = None  # (route, error) of the last failure
         # GPU UUIDs of the engine's workers where they can be known: the engine table's
         # (declared) or the engine's own report (the reference engine's /get_world_size)
         self.declared_gpu_uuids: tuple[str, ...] | None = None
@@ -469,12 +488,19 @@ class SlotCoordinator:
             # one to return lets a waiting update's calls (or the engine check) go out.
             if call_id in self._orphans:
                 self._orphans.discard(call_id)
+                if not ok and WORKER_FAILED in error and self.size > 1:
+                    self.replies_suspect = True
                 return self._advance(now)
             return []
         u = self.current
         assert u is not None and u.update_id == call.update_id  # else it would be an orphan
         route = call.route
         if not ok:
+            if WORKER_FAILED in error and self.size > 1:
+                self.replies_suspect = True  # later workers' replies may still be queued
+            if route == "check_replies":
+                return self._out_of_step(u, now, error)
+            self._failed_call = (route, error)
             if route == "finish_recover":
                 # Expected when the engine is not (or only partly) mid-update: vllm-contract.md
                 # "Per-worker state": finish tolerating the 500, then a full update.
@@ -494,7 +520,13 @@ class SlotCoordinator:
             return self._fail(now, "engine", f"vLLM {route} failed: {error}", [])
         u.last_progress = now
         out: list[Action] = []
-        if route == "get_world_size":
+        if route == "check_replies":
+            results = result.get("results") if isinstance(result, dict) else None
+            if not (isinstance(results, list) and len(results) == self.size
+                    and all(r is None for r in results)):
+                return self._out_of_step(u, now, f"check_health answered {result!r}")
+            self.replies_suspect = False
+        elif route == "get_world_size":
             ws = result.get("world_size") if isinstance(result, dict) else None
             if ws != self.size:
                 return self._fail(
@@ -559,11 +591,11 @@ class SlotCoordinator:
         seen, suspect = self.engine_version, self.session_suspect
         self.session_suspect = False
         self.engine_version = v
-        if not self.engine_initialized:
-            return []  # initialised in this begin anyway; v is the baseline from now on
         if seen is not None and v != seen:
             why = (f"engine {self.engine_url} reports weight version {v!r}, but the daemon "
                    f"last saw {seen!r}: restarted at the same URL, or updated by someone else")
+        elif not self.engine_initialized:
+            return []  # initialised in this begin anyway; v is the baseline from now on
         elif suspect and (seen is None or seen == "default"):
             why = (f"a connection to engine {self.engine_url} was refused or reset since the "
                    f"last round and its weight version {v!r} does not tell its session apart")
@@ -576,12 +608,28 @@ class SlotCoordinator:
             return []
         return self._new_session(u, why)
 
+    def _out_of_step(self, u: _Update, now: float, answer: str) -> list[Action]:
+        """check_health did not get one clean answer per worker: a worker's reply to an
+        earlier call is still queued, so every later call would read another call's reply
+        (vLLM's MultiprocExecutor, gh-58242). Nothing but a restart puts it right."""
+        self.engine_out_of_step = (
+            f"engine {self.engine_url}'s executor replies are out of step: after a worker's "
+            f"failure, check_health read a reply to an earlier call ({answer[:300]}); vLLM "
+            "0.32's MultiprocExecutor leaves later workers' replies queued when one fails "
+            "(vLLM gh-58242, fixed by PR 57846), and every later call would take another "
+            "call's reply for its own. Restart the engine: the daemon then initialises it and "
+            "sends a full update")
+        return self._fail(now, "engine", self.engine_out_of_step, [])
+
     def _new_session(self, u: _Update, why: str) -> list[Action]:
         """The engine is not the session this daemon initialised: initialise it again, ask its
         world size again (the probe did, in this stage) and require a full update (it serves
         the weights of its own checkpoint, not the last ones the daemon loaded)."""
         self.engine_initialized = False
         self.engine_dirty = False  # a new process holds no half-open session
+        self.engine_out_of_step = None  # ... and its replies line up
+        self.replies_suspect = False
+        self.recover_first = True
         if self.last_ok_names:
             self.needs_full_update = True
             u.weights_intact = False
@@ -594,11 +642,14 @@ class SlotCoordinator:
         asleep at any level)."""
         sleeping = bool(result.get("is_sleeping")) if isinstance(result, dict) else False
         if not sleeping:
-            self.engine_asleep = False
+            was_asleep, self.engine_asleep = self.engine_asleep, False
             if self.engine_paused:
+                self.engine_paused = False
+                if was_asleep:  # left paused for vLLM's full /wake_up, which resumed it
+                    return [SlotEvent(self.slot, "engine_awake", {
+                        "engine": self.engine_url, "update_id": u.update_id}, warning=False)]
                 # paused by this daemon (a failed update), serving now: resumed by someone
                 # else, or a restarted process (the weight version tells which)
-                self.engine_paused = False
                 return [SlotEvent(self.slot, "engine_serving_unexpectedly", {
                     "engine": self.engine_url, "update_id": u.update_id,
                     "needs_full_update": self.needs_full_update})]
@@ -961,12 +1012,19 @@ class SlotCoordinator:
             return []  # a stage in flight; or the slot's last registrations (begin deadline)
         while u.stage < len(_BEGIN_STAGES):
             st = _BEGIN_STAGES[u.stage]
+            if u.stage > 0 and self.engine_out_of_step:
+                # (the probe found no new session, which would have cleared it)
+                return self._fail(now, "begin", self.engine_out_of_step, [])
             if st.name == "init" and self.engine_initialized:
                 u.stage += 1
                 continue
-            if st.name == "recover" and not self.engine_dirty:
-                u.stage += 1
+            if st.name == "recover" and not (
+                    self.engine_dirty and (self.recover_first or u.start_retried)):
+                u.stage += 1  # (start first: a start that finds a session ends it, below)
                 continue
+            if st.name in _EXECUTOR_STAGES and self.replies_suspect:
+                # the first executor call after a worker's failure checks the replies line up
+                return [self._call(u, "check_replies", {"method": "check_health"})[0]]
             if st.touches_generation:
                 if len(u.begun) < self.size:
                     # Generation is paused only once every rank has begun: a rank that never
@@ -986,6 +1044,15 @@ class SlotCoordinator:
                 out += self._call(u, route, body)
             return out
         return []  # start in flight
+
+    def _start_reached_none(self, error: str) -> bool:
+        """A failed start whose error shows that no worker began a session: vLLM's own answer
+        (status 4xx/5xx, not a timeout or a lost connection) without the executor's per-worker
+        wrapping on an engine of several workers (it failed before the call reached them), or
+        the one worker's own failure on a single-worker engine."""
+        if "HTTP " not in error or "already active" in error:
+            return False  # timeout, connection lost: the workers may have started
+        return self.size == 1 or WORKER_FAILED not in error
 
     def _uuid_mismatch(self) -> str:
         """Why the ranks' GPU UUIDs are not the engine's workers' (I2, before the pause), or
@@ -1122,10 +1189,23 @@ class SlotCoordinator:
         self._orphans.update(self._calls)
         self._calls.clear()
         self.next_update_id = max(self.next_update_id, u.update_id + 1)
+        failed, self._failed_call = self._failed_call, None
+        if failed is not None and failed[0] == "start_weight_update" and self._start_reached_none(
+                failed[1]):
+            u.start_sent = False  # no worker began a session: as if it had not been sent
         if u.start_sent:
             self.needs_full_update = True
             self.engine_dirty = True
             self.engine_paused = True
+            # After a finish that reached the workers (some failed it, or it timed out and ran
+            # on), the ones that finished hold no session: start first (a worker still in its
+            # session answers "already active"; then finish and start again). Otherwise the
+            # workers are still in their sessions: finish first. (Either order is right for
+            # one worker; for several, the wrong one fails on worker 0 first, see
+            # replies_suspect.)
+            self.recover_first = not (
+                self.size > 1 and failed is not None and failed[0] == "finish_weight_update"
+                and (WORKER_FAILED in failed[1] or "HTTP " not in failed[1]))
             fate = "the engine stays paused and needs a full update"
         elif u.pause_sent and u.weights_intact:
             self._reconcile = True  # after the orphans: /is_paused, then resume

@@ -39,6 +39,9 @@ ROUTES: dict[str, tuple[str, str]] = {
     "is_sleeping": ("GET", "/is_sleeping"),
     "weight_info": ("GET", "/weight_info"),
     "weight_checker": ("POST", "/weight_checker"),
+    # vLLM's dev-mode /collective_rpc, only ever with {"method": "check_health"}: after a
+    # worker's failure, whether the executor's replies still line up (coordinator)
+    "check_replies": ("POST", "/collective_rpc"),
 }
 
 # Routes that only read the engine's state: a connection error on one is retried once.

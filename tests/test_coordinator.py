@@ -1215,3 +1215,176 @@ def test_engine_found_sleeping_needs_a_full_update_and_is_left_paused():
     ack = h.last(0)
     assert ack.resumed is True and ack.omitted_names == ["b"]
     assert not h.engine.paused and h.coord.status()["engine_sleeping"] is False
+
+
+@dataclass
+class MultiprocEngine:
+    """A vLLM engine of several workers as its MultiprocExecutor answers (vLLM 0.32
+    ``collective_rpc``): every worker runs every executor call and queues its reply; the
+    executor reads the replies in rank order and raises at the first failure, leaving the
+    later workers' replies queued for the next call to read as its own (vLLM gh-58242).
+    ``fail[(route, nth)] = {worker: message}`` makes those workers fail that call (inside
+    the weight transfer engine's hook for finish: the worker stays in its session)."""
+
+    workers: int = 2
+    calls: list[str] = field(default_factory=list)
+    fail: dict[tuple[str, int], dict[int, str]] = field(default_factory=dict)
+    paused: bool = False
+    version: str = "default"
+    packed: list = field(default_factory=list)
+    active: list = field(default_factory=list)
+    queues: list = field(default_factory=list)
+    hold: bool = False
+
+    def __post_init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.paused = False
+        self.version = "default"
+        self.packed = [None] * self.workers
+        self.active = [False] * self.workers
+        self.queues = [[] for _ in range(self.workers)]
+
+    def unread(self) -> list[int]:
+        return [len(q) for q in self.queues]
+
+    def _worker(self, w: int, route: str, inject: str | None) -> tuple[bool, object]:
+        if route == "init_weight_transfer_engine":
+            self.packed[w] = True
+            return True, None
+        if route == "check_health":
+            return True, None
+        if route == "start_weight_update":
+            if self.active[w]:
+                return False, "start_weight_update called while a weight update is already active"
+            if inject:
+                return False, inject
+            self.active[w] = True
+            return True, None
+        if route == "update_weights":
+            if not self.active[w]:
+                return False, "start_weight_update must be called before update_weights."
+            if inject or self.packed[w] is None:
+                self.active[w] = False
+                return False, inject or ""
+            return True, None
+        if route in ("finish_weight_update", "finish_recover"):
+            if not self.active[w]:
+                return False, "finish_weight_update called without a matching start_weight_update."
+            if inject:
+                return False, inject  # raised in the hook: still active
+            self.active[w] = False
+            return True, None
+        raise AssertionError(route)
+
+    def answer(self, call: EngineCall) -> tuple[bool, object, str]:
+        r = call.route
+        self.calls.append(r)
+        nth = sum(1 for c in self.calls if c == r) - 1
+        if r == "get_world_size":
+            return True, {"world_size": self.workers}, ""
+        if r == "weight_info":
+            return True, {"weight_version": self.version}, ""
+        if r == "is_sleeping":
+            return True, {"is_sleeping": self.paused}, ""
+        if r == "is_paused":
+            return True, {"is_paused": self.paused}, ""
+        if r == "pause":
+            self.paused = True
+            return True, {"status": "paused"}, ""
+        if r == "resume":
+            self.paused = False
+            return True, {"status": "resumed"}, ""
+        route = "check_health" if r == "check_replies" else r
+        inject = self.fail.get((r, nth), {})
+        for w in range(self.workers):
+            self.queues[w].append(self._worker(w, route, inject.get(w)))
+        results = []
+        for w in range(self.workers):  # MultiprocExecutor.collective_rpc's get_response
+            ok, res = self.queues[w].pop(0)
+            if not ok:
+                return False, None, (f"HTTP 500: Call to collective_rpc method failed: Worker "
+                                     f"failed with error '{res}', please check the stack "
+                                     "trace above for the root cause")
+            results.append(res)
+        if r == "finish_weight_update" and call.body:
+            self.version = call.body["weight_version"]
+        return True, ({"results": results} if r == "check_replies" else {"message": "ok"}), ""
+
+
+def _multiproc_harness(workers: int = 2) -> Harness:
+    h = Harness(size=workers)
+    h.engine = MultiprocEngine(workers)
+    h.register_all()
+    return h
+
+
+def test_failed_finish_recovers_starting_first_so_replies_stay_in_step():
+    """Worker 1's finish fails in its hook (it stays in its session), worker 0 finished. A
+    recovery that finishes first fails on worker 0 before worker 1's reply is read: that
+    reply stays queued and every later call reads the one before (vLLM gh-58242). Starting
+    first keeps them in step: worker 1 says "already active", then finish, start again."""
+    h = _multiproc_harness()
+    h.engine.fail[("finish_weight_update", 0)] = {1: "finalize_layerwise_reload: boom"}
+    h.round(0, n_chunks=1)
+    assert h.ended[-1].outcome == "failed" and h.engine.unread() == [0, 0]
+    h.engine.calls.clear()
+    h.engine.fail.clear()
+    h.round(1, n_chunks=1)
+    assert h.coord.last_version == "v1" and h.engine.version == "v1"
+    assert h.engine.calls == [*PROBES, "check_replies", "init_weight_transfer_engine", "pause",
+                              "start_weight_update", "check_replies", "finish_recover",
+                              "start_weight_update", "update_weights",
+                              "finish_weight_update", "resume"]
+    assert h.engine.unread() == [0, 0] and not any(h.engine.active)
+
+
+def test_replies_out_of_step_are_found_and_the_engine_must_be_restarted():
+    """Every worker fails chunk 0 (say, a payload none can read): worker 0's error is raised,
+    worker 1's stays queued. The next round's first executor call is check_health: it reads
+    the stale error, so the daemon knows every later call would read another's reply. It
+    says so before the pause and keeps refusing until the engine restarted; then a full
+    update recovers it."""
+    h = _multiproc_harness()
+    h.round(0, n_chunks=1)
+    h.engine.fail[("update_weights", 1)] = {0: "boom", 1: "boom"}
+    h.round(1, n_chunks=1)
+    assert h.engine.unread() == [0, 1] and h.coord.replies_suspect
+    h.engine.calls.clear()
+    h.engine.fail.clear()
+    h.round(2, n_chunks=1)
+    err = next(m for m in h.replies[0] if isinstance(m, Error) and m.update_id == 2)
+    assert "replies are out of step" in err.message and "Restart the engine" in err.message
+    assert "gh-58242" in err.message
+    assert h.engine.calls == [*PROBES, "check_replies"]  # nothing else reached the engine
+    h.engine.calls.clear()
+    h.round(3, n_chunks=1)
+    assert h.engine.calls == PROBES and "out of step" in h.last(0).message
+    assert h.coord.status()["state"] == "failed"
+    h.engine.restart()
+    h.coord.on_connection_lost(h.now)  # (the restart broke the pooled connections)
+    h.round(4, n_chunks=1)
+    assert h.coord.last_version == "v4" and h.engine.unread() == [0, 0]
+    assert h.coord.engine_out_of_step is None
+
+
+def test_start_that_reached_no_worker_leaves_the_engine_intact():
+    """A start refused before any worker saw it (no per-worker error on an engine of several
+    workers): no session began anywhere, so the engine is resumed and needs nothing special;
+    one that a worker failed leaves it paused and needing a full update."""
+    h = Harness()
+    h.register_all()
+    h.round(0, n_chunks=1)
+    h.engine.fail[("start_weight_update", 1)] = (
+        "HTTP 500: Call to collective_rpc method failed: Weight transfer not configured")
+    h.round(1, n_chunks=1)
+    assert h.ended[-1].outcome == "failed"
+    assert not h.engine.paused and h.coord.state is SlotState.IDLE
+    assert not h.coord.needs_full_update and not h.coord.engine_dirty
+    h2 = _multiproc_harness()
+    h2.round(0, n_chunks=1)
+    h2.engine.fail[("start_weight_update", 1)] = {1: "CUDA out of memory"}
+    h2.round(1, n_chunks=1)
+    assert h2.engine.paused and h2.coord.state is SlotState.FAILED
+    assert h2.coord.engine_dirty and h2.coord.recover_first
