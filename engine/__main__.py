@@ -57,11 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reference engine only: how workers load an update; vllm: through "
                    "vLLM's IPCWeightTransferEngine.update_weights (needs "
                    "vllm.distributed.weight_transfer.ipc_engine importable)")
-    p.add_argument("--executor-replies", choices=("vllm", "all"), default="vllm",
+    p.add_argument("--executor-replies", choices=("vllm", "all"),
+                   default=os.environ.get("SLOTSYNC_VLLM_EXECUTOR_REPLIES", "vllm"),
                    help="--impl vllm with several workers: vllm (default) reads worker "
                    "replies as vLLM 0.32's MultiprocExecutor does (stops at the first "
                    "failure, later replies stay queued for the next calls); all: reads every "
-                   "reply of each call")
+                   "reply of each call. Default from $SLOTSYNC_VLLM_EXECUTOR_REPLIES")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--uds", default=None,
