@@ -110,9 +110,16 @@ _BEGIN_STAGES: tuple[_Stage, ...] = (
     _Stage("start", ("start_weight_update",), True),
 )
 _STAGE_INDEX = {st.name: i for i, st in enumerate(_BEGIN_STAGES)}
-_EXECUTOR_STAGES = frozenset({"init", "recover", "start"})
-"""Begin stages whose calls vLLM runs on every worker through its executor (the probes and the
-pause are answered by the API server or the engine core)."""
+_EXECUTOR_STAGES = frozenset({"init", "pause", "recover", "start"})
+"""Begin stages whose calls reach every worker through vLLM's executor (the probes are answered
+by the API server or the engine core; vLLM 0.32's ``EngineCoreProc.pause_scheduler`` calls
+``collective_rpc("synchronize_device")`` and resets the workers' caches)."""
+
+_EXECUTOR_ROUTES = frozenset({
+    "init_weight_transfer_engine", "pause", "finish_recover", "start_weight_update",
+    "update_weights", "finish_weight_update", "check_replies",
+})
+"""Engine calls that reach the workers through vLLM's executor."""
 
 WORKER_FAILED = "Worker failed with error"
 """vLLM's MultiprocExecutor (engines of several workers) wraps a worker's error in this text
@@ -322,7 +329,7 @@ class SlotCoordinator:
         # Calls of an update that failed while they were in flight: the next update's engine
         # calls wait for them (vLLM queues calls in arrival order, but two HTTP requests may
         # overtake each other before they reach its engine core).
-        self._orphans: set[int] = set()
+        self._orphans: dict[int, str] = {}  # call id -> route
         # After a failed update that paused (or may have paused) an engine whose weights are
         # intact: once the orphans returned, ask /is_paused and resume it (_maintain).
         self._reconcile = False
@@ -487,17 +494,16 @@ class SlotCoordinator:
             # A call of an update that already failed (I7: its result is dropped); the last
             # one to return lets a waiting update's calls (or the engine check) go out.
             if call_id in self._orphans:
-                self._orphans.discard(call_id)
-                if not ok and WORKER_FAILED in error and self.size > 1:
-                    self.replies_suspect = True
+                orphan_route = self._orphans.pop(call_id)
+                if not ok:
+                    self._note_reply_trouble(orphan_route, error)
                 return self._advance(now)
             return []
         u = self.current
         assert u is not None and u.update_id == call.update_id  # else it would be an orphan
         route = call.route
         if not ok:
-            if WORKER_FAILED in error and self.size > 1:
-                self.replies_suspect = True  # later workers' replies may still be queued
+            self._note_reply_trouble(route, error)
             if route == "check_replies":
                 return self._out_of_step(u, now, error)
             self._failed_call = (route, error)
@@ -576,6 +582,15 @@ class SlotCoordinator:
             return self._complete(now)
         return out + self._advance(now)
 
+    def _note_reply_trouble(self, route: str, error: str) -> None:
+        """A failed call that may have left a later worker's reply queued (vLLM's
+        MultiprocExecutor, gh-58242): a worker's failure, or an executor call that timed out
+        (it runs on, and may fail on worker 0 after the daemon stopped waiting, e.g. mapping
+        memory its trainer already gave back). The next executor call checks first."""
+        if self.size > 1 and (WORKER_FAILED in error or (
+                "no answer within" in error and route in _EXECUTOR_ROUTES)):
+            self.replies_suspect = True
+
     def on_connection_lost(self, now: float) -> list[Action]:
         """The engine's HTTP client saw a refused or reset connection (counted by
         ``VllmClient.connection_errors``): the engine may have restarted at the same URL. The
@@ -594,18 +609,15 @@ class SlotCoordinator:
         if seen is not None and v != seen:
             why = (f"engine {self.engine_url} reports weight version {v!r}, but the daemon "
                    f"last saw {seen!r}: restarted at the same URL, or updated by someone else")
-        elif not self.engine_initialized:
-            return []  # initialised in this begin anyway; v is the baseline from now on
         elif suspect and (seen is None or seen == "default"):
             why = (f"a connection to engine {self.engine_url} was refused or reset since the "
                    f"last round and its weight version {v!r} does not tell its session apart")
-        elif suspect:
-            # the same version the daemon finished: the same process; initialise it again to
-            # be sure (the IPC backend's init only records the packed flag)
-            self.engine_initialized = False
-            return []
         else:
-            return []
+            if suspect:
+                # the version the daemon saw last: the same process; initialise it again to be
+                # sure (the IPC backend's init only records the packed flag)
+                self.engine_initialized = False
+            return []  # (not initialised: it is, in this begin; v is the baseline)
         return self._new_session(u, why)
 
     def _out_of_step(self, u: _Update, now: float, answer: str) -> list[Action]:
@@ -793,6 +805,7 @@ class SlotCoordinator:
             "needs_full_update": self.needs_full_update,
             "engine_may_be_mid_update": self.engine_dirty,
             "engine_sleeping": self.engine_asleep,
+            "engine_replies_out_of_step": self.engine_out_of_step,
             "engine_weight_version": self.engine_version,
             "engine_gpu_uuids": list(self.declared_gpu_uuids or self.engine_gpu_uuids or []),
             "last_update_names": len(self.last_ok_names),
@@ -1186,7 +1199,7 @@ class SlotCoordinator:
         self.current = None
         # Late results of its calls are dropped in on_engine_result; the next update's calls
         # (and the engine check) wait for them.
-        self._orphans.update(self._calls)
+        self._orphans.update({i: c.route for i, c in self._calls.items()})
         self._calls.clear()
         self.next_update_id = max(self.next_update_id, u.update_id + 1)
         failed, self._failed_call = self._failed_call, None
