@@ -201,13 +201,17 @@ def _fmt(s: dict[str, Any]) -> str:
 
 
 def run_soak(rounds: int = 1000, ranks: int = 8, every: int = 100, packed: bool = True,
-             device: str = "cpu", engine: Any = None, quiet: bool = False) -> dict[str, Any]:
+             device: str = "cpu", engine: Any = None, quiet: bool = False,
+             impl: str = "reference") -> dict[str, Any]:
     """Run the soak; returns ``{"samples", "rounds_ok", "errors", "leftover_segments",
     "flat", "verdict", "seconds"}``.
 
     Args:
         engine: a running ``ReferenceEngine`` with ``ranks`` workers to reuse (tests); default:
             start one for the run.
+        impl: the engine to start (``reference`` or ``vllm``: vLLM's own router and worker
+            code, ``python -m slotsync.engine --impl vllm``, with a model of the soak's
+            tensors).
     """
     # At least a handful of samples, whatever --every says: a short run still gets a verdict.
     every = max(1, min(every, rounds // 5))
@@ -223,6 +227,14 @@ def run_soak(rounds: int = 1000, ranks: int = 8, every: int = 100, packed: bool 
 
             kw["gpu_uuids"] = [logical_gpu_uuid(r) for r in range(ranks)]
             kw["cuda_devices"] = [0] * ranks
+        if impl == "vllm":
+            import tempfile
+
+            from safetensors.torch import save_file
+
+            model = os.path.join(tempfile.mkdtemp(prefix="slotsync-soak-"), "model.safetensors")
+            save_file(dict(_tensors(0, "cpu")), model)
+            kw.update(impl="vllm", model=model, startup_timeout_s=300.0)
         engine = ReferenceEngine(**kw)
     ctx = mp.get_context("spawn")
     q, go = ctx.Queue(), ctx.Event()
@@ -278,9 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=100, help="sample every N rounds")
     ap.add_argument("--unpacked", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu (shared memory) or cuda (CUDA IPC)")
+    ap.add_argument("--impl", choices=("reference", "vllm"), default="reference",
+                    help="engine: the reference engine, or vLLM's own router and worker code "
+                    "(needs vllm importable)")
     ap.add_argument("--json", help="also write the result to this file")
     a = ap.parse_args(argv)
-    res = run_soak(a.rounds, a.ranks, a.every, not a.unpacked, a.device)
+    res = run_soak(a.rounds, a.ranks, a.every, not a.unpacked, a.device, impl=a.impl)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

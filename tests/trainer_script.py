@@ -23,8 +23,19 @@ Keys added for the fault-injection suite (``tests/test_faults.py``):
   ``("stalling_commit", rank, k)`` and sleep that long before committing;
 * ``start_at``: a ``time.time()`` value: after registering, sleep until then before the first
   round (so that every rank of a restarted job has re-registered before any of them begins);
-* ``trace``: report ``("begun", rank, k)`` after the begin's ack and ``("acked", rank, k, i)``
-  after chunk i's ack (to act at a precise point of the round).
+* ``trace``: report ``("begun", rank, k)`` after the begin is sent and ``("acked", rank, k,
+  i)`` after chunk i's ack (to act at a precise point of the round).
+
+Keys added for issue 14's scenarios:
+
+* ``omit``: ``{round: [names]}``: leave those tensors out of that round (a tied weight that
+  ``named_parameters()`` skips);
+* ``raise_after``: ``(round, n[, delay_s])``: the round's iterator raises ``ValueError``
+  after ``n`` tensors (bad input found mid-publish: the publisher aborts the update), after
+  sleeping ``delay_s`` seconds.
+
+Successful ``publish`` rounds report two more fields: the commit's ``omitted_names`` (list) and
+``engine_resumed``.
 
 Error events carry four more fields after ``missing_ranks``: ``slot`` (tuple or None),
 ``update_id``, ``fatal`` and the exception's class name (``SlotsyncTimeout`` means the rank's
@@ -118,11 +129,20 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
                     results.put(("round", rank, k, "ok", -1, -1))
                 else:
                     before = torch.cuda.memory_allocated() if cuda else 0
-                    st = pub.publish(named, f"v{k}")
-                    results.put(("round", rank, k, "ok", st.chunks, st.bytes))
+                    drop = set(script.get("omit", {}).get(k, ()))
+                    items = [(n, t) for n, t in named if n not in drop]
+                    bad = script.get("raise_after")
+                    if bad and bad[0] == k:
+                        items = _raising(items, *bad[1:])
+                    st = pub.publish(items, f"v{k}")
+                    results.put(("round", rank, k, "ok", st.chunks, st.bytes,
+                                 list(st.omitted_names), st.engine_resumed))
                     if cuda:  # what the round left allocated on the GPU beyond its tensors
                         results.put(("cuda_left", rank, k,
                                      torch.cuda.memory_allocated() - before))
+            except ValueError as e:  # (raise_after): the publisher aborted the update
+                results.put(("round", rank, k, "error", "input", str(e), [], None, None, True,
+                             type(e).__name__))
             except SlotsyncError as e:
                 if pub.update_id is not None:  # own timeout: the update is still open here
                     pub.abort(f"{type(e).__name__}: {e.phase}")
@@ -146,3 +166,13 @@ def _chunks(named, limit):
     if cur:
         out.append(cur)
     return out
+
+
+def _raising(items, n, delay_s=0.0):
+    """``items``, raising ValueError after ``n`` of them (a bad tensor found mid-publish),
+    ``delay_s`` seconds later."""
+    for i, it in enumerate(items):
+        if i == n:
+            time.sleep(delay_s)
+            raise ValueError(f"bad input at tensor {n} (test)")
+        yield it

