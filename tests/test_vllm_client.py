@@ -20,7 +20,7 @@ async def test_round_of_routes_and_errors(engine):
     seen = []
     c = VllmClient(engine.url, timeout_s=10, observe=lambda r, s, ok: seen.append((r, ok)))
     try:
-        assert await c.call("get_world_size") == {"world_size": 2}
+        assert (await c.call("get_world_size"))["world_size"] == 2
         await c.call("init_weight_transfer_engine", {"init_info": {"packed": True}})
         assert (await c.call("pause"))["status"] == "paused"
         assert (await c.call("is_paused"))["is_paused"] is True
@@ -172,3 +172,39 @@ async def test_probe_retried_once_after_connection_error(engine):
         assert c.connection_errors == 2
     finally:
         await c.close()
+
+
+@pytest.mark.vllm
+async def test_recovery_after_a_vllm_500_on_vllms_own_server():
+    """Issue 14 defect 1, against vLLM's own router, exception handlers and uvicorn: a
+    worker's failure is a 500 raised through Starlette's ServerErrorMiddleware, after which
+    uvicorn closes the connection. The recovery finish (500 again) and the start after it
+    must both get answers from the engine, not "Connection reset by peer"."""
+    from engines import start_engine, vllm_importable
+
+    why = vllm_importable()
+    if why:
+        pytest.skip(f"vllm cannot be imported: {why}")
+    with start_engine(1, impl_name="vllm") as eng:
+        c = VllmClient(eng.url, timeout_s=30)
+        try:
+            await c.call("init_weight_transfer_engine", {"init_info": {"packed": True}})
+            await c.call("pause")
+            await c.call("start_weight_update")
+            eng.request("POST", "/_slotsync/fault", {"route": "update_weights",
+                                                     "workers": [0]})
+            with pytest.raises(EngineError) as ei:  # a bare chunk fails on the worker
+                await c.call("update_weights", {"update_info": {
+                    "names": [], "dtype_names": [], "shapes": [],
+                    "ipc_handles_pickled": "gAR9lC4=", "tensor_sizes": []}})
+            assert ei.value.status == 500
+            for _ in range(5):  # the daemon's recovery, round after round
+                with pytest.raises(EngineError) as ei:
+                    await c.call("finish_recover")
+                assert ei.value.status == 500 and "without a matching" in ei.value.message
+                await c.call("start_weight_update")
+                await c.call("finish_weight_update", {"weight_version": "v"})
+            assert c.connection_errors == 0
+            assert (await c.call("weight_info"))["weight_version"] == "v"
+        finally:
+            await c.close()
