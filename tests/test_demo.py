@@ -24,6 +24,23 @@ def test_demo_runs_and_verifies(mode):
     _check_ok(out)
 
 
+@pytest.mark.vllm
+def test_demo_against_vllms_own_engine_code():
+    """``slotsync demo --engine vllm``: the same rounds into vLLM's own router, worker state
+    machine and IPC receive code (``python -m slotsync.engine --impl vllm``)."""
+    from engines import vllm_importable
+
+    why = vllm_importable()
+    if why:
+        pytest.skip(f"vllm cannot be imported: {why}")
+    out = subprocess.run(
+        [sys.executable, "-m", "slotsync", "demo", "--ranks", "2", "--rounds", "2",
+         "--device", "cpu", "--engine", "vllm"], capture_output=True, text=True, timeout=600,
+    )
+    _check_ok(out)
+    assert "vLLM's own engine code" in out.stdout
+
+
 def test_demo_with_several_engine_slots():
     out = subprocess.run(
         [sys.executable, "-m", "slotsync", "demo", "--ranks", "2", "--gpus-per-engine", "1",
