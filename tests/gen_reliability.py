@@ -67,6 +67,42 @@ def _vllm_version() -> str:
             return "(not installed)"
 
 
+GPU_DIR = ROOT / "docs" / "gpu"
+
+
+def _gpu_sections() -> list[str]:
+    """What the last H200 runs left in docs/gpu (their outputs, copied from the device): the
+    GPU end-to-end tests through vLLM's receive path and the CUDA soak."""
+    runs, soak = GPU_DIR / "h200-runs.txt", GPU_DIR / "soak-cuda-1000x8.json"
+    out: list[str] = []
+    if runs.exists():
+        text = runs.read_text()
+        keep = [ln for ln in text.splitlines()
+                if "rounds x" in ln or "restart between" in ln or ln.startswith("## call")
+                or " passed" in ln]
+        out += ["## GPU: vLLM's receive path on one H200", "",
+                "From [docs/gpu/h200-runs.txt](gpu/h200-runs.txt) (commands and whole output "
+                "there): 8 trainer ranks into one 8-GPU engine slot (8 logical GPU UUIDs on "
+                "one H200) whose workers load every update through vLLM 0.32's own "
+                "`IPCWeightTransferEngine.update_weights` (`receive_weights`, "
+                "`PackedBufferImporter`), `tests/test_gpu_vllm_receive.py`:", "", "```",
+                *keep, "```", ""]
+    if soak.exists():
+        d = json.loads(soak.read_text())
+        out += ["## CUDA soak on one H200", "",
+                "`python3 -m slotsync.bench.soak --device cuda --rounds 1000 --ranks 8` "
+                f"(from [docs/gpu/soak-cuda-1000x8.json](gpu/soak-cuda-1000x8.json)): "
+                f"{d['rounds_ok']} rounds in {d['seconds']} s; errors: "
+                f"{d['errors'] or 'none'}.", "",
+                "| round | daemon RSS (kB) | daemon fds | engine RSS (kB) | engine fds | rank 0 "
+                "CUDA allocated (B) |", "|---|---|---|---|---|---|"]
+        for x in d["samples"]:
+            out.append(f"| {x['round']} | {x['daemon_rss_kb']} | {x['daemon_fds']} | "
+                       f"{x['engine_rss_kb']} | {x['engine_fds']} | {x['cuda_allocated']} |")
+        out += ["", f"`{d['verdict']}`", ""]
+    return out
+
+
 def render(rows: list[dict], summaries: dict[str, str], soak: dict | None,
            soak_cmd: str) -> str:
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -132,6 +168,7 @@ def render(rows: list[dict], summaries: dict[str, str], soak: dict | None,
         "they are gone. On CUDA the driver releases a dead process's memory.",
         "",
     ]
+    lines += _gpu_sections()
     lines += ["## Soak", ""]
     if soak is None:
         lines.append("(not run: `--no-soak`)")

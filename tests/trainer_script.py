@@ -11,6 +11,7 @@ then ``("exit", rank)``. ``script`` keys bend the behaviour to inject faults:
 * ``dtype_of``: ``{name: dtype}``: this rank casts those tensors (a dtype mismatch);
 * ``engine_url``: override the engine URL this rank registers with;
 * ``register_delay_s``: sleep before registering;
+* ``staging_buffers``: the publisher's staging regions (default 4);
 * ``cuda``: publish CUDA tensors over CUDA IPC (GPU tests), with ``logical_gpu_uuid(rank)`` so
   several ranks can share one physical GPU; after each ``publish`` the rank reports
   ``("cuda_left", rank, k, bytes)``: GPU memory still allocated beyond the round's tensors.
@@ -75,7 +76,8 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
                     transport="cuda" if cuda else "shm",
                     device="cuda:0" if cuda else None,
                     gpu_uuid=logical_gpu_uuid(rank - slot[0]) if cuda else None,
-                    staging_bytes=40_000, timeout_s=script.get("timeout_s", 20.0))
+                    staging_bytes=40_000, staging_buffers=script.get("staging_buffers", 4),
+                    timeout_s=script.get("timeout_s", 20.0))
     try:
         try:
             pub.register()
@@ -128,13 +130,17 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
                     pub.commit()
                     results.put(("round", rank, k, "ok", -1, -1))
                 else:
-                    before = torch.cuda.memory_allocated() if cuda else 0
                     drop = set(script.get("omit", {}).get(k, ()))
                     items = [(n, t) for n, t in named if n not in drop]
                     bad = script.get("raise_after")
                     if bad and bad[0] == k:
                         items = _raising(items, *bad[1:])
+                    # (after the list above replaced the last round's: its tensors are gone)
+                    before = torch.cuda.memory_allocated() if cuda else 0
                     st = pub.publish(items, f"v{k}")
+                    # (the round's tensors must not outlive it: the next round's then take
+                    # the same addresses, as a trainer's parameters keep theirs)
+                    del items
                     results.put(("round", rank, k, "ok", st.chunks, st.bytes,
                                  list(st.omitted_names), st.engine_resumed))
                     if cuda:  # what the round left allocated on the GPU beyond its tensors
