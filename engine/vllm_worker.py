@@ -116,16 +116,10 @@ class VllmWorkerHost:
         # that it shows in a checksum instead of holding whatever the allocator had.
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+        from slotsync.engine.worker import worker_device
+
         self.index = spec.index
-        self.device = torch.device(spec.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            real = str(torch.cuda.get_device_properties(self.device).uuid)
-            self.gpu_uuid = spec.gpu_uuid or real
-        else:
-            if spec.gpu_uuid is None:
-                raise ValueError("a CPU worker needs an explicit (logical) GPU UUID")
-            self.gpu_uuid = spec.gpu_uuid
+        self.device, self.gpu_uuid = worker_device(spec.device, spec.gpu_uuid)
         from slotsync.engine import cuda_standin
 
         cuda_standin.install(self.device, self.gpu_uuid)

@@ -47,6 +47,7 @@ import pickle
 import sys
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -314,16 +315,8 @@ class WorkerState:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.index = spec.index
-        self.device = torch.device(spec.device)
+        self.device, self.gpu_uuid = worker_device(spec.device, spec.gpu_uuid)
         self.device_index = self.device.index if self.device.type == "cuda" else -1
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            real = str(torch.cuda.get_device_properties(self.device).uuid)
-            self.gpu_uuid = spec.gpu_uuid or real
-        else:
-            if spec.gpu_uuid is None:
-                raise ValueError("a CPU worker needs an explicit (logical) GPU UUID")
-            self.gpu_uuid = spec.gpu_uuid
         self.strict = spec.model_path is not None
         self.discard = spec.discard
         self.weights: dict[str, torch.Tensor] = {}
@@ -479,10 +472,11 @@ class WorkerState:
             self._remember(update_info, parsed, update_info_json)
         return n
 
-    def _load_pairs(self, pairs: list[tuple[str, torch.Tensor]]) -> int:
-        """``--receive vllm``: the model's ``load_weights``: copy each received tensor into
-        the weight of that name in place (a new name creates it, without ``--model``);
-        returns the bytes loaded. Waits for the device's copies (vLLM answers after them).
+    def _load_pairs(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy each received tensor into the weight of that name in place (a new name
+        creates it, without ``--model``); returns the bytes loaded. Waits for the device's
+        copies (vLLM answers after them). The unpacked (and unplanned packed) load, and with
+        ``--receive vllm`` the model's ``load_weights``.
 
         Raises:
             ValueError: with ``--model``, an unknown name or another dtype / shape.
@@ -503,6 +497,7 @@ class WorkerState:
             else:
                 self.weights[name] = t.to(self.device, copy=True)
                 self._flat.pop(name, None)
+                self._forget_plans()  # plans hold views of the replaced weight
             total += t.numel() * t.element_size()
         if self.device.type == "cuda":
             self._synchronize()
@@ -904,27 +899,24 @@ class WorkerState:
             done = self._load_packed_in_place(p)
             if done is not None:
                 return done
-        total = 0
-        for name, t in self._tensors(p):
-            cur = self.weights.get(name)
-            if self.strict:
-                if cur is None:
-                    raise ValueError(f"unknown weight name {name!r}: not a parameter of the model")
-                if cur.dtype != t.dtype or cur.shape != t.shape:
-                    raise ValueError(
-                        f"weight {name!r}: model has {cur.dtype} {list(cur.shape)}, update "
-                        f"has {t.dtype} {list(t.shape)}"
-                    )
-            if cur is not None and cur.dtype == t.dtype and cur.shape == t.shape:
-                cur.copy_(t)
-            else:
-                self.weights[name] = t.to(self.device, copy=True)
-                self._flat.pop(name, None)
-                self._forget_plans()  # plans hold views of the replaced weight
-            total += t.numel() * t.element_size()
-        if self.device.type == "cuda":
-            self._synchronize()
-        return total
+        return self._load_pairs(self._tensors(p))
+
+
+def worker_device(device: str, gpu_uuid: str | None) -> tuple[torch.device, str]:
+    """A worker process's device (made current on CUDA) and the GPU UUID it answers to: the
+    given (logical) one, else on CUDA the device's real one
+    (``str(torch.cuda.get_device_properties(i).uuid)``, vLLM's lookup).
+
+    Raises:
+        ValueError: a CPU worker without a GPU UUID.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        return dev, gpu_uuid or str(torch.cuda.get_device_properties(dev).uuid)
+    if gpu_uuid is None:
+        raise ValueError("a CPU worker needs an explicit (logical) GPU UUID")
+    return dev, gpu_uuid
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:

@@ -78,7 +78,8 @@ def start_engine(workers: int = 2, *, named: list[tuple[str, Any]] | None = None
     return ReferenceEngine(workers=workers, impl=which, **kw)
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether a TCP port on 127.0.0.1 can be bound now."""
     import socket
 
     with socket.socket() as s:
@@ -120,7 +121,7 @@ class EngineBox:
         port = self.eng.port
         self.eng.stop(1)
         deadline = time.monotonic() + 10
-        while not _port_free(port) and time.monotonic() < deadline:
+        while not port_free(port) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.eng = start_engine(self.workers, port=port, **self.kw)
         self.restarts += 1

@@ -5,6 +5,8 @@
     python tests/gen_reliability.py --soak-json soak.json   # reuse a soak result
     python tests/gen_reliability.py --no-soak
     python tests/gen_reliability.py --engines reference     # one engine only
+    python tests/gen_reliability.py --results r.json        # ... and keep what was run
+    python tests/gen_reliability.py --render r.json         # re-render it, running nothing
 
 Runs ``pytest tests/test_faults.py`` once per engine (``SLOTSYNC_TEST_ENGINE``: the reference
 engine, and vLLM's own router and worker code; see ``tests/engines.py``) with
@@ -163,6 +165,16 @@ def render(rows: list[dict], summaries: dict[str, str], soak: dict | None,
         "let the hung call end before the next round; a late `finish` landing in the middle "
         "of the next round would end that round's session on the engine, and the round then "
         "fails cleanly (the ranks are told) and the one after recovers.",
+        "* *replies out of step* (vLLM engine only): vLLM 0.32's `MultiprocExecutor` reads "
+        "the workers' replies in rank order and raises at the first failure, leaving later "
+        "workers' replies queued for the next call (vLLM gh-58242, PR 57846); the vLLM-code "
+        "engine reads them the same way. After a worker's failure or a timed-out executor "
+        "call, the daemon's next executor call is `/collective_rpc` `check_health`; a stale "
+        "reply there fails the round before the pause with a message to restart the engine, "
+        "and the daemon refuses to drive it until it sees a new session. Where a row's next "
+        "round says 'refused until restarted', the suite restarted the engine (the operator's "
+        "move) and the round after succeeded. The daemon's own recovery keeps replies in "
+        "step: after a failed finish it starts first, otherwise it finishes first.",
         "* A SIGKILLed rank cannot clean up: its `/dev/shm` segments are unlinked by its "
         "own Python resource tracker (as for a rank started by torchrun); the suite checks "
         "they are gone. On CUDA the driver releases a dead process's memory.",
@@ -197,7 +209,17 @@ def main() -> int:
     ap.add_argument("-k", help="pytest -k expression (partial run)")
     ap.add_argument("--engines", default="reference,vllm",
                     help="comma list of engines to run the suite against (reference, vllm)")
+    ap.add_argument("--results", help="also save what was run (rows, pytest summaries, soak) "
+                    "to this JSON file")
+    ap.add_argument("--render", help="write the document from a --results file, running "
+                    "nothing")
     a = ap.parse_args()
+    if a.render:
+        saved = json.loads(Path(a.render).read_text())
+        OUT.write_text(render(saved["rows"], saved["summaries"], saved["soak"],
+                              saved["soak_cmd"]))
+        print(f"wrote {OUT} ({len(saved['rows'])} rows, from {a.render})")
+        return 0
     rows: list[dict] = []
     summaries: dict[str, str] = {}
     rc = 0
@@ -221,6 +243,9 @@ def main() -> int:
                     f"--ranks {a.soak_ranks}")
         soak = run_soak(a.soak_rounds, a.soak_ranks, max(1, a.soak_rounds // 10))
     OUT.parent.mkdir(exist_ok=True)
+    if a.results:
+        Path(a.results).write_text(json.dumps({"rows": rows, "summaries": summaries,
+                                               "soak": soak, "soak_cmd": soak_cmd}, indent=1))
     OUT.write_text(render(rows, summaries, soak, soak_cmd))
     print(f"wrote {OUT} ({len(rows)} rows)")
     return rc

@@ -16,6 +16,20 @@ I5 deadlines name what is missing: test_*_deadline_*;
 I6 no unpickling, no torch in the daemon: tests/test_vllm_pickle.py;
 I7 state keyed by update id: test_late_engine_result_of_failed_update_is_dropped, stale ids;
 I8 version only with a successful finish: test_dtype_mismatch_..., test_engine_500_....
+I9 the daemon's view of the engine is the engine's (issue 14):
+   test_failure_while_the_pause_is_in_flight_resumes_the_engine,
+   test_pause_that_timed_out_is_checked_and_a_paused_engine_resumed (defect 2),
+   test_engine_restarted_between_rounds_is_initialised_again_and_needs_a_full_update,
+   test_connection_lost_since_the_last_round_counts_as_a_possible_restart (defect 3),
+   test_update_with_no_chunk_from_any_rank_is_refused_at_commit_before_the_engine_is_touched
+   (defect 4), test_update_leaving_out_names_of_the_last_one_is_reported,
+   test_omitted_names_refuse_fails_before_the_finish,
+   test_restoring_update_covers_the_last_successful_update_not_every_name_ever_seen
+   (defect 5), test_gpu_uuid_set_is_checked_before_the_pause (defect 6),
+   test_engine_found_sleeping_needs_a_full_update_and_is_left_paused (defect 7), and vLLM's
+   executor replies (gh-58242): test_failed_finish_recovers_starting_first_so_replies_stay_in_step,
+   test_replies_out_of_step_are_found_and_the_engine_must_be_restarted,
+   test_start_that_reached_no_worker_leaves_the_engine_intact.
 """
 
 from __future__ import annotations

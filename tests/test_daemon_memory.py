@@ -66,6 +66,10 @@ def test_soak_verdict_lets_noise_and_one_time_steps_pass():
     assert flat, line
     short = verdict(_samples([50_000, 50_600, 50_700], every=10))  # a short test soak
     assert short[0], short[1]
-    fds = _samples([50_000] * 3)
-    fds[-1]["daemon_fds"] = 21
-    assert not verdict(fds)[0]
+    pool = _samples([50_000] * 10)  # one more pooled engine connection at the last sample
+    pool[-1]["daemon_fds"] = 21
+    assert verdict(pool)[0]
+    leak = _samples([50_000] * 10)  # one fd more every round: every late sample is higher
+    for i, x in enumerate(leak):
+        x["daemon_fds"] = 20 + i
+    assert not verdict(leak)[0] and "daemon_fds" in verdict(leak)[1]

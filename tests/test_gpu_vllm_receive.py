@@ -16,7 +16,6 @@ Skips without CUDA, or when neither vllm nor the shim imports."""
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from engines import port_free  # noqa: E402
 from test_integration import rounds, run_ranks  # noqa: E402
 from trainer_script import make_tensors  # noqa: E402
 
@@ -102,15 +102,6 @@ def test_eight_ranks_eight_rounds_through_vllms_receive_path(vllm_env):
         assert slot["updates_succeeded"] == ROUNDS * len(MODES) and slot["state"] == "idle"
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
 def test_engine_restarted_at_the_same_url_is_initialised_again(vllm_env, packed):
     eng = _engine(vllm_env)
@@ -122,7 +113,7 @@ def test_engine_restarted_at_the_same_url_is_initialised_again(vllm_env, packed)
             port = eng.port
             eng.stop()
             deadline = time.monotonic() + 20
-            while not _port_free(port) and time.monotonic() < deadline:
+            while not port_free(port) and time.monotonic() < deadline:
                 time.sleep(0.1)
             eng = _engine(vllm_env, port=port)  # default weights, version, never initialised
             ev = run_ranks(d, eng.url, packed,
