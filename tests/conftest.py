@@ -54,5 +54,12 @@ def pytest_make_collect_report(collector: pytest.Collector):
     """... and so is a test module skipped at import for lack of vLLM."""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and _require_vllm() and "vllm" in str(report.longrepr):
+    if report.skipped and _require_vllm() and _for_lack_of_vllm(report.longrepr):
         report.outcome = "failed"
+
+
+def _for_lack_of_vllm(longrepr: object) -> bool:
+    """Whether a skip's reason is that vLLM could not be imported (``pytest.importorskip``)."""
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else longrepr
+    text = str(reason)
+    return "import 'vllm" in text or "module named 'vllm" in text
