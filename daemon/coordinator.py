@@ -309,6 +309,7 @@ class SlotCoordinator:
         # workers that succeeded hold no session, so a finish would fail on worker 0 first.
         self.recover_first = True
         self._failed_call: tuple[str, str] | None = None  # (route, error) of the last failure
+        self._restored: str | None = None  # record state a previous daemon left, until probed
         # GPU UUIDs of the engine's workers where they can be known: the engine table's
         # (declared) or the engine's own report (the reference engine's /get_world_size)
         self.declared_gpu_uuids: tuple[str, ...] | None = None
@@ -653,13 +654,33 @@ class SlotCoordinator:
         """``/is_sleeping`` at the begin (vLLM 0.32: the scheduler paused, or the executor
         asleep at any level)."""
         sleeping = bool(result.get("is_sleeping")) if isinstance(result, dict) else False
+        restored, self._restored = self._restored, None
         if not sleeping:
             was_asleep, self.engine_asleep = self.engine_asleep, False
+            if restored is not None:
+                # A previous daemon's record said mid-update, but the engine serves: that
+                # update never started a weight update (the daemon pauses before it starts,
+                # and resumes only after a finish), or the engine restarted since. Either way
+                # no worker holds a session: no finish is sent (on an engine of several
+                # workers a finish that fails on worker 0 leaves the others' replies queued,
+                # gh-58242). The next update stays a full one.
+                self.engine_paused = False
+                self.engine_dirty = False
+                return [SlotEvent(self.slot, "engine_serving_after_restart", {
+                    "engine": self.engine_url, "update_id": u.update_id,
+                    "record": restored, "needs_full_update": self.needs_full_update},
+                    warning=False)]
             if self.engine_paused:
                 self.engine_paused = False
                 if was_asleep:  # left paused for vLLM's full /wake_up, which resumed it
                     return [SlotEvent(self.slot, "engine_awake", {
                         "engine": self.engine_url, "update_id": u.update_id}, warning=False)]
+                if self.engine_out_of_step:
+                    # an engine left paused with its replies out of step serves again: a
+                    # restart (nobody can repair the replies in place)
+                    return self._new_session(u, "the engine the daemon left paused with its "
+                                             "executor replies out of step serves again: "
+                                             "restarted")
                 # paused by this daemon (a failed update), serving now: resumed by someone
                 # else, or a restarted process (the weight version tells which)
                 return [SlotEvent(self.slot, "engine_serving_unexpectedly", {
@@ -728,14 +749,23 @@ class SlotCoordinator:
         self.engine_paused = True
         self.needs_full_update = True
         self.engine_initialized = False
+        self._restored = state
         self.next_update_id = max(self.next_update_id, update_id + 1)
         self.last_outcome = "failed"
         self._failed = (update_id, "the daemon restarted during this update")
+        version = f" ({weight_version!r})" if weight_version else ""
+        what = {"in_flight": "in flight", "out_of_step": "failed with the engine's executor "
+                "replies out of step"}.get(state, "failed")
         self.last_error = (
-            f"slot [{self.start}, {self.end}) update {update_id} ({weight_version!r}) was "
-            f"{'in flight' if state == 'in_flight' else 'failed'} when the previous daemon "
-            "stopped; the engine stays paused and needs a full update"
+            f"slot [{self.start}, {self.end}) update {update_id}{version} was {what} when the "
+            "previous daemon stopped; the engine stays paused and needs a full update (the "
+            "next begin checks whether it is paused)"
         )
+        if state == "out_of_step":
+            self.engine_out_of_step = (
+                f"engine {engine_url}'s executor replies were out of step when the previous "
+                "daemon stopped (vLLM gh-58242): restart the engine; the daemon then "
+                "initialises it and sends a full update")
 
     def dirty_state(self) -> tuple[str, int, str] | None:
         """``(state, update_id, weight_version)`` if the engine may hold half-loaded weights:
@@ -750,8 +780,10 @@ class SlotCoordinator:
         u = self.current
         if u is not None:
             return ("in_flight", u.update_id, u.weight_version)
+        uid, _ = self._failed if self._failed else (self.next_update_id - 1, "")
+        if self.engine_out_of_step:
+            return ("out_of_step", uid, "")  # (refused until a new session, also after us)
         if self.needs_full_update and (self.engine_dirty or self.engine_paused):
-            uid, _ = self._failed if self._failed else (self.next_update_id - 1, "")
             return ("failed", uid, "")
         return None
 
@@ -955,8 +987,7 @@ class SlotCoordinator:
             return self._fail(
                 now, "commit",
                 f"update {u.update_id} has no chunks: every rank of the slot (ranks "
-                f"{sorted(u.committed)}) committed 0 chunks; there is nothing to load, so the "
-                "engine was neither paused nor started", [],
+                f"{sorted(u.committed)}) committed 0 chunks: there is nothing to load", [],
             )
         if len(counts) > 1:
             return self._fail(
@@ -1087,7 +1118,7 @@ class SlotCoordinator:
         if lacking:
             parts.append(f"no rank has {', '.join(lacking)}")
         return (f"the ranks' GPU UUIDs are not the engine's: {'; '.join(parts)} ({source} "
-                f"{list(want)}); the engine was not paused")
+                f"{list(want)})")
 
     def _before_finish(self, u: _Update, now: float) -> list[Action]:
         """Every chunk is loaded and every rank committed: check what the update left out of
@@ -1272,10 +1303,6 @@ class SlotCoordinator:
             if resume_error
             else None
         )
-        if u.found_asleep:
-            self.last_error = ("loaded; the engine was sleeping or paused by someone else at "
-                               "the begin, so it is left paused (vLLM resumes it at its full "
-                               "/wake_up)")
         self.updates_ok += 1
         if self._pending_url is not None:
             self.set_engine_url(self._pending_url)

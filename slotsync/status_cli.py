@@ -45,9 +45,21 @@ def _dur(s: float | None) -> str:
     return "-" if s is None else f"{s:.2f}s"
 
 
+def _engine_state(s: dict) -> str:
+    """The engine as the daemon last saw it (at its last begin or engine call)."""
+    if s.get("engine_replies_out_of_step"):
+        return "out of step: restart it"
+    if s.get("engine_sleeping"):
+        return "sleeping (paused)"
+    if s.get("engine_paused"):
+        return "paused"
+    return "serving" if s.get("engine_url") else "-"
+
+
 def render_table(status: dict) -> str:
     """The slots as an aligned text table (one row per slot)."""
-    head = ["SLOT", "ENGINE", "RANKS", "STATE", "VERSION", "LAST UPDATE", "LAST ERROR"]
+    head = ["SLOT", "ENGINE", "RANKS", "STATE", "ENGINE STATE", "VERSION", "LAST UPDATE",
+            "LAST ERROR"]
     rows = []
     for s in status.get("slots", []):
         cur = s.get("current_update")
@@ -58,7 +70,8 @@ def render_table(status: dict) -> str:
         rows.append([
             f"[{s['slot'][0]},{s['slot'][1]})", s.get("engine_url") or "-",
             f"{len(s.get('ranks_registered', []))}/{s['ranks_expected']}", s["state"],
-            version, _dur(s.get("last_duration_s")), err if len(err) <= 80 else err[:77] + "...",
+            _engine_state(s), version, _dur(s.get("last_duration_s")),
+            err if len(err) <= 80 else err[:77] + "...",
         ])
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     lines = [

@@ -1112,7 +1112,7 @@ def test_update_with_no_chunk_from_any_rank_is_refused_at_commit_before_the_engi
         err = h.last(r)
         assert isinstance(err, Error) and err.phase == "commit", err
         assert "has no chunks" in err.message and "ranks [0, 1]" in err.message
-        assert "neither paused nor started" in err.message
+        assert "nothing to load" in err.message and "the engine was not paused" in err.message
     assert not set(h.engine.calls) & {"pause", "start_weight_update", "finish_weight_update"}
     assert h.engine.version == "v0" and h.coord.last_version == "v0"
     assert h.coord.state is SlotState.IDLE and not h.engine.paused
@@ -1404,3 +1404,42 @@ def test_start_that_reached_no_worker_leaves_the_engine_intact():
     h2.round(1, n_chunks=1)
     assert h2.engine.paused and h2.coord.state is SlotState.FAILED
     assert h2.coord.engine_dirty and h2.coord.recover_first
+
+
+def test_restarted_daemon_sends_no_finish_into_a_serving_engine():
+    """A daemon killed during a begin (its record says in flight) before it paused anything:
+    the restarted daemon finds the engine serving. No worker can hold a session then, so it
+    sends no finish -- on an engine of several workers that finish would fail on worker 0
+    first and leave the others' replies queued (vLLM gh-58242). The update is a full one."""
+    h = _multiproc_harness()
+    h.coord.restore_dirty(URL, 7, "step-7", "in_flight")
+    assert h.coord.dirty_state()[0] == "failed" and h.coord.engine_paused
+    h.round(8, n_chunks=1)
+    assert "finish_recover" not in h.engine.calls and h.engine.unread() == [0, 0]
+    assert h.coord.last_version == "v8" and not h.engine.paused
+    assert h.coord.dirty_state() is None
+
+
+def test_replies_out_of_step_survive_a_daemon_restart_until_the_engine_restarts():
+    """The durable record keeps 'out of step': a restarted daemon must not drive an engine
+    whose replies are still shifted. An engine the daemon left paused that serves again was
+    restarted: a new session, and the full update goes through."""
+    h = _multiproc_harness()
+    h.round(0, n_chunks=1)
+    h.engine.fail[("update_weights", 1)] = {0: "boom", 1: "boom"}
+    h.round(1, n_chunks=1)
+    h.engine.fail.clear()
+    h.engine.calls.clear()
+    h.round(2, n_chunks=1)
+    assert h.coord.dirty_state()[0] == "out_of_step"
+    h2 = _multiproc_harness()  # a restarted daemon, the same broken engine
+    h2.engine = h.engine
+    h2.coord.restore_dirty(URL, 2, "", "out_of_step")
+    h2.engine.calls.clear()
+    h2.round(3, n_chunks=1)
+    err = next(m for m in h2.replies[0] if isinstance(m, Error) and m.update_id == 3)
+    assert "out of step" in err.message and h2.engine.calls == PROBES
+    h2.engine.restart()  # comes up serving, version "default" as before: still recognised
+    h2.round(4, n_chunks=1)
+    assert h2.coord.last_version == "v4" and h2.engine.unread() == [0, 0]
+    assert h2.coord.dirty_state() is None

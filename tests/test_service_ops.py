@@ -342,6 +342,20 @@ def test_status_cli_exits_1_when_a_slot_failed(clean_engine):
         out = _status_cli("--url", d.status_url)
         assert out.returncode == 1 and "failed" in out.stdout
         assert "1 slot(s) failed" in out.stderr
+        assert "ENGINE STATE" in out.stdout and "paused" in out.stdout  # (as last seen)
+
+
+def test_status_cli_engine_state_column():
+    from slotsync.status_cli import render_table
+
+    base = {"slot": [0, 2], "state": "idle", "ranks_expected": 2, "ranks_registered": [0, 1],
+            "engine_url": "http://e:1"}
+    doc = {"slots": [base, {**base, "engine_paused": True, "engine_sleeping": True},
+                     {**base, "state": "failed", "engine_paused": True,
+                      "engine_replies_out_of_step": "replies out of step"}]}
+    lines = render_table(doc).splitlines()
+    assert "serving" in lines[2] and "sleeping (paused)" in lines[3]
+    assert "out of step: restart it" in lines[4]
 
 
 # ------------------------------------------------------------------ crash recovery
