@@ -137,7 +137,16 @@ def merge_chunk(
 
 def _first_difference(names: Sequence[str], want: Sequence, got: Sequence) -> str:
     if len(want) != len(got):
-        return f"{len(got)} entries instead of {len(want)}"
+        out = f"{len(got)} entries instead of {len(want)}"
+        if want is names:  # the names themselves: say which one is missing or extra
+            missing = [n for n in want if n not in set(got)]
+            extra = [n for n in got if n not in set(want)]
+            if missing:
+                out += f" (without {missing[0]!r}" + (
+                    f" and {len(missing) - 1} more)" if len(missing) > 1 else ")")
+            elif extra:
+                out += f" (with {extra[0]!r}, which the lowest rank's chunk lacks)"
+        return out
     for i, (a, b) in enumerate(zip(want, got, strict=True)):
         if a != b:
             name = names[i] if i < len(names) else f"#{i}"

@@ -858,6 +858,16 @@ def test_conflicting_registration_fails_a_waiting_begin_for_every_rank():
     assert not h.engine.calls
 
 
+def test_mismatch_of_name_counts_names_the_missing_tensor():
+    h = Harness()
+    h.register_all()
+    h.begin()
+    h.send(0, chunk(0, 0, 0, names=("a", "lm_head.weight", "c")))
+    h.send(1, chunk(0, 0, 1, names=("a", "c")))
+    err = next(m for m in h.replies[0] if isinstance(m, Error))
+    assert "2 entries instead of 3 (without 'lm_head.weight')" in err.message, err.message
+
+
 def test_mismatch_names_differing_ranks_but_none_missing():
     h = Harness()
     h.register_all()
