@@ -80,10 +80,12 @@ class SlotsyncTimeout(SlotsyncError, TimeoutError):
         self.waited_for = waited_for
         self.timeout_s = timeout_s
         where = f" from the daemon at {endpoint}" if endpoint else " from the daemon"
-        hint = ""
         if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
             hint = (f" (there is no socket at {endpoint[len('ipc://'):]}: is slotsyncd running, "
                     "and is this its --socket?)")
+        else:  # (a daemon killed with SIGKILL leaves its socket file behind)
+            hint = (" (is slotsyncd still running? `slotsync status` says; a daemon that "
+                    "stopped or restarted meanwhile has forgotten this update)")
         super().__init__(
             phase,
             f"no {waited_for}{where} within {timeout_s:g} s{hint}",

@@ -246,6 +246,7 @@ def test_no_reply_times_out(make_daemon: Callable[..., FakeDaemon], endpoint: st
         assert isinstance(e, TimeoutError) and isinstance(e, SlotsyncError)
         assert e.phase == "chunk" and e.update_id == NEXT_ID and e.timeout_s == 0.5
         assert "Ack(chunk, index=0)" in str(e) and endpoint in str(e)
+        assert "is slotsyncd still running?" in str(e)  # (its socket file is there)
         time.sleep(0.1)
         aborts = daemon.of_type(wire.Abort)
         assert [a.update_id for a in aborts] == [NEXT_ID]
