@@ -202,13 +202,37 @@ class SlotState(StrEnum):
 
 @dataclass
 class RankInfo:
-    """A registered rank: its socket identity and what it told us at registration."""
+    """A registered rank: its socket identity, what it told us at registration, and whether
+    its process is still there.
+
+    ``pid`` is the pid it reported (in its own pid namespace); ``peer_pid`` the kernel's
+    (SO_PEERCRED, in the daemon's namespace; 0 when the kernel could not name it, e.g. a
+    process in a pid namespace the daemon cannot see). Times are monotonic seconds: ``last_seen``
+    its last message, ``gone_at`` when its connection closed or its process exited (None while
+    it lives), ``gone_why`` how that was seen.
+    """
 
     rank: int
     identity: bytes
     gpu_uuid: str
     hostname: str
     pid: int
+    peer_pid: int = 0
+    last_seen: float = 0.0
+    gone_at: float | None = None
+    gone_why: str = ""
+
+    @property
+    def who(self) -> str:
+        """``"rank 3 (pid 1234 on host-a)"``, for messages."""
+        return f"rank {self.rank} (pid {self.peer_pid or self.pid} on {self.hostname})"
+
+    def same_process(self, msg: Register, peer_pid: int) -> bool:
+        """Whether a registration comes from this rank's process (kernel pids where both are
+        known, else the reported host and pid)."""
+        if peer_pid and self.peer_pid:
+            return peer_pid == self.peer_pid
+        return (msg.hostname, msg.pid) == (self.hostname, self.pid)
 
 
 @dataclass
@@ -366,11 +390,14 @@ class SlotCoordinator:
 
     # ------------------------------------------------------------------ events
 
-    def on_register(self, identity: bytes, msg: Register, now: float) -> list[Action]:
-        """A rank registers (or re-registers after a reconnect).
+    def on_register(self, identity: bytes, msg: Register, now: float,
+                    peer_pid: int = 0) -> list[Action]:
+        """A rank registers (or re-registers after a reconnect). ``peer_pid``: the kernel's pid
+        of the connection's process (SO_PEERCRED), 0 if unknown.
 
         Refused (``Error(phase="register")`` to that identity only) when: the protocol version
-        differs, the slot differs from this coordinator's, the engine URL / packed mode /
+        differs, the slot differs from this coordinator's, another live process holds the rank
+        (both named: two processes with one rank), the engine URL / packed mode /
         transport differs from ranks already registered, or another rank holds its GPU UUID.
         A re-registration of a rank that already took part in the update in flight fails that
         update (the rank restarted mid-round); one that had not yet begun just replaces its
@@ -398,6 +425,17 @@ class SlotCoordinator:
                 f"rank {msg.rank} claims slot [{msg.slot_start}, {msg.slot_start + msg.slot_size})"
                 f" but its rank belongs to slot [{self.start}, {self.end})"
             )
+        held = self.ranks.get(msg.rank)
+        if (held is not None and held.gone_at is None and held.identity != identity
+                and not held.same_process(msg, peer_pid)):
+            # (not refuse(): the update in flight belongs to the live holder, not to this one)
+            return [Reply(identity, Error(
+                "register",
+                f"rank {msg.rank} is already registered by pid {held.peer_pid or held.pid} on "
+                f"{held.hostname}, which is still connected; pid {peer_pid or msg.pid} on "
+                f"{msg.hostname} claims it too: two trainer processes with one rank? (check "
+                "the launcher's RANK; a restarted rank registers once its old process is gone)",
+                list(self.slot)))]
         if (
             msg.rank in self.ranks
             and self.current is None
@@ -447,10 +485,13 @@ class SlotCoordinator:
             msg.rank in u.begun or msg.rank in u.sent_count
         ):
             actions += self._fail(
-                now, "register", f"rank {msg.rank} re-registered during update", [msg.rank]
+                now, "register", f"{self.ranks[msg.rank].who} re-registered during update "
+                f"{u.update_id} (now pid {peer_pid or msg.pid}): its process restarted or "
+                "reconnected mid-round", [msg.rank]
             )
         self.engine_url, self.packed, self.transport = msg.engine_url, msg.packed, msg.transport
-        self.ranks[msg.rank] = RankInfo(msg.rank, identity, msg.gpu_uuid, msg.hostname, msg.pid)
+        self.ranks[msg.rank] = RankInfo(msg.rank, identity, msg.gpu_uuid, msg.hostname, msg.pid,
+                                        peer_pid, last_seen=now)
         actions.append(
             Reply(
                 identity,
@@ -599,6 +640,79 @@ class SlotCoordinator:
         (design.md I9). Returns no actions."""
         self.session_suspect = True
         return []
+
+    def on_rank_gone(self, rank: int, identity: bytes, now: float, why: str) -> list[Action]:
+        """Rank ``rank``'s connection ``identity`` closed or its process exited (``why``, e.g.
+        "its process (pid 12) exited"). An update in flight that still needs the rank fails at
+        once, naming it (instead of at a deadline); one it already committed to goes on (it
+        needs nothing more from the rank). A connection the rank no longer uses is ignored."""
+        info = self.ranks.get(rank)
+        if info is None or info.identity != identity or info.gone_at is not None:
+            return []
+        info.gone_at, info.gone_why = now, why
+        u = self.current
+        needed = u is not None and rank not in u.committed
+        out: list[Action] = [SlotEvent(self.slot, "rank_gone", {
+            "rank": rank, "pid": info.peer_pid or info.pid, "host": info.hostname, "why": why,
+            "update_id": u.update_id if u is not None else None}, warning=needed)]
+        if needed:
+            out += self._fail(now, "rank_gone", f"{info.who} is gone: {why}", [rank])
+        return out
+
+    def on_rank_seen(self, rank: int, identity: bytes, now: float) -> None:
+        """A message from ``rank`` on ``identity``: it lives (a connection seen closed that
+        reconnected under the same identity, e.g. after a heartbeat timeout, counts again)."""
+        info = self.ranks.get(rank)
+        if info is not None and info.identity == identity:
+            info.last_seen = now
+            info.gone_at, info.gone_why = None, ""
+
+    def gone_ranks(self) -> list[RankInfo]:
+        """Registered ranks whose connection or process is gone."""
+        return [i for i in self._by_rank() if i.gone_at is not None]
+
+    def vacant_since(self) -> float | None:
+        """Monotonic time since which every registered rank is gone and nothing runs for the
+        slot (no update, engine check or orphaned call): the slot may be released then. None
+        while a rank lives, something runs, or no rank is registered."""
+        if (not self.ranks or self.current is not None or self._reconcile or self._maintenance
+                or self._orphans):
+            return None
+        times = [i.gone_at for i in self.ranks.values()]
+        return None if any(t is None for t in times) else max(t for t in times if t is not None)
+
+    def busy(self) -> bool:
+        """Whether an update, an engine check or a late call of a failed update runs."""
+        return bool(self.current is not None or self._reconcile or self._maintenance
+                    or self._orphans)
+
+    def release(self) -> list[RankInfo]:
+        """Forget every registered rank (the job is gone; the slot is free for another
+        topology). What the daemon knows of the engine stays (paused, needs a full update, the
+        last update's names): see ``adopt_engine``. Returns the ranks forgotten.
+
+        Raises:
+            RuntimeError: something runs for the slot (``busy``).
+        """
+        if self.busy():
+            raise RuntimeError(f"slot [{self.start}, {self.end}) is busy; cannot release it")
+        gone = self._by_rank()
+        self.ranks.clear()
+        self.packed = self.transport = None  # the next job chooses
+        self.engine_initialized = False
+        return gone
+
+    def adopt_engine(self, old: SlotCoordinator) -> None:
+        """Take over what released slot ``old`` knew of the same engine: the next job's first
+        update is a full one if the engine was left paused, mid-update or out of step."""
+        self.engine_url = old.engine_url
+        for name in ("engine_paused", "needs_full_update", "last_ok_names", "engine_dirty",
+                     "engine_version", "session_suspect", "engine_asleep", "replies_suspect",
+                     "engine_out_of_step", "recover_first", "_restored", "engine_gpu_uuids",
+                     "last_version", "last_error", "last_outcome", "_failed"):
+            setattr(self, name, getattr(old, name))
+        self.engine_initialized = False
+        self.next_update_id = max(self.next_update_id, old.next_update_id)
 
     def _check_session(self, u: _Update, result: Any) -> list[Action]:
         """``/weight_info`` at the begin: is the engine the session this daemon initialised?"""
@@ -806,8 +920,10 @@ class SlotCoordinator:
 
     # ------------------------------------------------------------------ status
 
-    def status(self) -> dict:
-        """A JSON-able snapshot for ``/status``."""
+    def status(self, now: float | None = None) -> dict:
+        """A JSON-able snapshot for ``/status``; ``now``: monotonic seconds (rank ages)."""
+        if now is None:
+            now = max([i.last_seen for i in self.ranks.values()], default=0.0)
         u = self.current
         cur = None
         if u is not None:
@@ -832,6 +948,11 @@ class SlotCoordinator:
             "transport": self.transport,
             "ranks_expected": self.size,
             "ranks_registered": sorted(self.ranks),
+            "ranks": [{"rank": i.rank, "pid": i.peer_pid or i.pid, "host": i.hostname,
+                       "alive": i.gone_at is None,
+                       "last_seen_s": round(max(0.0, now - i.last_seen), 3),
+                       "gone_s": None if i.gone_at is None else round(now - i.gone_at, 3),
+                       "gone_why": i.gone_why or None} for i in self._by_rank()],
             "gpu_uuids": {str(r): i.gpu_uuid for r, i in sorted(self.ranks.items())},
             "engine_paused": self.engine_paused,
             "needs_full_update": self.needs_full_update,
@@ -910,6 +1031,10 @@ class SlotCoordinator:
         u = _Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now,
                     weights_intact=not self.needs_full_update)
         self.current = u  # its begin stages (the table at the top) run from _advance
+        gone = self.gone_ranks()
+        if gone:  # (they cannot begin: fail now, not at the begin deadline)
+            return self._fail(now, "begin", "; ".join(
+                f"{i.who} is gone: {i.gone_why}" for i in gone), [i.rank for i in gone])
         return self._advance(now)
 
     def _on_chunk(self, rank: int, msg: Chunk, now: float) -> list[Action]:

@@ -2,12 +2,25 @@
 
 I/O-free, like the coordinators it owns. Slots come into being when their first rank
 registers (ranks carry the engine's real layout, design.md "Topology rules"); a slot that
-overlaps an existing different slot is refused.
+overlaps an existing different slot, or names an engine another slot feeds, is refused while
+a rank of that slot lives.
+
+Lifecycle of a slot (one daemon outlives many training jobs)::
+
+    registering ─► idle ⇄ updating ─► (every rank gone: connection closed or process exited,
+                                       reported by the adapter through on_connection_gone)
+        ─► released, slot_release_s after its last rank went (or at once when a new job's
+           registration conflicts with it), unless an update or engine check runs
+
+A released slot's ranks are forgotten. What the daemon knows of its engine is kept: a slot
+from the engine table keeps it in place; an undeclared one moves to ``released`` (keyed by
+engine URL) and the next slot that registers the same engine adopts it, so an engine that a
+dead job left paused or mid-update needs a full update from the next job too (design.md I4).
 """
 
 from __future__ import annotations
 
-from slotsync.daemon.coordinator import Action, Reply, SlotCoordinator, Timeouts
+from slotsync.daemon.coordinator import Action, Reply, SlotCoordinator, SlotEvent, Timeouts
 from slotsync.protocol.wire import NOT_REGISTERED, Begin, Error, Register, ToDaemon
 
 
@@ -21,15 +34,20 @@ class SlotTable:
             ``SlotCoordinator``).
         omitted_names: each slot's policy for updates that leave out names (see
             ``coordinator.OMITTED_NAMES_POLICIES``).
+        slot_release_s: seconds after a slot's last rank went until the slot is released.
     """
 
     def __init__(self, timeouts: Timeouts | None = None, daemon_version: str = "",
-                 chunks_in_flight: int = 3, omitted_names: str = "warn") -> None:
+                 chunks_in_flight: int = 3, omitted_names: str = "warn",
+                 slot_release_s: float = 60.0) -> None:
         self.timeouts = timeouts or Timeouts()
         self.daemon_version = daemon_version
         self.chunks_in_flight = chunks_in_flight
         self.omitted_names = omitted_names
+        self.slot_release_s = slot_release_s
         self.slots: dict[tuple[int, int], SlotCoordinator] = {}
+        # undeclared slots released with something to remember about their engine, by URL
+        self.released: dict[str, SlotCoordinator] = {}
         self.declared: dict[tuple[int, int], str] = {}  # engine table: slot -> URL (optional)
         self.draining = False  # shutting down: no new registrations or updates
         self._rank_of: dict[bytes, int] = {}  # socket identity -> rank
@@ -79,11 +97,15 @@ class SlotTable:
         self.declared = dict(table)
         return changes
 
-    def on_message(self, identity: bytes, msg: ToDaemon, now: float) -> list[Action]:
-        """Dispatch one decoded message from socket ``identity``."""
+    def on_message(self, identity: bytes, msg: ToDaemon, now: float,
+                   peer_pid: int = 0) -> list[Action]:
+        """Dispatch one decoded message from socket ``identity``; ``peer_pid``: the kernel's
+        pid of the connection's process (SO_PEERCRED), 0 if unknown."""
         if isinstance(msg, Register):
-            return self._register(identity, msg, now)
+            return self._register(identity, msg, now, peer_pid)
         rank = self._rank_of.get(identity)
+        if rank is not None:
+            self._slot_of_rank[rank].on_rank_seen(rank, identity, now)
         if self.draining and isinstance(msg, Begin):
             slot = self._slot_of_rank[rank].slot if rank is not None else (0, 0)
             return [Reply(identity, Error("begin", "the daemon is shutting down; no new update "
@@ -106,17 +128,84 @@ class SlotTable:
             ]
         return self._slot_of_rank[rank].on_message(rank, msg, now)
 
+    def on_connection_gone(self, identity: bytes, now: float, why: str) -> list[Action]:
+        """The connection ``identity`` closed, or its process exited (``why``): if a rank
+        registered on it, tell its slot (an update that needs the rank fails at once)."""
+        rank = self._rank_of.get(identity)
+        if rank is None:
+            return []
+        return self._slot_of_rank[rank].on_rank_gone(rank, identity, now, why)
+
     def poll(self, now: float) -> list[Action]:
-        """Check every slot's deadlines."""
+        """Check every slot's deadlines, and release slots whose ranks are all gone."""
         out: list[Action] = []
-        for c in self.slots.values():
+        for c in list(self.slots.values()):
             out += c.poll(now)
+        for key, c in list(self.slots.items()):
+            since = c.vacant_since()
+            if since is not None and now >= since + self.slot_release_s:
+                out += self._release(key, f"every rank gone for {self.slot_release_s:g} s "
+                                     "(slot_release_s)")
         return out
 
     def next_deadline(self) -> float | None:
-        """Earliest deadline over all slots, or None."""
+        """Earliest deadline (or slot release) over all slots, or None."""
         ds = [d for c in self.slots.values() if (d := c.next_deadline()) is not None]
+        ds += [t + self.slot_release_s for c in self.slots.values()
+               if (t := c.vacant_since()) is not None]
         return min(ds) if ds else None
+
+    def drop(self, slot: tuple[int, int], now: float, *, force: bool = False,
+             reason: str = "dropped by the operator") -> list[Action]:
+        """An operator drops ``slot``: its ranks are forgotten (their publishers register
+        again at their next begin) and the slot is released; what the daemon knows of its
+        engine stays (see the module docstring). With ``force`` an update in flight fails
+        first (ranks told, engine left paused and marked, I4).
+
+        Raises:
+            KeyError: no such slot.
+            RuntimeError: an update or engine check runs and ``force`` is not set, or an
+                engine call of the slot is still in flight (even forced: its outcome decides
+                the engine's state; retry in a moment).
+        """
+        c = self.slots.get(slot)
+        if c is None:
+            known = ", ".join(f"[{s}, {e})" for s, e in sorted(self.slots)) or "none"
+            raise KeyError(f"no slot [{slot[0]}, {slot[1]}) (slots: {known})")
+        out: list[Action] = []
+        if c.current is not None:
+            if not force:
+                raise RuntimeError(
+                    f"slot [{slot[0]}, {slot[1]}) has update {c.current.update_id} in flight; "
+                    "drop it with force to fail that update first")
+            out += c.on_daemon_stop(now, reason)  # (fails it; no engine call goes out)
+        if c.busy():
+            raise RuntimeError(f"slot [{slot[0]}, {slot[1]}) still waits for an engine call "
+                               "or check; retry in a few seconds")
+        return out + self._release(slot, reason)
+
+    def _release(self, key: tuple[int, int], reason: str,
+                 keep_slot: bool = False) -> list[Action]:
+        """Release slot ``key`` (nothing runs for it): forget its ranks; keep what is known of
+        its engine (in place if declared or ``keep_slot``, else in ``released`` when worth
+        remembering)."""
+        c = self.slots[key]
+        gone = c.release()
+        for r in gone:
+            self._slot_of_rank.pop(r.rank, None)
+        for ident, r in list(self._rank_of.items()):
+            if r in {g.rank for g in gone} and r not in self._slot_of_rank:
+                del self._rank_of[ident]
+        if key not in self.declared and not keep_slot:
+            del self.slots[key]
+            if c.engine_url and (c.dirty_state() is not None or c.engine_paused
+                                 or c.needs_full_update or c.last_ok_names):
+                self.released[c.engine_url.rstrip("/")] = c
+        return [SlotEvent(key, "slot_released", {
+            "engine": c.engine_url, "reason": reason,
+            "ranks": [f"{g.rank} (pid {g.peer_pid or g.pid}: {g.gone_why or 'registered'})"
+                      for g in gone],
+            "needs_full_update": c.needs_full_update}, warning=False)]
 
     def coordinator(self, slot: tuple[int, int]) -> SlotCoordinator:
         return self.slots[slot]
@@ -155,13 +244,27 @@ class SlotTable:
         """``(slot, engine_url, update_id, weight_version, state)`` of every engine that may
         hold half-loaded weights."""
         out = []
-        for key, c in sorted(self.slots.items()):
+        for key, c in sorted(self.slots.items(), key=lambda kc: kc[0]) + sorted(
+                ((c.slot, c) for c in self.released.values()), key=lambda kc: kc[0]):
             d = c.dirty_state()
             if d is not None:
                 out.append((key, c.engine_url or "", d[1], d[2], d[0]))
         return out
 
-    def _register(self, identity: bytes, msg: Register, now: float) -> list[Action]:
+    def _live(self, c: SlotCoordinator) -> str:
+        """Why slot ``c`` cannot be released for a conflicting registration ("" if it can):
+        its live ranks, named with their pids, or what runs for it."""
+        live = [i for i in c.ranks.values() if i.gone_at is None]
+        if live:
+            return "its live ranks: " + ", ".join(
+                f"{i.rank} (pid {i.peer_pid or i.pid} on {i.hostname})"
+                for i in sorted(live, key=lambda i: i.rank))
+        if c.busy():
+            return "an update or engine check of it is still running"
+        return ""
+
+    def _register(self, identity: bytes, msg: Register, now: float,
+                  peer_pid: int = 0) -> list[Action]:
         key = (msg.slot_start, msg.slot_start + msg.slot_size)
         if self.draining:
             return [Reply(identity, Error("register", "the daemon is shutting down", list(key),
@@ -178,33 +281,46 @@ class SlotTable:
                     "register", f"rank {msg.rank} names engine {msg.engine_url!r} but the "
                     f"engine table declares {want!r} for slot [{key[0]}, {key[1]})", list(key)))]
         url = msg.engine_url.rstrip("/")
-        for (s, e), c in self.slots.items():
-            if (s, e) != key and (c.engine_url or "").rstrip("/") == url and (
-                c.ranks or c.current is not None or c.dirty_state() is not None
-            ):
+        actions: list[Action] = []
+        for (s, e), c in list(self.slots.items()):
+            same_engine = (c.engine_url or "").rstrip("/") == url and (
+                c.ranks or c.current is not None or c.dirty_state() is not None)
+            overlaps = (s, e) != key and s < key[1] and key[0] < e
+            if (s, e) == key:
+                if c.ranks and not self._live(c):  # a new job in the slot of a gone one
+                    actions += self._release(key, f"its ranks are gone and rank {msg.rank} "
+                                             "registers", keep_slot=True)
+                continue
+            if not (same_engine or overlaps):
+                continue
+            live = self._live(c)
+            if not live and (s, e) not in self.declared:
+                # every rank of that job is gone: the new job's registration releases it now
+                actions += self._release((s, e), f"its ranks are gone and rank {msg.rank} "
+                                         f"registers slot [{key[0]}, {key[1]})")
+                continue
+            hint = (f" ({live}; it is released slot_release_s={self.slot_release_s:g} s after "
+                    "its last rank is gone, or with `slotsync slots drop`)")
+            if same_engine:
                 # I1: two slots driving one engine would interleave their updates on it
-                return [Reply(identity, Error(
+                return actions + [Reply(identity, Error(
                     "register", f"rank {msg.rank} of slot [{key[0]}, {key[1]}) names engine "
                     f"{msg.engine_url!r}, which slot [{s}, {e}) already feeds: one engine per "
-                    "slot (each engine's GPUs form one slot)", list(key)))]
+                    f"slot (each engine's GPUs form one slot){hint}", list(key)))]
+            return actions + [Reply(identity, Error(
+                "register", f"rank {msg.rank} claims slot [{key[0]}, {key[1]}) which overlaps "
+                f"slot [{s}, {e}) of engine {c.engine_url!r}{hint}", list(key)))]
         coord = self.slots.get(key)
         if coord is None:
-            for (s, e), c in self.slots.items():
-                if s < key[1] and key[0] < e:
-                    return [
-                        Reply(
-                            identity,
-                            Error(
-                                "register",
-                                f"rank {msg.rank} claims slot [{key[0]}, {key[1]}) which overlaps "
-                                f"slot [{s}, {e}) of engine {c.engine_url!r}",
-                                list(key),
-                            ),
-                        )
-                    ]
             coord = self._coordinator(key[0], msg.slot_size)
             self.slots[key] = coord
-        actions = coord.on_register(identity, msg, now)
+        left = self.released.pop(url, None)
+        if left is not None and coord.engine_url in (None, msg.engine_url) and not coord.ranks:
+            coord.adopt_engine(left)  # an engine a gone job left: what we know of it holds
+        elif left is not None:
+            self.released[url] = left
+            left = None
+        actions += coord.on_register(identity, msg, now, peer_pid)
         if coord.ranks.get(msg.rank) is not None and coord.ranks[msg.rank].identity == identity:
             # accepted: forget any connection the slot no longer knows (an older connection of
             # this rank, or every other rank's when the slot was reset for a new job)
@@ -217,4 +333,6 @@ class SlotTable:
             self._slot_of_rank[msg.rank] = coord
         elif not coord.ranks and key not in self.declared:
             del self.slots[key]  # refused first registration: leave no empty slot behind
+            if left is not None:
+                self.released[url] = left  # (still remembered for the next registration)
         return actions

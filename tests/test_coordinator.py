@@ -1453,3 +1453,185 @@ def test_replies_out_of_step_survive_a_daemon_restart_until_the_engine_restarts(
     h2.round(4, n_chunks=1)
     assert h2.coord.last_version == "v4" and h2.engine.unread() == [0, 0]
     assert h2.coord.dirty_state() is None
+
+
+# ---------------------------------------------------------------- liveness and slot lifecycle
+# (issue 15: a daemon outlives many jobs; ranks that are gone must not hold their slot, and an
+# update that needs a gone rank fails at once instead of at a deadline)
+
+
+def preg(rank: int, pid: int, start: int = 0, size: int = 2, url: str = URL,
+         host: str = "node-a") -> Register:
+    """A registration from process ``pid`` on ``host``."""
+    return Register(PROTOCOL_VERSION, rank, logical_gpu_uuid(rank - start), start, size, url,
+                    True, "shm", host, pid)
+
+
+def _errors(h: Harness, rank: int) -> list[Error]:
+    return [m for m in h.replies.get(rank, []) if isinstance(m, Error)]
+
+
+def test_rank_gone_mid_update_fails_it_at_once_naming_rank_and_pid():
+    h = Harness(timeouts=Timeouts(100, 100, 100))
+    for r in range(2):
+        h.run(h.table.on_message(ident(r), preg(r, 200 + r), 0.0, peer_pid=200 + r))
+    h.begin(0)
+    for r in range(2):
+        h.send(r, chunk(0, 0, r))
+    assert "start_weight_update" in h.engine.calls
+    h.now = 1.0
+    h.run(h.table.on_connection_gone(ident(1), 1.0, "its process (pid 201) exited"))
+    err = _errors(h, 0)[-1]
+    assert "rank 1 (pid 201 on node-a) is gone: its process (pid 201) exited" in err.message
+    assert err.phase == "rank_gone" and err.missing_ranks == [1]
+    assert h.coord.needs_full_update and h.coord.engine_paused  # I4: started, stays paused
+    assert "resume" not in h.engine.calls and h.ended[-1].outcome == "failed"
+    ranks = {r["rank"]: r for r in h.coord.status(2.0)["ranks"]}
+    assert ranks[1]["alive"] is False and ranks[1]["pid"] == 201 and ranks[1]["gone_s"] == 1.0
+    assert ranks[0]["alive"] is True and ranks[0]["last_seen_s"] == 2.0
+
+
+def test_rank_gone_after_its_commit_lets_the_update_finish():
+    h = Harness()
+    h.register_all()
+    h.begin(0)
+    for r in range(2):
+        h.send(r, chunk(0, 0, r))
+    h.engine.hold = True  # the finish is in flight when rank 1 goes
+    for r in range(2):
+        h.send(r, Commit(0, 1))
+    assert [c.route for c in h.pending_calls] == ["finish_weight_update"]
+    h.run(h.table.on_connection_gone(ident(1), 0.0, "its connection closed"))
+    assert h.coord.current is not None  # it needs nothing more from rank 1
+    h.engine.hold = False
+    while h.pending_calls:
+        call = h.pending_calls.pop(0)
+        ok, res, err = h.engine.answer(call)
+        h.run(h.coord.on_engine_result(call.call_id, ok, res, err, 0.0))
+    assert h.ended[-1].outcome == "success" and not h.engine.paused
+
+
+def test_begin_with_a_gone_rank_fails_at_once_not_at_the_begin_deadline():
+    h = Harness(timeouts=Timeouts(100, 100, 100))
+    h.register_all()
+    h.run(h.table.on_connection_gone(ident(1), 0.0, "its connection closed"))
+    h.send(0, Begin(0, "v"))
+    err = _errors(h, 0)[-1]
+    assert "rank 1" in err.message and "is gone" in err.message and err.missing_ranks == [1]
+    assert h.engine.calls == []  # the engine was never touched
+
+
+def test_a_message_from_a_rank_seen_gone_brings_it_back():
+    # (a connection closed by a heartbeat timeout reconnects under the same identity)
+    h = Harness()
+    h.register_all()
+    h.run(h.table.on_connection_gone(ident(1), 0.0, "its connection closed"))
+    assert [i.rank for i in h.coord.gone_ranks()] == [1]
+    h.send(1, Begin(0, "v0"))  # (a rank that is heard from again lives)
+    assert h.coord.gone_ranks() == []
+    h.send(0, Begin(0, "v0"))
+    for r in range(2):
+        h.send(r, chunk(0, 0, r))
+    for r in range(2):
+        h.send(r, Commit(0, 1))
+    assert h.ended[-1].outcome == "success"
+
+
+def test_slot_of_a_gone_job_is_released_after_slot_release_s():
+    t = SlotTable(slot_release_s=30)
+    for r in range(3):
+        t.on_message(ident(r), preg(r, 300 + r, size=3), 0.0, peer_pid=300 + r)
+    for r in range(2):
+        t.on_connection_gone(ident(r), 4.0 + r, f"its process (pid {300 + r}) exited")
+    assert t.poll(100.0) == [] and (0, 3) in t.slots  # rank 2 lives: never released
+    t.on_connection_gone(ident(2), 110.0, "its connection closed")
+    assert t.next_deadline() == 140.0
+    assert t.poll(139.0) == [] and (0, 3) in t.slots
+    ev = t.poll(140.0)
+    assert [e.event for e in ev if isinstance(e, SlotEvent)] == ["slot_released"]
+    assert t.slots == {} and t.connected_ranks() == 0
+    assert "2 (pid 302: its connection closed)" in ev[0].fields["ranks"]
+    # the slot is free: a job with another topology registers
+    a = t.on_message(ident(7), preg(0, 400, size=2), 141.0, peer_pid=400)
+    assert isinstance(a[-1].msg, Registered)
+
+
+def test_wrong_topology_job_gone_then_the_right_one_registers_at_once():
+    # issue 15 #1: 3 ranks for a 2-GPU engine fail; the relaunch with 2 ranks was refused
+    # ("... which slot [0, 3) already feeds") until the daemon restarted
+    t = SlotTable(slot_release_s=600)
+    for r in range(3):
+        t.on_message(ident(r), preg(r, 300 + r, size=3), 0.0, peer_pid=300 + r)
+    refused = t.on_message(ident(10), preg(0, 500, size=2), 1.0, peer_pid=500)
+    msg = refused[-1].msg
+    assert isinstance(msg, Error) and "which slot [0, 3) already feeds" in msg.message
+    assert "its live ranks: 0 (pid 300 on node-a), 1 (pid 301 on node-a), 2 (pid 302" in (
+        msg.message)
+    for r in range(3):
+        t.on_connection_gone(ident(r), 2.0, f"its process (pid {300 + r}) exited")
+    ok = t.on_message(ident(10), preg(0, 500, size=2), 3.0, peer_pid=500)
+    assert [e.event for e in ok if isinstance(e, SlotEvent)] == ["slot_released"]
+    assert isinstance(ok[-1].msg, Registered) and set(t.slots) == {(0, 2)}
+    t.on_message(ident(11), preg(1, 501, size=2), 3.0, peer_pid=501)
+    assert t.slots[(0, 2)].state is SlotState.IDLE
+
+
+def test_engine_left_mid_update_by_a_dead_job_needs_a_full_update_from_the_next_job():
+    h = Harness(timeouts=Timeouts(100, 100, 100))
+    h.table.slot_release_s = 5
+    for r in range(2):
+        h.run(h.table.on_message(ident(r), preg(r, 200 + r), 0.0, peer_pid=200 + r))
+    h.round(0, n_chunks=1)  # names a, b loaded
+    h.begin(1)
+    for r in range(2):
+        h.send(r, chunk(1, 0, r))
+    for r in range(2):  # the job is killed mid-update
+        h.run(h.table.on_connection_gone(ident(r), 1.0, "its process exited"))
+    assert h.coord.needs_full_update and h.coord.engine_paused
+    h.run(h.table.poll(6.0))
+    assert h.table.slots == {} and URL in h.table.released
+    assert [d[1] for d in h.table.dirty_engines()] == [URL]  # (kept in the durable record)
+    # the next job, another topology of the same engine, adopts what is known of it
+    h.engine.world_size = 1
+    a = h.table.on_message(ident(5), preg(0, 600, size=1), 7.0, peer_pid=600)
+    assert isinstance(a[-1].msg, Registered)
+    c = h.table.slots[(0, 1)]
+    assert c.needs_full_update and c.engine_paused and c.last_ok_names == {"a", "b"}
+    assert c.state is SlotState.FAILED and h.table.released == {}
+
+
+def test_second_process_claiming_a_live_rank_is_refused_naming_both_pids():
+    h = Harness()
+    for r in range(2):
+        h.run(h.table.on_message(ident(r), preg(r, 200 + r), 0.0, peer_pid=200 + r))
+    h.begin(0)
+    out = h.table.on_message(b"id-0-other", preg(0, 999, host="node-b"), 0.0, peer_pid=999)
+    msg = out[-1].msg
+    assert isinstance(msg, Error) and "rank 0 is already registered by pid 200 on node-a" in (
+        msg.message) and "pid 999 on node-b claims it too" in msg.message
+    assert h.coord.current is not None  # the live holder's update goes on
+    h.send(0, chunk(0, 0, 0))
+    h.send(1, chunk(0, 0, 1))
+    for r in range(2):
+        h.send(r, Commit(0, 1))
+    assert h.ended[-1].outcome == "success"
+    # once the first process is gone, a restarted rank 0 registers
+    h.run(h.table.on_connection_gone(ident(0), 1.0, "its process (pid 200) exited"))
+    again = h.table.on_message(b"id-0-other", preg(0, 999, host="node-b"), 2.0, peer_pid=999)
+    assert isinstance(again[-1].msg, Registered)
+
+
+def test_operator_drop_refused_during_an_update_unless_forced():
+    h = Harness()
+    h.register_all()
+    with pytest.raises(KeyError, match=r"no slot \[4, 6\) \(slots: \[0, 2\)\)"):
+        h.table.drop((4, 6), 0.0)
+    h.begin(0)
+    for r in range(2):
+        h.send(r, chunk(0, 0, r))
+    with pytest.raises(RuntimeError, match="update 0 in flight; drop it with force"):
+        h.table.drop((0, 2), 0.0)
+    h.run(h.table.drop((0, 2), 0.0, force=True))
+    assert "dropped by the operator" in _errors(h, 0)[-1].message
+    assert h.table.slots == {} and h.table.connected_ranks() == 0
+    assert h.table.released[URL].needs_full_update  # started: the next job updates fully
