@@ -74,6 +74,8 @@ class Config:
     commit_timeout_s: float = 600.0  # last progress -> next chunk or every commit
     engine_timeout_s: float = 300.0  # one vLLM HTTP request
     shutdown_grace_s: float = 60.0  # SIGTERM: how long an update in flight may still finish
+    liveness_s: float = 10.0  # a rank's connection silent this long (heartbeats) is gone
+    slot_release_s: float = 60.0  # every rank of a slot gone this long: the slot is released
     max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT  # cap on one frame from a rank
     chunks_in_flight: int = 3  # /update_weights calls per engine at once (1: one at a time)
     omitted_names: str = "warn"  # an update leaving out names the last one loaded: warn|refuse
@@ -111,9 +113,13 @@ class Config:
                 raise ValueError(f"{name} must be a comma-separated list of numeric ids, got "
                                  f"{getattr(self, name)!r}")
         for name in ("begin_timeout_s", "chunk_timeout_s", "commit_timeout_s",
-                     "engine_timeout_s", "shutdown_grace_s"):
+                     "engine_timeout_s", "shutdown_grace_s", "liveness_s", "slot_release_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if not 0.1 <= self.liveness_s <= 3600:
+            raise ValueError(f"liveness_s must be 0.1..3600 seconds, got {self.liveness_s}")
+        if self.slot_release_s < 0:
+            raise ValueError(f"slot_release_s must be >= 0, got {self.slot_release_s}")
         for name in ("begin_timeout_s", "chunk_timeout_s", "commit_timeout_s",
                      "engine_timeout_s"):
             if getattr(self, name) <= 0:
@@ -231,6 +237,12 @@ _HELP = {
     "engine_timeout_s": "seconds one vLLM HTTP request may take",
     "shutdown_grace_s": "on SIGTERM/SIGINT, seconds an update in flight may take to finish "
     "before it is failed (ranks told, engine left paused)",
+    "liveness_s": "seconds within which a rank whose connection went silent (ZeroMQ "
+    "heartbeats) counts as gone; a closed connection or an exited process counts at once. An "
+    "update that still needs a gone rank fails then, naming it",
+    "slot_release_s": "seconds after the last rank of a slot is gone until the slot is "
+    "released (its ranks forgotten, so a job with another topology can register; what the "
+    "daemon knows of the engine stays)",
     "max_message_bytes": "largest frame accepted from a rank, bytes",
     "chunks_in_flight": "/update_weights calls sent to one engine before the first returned "
     "(vLLM runs them in order, so the next chunks are waiting when one finishes; 1: one at a "

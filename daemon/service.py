@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from slotsync import __version__
 from slotsync.daemon.config import Config, ConfigError, read_config_file
@@ -38,7 +39,8 @@ from slotsync.daemon.coordinator import (
     UpdateEnded,
 )
 from slotsync.daemon.inflight_record import DirtyEngine, InflightRecord
-from slotsync.daemon.logs import log_event
+from slotsync.daemon.liveness import ConnectionBook, PeerWatch, heartbeat_options, peer_pid
+from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.metrics import Metrics
 from slotsync.daemon.peer_auth import ZAP_DOMAIN, ZapHandler
 from slotsync.daemon.slot_table import SlotTable
@@ -113,12 +115,19 @@ class Daemon:
             __version__,
             config.chunks_in_flight,
             config.omitted_names,
+            config.slot_release_s,
         )
         self.metrics.watch(self.table)  # slot/rank/in-flight gauges read the table per scrape
         self.endpoint = config.endpoint()
         self.started_at = time.time()
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None  # the ROUTER's connection events
+        self._book = ConnectionBook()  # identity -> connection fd and pid (liveness)
+        self._pids = PeerWatch(self._process_exited, poll_s=config.liveness_s / 2)
+        self._handshaken: set[int] = set()  # fds of connections that never sent a message
+        # rejected-message warnings per peer: the first few, then a count per minute
+        self._rejects = RateLimiter(burst=5, interval_s=60.0)
         self._zap: ZapHandler | None = None
         self._clients: dict[str, VllmClient] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -180,6 +189,12 @@ class Daemon:
         # still read and answered with a clear error naming the cap.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting rank may reuse its identity
+        # A rank whose connection goes silent (hung, stopped, host gone) is cut off within
+        # liveness_s; a closed connection or an exited process is seen at once (liveness.py).
+        for name, value in heartbeat_options(self.config.liveness_s).items():
+            sock.setsockopt(getattr(zmq, name), value)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED
+                                                | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.bind(self.endpoint)
         if self.endpoint.startswith("ipc://"):
             # Group members (the trainer ranks) must be able to connect; others not at all.
@@ -278,10 +293,14 @@ class Daemon:
         self.notifier.close()
         if self._status is not None:
             await self._status.stop()
+        await self._pids.close()
 
         if self._zap is not None:
             await self._zap.stop()
         if self._sock is not None:
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
             self._sock.close(linger=0)
             if self.endpoint.startswith("ipc://"):
                 with contextlib.suppress(OSError):
@@ -291,44 +310,124 @@ class Daemon:
 
     def status(self) -> dict:
         """The ``/status`` document: daemon facts and every slot's state."""
+        now = time.monotonic()
         return {
             "version": __version__,
             "endpoint": self.endpoint,
             "uptime_s": round(time.time() - self.started_at, 3),
             "ranks_connected": self.table.connected_ranks(),
-            "slots": [c.status() for _, c in sorted(self.table.slots.items())],
+            "slots": [c.status(now) for _, c in sorted(self.table.slots.items())],
+            # engines of released slots that a later job must update fully (by engine URL)
+            "released_engines": [
+                {"engine_url": url, "slot": list(c.slot), "engine_paused": c.engine_paused,
+                 "needs_full_update": c.needs_full_update, "last_error": c.last_error}
+                for url, c in sorted(self.table.released.items())],
         }
 
     # ------------------------------------------------------------------ adapters
 
     async def _recv_loop(self) -> None:
-        assert self._sock is not None
+        assert self._sock is not None and self._monitor is not None
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
-            frames = await self._sock.recv_multipart()
-            identity, payload = frames[0], frames[-1]
-            if len(frames) != 2:
-                self.metrics.bad_messages.inc()
-                log_event(log, logging.WARNING, "rejected_message", peer=identity.hex(),
-                          error=f"{len(frames) - 1} frames")
-                await self._send(
-                    identity,
-                    Error("decode", f"expected 1 frame, got {len(frames) - 1}", fatal=False),
-                )
+            await poller.poll()
+            await self._read_monitor()
+            if not await self._sock.poll(0):
                 continue
-            try:
-                msg = decode_to_daemon(payload, self.config.max_message_bytes,
-                                       self._chunk_meta)
-            except ProtocolError as e:
-                self.metrics.bad_messages.inc()
-                log_event(log, logging.WARNING, "rejected_message", peer=identity.hex(),
-                          error=str(e))
-                await self._send(identity, Error("decode", str(e), fatal=False))
-                continue
-            await self._execute(self.table.on_message(identity, msg, time.monotonic()))
+            frames = await self._sock.recv_multipart(copy=False)
+            # (connection events first: a disconnect is seen before a message of a new
+            # connection that got the closed one's fd)
+            await self._read_monitor()
+            await self._on_frames(frames)
             # A burst of queued frames (every rank's copy of the next chunk) would otherwise be
             # decoded back to back, since awaiting a frame that is already there does not
             # yield: let an engine's answer in between, so the next call starts sooner.
             await asyncio.sleep(0)
+
+    async def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        identity, last = frames[0].bytes, frames[-1]
+        fd = last.get(zmq.SRCFD)
+        pid = peer_pid(last.get("Peer-Address"))
+        self._handshaken.discard(fd)
+        gone = self._book.seen(identity, fd, pid)
+        if gone:  # (a new connection on a closed one's fd: that one is gone)
+            await self._connections_gone(gone, "its connection closed")
+        self._pids.watch(pid)
+        peer = f"pid {pid}" if pid else identity.hex()
+        if len(frames) != 2:
+            self._reject(peer, f"{len(frames) - 1} frames")
+            await self._send(
+                identity,
+                Error("decode", f"expected 1 frame, got {len(frames) - 1}", fatal=False),
+            )
+            return
+        try:
+            msg = decode_to_daemon(last.bytes, self.config.max_message_bytes, self._chunk_meta)
+        except ProtocolError as e:
+            self._reject(peer, str(e))
+            await self._send(identity, Error("decode", str(e), fatal=False))
+            return
+        await self._execute(self.table.on_message(identity, msg, time.monotonic(), pid))
+
+    def _reject(self, peer: str, error: str) -> None:
+        """A frame that is not a valid message: counted, answered, and logged at most a few
+        times per peer and minute (a peer sending junk must not flood the journal)."""
+        self.metrics.bad_messages.inc()
+        now = time.monotonic()
+        if self._rejects.allow(peer, now):
+            log_event(log, logging.WARNING, "rejected_message", peer=peer, error=error)
+        self._log_suppressed(now)
+
+    def _log_suppressed(self, now: float) -> None:
+        for peer, n in self._rejects.due(now):
+            log_event(log, logging.WARNING, "rejected_messages_not_logged", peer=peer, count=n,
+                      interval_s=self._rejects.interval_s)
+
+    async def _read_monitor(self) -> None:
+        """Handle the ROUTER's pending connection events (never waits)."""
+        assert self._monitor is not None
+        while await self._monitor.poll(0):
+            event = zmq.utils.monitor.parse_monitor_message(
+                await self._monitor.recv_multipart())
+            fd = event["value"]
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken.add(fd)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                gone = self._book.disconnected(fd)
+                if gone:
+                    await self._connections_gone(gone, (
+                        "its connection closed (the process closed it, it answered no "
+                        f"heartbeat within liveness_s={self.config.liveness_s:g} s, or it sent "
+                        f"a frame over the socket's limit of {2 * self.config.max_message_bytes}"
+                        " bytes)"))
+                elif fd in self._handshaken:
+                    self._handshaken.discard(fd)
+                    # libzmq drops a peer whose frame is over MAXMSGSIZE without a word: say so
+                    if self._rejects.allow("silent", time.monotonic()):
+                        log_event(log, logging.WARNING, "connection_closed_without_message",
+                                  fd=fd, hint="a frame over the socket's limit of "
+                                  f"{2 * self.config.max_message_bytes} bytes closes the "
+                                  "connection this way (max_message_bytes)")
+
+    async def _connections_gone(self, identities: list[bytes], why: str) -> None:
+        now = time.monotonic()
+        actions: list[Action] = []
+        for ident in identities:
+            actions += self.table.on_connection_gone(ident, now, why)
+        self._pids.keep_only(self._book.pids())
+        if actions:
+            await self._execute(actions)
+
+    def _process_exited(self, pid: int) -> None:
+        """``PeerWatch``: process ``pid`` ended; its ranks are gone."""
+        gone = self._book.exited(pid)
+        if gone:
+            t = asyncio.create_task(self._connections_gone(gone, f"its process (pid {pid}) "
+                                                                 "exited"))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
 
     async def _wait_wake(self, timeout: float | None) -> None:
         """Sleep until ``_wake`` is set or ``timeout`` passes. ``asyncio.timeout`` rather than
@@ -341,10 +440,12 @@ class Daemon:
 
     async def _timer_loop(self) -> None:
         while True:
-            deadline = self.table.next_deadline()
-            await self._wait_wake(None if deadline is None else
-                                  max(0.0, deadline - time.monotonic()))
-            await self._execute(self.table.poll(time.monotonic()))
+            ds = [d for d in (self.table.next_deadline(), self._rejects.next_due())
+                  if d is not None]
+            await self._wait_wake(max(0.0, min(ds) - time.monotonic()) if ds else None)
+            now = time.monotonic()
+            self._log_suppressed(now)
+            await self._execute(self.table.poll(now))
 
     async def _watchdog_loop(self) -> None:
         # WATCHDOG=1 from the event loop itself, at half the interval: a stuck loop stops it.

@@ -1,0 +1,37 @@
+"""What both ends of the daemon's ZeroMQ connection use to tell that the other is gone.
+
+ZMTP heartbeats (``ZMQ_HEARTBEAT_IVL`` / ``_TIMEOUT`` / ``_TTL``, ZeroMQ RFC 37) run in
+libzmq's I/O thread: a trainer busy in a forward pass, holding the GIL, still answers them,
+while a hung or stopped process or a dead host does not, and libzmq then closes the connection
+(which each side's socket monitor reports as ``EVENT_DISCONNECTED``). Application pings would
+need a thread in every trainer process; heartbeats need none. A process that exits closes its
+connection at once, with no heartbeat involved.
+
+Both the daemon and the publisher must use ``heartbeat_options`` with their own
+``liveness_s``: each side detects the other's silence alone.
+"""
+
+from __future__ import annotations
+
+__all__ = ["heartbeat_options", "peer_pid"]
+
+
+def heartbeat_options(liveness_s: float) -> dict[str, int]:
+    """ZeroMQ socket options (names of ``zmq`` constants -> milliseconds) under which a
+    silent peer's connection is closed within ``liveness_s`` seconds: a ping every quarter of
+    it, the connection closed when no traffic came for three quarters after a ping; ``TTL``
+    tells the peer to close its own side if it hears nothing for ``liveness_s``."""
+    ms = max(100, int(liveness_s * 1000))
+    return {"HEARTBEAT_IVL": max(25, ms // 4), "HEARTBEAT_TIMEOUT": max(75, ms * 3 // 4),
+            "HEARTBEAT_TTL": ms}
+
+
+def peer_pid(peer_address: str | None) -> int:
+    """The pid in a ZeroMQ message's ``Peer-Address`` property, which libzmq (built with
+    SO_PEERCRED, as pyzmq's bundled one is) sets to ``localhost:uid:gid:pid`` on ``ipc://``
+    connections: the kernel's view, in the receiver's pid namespace. 0 when there is none
+    (TCP, or a process the kernel cannot name in this namespace)."""
+    parts = (peer_address or "").split(":")
+    if len(parts) != 4 or not parts[3].isdigit():
+        return 0
+    return int(parts[3])
