@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["SlotsyncError", "SlotsyncTimeout"]
+__all__ = ["DAEMON_GONE", "SlotsyncError", "SlotsyncTimeout"]
+
+DAEMON_GONE = "daemon_gone"
+"""``SlotsyncError.code`` when the connection to the daemon closed while waiting for a reply
+(the daemon exited, was killed, or answered no heartbeat within the publisher's
+``liveness_s``)."""
 
 
 class SlotsyncError(Exception):

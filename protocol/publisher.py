@@ -37,6 +37,7 @@ shared-memory segments) are kept until the commit's ack, then released and, on C
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -55,7 +56,8 @@ import zmq
 import zmq.utils.monitor
 
 from slotsync.protocol import wire
-from slotsync.protocol.errors import SlotsyncError, SlotsyncTimeout
+from slotsync.protocol.connect_check import check_endpoint
+from slotsync.protocol.errors import DAEMON_GONE, SlotsyncError, SlotsyncTimeout
 from slotsync.protocol.export import (
     DTYPE_NAME_MEMO,
     CudaStagingBuffer,
@@ -70,6 +72,7 @@ from slotsync.protocol.export import (
     pack_into,
     release_unconsumed,
 )
+from slotsync.protocol.liveness import heartbeat_options, peer_pid
 from slotsync.protocol.topology import EngineSlot
 
 __all__ = ["DEFAULT_STAGING_BUFFERS", "DEFAULT_STAGING_BYTES", "MAX_UNACKED_CHUNKS",
@@ -189,6 +192,11 @@ class Publisher:
             longer than the daemon's default ``engine_timeout_s`` (300 s), so that when an
             engine hangs, the daemon's error naming it reaches the rank before the rank's own
             timeout.
+        liveness_s: a daemon that exits is noticed at once; one that stops answering ZeroMQ
+            heartbeats within this many seconds counts as gone too: a wait then raises
+            ``SlotsyncError(code="daemon_gone")`` naming the daemon and why, instead of
+            waiting ``timeout_s``. Registration checks the socket first and names a missing,
+            stale or unreadable one within a second (``connect_check``).
 
     Raises:
         ValueError: ``rank`` is not in ``slot``, or ``transport``/``device`` disagree.
@@ -208,6 +216,7 @@ class Publisher:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         staging_buffers: int = DEFAULT_STAGING_BUFFERS,
         timeout_s: float = 360.0,
+        liveness_s: float = 10.0,
     ) -> None:
         for arg, value in (("rank", rank), ("staging_bytes", staging_bytes),
                            ("staging_buffers", staging_buffers)):
@@ -232,6 +241,9 @@ class Publisher:
                              f"{staging_buffers}")
         if not 0 < timeout_s < float("inf"):
             raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
+        if (not isinstance(liveness_s, int | float) or isinstance(liveness_s, bool)
+                or not 0.1 <= liveness_s <= 3600):
+            raise ValueError(f"liveness_s must be 0.1..3600 seconds, got {liveness_s!r}")
         self.endpoint = endpoint
         self.rank = rank
         self.engine_url = engine_url
@@ -239,6 +251,7 @@ class Publisher:
         self.staging_bytes = staging_bytes
         self.staging_buffers = staging_buffers
         self.timeout_s = timeout_s
+        self.liveness_s = float(liveness_s)
         self.transport, self.device = _resolve_transport(transport, device)
         if gpu_uuid is not None:
             self.gpu_uuid = wire.normalize_gpu_uuid(gpu_uuid)
@@ -283,9 +296,19 @@ class Publisher:
         self._sock.setsockopt(
             zmq.ROUTING_ID, f"slotsync-r{rank}-p{os.getpid()}-{os.urandom(4).hex()}".encode()
         )
-        # Watch the handshake: a daemon that refuses our credentials (ZAP) answers nothing,
-        # so without this the rank would only see a timeout.
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        # Liveness: ZMTP heartbeats, answered by libzmq's I/O thread (a trainer busy in a
+        # forward pass still answers them), close a connection whose daemon went silent within
+        # liveness_s; a daemon that exits closes it at once (see daemon/liveness.py).
+        for name, value in heartbeat_options(self.liveness_s).items():
+            self._sock.setsockopt(getattr(zmq, name), value)
+        # Watch the connection: a daemon that refuses our credentials (ZAP) answers nothing,
+        # and one that is gone sends nothing either, so without this the rank would only see
+        # a timeout.
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_DISCONNECTED)
+        self._connected: bool | None = None  # None: not yet (the first handshake is pending)
+        self._daemon_pid = 0  # the daemon's pid, from its replies' Peer-Address (SO_PEERCRED)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -327,6 +350,9 @@ class Publisher:
         self._check_usable()
         if self._update_id is not None:
             raise RuntimeError(f"cannot register while update {self._update_id} is open")
+        self._read_monitor(during_update=False)
+        if self._connected is not True:
+            check_endpoint(self.endpoint)  # no daemon to talk to: say why now, not at timeout
         self._send(
             wire.Register(
                 protocol_version=wire.PROTOCOL_VERSION,
@@ -407,7 +433,10 @@ class Publisher:
         self._check_usable()
         if self._update_id is not None:
             raise RuntimeError(f"update {self._update_id} is still open; commit or abort it first")
-        if self.registered is None:
+        self._read_monitor(during_update=False)
+        if self.registered is None or self._connected is False:
+            # (never registered, or the daemon went away since: register with the one that
+            # listens now, or say why none does)
             self.register()
         uid = self._next_id
         self._update_id = uid
@@ -1076,7 +1105,7 @@ class Publisher:
         of the open update (or one with no update id); drop stale acks and errors of other
         update ids."""
         while self._sock.poll(0):
-            msg = self._decode(self._sock.recv(zmq.NOBLOCK))
+            msg = self._recv()
             if self._keep_early_ack(msg):
                 continue
             if isinstance(msg, wire.Error) and self._concerns_us(msg):
@@ -1085,6 +1114,63 @@ class Publisher:
                     continue
                 raise self._error(msg)
             log.debug("rank %d: ignoring stale reply %r", self.rank, msg)
+
+    def _recv(self) -> wire.FromDaemon:
+        """One waiting reply, decoded; notes the daemon's pid (for messages naming it)."""
+        frame = self._sock.recv(zmq.NOBLOCK, copy=False)
+        if not self._daemon_pid:
+            with contextlib.suppress(zmq.ZMQError):
+                self._daemon_pid = peer_pid(frame.get("Peer-Address"))
+        return self._decode(frame.bytes)
+
+    def _read_monitor(self, *, during_update: bool, phase: str = "register",
+                      waited_for: str = "") -> None:
+        """Handle the connection's pending events (never waits).
+
+        Raises:
+            SlotsyncError: the daemon refused our credentials; or, ``during_update`` (while
+                waiting for a reply), the connection closed (``code="daemon_gone"``): the
+                daemon exited, was killed or stopped answering heartbeats within
+                ``liveness_s``. A daemon that restarts forgets the update in flight, so it
+                ends here; the next ``begin`` registers again.
+        """
+        while self._monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                raise SlotsyncError(
+                    "register",
+                    f"the daemon at {self.endpoint} refused this process (uid "
+                    f"{os.getuid()}, gid {os.getgid()}): not in its allow_uids / "
+                    "allow_gids (see the daemon's peer_refused log line)",
+                    slot=self._slot_pair(),
+                )
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+                if during_update:
+                    raise self._daemon_gone(phase, waited_for)
+
+    def _daemon_gone(self, phase: str, waited_for: str) -> SlotsyncError:
+        """The error for a connection that closed while waiting for ``waited_for``; ends the
+        open update (the daemon that held it is gone) and forgets the registration."""
+        who = f"slotsyncd (pid {self._daemon_pid})" if self._daemon_pid else "slotsyncd"
+        try:
+            check_endpoint(self.endpoint, timeout_s=0.5)
+            why = ("it stopped, restarted or was killed, or answered no heartbeat within "
+                   f"liveness_s={self.liveness_s:g} s")
+        except SlotsyncError as e:
+            why = e.message
+        uid = self._update_id
+        if uid is not None:
+            self._end_update()
+        self.registered = None  # (the next begin registers with whichever daemon listens)
+        self._daemon_pid = 0
+        during = f" of update {uid}" if uid is not None else ""
+        return SlotsyncError(
+            phase, f"lost the connection to {who} at {self.endpoint} while waiting for "
+            f"{waited_for}{during}: {why}", slot=self._slot_pair(), update_id=uid,
+            code=DAEMON_GONE)
 
     def _send(self, msg: wire.ToDaemon | wire.OutgoingChunk) -> None:
         self._drain()
@@ -1157,19 +1243,11 @@ class Publisher:
                 )
             ready = dict(self._poller.poll(max(1, int(remaining * 1000))))
             if self._monitor in ready:
-                event = zmq.utils.monitor.recv_monitor_message(self._monitor)
-                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                    raise SlotsyncError(
-                        "register",
-                        f"the daemon at {self.endpoint} refused this process (uid "
-                        f"{os.getuid()}, gid {os.getgid()}): not in its allow_uids / "
-                        "allow_gids (see the daemon's peer_refused log line)",
-                        slot=self._slot_pair(),
-                    )
+                self._read_monitor(during_update=True, phase=phase, waited_for=waited_for)
                 continue
             if self._sock not in ready:
                 continue
-            msg = self._decode(self._sock.recv(zmq.NOBLOCK))
+            msg = self._recv()
             if match(msg):
                 return msg
             if self._keep_early_ack(msg):

@@ -100,8 +100,9 @@ def test_rounds_land_in_every_worker(fresh_engine, packed):
 def test_two_ranks_claim_one_slot_with_different_engine_urls(fresh_engine):
     with DaemonProcess() as d:
         ev = run_ranks(d, fresh_engine.url, True,
-                       [{"rounds": 0}, {"rounds": 0, "engine_url": "http://127.0.0.1:1",
-                                        "register_delay_s": 1.0}])
+                       [{"rounds": 0, "hold_s": 3.0},
+                        {"rounds": 0, "engine_url": "http://127.0.0.1:1",
+                         "register_delay_s": 1.0}])
         err = [e for e in ev[1] if e[0] == "register_error"]
         assert err and err[0][2] == "register"
         assert "http://127.0.0.1:1" in err[0][3] and fresh_engine.url in err[0][3]

@@ -254,10 +254,38 @@ def test_no_reply_times_out(make_daemon: Callable[..., FakeDaemon], endpoint: st
     assert _no_segments() == []
 
 
-def test_no_daemon_register_times_out(endpoint: str) -> None:
-    with _publisher(endpoint, timeout_s=0.3) as pub:
-        with pytest.raises(SlotsyncTimeout, match=r"no Registered from the daemon"):
+def test_no_daemon_register_says_so_at_once(endpoint: str) -> None:
+    # (issue 15 C: before, the rank waited its whole timeout_s and then guessed)
+    with _publisher(endpoint, timeout_s=60) as pub:
+        t0 = time.monotonic()
+        with pytest.raises(SlotsyncError, match=r"no socket at .*d\.sock: is slotsyncd running"):
             pub.register()
+        assert time.monotonic() - t0 < 30  # (1 s in fact; far below timeout_s)
+
+
+def test_stale_socket_of_a_killed_daemon_is_named_at_register(endpoint: str) -> None:
+    import socket as _socket
+
+    path = endpoint[len("ipc://"):]
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    s.bind(path)  # bound, never listening, then closed: the file a SIGKILLed daemon leaves
+    s.close()
+    with _publisher(endpoint, timeout_s=60) as pub:
+        with pytest.raises(SlotsyncError, match=r"exists but nothing listens on it"):
+            pub.register()
+
+
+def test_daemon_that_never_answers_register_times_out(endpoint: str) -> None:
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # listens, reads nothing
+    silent.bind(endpoint)
+    try:
+        with _publisher(endpoint, timeout_s=0.5) as pub:
+            with pytest.raises(SlotsyncTimeout, match=r"no Registered from the daemon"):
+                pub.register()
+    finally:
+        silent.close(linger=0)
+        ctx.term()
 
 
 def test_tensor_larger_than_staging(make_daemon: Callable[..., FakeDaemon],
@@ -833,13 +861,6 @@ def test_unpacked_oversize_names_the_chunk_limit(endpoint: str) -> None:
     with _publisher(endpoint, packed=False, staging_bytes=16) as pub, \
             pytest.raises(ValueError, match=r"chunk limit \(staging_bytes\) of 16 bytes"):
         pub.publish(_many_tensors(1), weight_version="v")
-
-
-def test_timeout_says_when_there_is_no_daemon_socket(tmp_path: Path) -> None:
-    path = tmp_path / "nope.sock"
-    with _publisher(f"ipc://{path}", timeout_s=0.3) as pub, \
-            pytest.raises(SlotsyncTimeout, match=f"there is no socket at {path}"):
-        pub.register()
 
 
 def _stand_in_cuda_handle(nbytes: int, offset: int) -> wire.CudaIpcHandle:

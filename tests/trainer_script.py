@@ -156,6 +156,7 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
                              list(e.missing_ranks), e.slot, e.update_id, e.fatal,
                              type(e).__name__))
     finally:
+        time.sleep(script.get("hold_s", 0))  # (keep the connection: the rank stays alive)
         pub.close()
         results.put(("exit", rank))
 
