@@ -77,6 +77,7 @@ from slotsync.daemon.aggregation import (
 from slotsync.protocol.wire import (
     MAX_OMITTED_NAMES,
     PROTOCOL_VERSION,
+    RANK_HELD,
     Abort,
     Ack,
     Begin,
@@ -435,7 +436,7 @@ class SlotCoordinator:
                 f"{held.hostname}, which is still connected; pid {peer_pid or msg.pid} on "
                 f"{msg.hostname} claims it too: two trainer processes with one rank? (check "
                 "the launcher's RANK; a restarted rank registers once its old process is gone)",
-                list(self.slot)))]
+                list(self.slot), code=RANK_HELD))]
         if (
             msg.rank in self.ranks
             and self.current is None

@@ -75,6 +75,11 @@ class ConnectionBook:
         self.peers.pop(identity, None)
         return [identity]
 
+    def pid_of_fd(self, fd: int) -> int:
+        """The pid of the process last seen on connection ``fd``, 0 if unknown."""
+        identity = self.by_fd.get(fd)
+        return self.peers[identity].pid if identity is not None else 0
+
     def exited(self, pid: int) -> list[bytes]:
         """Process ``pid`` ended: every identity it spoke through."""
         gone = [i for i, p in self.peers.items() if p.pid == pid]
@@ -101,6 +106,7 @@ class PeerWatch:
         self._fds: dict[int, int] = {}  # pid -> pidfd
         self._polled: set[int] = set()
         self._task: asyncio.Task | None = None
+        self._ended_pids: dict[int, asyncio.Event] = {}  # pid -> set when it ended
 
     def watch(self, pid: int) -> None:
         """Start watching ``pid`` (no-op if already watched, or 0)."""
@@ -121,7 +127,22 @@ class PeerWatch:
         self._fds[pid] = fd
         loop.add_reader(fd, self._ended, pid)
 
+    async def exits_within(self, pid: int, timeout_s: float) -> bool:
+        """Whether watched process ``pid`` ends within ``timeout_s`` (a killed process's
+        connection closes while it is still being torn down: this tells an exit from a close
+        by a process that lives on)."""
+        if pid not in self._fds and pid not in self._polled:
+            return not _alive(pid)
+        ev = self._ended_pids.setdefault(pid, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await ev.wait()
+        return ev.is_set() or not _alive(pid)
+
     def _ended(self, pid: int) -> None:
+        ev = self._ended_pids.pop(pid, None)
+        if ev is not None:
+            ev.set()
         fd = self._fds.pop(pid, None)
         if fd is not None:
             with contextlib.suppress(Exception):
@@ -162,3 +183,13 @@ class PeerWatch:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True

@@ -202,7 +202,8 @@ class Daemon:
         self._sock = sock
         if self.config.status_port >= 0:
             self._status = StatusServer(
-                self.config.status_host, self.config.status_port, self.status, self.metrics
+                self.config.status_host, self.config.status_port, self.status, self.metrics,
+                drop=self.drop_slot,
             )
             try:
                 await self._status.start()
@@ -267,6 +268,26 @@ class Daemon:
         self.config.engines = fresh.engines
         log_event(log, logging.INFO, "reload", changes=changes or ["none"])
         self._after_actions()
+
+    async def drop_slot(self, slot: tuple[int, int], force: bool = False) -> dict:
+        """The operator drops ``slot`` (``SlotTable.drop``): its ranks are forgotten and it is
+        released; with ``force`` an update in flight fails first. Returns what was dropped.
+
+        Raises:
+            KeyError: no such slot.
+            RuntimeError: an update runs and ``force`` is not set (or an engine call is still
+                out).
+        """
+        c = self.table.slots.get(slot)
+        ranks = sorted(c.ranks) if c is not None else []
+        actions = self.table.drop(slot, time.monotonic(), force=force)
+        log_event(log, logging.WARNING, "slot_dropped", slot=_slot(slot), force=force,
+                  ranks=ranks)
+        await self._execute(actions)
+        left = self.table.released.get((c.engine_url or "").rstrip("/")) if c else None
+        return {"dropped": list(slot), "ranks": ranks, "engine_url": c.engine_url if c else None,
+                "needs_full_update": bool(c and c.needs_full_update),
+                "engine_remembered": left is not None or slot in self.table.slots}
 
     def status_line(self) -> str:
         """One line for systemd's STATUS=: slots, ranks, updates and the last update."""
@@ -395,13 +416,12 @@ class Daemon:
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._handshaken.add(fd)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
+                pid = self._book.pid_of_fd(fd)
                 gone = self._book.disconnected(fd)
                 if gone:
-                    await self._connections_gone(gone, (
-                        "its connection closed (the process closed it, it answered no "
-                        f"heartbeat within liveness_s={self.config.liveness_s:g} s, or it sent "
-                        f"a frame over the socket's limit of {2 * self.config.max_message_bytes}"
-                        " bytes)"))
+                    t = asyncio.create_task(self._closed(gone, pid))
+                    self._tasks.add(t)
+                    t.add_done_callback(self._tasks.discard)
                 elif fd in self._handshaken:
                     self._handshaken.discard(fd)
                     # libzmq drops a peer whose frame is over MAXMSGSIZE without a word: say so
@@ -410,6 +430,17 @@ class Daemon:
                                   fd=fd, hint="a frame over the socket's limit of "
                                   f"{2 * self.config.max_message_bytes} bytes closes the "
                                   "connection this way (max_message_bytes)")
+
+    async def _closed(self, identities: list[bytes], pid: int) -> None:
+        """Connections of process ``pid`` closed: say whether the process died (a SIGKILLed
+        rank's socket closes a moment before its exit is visible) or closed them."""
+        if pid and await self._pids.exits_within(pid, 0.25):
+            why = f"its process (pid {pid}) exited"
+        else:
+            why = ("its connection closed (the process closed it, it answered no heartbeat "
+                   f"within liveness_s={self.config.liveness_s:g} s, or it sent a frame over "
+                   f"the socket's limit of {2 * self.config.max_message_bytes} bytes)")
+        await self._connections_gone(identities, why)
 
     async def _connections_gone(self, identities: list[bytes], why: str) -> None:
         now = time.monotonic()

@@ -342,14 +342,28 @@ class Publisher:
         URL, mode, transport, hostname, pid) and wait for ``Registered``.
 
         Raises:
-            SlotsyncError: the daemon refused (``Error(phase="register")``) or answered for
-                another rank/slot or protocol version.
+            SlotsyncError: the daemon refused (``Error(phase="register")``; a rank another
+                live process holds is retried for ``liveness_s`` first) or answered for
+                another rank/slot or protocol version; no daemon listens (the socket is
+                missing, stale or unreadable: ``connect_check``).
             SlotsyncTimeout: no answer within ``timeout_s``.
             RuntimeError: an update is open.
         """
         self._check_usable()
         if self._update_id is not None:
             raise RuntimeError(f"cannot register while update {self._update_id} is open")
+        held_until = time.monotonic() + self.liveness_s
+        while True:
+            try:
+                return self._register_once()
+            except SlotsyncError as e:
+                # Another live process holds this rank: a restarted rank's old process may
+                # still be closing its connection. Retry until liveness_s, then raise.
+                if e.code != wire.RANK_HELD or time.monotonic() >= held_until:
+                    raise
+                time.sleep(0.2)
+
+    def _register_once(self) -> wire.Registered:
         self._read_monitor(during_update=False)
         if self._connected is not True:
             check_endpoint(self.endpoint)  # no daemon to talk to: say why now, not at timeout

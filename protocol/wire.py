@@ -481,6 +481,11 @@ NOT_REGISTERED = "not_registered"
 """``Error.code`` for a message from a connection the daemon does not know (e.g. after a
 daemon restart): the publisher registers again."""
 
+RANK_HELD = "rank_held"
+"""``Error.code`` for a registration of a rank that another live process holds: the publisher
+retries for up to its ``liveness_s`` (a restarted rank's old process may still be closing
+its connection), then raises naming both processes."""
+
 FromDaemon = Registered | Ack | Error
 
 # --------------------------------------------------------------------------------------------

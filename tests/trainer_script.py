@@ -77,7 +77,8 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
                     device="cuda:0" if cuda else None,
                     gpu_uuid=logical_gpu_uuid(rank - slot[0]) if cuda else None,
                     staging_bytes=40_000, staging_buffers=script.get("staging_buffers", 4),
-                    timeout_s=script.get("timeout_s", 20.0))
+                    timeout_s=script.get("timeout_s", 20.0),
+                    liveness_s=script.get("liveness_s", 10.0))
     try:
         try:
             pub.register()
