@@ -125,7 +125,11 @@ class Daemon:
         self._monitor: zmq.asyncio.Socket | None = None  # the ROUTER's connection events
         self._book = ConnectionBook()  # identity -> connection fd and pid (liveness)
         self._pids = PeerWatch(self._process_exited, poll_s=config.liveness_s / 2)
-        self._handshaken: set[int] = set()  # fds of connections that never sent a message
+        # connections that never sent a message: fds accepted (handshake pending), and fds
+        # whose ZMTP handshake succeeded (libzmq's handshake event carries no fd: the oldest
+        # pending accept is taken, good enough for one log line)
+        self._accepted: list[int] = []
+        self._handshaken: set[int] = set()
         # rejected-message warnings per peer: the first few, then a count per minute
         self._rejects = RateLimiter(burst=5, interval_s=60.0)
         self._zap: ZapHandler | None = None
@@ -193,7 +197,7 @@ class Daemon:
         # liveness_s; a closed connection or an exited process is seen at once (liveness.py).
         for name, value in heartbeat_options(self.config.liveness_s).items():
             sock.setsockopt(getattr(zmq, name), value)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
                                                 | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.bind(self.endpoint)
         if self.endpoint.startswith("ipc://"):
@@ -372,6 +376,8 @@ class Daemon:
         fd = last.get(zmq.SRCFD)
         pid = peer_pid(last.get("Peer-Address"))
         self._handshaken.discard(fd)
+        if fd in self._accepted:
+            self._accepted.remove(fd)
         gone = self._book.seen(identity, fd, pid)
         if gone:  # (a new connection on a closed one's fd: that one is gone)
             await self._connections_gone(gone, "its connection closed")
@@ -412,10 +418,16 @@ class Daemon:
         while await self._monitor.poll(0):
             event = zmq.utils.monitor.parse_monitor_message(
                 await self._monitor.recv_multipart())
-            fd = event["value"]
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._handshaken.add(fd)
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._accepted.append(fd)
+                del self._accepted[:-1024]  # (bounded)
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self._accepted:
+                    self._handshaken.add(self._accepted.pop(0))
             elif event["event"] == zmq.EVENT_DISCONNECTED:
+                if fd in self._accepted:
+                    self._accepted.remove(fd)  # (no handshake: a probe's connect, not a peer)
                 pid = self._book.pid_of_fd(fd)
                 gone = self._book.disconnected(fd)
                 if gone:

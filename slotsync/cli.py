@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="show the daemon's slots (exit 1 if one failed, 2 if "
                         "the daemon is unreachable)", description=status_cli.__doc__)
     status_cli.build_parser(st)
+    from slotsync import slots_cli
+
+    sl = sub.add_parser("slots", help="operator actions on engine slots (drop)",
+                        description=slots_cli.__doc__)
+    slots_cli.build_parser(sl)
     from slotsync.bench import cli as bench_cli
 
     b = sub.add_parser("bench", help="control-plane (CPU) and data-plane (GPU) benchmarks")
@@ -73,6 +78,10 @@ def _main(argv: list[str] | None) -> None:
         from slotsync.bench import cli as bench_cli
 
         sys.exit(bench_cli.main_from_args(args))
+    if args.command == "slots":
+        from slotsync import slots_cli
+
+        sys.exit(slots_cli.main_from_args(args))
     if args.command == "status":
         from slotsync import status_cli
 

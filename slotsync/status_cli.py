@@ -67,9 +67,12 @@ def render_table(status: dict) -> str:
         if cur:
             version = f"{version} -> {cur['weight_version']}"
         err = s.get("last_error") or "-"
+        ranks = f"{len(s.get('ranks_registered', []))}/{s['ranks_expected']}"
+        gone = sum(not r.get("alive", True) for r in s.get("ranks", []))
+        if gone:
+            ranks += f" ({gone} gone)"
         rows.append([
-            f"[{s['slot'][0]},{s['slot'][1]})", s.get("engine_url") or "-",
-            f"{len(s.get('ranks_registered', []))}/{s['ranks_expected']}", s["state"],
+            f"[{s['slot'][0]},{s['slot'][1]})", s.get("engine_url") or "-", ranks, s["state"],
             _engine_state(s), version, _dur(s.get("last_duration_s")),
             err if len(err) <= 80 else err[:77] + "...",
         ])
@@ -80,7 +83,35 @@ def render_table(status: dict) -> str:
     ]
     summary = (f"slotsyncd {status.get('version', '?')} at {status.get('endpoint', '?')}: "
                f"{len(rows)} slot(s), {status.get('ranks_connected', 0)} rank(s) registered")
-    return "\n".join([summary, *lines]) if rows else summary + "\n(no slots yet)"
+    out = [summary, *lines] if rows else [summary, "(no slots yet)"]
+    ranks = render_ranks(status)
+    return "\n".join(out + (["", ranks] if ranks else []))
+
+
+def _ago(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.0f}s ago" if s < 3600 else f"{s / 3600:.1f}h ago"
+
+
+def render_ranks(status: dict) -> str:
+    """Every registered rank: its slot, whether its process lives (``alive``, or ``gone`` and
+    how that was seen), its pid and host, and when it was last heard from; "" if none."""
+    head = ["RANK", "SLOT", "PID", "HOST", "ALIVE", "LAST SEEN", "GONE"]
+    rows = []
+    for s in status.get("slots", []):
+        for r in s.get("ranks", []):
+            gone = "-"
+            if not r.get("alive", True):
+                gone = f"{_ago(r.get('gone_s'))}: {r.get('gone_why') or '?'}"
+            rows.append([str(r["rank"]), f"[{s['slot'][0]},{s['slot'][1]})", str(r.get("pid")),
+                         r.get("host") or "-", "yes" if r.get("alive", True) else "gone",
+                         _ago(r.get("last_seen_s")), gone])
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in [head, *rows])
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -1,0 +1,136 @@
+"""The daemon's liveness and log hygiene against a real slotsyncd (issue 15): ranks seen gone
+when their connection closes, /status and `slotsync status` per rank, the slot released,
+`slotsync slots drop`, rejected-message warnings rate-limited, an oversize frame logged."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from slotsync.daemon.launcher import DaemonProcess
+from slotsync.protocol import wire
+
+
+def _wait(pred, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+class Rank:
+    """A raw DEALER that registers one rank of slot [0, size)."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, rank: int, size: int = 2,
+                 url: str = "http://127.0.0.1:1") -> None:
+        self.s = ctx.socket(zmq.DEALER)
+        self.s.setsockopt(zmq.LINGER, 0)
+        self.s.connect(endpoint)
+        self.s.send(wire.encode(wire.Register(wire.PROTOCOL_VERSION, rank,
+                                              wire.logical_gpu_uuid(rank), 0, size, url, True,
+                                              "shm", "test-host", 4242)))
+        assert self.s.poll(10_000)
+        self.reply = wire.decode_from_daemon(self.s.recv())
+
+    def close(self) -> None:
+        self.s.close(linger=0)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slotsync", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_closed_connections_show_ranks_gone_then_the_slot_is_released(tmp_path):
+    with DaemonProcess(runtime_dir=str(tmp_path), args=["--slot-release-s", "3"]) as d:
+        ctx = zmq.Context()
+        r0, r1 = Rank(ctx, d.endpoint, 0), Rank(ctx, d.endpoint, 1)
+        assert isinstance(r0.reply, wire.Registered) and isinstance(r1.reply, wire.Registered)
+        ranks = d.status()["slots"][0]["ranks"]
+        assert [r["alive"] for r in ranks] == [True, True]
+        # the kernel's pid (this process), not the one the message claims (4242)
+        import os
+        assert {r["pid"] for r in ranks} == {os.getpid()}
+        r1.close()
+        assert _wait(lambda: not d.status()["slots"][0]["ranks"][1]["alive"], 10)
+        r = d.status()["slots"][0]["ranks"][1]
+        assert "its connection closed" in r["gone_why"] and r["gone_s"] >= 0
+        out = _cli("status", "--url", d.status_url)
+        assert out.returncode == 0, out.stderr
+        assert "2/2 (1 gone)" in out.stdout and "gone" in out.stdout and "PID" in out.stdout
+        r0.close()
+        # both gone: released slot_release_s later (3 s), and the daemon forgets them
+        assert _wait(lambda: d.status()["slots"] == [], 15), d.status()
+        assert "slot_released" in d.log_tail()
+        ctx.term()
+
+
+def test_slots_drop_refuses_nothing_and_drops_a_slot(tmp_path):
+    with DaemonProcess(runtime_dir=str(tmp_path)) as d:
+        ctx = zmq.Context()
+        r0 = Rank(ctx, d.endpoint, 0)
+        missing = _cli("slots", "drop", "4", "6", "--url", d.status_url)
+        assert missing.returncode == 1 and "no slot [4, 6)" in missing.stderr, missing.stderr
+        out = _cli("slots", "drop", "0", "2", "--url", d.status_url)
+        assert out.returncode == 0, out.stderr
+        assert "dropped slot [0, 2)" in out.stdout and "[0]" in out.stdout
+        assert d.status()["slots"] == [] and d.status()["ranks_connected"] == 0
+        assert "slot_dropped" in d.log_tail()
+        # the dropped rank's next message is answered "not registered" (it registers again)
+        r0.s.send(wire.encode(wire.Begin(0, "v")))
+        assert r0.s.poll(10_000)
+        err = wire.decode_from_daemon(r0.s.recv())
+        assert isinstance(err, wire.Error) and err.code == wire.NOT_REGISTERED
+        r0.close()
+        ctx.term()
+
+
+def test_junk_frames_are_answered_but_logged_a_few_times_per_peer(tmp_path):
+    with DaemonProcess(runtime_dir=str(tmp_path)) as d:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(d.endpoint)
+        n = 2000
+        for i in range(n):
+            s.send(b"junk %d" % i)
+        got = 0
+        while got < n and s.poll(10_000):
+            err = wire.decode_from_daemon(s.recv())
+            assert isinstance(err, wire.Error) and err.phase == "decode"
+            got += 1
+        assert got == n  # every frame answered
+        assert _wait(lambda: f"slotsync_rejected_messages_total {float(n)}" in d.metrics(), 10)
+        lines = [ln for ln in d.log_tail(10**6).splitlines() if "rejected_message " in ln]
+        assert 1 <= len(lines) <= 5, len(lines)  # (20,009 lines for 20,000 frames, before)
+        s.close()
+        ctx.term()
+
+
+def test_frame_far_over_the_cap_closes_the_connection_and_is_logged(tmp_path):
+    # libzmq drops a peer whose frame is over the socket's MAXMSGSIZE (twice the cap) without
+    # a word; the daemon logs the connection that closed without a message
+    with DaemonProcess(runtime_dir=str(tmp_path), args=["--max-message-bytes", "4096"]) as d:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 2000)
+        s.connect(d.endpoint)
+        s.send(b"\x00" * 100_000)
+        assert _wait(lambda: "connection_closed_without_message" in d.log_tail(), 15), (
+            d.log_tail())
+        assert "8192 bytes" in d.log_tail()
+        s.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_liveness_s_must_be_sane(value):
+    out = subprocess.run([sys.executable, "-m", "slotsync.daemon", "--liveness-s", value,
+                          "--check-config"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "liveness_s" in out.stderr, out.stderr
