@@ -135,6 +135,9 @@ class Timeouts:
     begin_s: float = 120.0  # from the first Begin until every rank of the slot has begun
     chunk_s: float = 120.0  # from the first copy of chunk k until every rank sent chunk k
     commit_s: float = 600.0  # from the last progress until the next chunk or every Commit
+    # a rank gone (connection closed, process exited) when an update begins: how long a new
+    # process of it may take to register before the update fails naming it (liveness_s)
+    gone_s: float = 10.0
 
 
 # ---------------------------------------------------------------------------- actions
@@ -834,6 +837,11 @@ class SlotCoordinator:
         _, phase, what, missing = d
         u = self.current
         assert u is not None
+        if phase == "rank_gone":
+            return self._fail(now, phase, "; ".join(
+                f"{self.ranks[r].who} is gone: {self.ranks[r].gone_why}" for r in missing)
+                + f" (no new process of it registered within {self.timeouts.gone_s:g} s, "
+                "liveness_s)", missing)
         return self._fail(
             now,
             phase,
@@ -1032,11 +1040,7 @@ class SlotCoordinator:
         u = _Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now,
                     weights_intact=not self.needs_full_update)
         self.current = u  # its begin stages (the table at the top) run from _advance
-        gone = self.gone_ranks()
-        if gone:  # (they cannot begin: fail now, not at the begin deadline)
-            return self._fail(now, "begin", "; ".join(
-                f"{i.who} is gone: {i.gone_why}" for i in gone), [i.rank for i in gone])
-        return self._advance(now)
+        return self._advance(now)  # (a gone rank gets gone_s to come back: _deadline)
 
     def _on_chunk(self, rank: int, msg: Chunk, now: float) -> list[Action]:
         u = self.current
@@ -1325,6 +1329,11 @@ class SlotCoordinator:
         all_ranks = set(range(self.start, self.end))
         not_begun = sorted(all_ranks - u.begun)
         if not_begun:
+            gone = [i for i in self.gone_ranks() if i.rank in not_begun]
+            if gone:  # (a new process of the rank may be on its way: a restarted job)
+                t = max(u.first_begin_at, *(i.gone_at or 0.0 for i in gone))
+                return (min(t + self.timeouts.gone_s, u.first_begin_at + self.timeouts.begin_s),
+                        "rank_gone", "", [i.rank for i in gone])
             return (u.first_begin_at + self.timeouts.begin_s, "begin", "begin", not_begun)
         if u.pending:
             idx = min(u.pending)

@@ -111,7 +111,8 @@ class Daemon:
         self.config = config
         self.metrics = Metrics(__version__)
         self.table = SlotTable(
-            Timeouts(config.begin_timeout_s, config.chunk_timeout_s, config.commit_timeout_s),
+            Timeouts(config.begin_timeout_s, config.chunk_timeout_s, config.commit_timeout_s,
+                     config.liveness_s),
             __version__,
             config.chunks_in_flight,
             config.omitted_names,

@@ -1511,14 +1511,38 @@ def test_rank_gone_after_its_commit_lets_the_update_finish():
     assert h.ended[-1].outcome == "success" and not h.engine.paused
 
 
-def test_begin_with_a_gone_rank_fails_at_once_not_at_the_begin_deadline():
-    h = Harness(timeouts=Timeouts(100, 100, 100))
+def test_begin_with_a_gone_rank_fails_after_gone_s_not_at_the_begin_deadline():
+    h = Harness(timeouts=Timeouts(100, 100, 100, gone_s=5))
     h.register_all()
     h.run(h.table.on_connection_gone(ident(1), 0.0, "its connection closed"))
+    h.now = 1.0
     h.send(0, Begin(0, "v"))
+    assert h.table.next_deadline() == 6.0  # (not the begin deadline, 101)
+    h.run(h.table.poll(5.9))
+    assert _errors(h, 0) == []
+    h.run(h.table.poll(6.0))
     err = _errors(h, 0)[-1]
-    assert "rank 1" in err.message and "is gone" in err.message and err.missing_ranks == [1]
-    assert h.engine.calls == []  # the engine was never touched
+    assert "rank 1" in err.message and "is gone: its connection closed" in err.message
+    assert "no new process of it registered within 5 s" in err.message
+    assert err.missing_ranks == [1] and "pause" not in h.engine.calls  # generation went on
+
+
+def test_begin_with_a_gone_rank_waits_for_its_new_process():
+    # a restarted job: rank 0's new process begins before rank 1's registered
+    h = Harness(timeouts=Timeouts(100, 100, 100, gone_s=5))
+    h.register_all()
+    for r in range(2):
+        h.run(h.table.on_connection_gone(ident(r), 0.0, "its process exited"))
+    h.send(0, reg(0))
+    h.send(0, Begin(0, "v0"))
+    h.now = 2.0
+    h.send(1, reg(1))
+    h.send(1, Begin(0, "v0"))
+    for r in range(2):
+        h.send(r, chunk(0, 0, r))
+    for r in range(2):
+        h.send(r, Commit(0, 1))
+    assert h.ended[-1].outcome == "success"
 
 
 def test_a_message_from_a_rank_seen_gone_brings_it_back():
