@@ -258,7 +258,7 @@ def test_example_config_lists_every_option():
     from slotsync.daemon.config import Config
 
     text = (DEPLOY / "slotsyncd.toml").read_text()
-    internal = {"config_file"}  # set by the loader, not an option
+    internal = {"config_file", "sources"}  # set by the loader, not options
     missing = [
         f.name for f in fields(Config)
         if f.name not in internal
