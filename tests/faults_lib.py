@@ -260,9 +260,17 @@ class WireRank:
 
     def register(self, rank: int, slot: tuple[int, int], engine_url: str, packed: bool,
                  version: int = wire.PROTOCOL_VERSION) -> Any:
-        self.send(wire.Register(version, rank, wire.logical_gpu_uuid(rank - slot[0]), slot[0],
-                                slot[1], engine_url, packed, "shm"))
-        return self.recv()
+        # Like the publisher: a rank still held by the previous job's process (closing its
+        # connection right now) is retried for a few seconds.
+        deadline = time.monotonic() + 10.0
+        while True:
+            self.send(wire.Register(version, rank, wire.logical_gpu_uuid(rank - slot[0]),
+                                    slot[0], slot[1], engine_url, packed, "shm"))
+            reply = self.recv()
+            if not (isinstance(reply, wire.Error) and reply.code == wire.RANK_HELD
+                    and time.monotonic() < deadline):
+                return reply
+            time.sleep(0.2)
 
     def close(self) -> None:
         # destroy, not term: term blocks forever while any socket of the context is open
