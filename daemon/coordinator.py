@@ -849,13 +849,14 @@ class SlotCoordinator:
             missing,
         )
 
-    def on_daemon_stop(self, now: float, reason: str) -> list[Action]:
-        """The daemon is shutting down: fail the update in flight. The engine is left as it is
-        (paused if the update paused it, I4): no engine check runs after this, and the durable
-        record names the slot, so the next daemon recovers it as possibly mid-update."""
+    def on_daemon_stop(self, now: float, reason: str, phase: str = "shutdown") -> list[Action]:
+        """The daemon is shutting down (or an operator drops the slot: ``phase="dropped"``):
+        fail the update in flight. The engine is left as it is (paused if the update paused
+        it, I4): no engine check runs after this, and the durable record names the slot, so
+        the next daemon recovers it as possibly mid-update."""
         if self.current is None:
             return []
-        out = self._fail(now, "shutdown", reason, [])
+        out = self._fail(now, phase, reason, [])
         if self._reconcile:
             self._reconcile = False
             self.engine_paused = True

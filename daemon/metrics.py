@@ -185,7 +185,11 @@ class Metrics:
         self.ranks_expected.set_function(lambda: sum(c.size for c in table.slots.values()))
         for state in SlotState:
             self.slots.labels(state.value).set_function(
-                lambda s=state: sum(c.state == s for c in table.slots.values())
+                # (released slots' engines a later job must still update fully count as
+                # failed: the engine stays paused, SlotsyncSlotFailed must see it)
+                lambda s=state: sum(c.state == s for c in table.slots.values()) + (
+                    sum(c.needs_full_update for c in table.released.values())
+                    if s is SlotState.FAILED else 0)
             )
 
     def update_ended(self, e: UpdateEnded) -> None:

@@ -57,12 +57,23 @@ from slotsync.protocol.wire import (
 )
 
 log = logging.getLogger("slotsync.daemon")
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                     zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_HANDSHAKE_FAILED_MASK = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 
 def _slot(slot: tuple[int, int] | list[int]) -> str:
     """A slot in log lines, as everywhere else: ``[start,end)``."""
     return f"[{slot[0]},{slot[1]})"
+
+def _peer_name(identity: bytes) -> str:
+    """A socket identity for the log: the publisher's own (``slotsync-r3-p1234-…``, ASCII),
+    else hex."""
+    text = identity.decode("ascii", "replace")
+    return text if text.isprintable() and "\ufffd" not in text else identity.hex()
+
 
 def _engine_table(engines) -> tuple[dict, dict]:
     """``config.engines`` as ``SlotTable.set_engine_table`` takes it: URLs and GPU UUIDs."""
@@ -198,8 +209,9 @@ class Daemon:
         # liveness_s; a closed connection or an exited process is seen at once (liveness.py).
         for name, value in heartbeat_options(self.config.liveness_s).items():
             sock.setsockopt(getattr(zmq, name), value)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-                                                | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._monitor = sock.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | _HANDSHAKE_FAILED_MASK)
         sock.bind(self.endpoint)
         if self.endpoint.startswith("ipc://"):
             # Group members (the trainer ranks) must be able to connect; others not at all.
@@ -383,7 +395,7 @@ class Daemon:
         if gone:  # (a new connection on a closed one's fd: that one is gone)
             await self._connections_gone(gone, "its connection closed")
         self._pids.watch(pid)
-        peer = f"pid {pid}" if pid else identity.hex()
+        peer = f"pid {pid}" if pid else _peer_name(identity)
         if len(frames) != 2:
             self._reject(peer, f"{len(frames) - 1} frames")
             await self._send(
@@ -426,6 +438,9 @@ class Daemon:
             elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if self._accepted:
                     self._handshaken.add(self._accepted.pop(0))
+            elif event["event"] in _HANDSHAKE_FAILED:
+                if self._accepted:  # (a publisher's socket check: connect, close, no ZMTP)
+                    self._accepted.pop(0)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 if fd in self._accepted:
                     self._accepted.remove(fd)  # (no handshake: a probe's connect, not a peer)
@@ -439,10 +454,10 @@ class Daemon:
                     self._handshaken.discard(fd)
                     # libzmq drops a peer whose frame is over MAXMSGSIZE without a word: say so
                     if self._rejects.allow("silent", time.monotonic()):
-                        log_event(log, logging.WARNING, "connection_closed_without_message",
-                                  fd=fd, hint="a frame over the socket's limit of "
-                                  f"{2 * self.config.max_message_bytes} bytes closes the "
-                                  "connection this way (max_message_bytes)")
+                        log_event(log, logging.INFO, "connection_closed_without_message",
+                                  fd=fd, hint="a peer that connected and left, or sent a frame "
+                                  f"over the socket's limit of {2 * self.config.max_message_bytes}"
+                                  " bytes, which libzmq drops with the connection")
 
     async def _closed(self, identities: list[bytes], pid: int) -> None:
         """Connections of process ``pid`` closed: say whether the process died (a SIGKILLed
@@ -559,8 +574,11 @@ class Daemon:
                     log_event(log, logging.INFO, "registered", rank=msg.rank,
                               slot=_slot((msg.slot_start, msg.slot_start + msg.slot_size)))
                 elif isinstance(msg, Error) and msg.phase == "register":
-                    log_event(log, logging.WARNING, "registration_refused", peer=a.identity.hex(),
-                              error=msg.message)
+                    # (a publisher retries a held rank every 0.2 s: log a few per peer)
+                    peer = _peer_name(a.identity)
+                    if self._rejects.allow(f"register {peer}", time.monotonic()):
+                        log_event(log, logging.WARNING, "registration_refused", peer=peer,
+                                  error=msg.message)
                 await self._send(a.identity, msg)
             elif isinstance(a, EngineCall):
                 t = asyncio.create_task(self._engine_call(a))

@@ -177,8 +177,9 @@ class SlotTable:
             if not force:
                 raise RuntimeError(
                     f"slot [{slot[0]}, {slot[1]}) has update {c.current.update_id} in flight; "
-                    "drop it with force to fail that update first")
-            out += c.on_daemon_stop(now, reason)  # (fails it; no engine call goes out)
+                    "drop it with force (`slotsync slots drop --force`) to fail that update "
+                    "first")
+            out += c.on_daemon_stop(now, reason, phase="dropped")  # (no engine call goes out)
         if c.busy():
             raise RuntimeError(f"slot [{slot[0]}, {slot[1]}) still waits for an engine call "
                                "or check; retry in a few seconds")

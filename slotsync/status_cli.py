@@ -76,6 +76,16 @@ def render_table(status: dict) -> str:
             _engine_state(s), version, _dur(s.get("last_duration_s")),
             err if len(err) <= 80 else err[:77] + "...",
         ])
+    for e in status.get("released_engines", []):
+        # an engine whose job is gone: the daemon still knows it is paused / needs a full
+        # update from the next job that registers it
+        err = e.get("last_error") or "-"
+        rows.append([
+            f"[{e['slot'][0]},{e['slot'][1]})", e.get("engine_url") or "-", "released",
+            "failed" if e.get("needs_full_update") else "released",
+            "paused" if e.get("engine_paused") else "serving", "-", "-",
+            err if len(err) <= 80 else err[:77] + "...",
+        ])
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     lines = [
         "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
@@ -83,7 +93,7 @@ def render_table(status: dict) -> str:
     ]
     summary = (f"slotsyncd {status.get('version', '?')} at {status.get('endpoint', '?')}: "
                f"{len(rows)} slot(s), {status.get('ranks_connected', 0)} rank(s) registered")
-    out = [summary, *lines] if rows else [summary, "(no slots yet)"]
+    out = [summary, *lines] if rows else [summary, "(no slots)"]
     ranks = render_ranks(status)
     return "\n".join(out + (["", ranks] if ranks else []))
 
@@ -96,8 +106,9 @@ def _ago(s: float | None) -> str:
 
 def render_ranks(status: dict) -> str:
     """Every registered rank: its slot, whether its process lives (``alive``, or ``gone`` and
-    how that was seen), its pid and host, and when it was last heard from; "" if none."""
-    head = ["RANK", "SLOT", "PID", "HOST", "ALIVE", "LAST SEEN", "GONE"]
+    how that was seen), its pid and host, and when its last message came (heartbeats, which
+    keep a live rank's connection open, do not count); "" if none."""
+    head = ["RANK", "SLOT", "PID", "HOST", "ALIVE", "LAST MESSAGE", "GONE"]
     rows = []
     for s in status.get("slots", []):
         for r in s.get("ranks", []):
@@ -144,7 +155,8 @@ def main_from_args(args: argparse.Namespace) -> int:
         from slotsync.cli import discard_stdout
 
         discard_stdout()
-    failed = [s for s in status.get("slots", []) if s.get("state") == "failed"]
+    failed = [s for s in status.get("slots", []) if s.get("state") == "failed"] + [
+        e for e in status.get("released_engines", []) if e.get("needs_full_update")]
     if failed and not args.json:
         print(f"{len(failed)} slot(s) failed: engine paused until a complete update succeeds",
               file=sys.stderr)

@@ -1659,3 +1659,31 @@ def test_operator_drop_refused_during_an_update_unless_forced():
     assert "dropped by the operator" in _errors(h, 0)[-1].message
     assert h.table.slots == {} and h.table.connected_ranks() == 0
     assert h.table.released[URL].needs_full_update  # started: the next job updates fully
+
+
+def test_engine_a_dead_job_left_paused_stays_failed_in_metrics_and_status_after_release():
+    # (fresh-user trial: the released slot vanished from status, its exit code and
+    # slotsync_slots{state="failed"}, while the engine stayed paused)
+    from prometheus_client import generate_latest
+
+    from slotsync.daemon.metrics import Metrics
+    from slotsync.status_cli import render_table
+
+    h = Harness(timeouts=Timeouts(100, 100, 100))
+    h.table.slot_release_s = 1
+    m = Metrics("test")
+    m.watch(h.table)
+    h.register_all()
+    h.begin(0)
+    for r in range(2):
+        h.send(r, chunk(0, 0, r))
+    for r in range(2):
+        h.run(h.table.on_connection_gone(ident(r), 0.0, "its process exited"))
+    h.run(h.table.poll(2.0))
+    assert h.table.slots == {}
+    assert 'slotsync_slots{state="failed"} 1.0' in generate_latest(m.registry).decode()
+    doc = {"version": "x", "endpoint": "e", "slots": [], "released_engines": [
+        {"engine_url": URL, "slot": [0, 2], "engine_paused": True, "needs_full_update": True,
+         "last_error": "slot [0, 2) update 0 failed in rank_gone"}]}
+    table = render_table(doc)
+    assert "[0,2)" in table and "released" in table and "failed" in table and "paused" in table
