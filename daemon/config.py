@@ -479,5 +479,7 @@ def load_config(argv: list[str] | None = None,
     try:
         cfg.validate()
     except ValueError as e:
-        parser.exit(2, f"slotsyncd: error: {e}\n")
+        name = str(e).split(" ", 1)[0]  # (validate names the option first)
+        where = f" (set by {cfg.sources[name]})" if name in cfg.sources else ""
+        parser.exit(2, f"slotsyncd: error: {e}{where}\n")
     return cfg, bool(args.check_config)

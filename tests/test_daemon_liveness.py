@@ -134,3 +134,13 @@ def test_liveness_s_must_be_sane(value):
     out = subprocess.run([sys.executable, "-m", "slotsync.daemon", "--liveness-s", value,
                           "--check-config"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "liveness_s" in out.stderr, out.stderr
+
+
+def test_invalid_option_from_the_environment_names_the_variable():
+    import os
+
+    out = subprocess.run([sys.executable, "-m", "slotsync.daemon", "--check-config"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "SLOTSYNC_LIVENESS_S": "0"})
+    assert out.returncode == 2 and "liveness_s must be" in out.stderr, out.stderr
+    assert "(set by environment SLOTSYNC_LIVENESS_S)" in out.stderr, out.stderr
