@@ -143,24 +143,15 @@ class PeerWatch:
         ev = self._ended_pids.pop(pid, None)
         if ev is not None:
             ev.set()
-        fd = self._fds.pop(pid, None)
-        if fd is not None:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(fd)
-            os.close(fd)
-        self._polled.discard(pid)
+        self.forget(pid)
         self._on_exit(pid)
 
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self._poll_s)
             for pid in list(self._polled):
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
+                if not _alive(pid):
                     self._ended(pid)
-                except PermissionError:
-                    pass  # alive, another user's
 
     def forget(self, pid: int) -> None:
         """Stop watching ``pid`` (no connection of it is left)."""

@@ -67,3 +67,26 @@ def test_rate_limiter_is_per_peer_and_bounded():
 def test_rate_limiter_checks_its_arguments():
     with pytest.raises(ValueError, match="burst must be >= 1"):
         RateLimiter(burst=0)
+
+
+def test_peer_watch_reports_a_process_that_exits_once():
+    import asyncio
+    import subprocess
+    import sys
+
+    from slotsync.daemon.liveness import PeerWatch
+
+    async def main() -> list[int]:
+        ended: list[int] = []
+        w = PeerWatch(ended.append, poll_s=0.05)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+        w.watch(child.pid)
+        w.watch(child.pid)  # (once)
+        assert not await w.exits_within(child.pid, 0.01)
+        assert await w.exits_within(child.pid, 30)
+        child.wait()
+        await asyncio.sleep(0.05)
+        await w.close()
+        return ended
+
+    assert len(asyncio.run(main())) == 1
