@@ -1,5 +1,6 @@
-"""Both installs work: the editable install in use, and a built wheel installed on its own
-(the folder layout maps protocol/, daemon/, engine/ onto slotsync.* import names)."""
+"""Both installs work: the editable install in use, and a built wheel installed on its own,
+also when run from the repository root (src layout: src/slotsync/{protocol,daemon,engine,bench}).
+"""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_editable_install_maps_folders_to_namespaced_packages():
+def test_editable_install_imports_the_src_tree():
     import slotsync.daemon.coordinator as c
     import slotsync.engine.server as s
     import slotsync.protocol.wire as w
 
-    assert Path(w.__file__).parent == ROOT / "protocol"
-    assert Path(c.__file__).parent == ROOT / "daemon"
-    assert Path(s.__file__).parent == ROOT / "engine"
+    assert Path(w.__file__).parent == ROOT / "src" / "slotsync" / "protocol"
+    assert Path(c.__file__).parent == ROOT / "src" / "slotsync" / "daemon"
+    assert Path(s.__file__).parent == ROOT / "src" / "slotsync" / "engine"
+    assert not (ROOT / "slotsync").exists()  # (nothing at the root can shadow an install)
 
 
 @pytest.mark.slow
@@ -51,3 +53,10 @@ def test_wheel_installs_and_runs(tmp_path):
                               capture_output=True, text=True, env=env, cwd=tmp_path,
                               check=True).stdout
     assert "--chunk-timeout-s" in helptext
+    # From the repository root too (issue 16: the root's slotsync/ folder shadowed the
+    # installed package, "No module named slotsync.daemon"): python -m puts the cwd first.
+    for module, flag in (("slotsync.daemon", "--chunk-timeout-s"),
+                         ("slotsync.engine", "--workers"), ("slotsync", "demo")):
+        run = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                             text=True, env=env, cwd=ROOT)
+        assert run.returncode == 0 and flag in run.stdout, (module, run.stderr[-500:])

@@ -86,7 +86,7 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--sweep-rounds", type=positive_int, default=3, help="rounds per sweep point")
     c.add_argument("--growth-rounds", type=positive_int, default=100,
                    help="rounds of the rounds-served check (sweep only; default 100)")
-    c.add_argument("--plot", default="bench/scaling.png", help="PNG of the sweep")
+    c.add_argument("--plot", default="docs/bench/scaling.png", help="PNG of the sweep")
     c.add_argument("--report", default="", metavar="FILE",
                    help="also rewrite this command's section of FILE (e.g. BENCHMARKS.md); "
                         "default: print only")
