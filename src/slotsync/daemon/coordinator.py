@@ -679,8 +679,7 @@ class SlotCoordinator:
         """Monotonic time since which every registered rank is gone and nothing runs for the
         slot (no update, engine check or orphaned call): the slot may be released then. None
         while a rank lives, something runs, or no rank is registered."""
-        if (not self.ranks or self.current is not None or self._reconcile or self._maintenance
-                or self._orphans):
+        if not self.ranks or self.busy():
             return None
         times = [i.gone_at for i in self.ranks.values()]
         return None if any(t is None for t in times) else max(t for t in times if t is not None)

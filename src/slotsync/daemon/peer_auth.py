@@ -20,19 +20,13 @@ import zmq
 import zmq.asyncio
 
 from slotsync.daemon.logs import log_event
+from slotsync.protocol.liveness import parse_peer
+
+__all__ = ["ZAP_DOMAIN", "ZAP_ENDPOINT", "ZapHandler", "decide", "parse_peer"]
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27
 ZAP_DOMAIN = b"slotsync"
 log = logging.getLogger("slotsync.daemon")
-
-
-def parse_peer(address: str) -> tuple[int, int, int] | None:
-    """``(uid, gid, pid)`` from a ZAP address ``localhost:uid:gid:pid``; None for a peer that
-    carries no credentials (TCP, or a libzmq without SO_PEERCRED)."""
-    parts = address.split(":")
-    if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
-        return None
-    return int(parts[1]), int(parts[2]), int(parts[3])
 
 
 def decide(address: str, allow_uids: set[int], allow_gids: set[int]) -> tuple[bool, str]:

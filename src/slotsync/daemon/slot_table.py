@@ -192,10 +192,11 @@ class SlotTable:
         remembering)."""
         c = self.slots[key]
         gone = c.release()
-        for r in gone:
-            self._slot_of_rank.pop(r.rank, None)
+        ranks = {g.rank for g in gone}
+        for r in ranks:
+            self._slot_of_rank.pop(r, None)
         for ident, r in list(self._rank_of.items()):
-            if r in {g.rank for g in gone} and r not in self._slot_of_rank:
+            if r in ranks:
                 del self._rank_of[ident]
         if key not in self.declared and not keep_slot:
             del self.slots[key]

@@ -13,7 +13,7 @@ Both the daemon and the publisher must use ``heartbeat_options`` with their own
 
 from __future__ import annotations
 
-__all__ = ["heartbeat_options", "peer_pid"]
+__all__ = ["heartbeat_options", "parse_peer", "peer_pid"]
 
 
 def heartbeat_options(liveness_s: float) -> dict[str, int]:
@@ -26,12 +26,19 @@ def heartbeat_options(liveness_s: float) -> dict[str, int]:
             "HEARTBEAT_TTL": ms}
 
 
-def peer_pid(peer_address: str | None) -> int:
-    """The pid in a ZeroMQ message's ``Peer-Address`` property, which libzmq (built with
-    SO_PEERCRED, as pyzmq's bundled one is) sets to ``localhost:uid:gid:pid`` on ``ipc://``
-    connections: the kernel's view, in the receiver's pid namespace. 0 when there is none
-    (TCP, or a process the kernel cannot name in this namespace)."""
+def parse_peer(peer_address: str | None) -> tuple[int, int, int] | None:
+    """``(uid, gid, pid)`` from a ZeroMQ ``Peer-Address`` (or a ZAP request's address),
+    which libzmq (built with SO_PEERCRED, as pyzmq's bundled one is) sets to
+    ``localhost:uid:gid:pid`` on ``ipc://`` connections: the kernel's view, in the receiver's
+    pid namespace. None when it carries no credentials (TCP, a libzmq without SO_PEERCRED)."""
     parts = (peer_address or "").split(":")
-    if len(parts) != 4 or not parts[3].isdigit():
-        return 0
-    return int(parts[3])
+    if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
+        return None
+    return int(parts[1]), int(parts[2]), int(parts[3])
+
+
+def peer_pid(peer_address: str | None) -> int:
+    """The pid in a ``Peer-Address`` (see ``parse_peer``), 0 when there is none (or the
+    kernel cannot name the process in this pid namespace)."""
+    peer = parse_peer(peer_address)
+    return peer[2] if peer else 0
