@@ -62,17 +62,21 @@ id, stale ids refused; I8 the version is recorded only with a successful finish;
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import msgspec
 
-from slotsync.daemon.aggregation import (
-    SAME_CHUNKS_RULE,
-    ChunkMismatch,
-    MergedChunk,
-    merge_chunk,
+from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
+from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk, merge_chunk
+from slotsync.daemon.update import (
+    BEGIN_STAGES,
+    EXECUTOR_STAGES,
+    SENT_EVENTS,
+    STAGE_INDEX,
+    PhaseEvent,
+    Update,
 )
 from slotsync.protocol.wire import (
     MAX_OMITTED_NAMES,
@@ -84,7 +88,6 @@ from slotsync.protocol.wire import (
     Chunk,
     Commit,
     Error,
-    FromDaemon,
     Register,
     Registered,
     normalize_gpu_uuid,
@@ -95,26 +98,6 @@ OMITTED_NAMES_POLICIES = ("warn", "refuse")
 does (``Config.omitted_names``): ``warn`` (log, metric, ``PublishStats``) or ``refuse``
 (fail it before the finish; the engine then needs a full update)."""
 
-
-@dataclass(frozen=True, slots=True)
-class _Stage:
-    name: str
-    routes: tuple[str, ...]  # issued together
-    touches_generation: bool  # only once every rank has begun and a chunk arrived
-
-
-_BEGIN_STAGES: tuple[_Stage, ...] = (
-    _Stage("probe", ("get_world_size", "weight_info", "is_sleeping"), False),
-    _Stage("init", ("init_weight_transfer_engine",), False),
-    _Stage("pause", ("pause",), True),
-    _Stage("recover", ("finish_recover",), True),
-    _Stage("start", ("start_weight_update",), True),
-)
-_STAGE_INDEX = {st.name: i for i, st in enumerate(_BEGIN_STAGES)}
-_EXECUTOR_STAGES = frozenset({"init", "pause", "recover", "start"})
-"""Begin stages whose calls reach every worker through vLLM's executor (the probes are answered
-by the API server or the engine core; vLLM 0.32's ``EngineCoreProc.pause_scheduler`` calls
-``collective_rpc("synchronize_device")`` and resets the workers' caches)."""
 
 _EXECUTOR_ROUTES = frozenset({
     "init_weight_transfer_engine", "pause", "finish_recover", "start_weight_update",
@@ -138,60 +121,6 @@ class Timeouts:
     # a rank gone (connection closed, process exited) when an update begins: how long a new
     # process of it may take to register before the update fails naming it (liveness_s)
     gone_s: float = 10.0
-
-
-# ---------------------------------------------------------------------------- actions
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """Send ``msg`` to the rank whose socket identity is ``identity``."""
-
-    identity: bytes
-    msg: FromDaemon
-
-
-@dataclass(frozen=True, slots=True)
-class EngineCall:
-    """Call vLLM route ``route`` (a name from ``vllm_client.ROUTES``) with JSON ``body``."""
-
-    call_id: int
-    update_id: int
-    route: str
-    body: Any = None
-    slot: tuple[int, int] = (0, 0)
-    index: int = -1  # the chunk of an update_weights call
-
-
-@dataclass(frozen=True, slots=True)
-class UpdateEnded:
-    """An update ended. ``outcome`` is ``"success"`` or ``"failed"``; seconds from the first
-    Begin; ``nbytes`` is tensor bytes per rank consumed by the engine."""
-
-    slot: tuple[int, int]
-    engine_url: str
-    update_id: int
-    weight_version: str
-    outcome: str
-    seconds: float
-    chunks: int
-    nbytes: int
-    error: str = ""
-    omitted_names: int = 0  # names the slot's last successful update loaded, left out here
-
-
-@dataclass(frozen=True, slots=True)
-class SlotEvent:
-    """A line for the log: ``event`` (a snake_case name) about ``slot``, with ``fields``;
-    ``warning`` for what an operator should act on."""
-
-    slot: tuple[int, int]
-    event: str
-    fields: dict[str, Any]
-    warning: bool = True
-
-
-Action = Reply | EngineCall | UpdateEnded | SlotEvent
 
 
 class SlotState(StrEnum):
@@ -237,39 +166,6 @@ class RankInfo:
         if peer_pid and self.peer_pid:
             return peer_pid == self.peer_pid
         return (msg.hostname, msg.pid) == (self.hostname, self.pid)
-
-
-@dataclass
-class _Update:
-    update_id: int
-    weight_version: str
-    started_at: float
-    begun: set[int] = field(default_factory=set)
-    first_begin_at: float = 0.0
-    engine_started: bool = False  # /start_weight_update returned 200
-    engine_started_at: float = 0.0  # ... then (chunks sent before it wait from here, I5)
-    stage: int = 0  # next begin stage (index into _BEGIN_STAGES)
-    pause_sent: bool = False
-    start_sent: bool = False
-    weights_intact: bool = True  # at begin: the engine did not need a full update
-    pending: dict[int, dict[int, Chunk]] = field(default_factory=dict)  # index -> rank -> chunk
-    # complete chunks merged ahead of their turn (while the engine loads an earlier one)
-    merged: dict[int, MergedChunk | ChunkMismatch] = field(default_factory=dict)
-    first_arrival: dict[int, float] = field(default_factory=dict)
-    sent_count: dict[int, int] = field(default_factory=dict)  # rank -> chunks received
-    next_index: int = 0  # next chunk to acknowledge (every chunk before it was consumed)
-    next_send: int = 0  # next chunk to hand to the engine
-    loaded: set[int] = field(default_factory=set)  # returned, waiting for an earlier chunk
-    consumed_bytes: int = 0
-    names: set[str] = field(default_factory=set)  # loaded in this update
-    omitted: list[str] = field(default_factory=list)  # the last successful update's, not here
-    committed: dict[int, int] = field(default_factory=dict)  # rank -> num_chunks
-    last_progress: float = 0.0
-    finishing: bool = False
-    finished: bool = False  # /finish_weight_update returned 200
-    start_retried: bool = False  # start met an unrecorded session once and was retried
-    # the engine was sleeping, or paused by someone else, at the begin: leave it paused
-    found_asleep: bool = False
 
 
 class SlotCoordinator:
@@ -344,7 +240,7 @@ class SlotCoordinator:
         self.engine_gpu_uuids: tuple[str, ...] | None = None
         self.world_size: int | None = None
         self.next_update_id = 0
-        self.current: _Update | None = None
+        self.current: Update | None = None
         self.last_version: str | None = None
         self.last_error: str | None = None
         self.last_duration_s: float | None = None
@@ -564,10 +460,9 @@ class SlotCoordinator:
                     and not u.start_retried):
                 # The engine holds a session nobody recorded (e.g. a daemon restarted without
                 # its state dir): end it, tolerating the 500, and start once more.
-                u.start_retried = True
-                u.start_sent = True  # the engine may be mid-update: record it as such
+                u.start_retried = True  # (phase stays starting: it may be mid-update)
                 self.engine_dirty = True
-                u.stage = _STAGE_INDEX["recover"]
+                u.stage = STAGE_INDEX["recover"]
                 return self._advance(now)
             return self._fail(now, "engine", f"vLLM {route} failed: {error}", [])
         u.last_progress = now
@@ -599,7 +494,7 @@ class SlotCoordinator:
         elif route == "pause":
             self.engine_paused = True
         elif route == "start_weight_update":
-            u.engine_started = True
+            u.on(PhaseEvent.STARTED)
             u.engine_started_at = now
             self.engine_dirty = True
             actions: list[Action] = [
@@ -613,7 +508,7 @@ class SlotCoordinator:
                 acks += self._consumed(u, u.next_index)
             return acks + self._advance(now)
         elif route == "finish_weight_update":
-            u.finished = True
+            u.on(PhaseEvent.FINISHED)
             self.engine_dirty = False
             self.needs_full_update = False
             self.last_ok_names = frozenset(u.names)
@@ -717,7 +612,7 @@ class SlotCoordinator:
         self.engine_initialized = False
         self.next_update_id = max(self.next_update_id, old.next_update_id)
 
-    def _check_session(self, u: _Update, result: Any) -> list[Action]:
+    def _check_session(self, u: Update, result: Any) -> list[Action]:
         """``/weight_info`` at the begin: is the engine the session this daemon initialised?"""
         v = result.get("weight_version") if isinstance(result, dict) else None
         v = v if isinstance(v, str) else None
@@ -738,7 +633,7 @@ class SlotCoordinator:
             return []  # (not initialised: it is, in this begin; v is the baseline)
         return self._new_session(u, why)
 
-    def _out_of_step(self, u: _Update, now: float, answer: str) -> list[Action]:
+    def _out_of_step(self, u: Update, now: float, answer: str) -> list[Action]:
         """check_health did not get one clean answer per worker: a worker's reply to an
         earlier call is still queued, so every later call would read another call's reply
         (vLLM's MultiprocExecutor, gh-58242). Nothing but a restart puts it right."""
@@ -751,7 +646,7 @@ class SlotCoordinator:
             "sends a full update")
         return self._fail(now, "engine", self.engine_out_of_step, [])
 
-    def _new_session(self, u: _Update, why: str) -> list[Action]:
+    def _new_session(self, u: Update, why: str) -> list[Action]:
         """The engine is not the session this daemon initialised: initialise it again, ask its
         world size again (the probe did, in this stage) and require a full update (it serves
         the weights of its own checkpoint, not the last ones the daemon loaded)."""
@@ -767,7 +662,7 @@ class SlotCoordinator:
             "engine": self.engine_url, "update_id": u.update_id, "why": why,
             "full_update_needed": self.needs_full_update})]
 
-    def _check_sleep(self, u: _Update, result: Any) -> list[Action]:
+    def _check_sleep(self, u: Update, result: Any) -> list[Action]:
         """``/is_sleeping`` at the begin (vLLM 0.32: the scheduler paused, or the executor
         asleep at any level)."""
         sleeping = bool(result.get("is_sleeping")) if isinstance(result, dict) else False
@@ -817,15 +712,9 @@ class SlotCoordinator:
                    "sleep discards the weights, so this update must be a full one, and the "
                    "engine is left paused at the end (vLLM resumes it at its full /wake_up)"})]
 
-    def _consumed(self, u: _Update, idx: int) -> list[Action]:
+    def _consumed(self, u: Update, idx: int) -> list[Action]:
         """Chunk ``idx`` (the next to acknowledge) was loaded: account for it, ack every rank."""
-        u.loaded.discard(idx)
-        loaded = next(iter(u.pending[idx].values()))
-        u.names.update(loaded.names)  # against last_ok_names before the finish
-        del u.pending[idx]
-        u.first_arrival.pop(idx, None)
-        u.next_index += 1
-        u.consumed_bytes += sum(loaded.tensor_sizes)
+        u.consume_next()
         return [Reply(i.identity, Ack(u.update_id, "chunk", idx)) for i in self._by_rank()]
 
     def poll(self, now: float) -> list[Action]:
@@ -1037,7 +926,7 @@ class SlotCoordinator:
                 f"{self.next_update_id}",
                 msg.update_id,
             )
-        u = _Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now,
+        u = Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now,
                     weights_intact=not self.needs_full_update)
         self.current = u  # its begin stages (the table at the top) run from _advance
         return self._advance(now)  # (a gone rank gets gone_s to come back: _deadline)
@@ -1129,14 +1018,15 @@ class SlotCoordinator:
             )
         return self._advance(now)
 
-    def _call(self, u: _Update, route: str, body: Any = None, index: int = -1) -> list[Action]:
+    def _call(self, u: Update, route: str, body: Any = None, index: int = -1,
+              needs_record: bool = False) -> list[Action]:
         self._call_id += 1
-        call = EngineCall(self._call_id, u.update_id, route, body, self.slot, index)
+        call = EngineCall(self._call_id, u.update_id, route, body, self.slot, index,
+                          needs_record)
         self._calls[call.call_id] = call
-        if route == "start_weight_update":
-            u.start_sent = True
-        elif route == "pause":
-            u.pause_sent = True
+        event = SENT_EVENTS.get(route)
+        if event is not None:
+            u.on(event)
         self.engine_calls[route] = self.engine_calls.get(route, 0) + 1
         return [call]
 
@@ -1172,20 +1062,16 @@ class SlotCoordinator:
             u.next_send += 1
         if out or self._calls:
             return out
-        if (
-            len(u.committed) == self.size
-            and not u.pending
-            and u.next_index == next(iter(u.committed.values()))
-        ):
+        if u.all_consumed(self.size):
             return self._before_finish(u, now)
         return []
 
-    def _advance_begin(self, u: _Update, now: float) -> list[Action]:
+    def _advance_begin(self, u: Update, now: float) -> list[Action]:
         """Issue the next begin stage whose condition holds (the table at the top)."""
         if self._calls or len(self.ranks) < self.size:
             return []  # a stage in flight; or the slot's last registrations (begin deadline)
-        while u.stage < len(_BEGIN_STAGES):
-            st = _BEGIN_STAGES[u.stage]
+        while u.stage < len(BEGIN_STAGES):
+            st = BEGIN_STAGES[u.stage]
             if u.stage > 0 and self.engine_out_of_step:
                 # (the probe found no new session, which would have cleared it)
                 return self._fail(now, "begin", self.engine_out_of_step, [])
@@ -1196,7 +1082,7 @@ class SlotCoordinator:
                     self.engine_dirty and (self.recover_first or u.start_retried)):
                 u.stage += 1  # (start first: a start that finds a session ends it, below)
                 continue
-            if st.name in _EXECUTOR_STAGES and self.replies_suspect:
+            if st.name in EXECUTOR_STAGES and self.replies_suspect:
                 # the first executor call after a worker's failure checks the replies line up
                 return [self._call(u, "check_replies", {"method": "check_health"})[0]]
             if st.touches_generation:
@@ -1215,7 +1101,7 @@ class SlotCoordinator:
             for route in st.routes:
                 body = ({"init_info": {"packed": self.packed}}
                         if route == "init_weight_transfer_engine" else None)
-                out += self._call(u, route, body)
+                out += self._call(u, route, body, needs_record=st.needs_record)
             return out
         return []  # start in flight
 
@@ -1250,7 +1136,7 @@ class SlotCoordinator:
         return (f"the ranks' GPU UUIDs are not the engine's: {'; '.join(parts)} ({source} "
                 f"{list(want)})")
 
-    def _before_finish(self, u: _Update, now: float) -> list[Action]:
+    def _before_finish(self, u: Update, now: float) -> list[Action]:
         """Every chunk is loaded and every rank committed: check what the update left out of
         the slot's last successful update, then finish (I4)."""
         missing = self.last_ok_names - u.names
@@ -1273,7 +1159,6 @@ class SlotCoordinator:
                 "omitted_names = \"refuse\")", [],
             )  # fmt: skip
         u.omitted = sorted(missing)
-        u.finishing = True
         return self._call(u, "finish_weight_update", {"weight_version": u.weight_version})
 
     def _maintain(self, now: float) -> list[Action]:
@@ -1369,10 +1254,11 @@ class SlotCoordinator:
         self._calls.clear()
         self.next_update_id = max(self.next_update_id, u.update_id + 1)
         failed, self._failed_call = self._failed_call, None
-        if failed is not None and failed[0] == "start_weight_update" and self._start_reached_none(
-                failed[1]):
-            u.start_sent = False  # no worker began a session: as if it had not been sent
-        if u.start_sent:
+        # a start whose failure shows no worker began a session counts as not sent
+        started = u.start_sent and not (
+            failed is not None and failed[0] == "start_weight_update"
+            and self._start_reached_none(failed[1]))
+        if started:
             self.needs_full_update = True
             self.engine_dirty = True
             self.engine_paused = True

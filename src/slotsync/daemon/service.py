@@ -606,7 +606,7 @@ class Daemon:
         log_event(log, logging.DEBUG, "engine_call", slot=_slot(call.slot),
                   update_id=call.update_id, route=call.route)
         # The durable record must name the slot before its engine can be mid-update.
-        err = await self._record_on_disk() if call.route == "start_weight_update" else ""
+        err = await self._record_on_disk() if call.needs_record else ""
         if err:
             result, ok = None, False
         else:

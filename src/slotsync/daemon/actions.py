@@ -1,0 +1,73 @@
+"""What the I/O-free core asks its adapter to do: one frozen dataclass per action.
+
+The coordinators (``coordinator.py``) and the slot table (``slot_table.py``) return lists of
+these; the adapter (``executor.py``) runs them in order and feeds engine call outcomes back
+through ``SlotCoordinator.on_engine_result``. The adapter never looks at a route or a message
+to decide what to do: what an action requires is one of its fields (``EngineCall.needs_record``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from slotsync.protocol.wire import FromDaemon
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Send ``msg`` to the rank whose socket identity is ``identity``."""
+
+    identity: bytes
+    msg: FromDaemon
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """Call vLLM route ``route`` (a name from ``vllm_client.ROUTES``) with JSON ``body``.
+
+    ``needs_record``: the durable record naming the slot (``mid_update_record.py``) must be on
+    disk before the call is sent, because the call may leave the engine mid-update
+    (``/start_weight_update``, design.md I4); when it cannot be written the call is not sent
+    and fails. ``index`` is the chunk of an ``update_weights`` call, else -1.
+    """
+
+    call_id: int
+    update_id: int
+    route: str
+    body: Any = None
+    slot: tuple[int, int] = (0, 0)
+    index: int = -1
+    needs_record: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateEnded:
+    """An update ended. ``outcome`` is ``"success"`` or ``"failed"``; ``seconds`` from the first
+    Begin; ``nbytes`` is tensor bytes per rank consumed by the engine; ``omitted_names`` the
+    names the slot's last successful update loaded and this one left out."""
+
+    slot: tuple[int, int]
+    engine_url: str
+    update_id: int
+    weight_version: str
+    outcome: str
+    seconds: float
+    chunks: int
+    nbytes: int
+    error: str = ""
+    omitted_names: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SlotEvent:
+    """A line for the log: ``event`` (a snake_case name) about ``slot``, with ``fields``;
+    ``warning`` for what an operator should act on."""
+
+    slot: tuple[int, int]
+    event: str
+    fields: dict[str, Any]
+    warning: bool = True
+
+
+Action = Reply | EngineCall | UpdateEnded | SlotEvent

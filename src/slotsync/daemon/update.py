@@ -1,0 +1,180 @@
+"""One update of one engine slot: its phase, its begin plan and its chunk window (I/O-free).
+
+Rules (design.md "Flow of one round"; h11 ``_state.py`` style, the transitions are data below):
+
+* An update's begin runs the stages of ``BEGIN_STAGES`` in order, one stage at a time (a
+  stage's calls go out together); a stage runs when the one before it returned and its
+  condition holds (``SlotCoordinator._advance_begin``).
+* Its phase only moves forward, along ``TRANSITIONS``::
+
+      beginning --pause sent--> pausing --start sent--> starting --start returned--> loading
+        --finish sent--> finishing --finish returned--> finished
+
+  ``starting --start sent--> starting``: a start that met a session nobody recorded ends it
+  (``finish_recover``) and is sent once more (``start_retried``). An event a phase has no row
+  for is a bug in the coordinator: ``Update.on`` raises ``PhaseError``.
+* What a failure leaves behind follows from the phase (``SlotCoordinator._fail``): from
+  ``starting`` on the engine may be mid-update (I4); in ``pausing`` it is paused, or may be.
+* Chunks: chunk k is merged once every rank sent it (possibly ahead of its turn, ``merged``),
+  handed to the engine in index order (``next_send``), and acknowledged in index order once
+  it and every chunk before it returned (``loaded`` -> ``next_index``, I3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from slotsync.daemon.aggregation import ChunkMismatch, MergedChunk
+from slotsync.protocol.wire import Chunk
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One begin stage: ``routes`` are issued together; ``touches_generation``: only once every
+    rank has begun and a chunk arrived; ``needs_record``: the durable record must be written
+    before its calls are sent (they may leave the engine mid-update)."""
+
+    name: str
+    routes: tuple[str, ...]
+    touches_generation: bool
+    needs_record: bool = False
+
+
+BEGIN_STAGES: tuple[Stage, ...] = (
+    Stage("probe", ("get_world_size", "weight_info", "is_sleeping"), False),
+    Stage("init", ("init_weight_transfer_engine",), False),
+    Stage("pause", ("pause",), True),
+    Stage("recover", ("finish_recover",), True),
+    Stage("start", ("start_weight_update",), True, needs_record=True),
+)
+STAGE_INDEX = {st.name: i for i, st in enumerate(BEGIN_STAGES)}
+EXECUTOR_STAGES = frozenset({"init", "pause", "recover", "start"})
+"""Begin stages whose calls reach every worker through vLLM's executor (the probes are answered
+by the API server or the engine core; vLLM 0.32's ``EngineCoreProc.pause_scheduler`` calls
+``collective_rpc("synchronize_device")`` and resets the workers' caches)."""
+
+
+class Phase(IntEnum):
+    """Where an update stands with its engine (ordered: each phase follows the one above)."""
+
+    BEGINNING = 0  # probe / init: the engine still serves
+    PAUSING = 1  # /pause sent: the engine is paused, or may be
+    STARTING = 2  # /start_weight_update sent: the engine may be mid-update
+    LOADING = 3  # start returned: chunks go to the engine
+    FINISHING = 4  # /finish_weight_update sent
+    FINISHED = 5  # finish returned: resume (unless the engine was found asleep)
+
+
+class PhaseEvent(IntEnum):
+    """What moves an update's phase."""
+
+    PAUSE_SENT = 0
+    START_SENT = 1
+    STARTED = 2
+    FINISH_SENT = 3
+    FINISHED = 4
+
+
+TRANSITIONS: dict[Phase, dict[PhaseEvent, Phase]] = {
+    Phase.BEGINNING: {PhaseEvent.PAUSE_SENT: Phase.PAUSING},
+    Phase.PAUSING: {PhaseEvent.START_SENT: Phase.STARTING},
+    Phase.STARTING: {PhaseEvent.START_SENT: Phase.STARTING, PhaseEvent.STARTED: Phase.LOADING},
+    Phase.LOADING: {PhaseEvent.FINISH_SENT: Phase.FINISHING},
+    Phase.FINISHING: {PhaseEvent.FINISHED: Phase.FINISHED},
+    Phase.FINISHED: {},
+}
+
+SENT_EVENTS: dict[str, PhaseEvent] = {
+    "pause": PhaseEvent.PAUSE_SENT,
+    "start_weight_update": PhaseEvent.START_SENT,
+    "finish_weight_update": PhaseEvent.FINISH_SENT,
+}
+"""Engine calls whose sending moves the phase."""
+
+
+class PhaseError(RuntimeError):
+    """An event the update's phase has no transition for (a coordinator bug)."""
+
+
+@dataclass
+class Update:
+    """The state of one update in flight, keyed by ``update_id`` (I7). Times are monotonic
+    seconds; ``consumed_bytes`` tensor bytes per rank the engine loaded."""
+
+    update_id: int
+    weight_version: str
+    started_at: float
+    begun: set[int] = field(default_factory=set)
+    first_begin_at: float = 0.0
+    phase: Phase = Phase.BEGINNING
+    engine_started_at: float = 0.0  # start returned then (chunks sent before it wait from here)
+    stage: int = 0  # next begin stage (index into BEGIN_STAGES)
+    weights_intact: bool = True  # at begin: the engine did not need a full update
+    pending: dict[int, dict[int, Chunk]] = field(default_factory=dict)  # index -> rank -> chunk
+    # complete chunks merged ahead of their turn (while the engine loads an earlier one)
+    merged: dict[int, MergedChunk | ChunkMismatch] = field(default_factory=dict)
+    first_arrival: dict[int, float] = field(default_factory=dict)
+    sent_count: dict[int, int] = field(default_factory=dict)  # rank -> chunks received
+    next_index: int = 0  # next chunk to acknowledge (every chunk before it was consumed)
+    next_send: int = 0  # next chunk to hand to the engine
+    loaded: set[int] = field(default_factory=set)  # returned, waiting for an earlier chunk
+    consumed_bytes: int = 0
+    names: set[str] = field(default_factory=set)  # loaded in this update
+    omitted: list[str] = field(default_factory=list)  # the last successful update's, not here
+    committed: dict[int, int] = field(default_factory=dict)  # rank -> num_chunks
+    last_progress: float = 0.0
+    start_retried: bool = False  # start met an unrecorded session once and was retried
+    # the engine was sleeping, or paused by someone else, at the begin: leave it paused
+    found_asleep: bool = False
+
+    def on(self, event: PhaseEvent) -> None:
+        """Move the phase along ``TRANSITIONS``.
+
+        Raises:
+            PhaseError: the phase has no transition for ``event``.
+        """
+        nxt = TRANSITIONS[self.phase].get(event)
+        if nxt is None:
+            raise PhaseError(f"update {self.update_id}: {event.name} in phase {self.phase.name}")
+        self.phase = nxt
+
+    @property
+    def pause_sent(self) -> bool:
+        return self.phase >= Phase.PAUSING
+
+    @property
+    def start_sent(self) -> bool:
+        return self.phase >= Phase.STARTING
+
+    @property
+    def engine_started(self) -> bool:
+        """``/start_weight_update`` returned 200."""
+        return self.phase >= Phase.LOADING
+
+    @property
+    def finishing(self) -> bool:
+        return self.phase >= Phase.FINISHING
+
+    @property
+    def finished(self) -> bool:
+        """``/finish_weight_update`` returned 200."""
+        return self.phase is Phase.FINISHED
+
+    def consume_next(self) -> Chunk:
+        """Account for chunk ``next_index``, which the engine loaded: its names and bytes
+        count, and the next chunk becomes the one to acknowledge. Returns one rank's copy."""
+        idx = self.next_index
+        self.loaded.discard(idx)
+        loaded = next(iter(self.pending[idx].values()))
+        self.names.update(loaded.names)  # against last_ok_names before the finish
+        del self.pending[idx]
+        self.first_arrival.pop(idx, None)
+        self.next_index += 1
+        self.consumed_bytes += sum(loaded.tensor_sizes)
+        return loaded
+
+    def all_consumed(self, size: int) -> bool:
+        """Every one of ``size`` ranks committed and every committed chunk was consumed."""
+        return (len(self.committed) == size and not self.pending
+                and self.next_index == next(iter(self.committed.values())))
