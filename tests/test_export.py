@@ -221,7 +221,7 @@ def test_cuda_ipc_handle_real() -> None:
     with pytest.raises(ValueError, match="closed"):
         buf.fill(_named())
     # two regions of one block: a fresh export of the region per chunk, alternating halves
-    buf2 = CudaStagingBuffer(1024, "cuda:0", slots=2)
+    buf2 = CudaStagingBuffer(1024, "cuda:0", regions=2)
     handles = []
     for k in range(4):
         buf2.fill(_named(), k % 2)
@@ -245,7 +245,7 @@ def test_cuda_staging_region_ready_waits_for_that_regions_copy() -> None:
     n = 64 << 20  # 256 MiB of float32 per region: long enough to still run after the launch
     big = [("a", torch.full((n // 4,), 1.5, device="cuda"))]
     small = [("b", torch.full((256,), -2.0, device="cuda"))]
-    buf = CudaStagingBuffer(n, "cuda:0", slots=2)
+    buf = CudaStagingBuffer(n, "cuda:0", regions=2)
     side = torch.cuda.Stream()
     for first, second in ((0, 1), (1, 0)):
         buf.launch(buf.plan(big, first), first)

@@ -496,19 +496,19 @@ def test_publish_lays_out_the_next_chunk_before_sending_the_one_being_copied(
     acknowledged), chunk k+1's copy is launched before chunk k is sent, so the copies run back
     to back; when it is not (acks still due, or one region), chunk k is sent first and then the
     ack awaited. ``send_chunk`` still sends at once."""
-    from slotsync.protocol.export import ShmStagingBuffer, StagingBuffer
+    from slotsync.protocol.staging import ShmStagingBuffer, StagingBuffer
 
     events: list[tuple[str, int]] = []
     plan, launch = ShmStagingBuffer.plan, StagingBuffer.launch
     send = Publisher._send_chunk_message
 
-    def traced_plan(self: Any, items: Any, slot: int = 0, sizes: Any = None, **kw: Any) -> Any:
+    def traced_plan(self: Any, items: Any, region: int = 0, sizes: Any = None, **kw: Any) -> Any:
         events.append(("plan", int(items[0][0].split(".")[2])))
-        return plan(self, items, slot, sizes, **kw)
+        return plan(self, items, region, sizes, **kw)
 
-    def traced_launch(self: Any, p: Any, slot: int = 0) -> None:
+    def traced_launch(self: Any, p: Any, region: int = 0) -> None:
         events.append(("launch", int(p.layout.names[0].split(".")[2])))
-        launch(self, p, slot)
+        launch(self, p, region)
 
     def traced_send(self: Any, uid: int, index: int, *rest: Any) -> None:
         events.append(("send", index))
@@ -555,16 +555,16 @@ def test_publish_sends_chunks_while_the_begin_is_in_flight_and_gives_them_back_i
     until the engine has started), packed and unpacked alike; the begin's ack is awaited
     before any chunk's. If the begin fails, the exports sent meanwhile are given back, each
     once (``release_unconsumed``), since no engine will map them."""
-    from slotsync.protocol import publisher as publisher_mod
-    from slotsync.protocol.export import ShmStagingBuffer
+    from slotsync.protocol import export_ledger
+    from slotsync.protocol.staging import ShmStagingBuffer
 
     events: list[str] = []
     released: list[int] = []
-    monkeypatch.setattr(publisher_mod, "release_unconsumed",
+    monkeypatch.setattr(export_ledger, "release_unconsumed",
                         lambda h: released.append(h.ref_counter_offset))
     exports = itertools.count()
 
-    def handle(self: Any, slot: int = 0) -> wire.CudaIpcHandle:
+    def handle(self: Any, region: int = 0) -> wire.CudaIpcHandle:
         events.append("export")
         return _stand_in_cuda_handle(self.capacity, next(exports))
 
@@ -613,10 +613,10 @@ def test_publish_sends_a_chunk_from_within_the_next_chunks_layout_once_copied(
 ) -> None:
     """Laying out a chunk of thousands of tensors takes milliseconds: the chunk copied before
     it goes out from within that layout as soon as its copy is done, not after it."""
-    from slotsync.protocol import export
+    from slotsync.protocol import staging
 
     events: list[str] = []
-    plan, send = export.plan_pack, Publisher._send_chunk_message
+    plan, send = staging.plan_pack, Publisher._send_chunk_message
 
     def traced_plan(buf: Any, items: Any, *a: Any, **kw: Any) -> Any:
         k = int(items[0][0].split(".")[2]) // 200
@@ -629,7 +629,7 @@ def test_publish_sends_a_chunk_from_within_the_next_chunks_layout_once_copied(
         events.append(f"send {index}")
         send(self, uid, index, *rest)
 
-    monkeypatch.setattr(export, "plan_pack", traced_plan)
+    monkeypatch.setattr(staging, "plan_pack", traced_plan)
     monkeypatch.setattr(Publisher, "_send_chunk_message", traced_send)
     make_daemon()
     def named() -> Iterator[tuple[str, torch.Tensor]]:  # 3 chunks of 200 tensors
@@ -879,15 +879,15 @@ def test_failed_update_gives_back_the_exports_the_engine_never_acknowledged(
     every failed packed update kept its staging block). When an update fails, the publisher
     gives back the exports of every chunk the engine did not acknowledge -- each once -- and
     none of those it acknowledged; a successful update gives back nothing."""
-    from slotsync.protocol import publisher as publisher_mod
-    from slotsync.protocol.export import ShmStagingBuffer
+    from slotsync.protocol import export_ledger
+    from slotsync.protocol.staging import ShmStagingBuffer
 
     released: list[int] = []
-    monkeypatch.setattr(publisher_mod, "release_unconsumed",
+    monkeypatch.setattr(export_ledger, "release_unconsumed",
                         lambda h: released.append(h.ref_counter_offset))
     exports = itertools.count()
     monkeypatch.setattr(ShmStagingBuffer, "handle",
-                        lambda self, slot=0: _stand_in_cuda_handle(self.capacity, next(exports)))
+                        lambda self, region=0: _stand_in_cuda_handle(self.capacity, next(exports)))
 
     def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
         if isinstance(msg, wire.Chunk) and msg.index == fail_at:

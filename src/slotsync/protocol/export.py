@@ -8,9 +8,11 @@ Two transports:
 * ``shm``: a POSIX shared-memory segment (``ShmHandle``), the CPU stand-in that only the
   reference engine reads; lets the whole path run without a GPU.
 
-A ``StagingBuffer`` holds one packed chunk in vLLM's packed layout (vLLM 0.27-0.33
+``plan_pack`` / ``pack_into`` lay a packed chunk out in vLLM's packed layout (vLLM 0.27-0.33
 ``packed_tensor.py``): each tensor's raw bytes, ``t.contiguous().view(-1).view(torch.uint8)``,
-back to back from offset 0, with ``tensor_sizes[i]`` giving tensor ``i``'s bytes.
+back to back from offset 0, with ``tensor_sizes[i]`` giving tensor ``i``'s bytes. The
+staging memory they pack into is ``slotsync.protocol.staging`` (its names still import from
+here).
 
 This module imports torch; the daemon never imports it (design.md I6).
 """
@@ -21,7 +23,6 @@ import errno
 import itertools
 import logging
 import os
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 from typing import NamedTuple
@@ -35,18 +36,14 @@ from slotsync.protocol.wire import (
     STORAGE_CLASSES,
     TENSOR_CLASSES,
     CudaIpcHandle,
-    Handle,
     ShmHandle,
     normalize_gpu_uuid,
 )
 
 __all__ = [
-    "CudaStagingBuffer",
     "PackPlan",
     "PackedLayout",
     "ShmSegment",
-    "ShmStagingBuffer",
-    "StagingBuffer",
     "copy_width",
     "cuda_ipc_handle",
     "dtype_name",
@@ -457,223 +454,14 @@ class ShmSegment:
             pass
 
 
-# --------------------------------------------------------------------------------------------
-# staging buffers
-# --------------------------------------------------------------------------------------------
+_STAGING_NAMES = ("CudaStagingBuffer", "ShmStagingBuffer", "StagingBuffer")
 
 
-class StagingBuffer(ABC):
-    """Reusable uint8 staging memory for packed chunks: ``slots`` regions of ``capacity``
-    bytes each, so that a rank fills chunk k+1 into one region while the engine still reads
-    earlier chunks from the others (``slots >= 2``).
+def __getattr__(name: str) -> object:
+    """The staging buffers moved to ``slotsync.protocol.staging`` (issue 16); imported from
+    here lazily, since that module imports this one."""
+    if name in _STAGING_NAMES:
+        from slotsync.protocol import staging
 
-    Per chunk: ``plan`` lays the chunk out in a region (CPU only), ``fill`` copies it in -- only
-    once the chunk that last used that region was acknowledged (design.md I3) -- and ``handle``
-    gives the handle to send. ``end_update`` runs when the update ends (commit acknowledged,
-    aborted or failed).
-
-    Raises:
-        ValueError: ``capacity`` or ``slots`` is not positive.
-    """
-
-    def __init__(self, capacity: int, slots: int = 1) -> None:
-        if capacity <= 0:
-            raise ValueError(f"staging buffer capacity must be positive, got {capacity} bytes")
-        if slots <= 0:
-            raise ValueError(f"staging buffer slots must be positive, got {slots}")
-        self.capacity = capacity
-        self.slots = slots
-        self.used = [0] * slots  # bytes of the chunk last filled into each region
-
-    @property
-    @abstractmethod
-    def tensor(self) -> torch.Tensor:
-        """All regions: uint8, shape ``(slots * capacity,)``."""
-
-    def region(self, slot: int) -> torch.Tensor:
-        """Region ``slot``: uint8, shape ``(capacity,)``."""
-        return self.tensor[slot * self.capacity : (slot + 1) * self.capacity]
-
-    def plan(self, named_tensors: Sequence[tuple[str, torch.Tensor]], slot: int = 0,
-             sizes: Sequence[int] | None = None,
-             poll: Callable[[], None] | None = None) -> PackPlan:
-        """Lay a chunk out in region ``slot`` without copying (see ``plan_pack``; ``sizes``:
-        each tensor's bytes, if the caller has them; ``poll``: called now and then).
-
-        Raises:
-            ValueError: the tensors need more than ``capacity`` bytes (names the sizes), or a
-                dtype is unsupported.
-        """
-        if sizes is None:
-            sizes = [nbytes_of(t) for _, t in named_tensors]
-        total = sum(sizes)
-        if total > self.capacity:
-            raise ValueError(
-                f"chunk of {len(named_tensors)} tensors needs {total} bytes but the staging "
-                f"buffer holds {self.capacity} bytes"
-            )
-        return plan_pack(self.region(slot), named_tensors, sizes, poll)
-
-    def fill(self, chunk: Sequence[tuple[str, torch.Tensor]] | PackPlan, slot: int = 0
-             ) -> PackedLayout:
-        """Copy a chunk (its tensors, or a ``plan`` made for the same ``slot``) into region
-        ``slot`` back to back from its offset 0; return its metadata.
-
-        Raises:
-            ValueError: as ``plan``.
-        """
-        plan = chunk if isinstance(chunk, PackPlan) else self.plan(chunk, slot)
-        self.launch(plan, slot)
-        self.ready(slot)
-        return plan.layout
-
-    def launch(self, plan: PackPlan, slot: int = 0) -> None:
-        """Start ``fill``'s copies (a ``plan`` made for ``slot``) without waiting for them
-        (CUDA: queued on the current stream), so the caller can lay out the next chunk
-        meanwhile; ``ready(slot)`` must run before the region's ``handle`` is handed out.
-        Copies into different regions may be queued back to back."""
-        run_pack(plan)
-        self.used[slot] = plan.total
-
-    def ready(self, slot: int | None = None) -> None:  # noqa: B027 - optional hook
-        """Wait until the copies launched into region ``slot`` (None: every region) are done
-        (CPU copies are done when ``launch`` returns)."""
-
-    def copied(self, slot: int | None = None) -> bool:
-        """Whether the copies launched into region ``slot`` (None: every region) are done,
-        without waiting (CPU copies are)."""
-        return True
-
-    @abstractmethod
-    def handle(self, slot: int = 0) -> Handle:
-        """The handle to send for the chunk just filled into region ``slot``."""
-
-    def end_update(self) -> None:  # noqa: B027 - optional hook
-        """The update ended: drop what was exported for it (CUDA: the exports)."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Free the buffer. Idempotent."""
-
-
-class ShmStagingBuffer(StagingBuffer):
-    """Staging memory in one POSIX shared-memory segment (CPU transport), kept for the
-    publisher's life; a chunk's handle covers bytes ``[0, used)`` of its region.
-
-    Raises:
-        OSError: the segment cannot be created.
-    """
-
-    def __init__(self, capacity: int, *, rank: int = 0, slots: int = 1) -> None:
-        super().__init__(capacity, slots)
-        self.segment = ShmSegment(capacity * slots, rank=rank)
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        t = self.segment.tensor
-        if t is None:
-            raise ValueError(f"staging segment {self.segment.name} is closed")
-        return t
-
-    def handle(self, slot: int = 0) -> ShmHandle:
-        return self.segment.handle(slot * self.capacity, self.used[slot])
-
-    def close(self) -> None:
-        self.segment.close_and_unlink()
-
-
-class CudaStagingBuffer(StagingBuffer):
-    """Staging memory in GPU memory (CUDA IPC transport), allocated per update as one block.
-
-    The reference-count discipline is that of vLLM 0.33's packed importer
-    (``packed_tensor.PackedBufferImporter``): torch pairs one ``reduce_tensor`` export with one
-    release on the consumer side, and vLLM caches its mapping keyed by the handle's args,
-    rebuilding (then dropping the old entry) when the args change and releasing at
-    ``/finish_weight_update``.
-
-    * ``slots=1``: the region is exported once, whole, at the first chunk of an update, and
-      every chunk of the update sends that handle (vLLM's own producer); the importer maps it
-      once and releases it at finish.
-    * ``slots>=2``: each chunk sends a fresh export of its region (a view of the one block).
-      The args change every chunk, so the importer rebuilds -- while its previous entry still
-      holds the block, so torch's consumer finds the storage in its cache: no new mapping, and
-      the new export's count is released at once. The first export is released when the
-      mapping is dropped at finish. One mapping per update, every export balanced.
-
-    ``end_update`` drops the exports *and* the storage: torch keeps each export's bookkeeping
-    (an interprocess event and a ref-counter slot) until the storage dies, so exporting one
-    long-lived storage every round would grow without bound. The next update allocates again
-    -- the caching allocator hands back the same block once the engine released it, and a
-    block the engine still maps (a failed update) waits in torch's limbo until
-    ``torch.cuda.ipc_collect()`` finds it released, instead of being reused under the engine's
-    feet.
-
-    Args:
-        capacity: bytes of each region (uint8).
-        device: the CUDA device (the rank's own GPU).
-        slots: regions (1; 2 or more: the next chunk is filled while earlier ones load).
-    """
-
-    def __init__(self, capacity: int, device: torch.device | int | str, slots: int = 1) -> None:
-        super().__init__(capacity, slots)
-        self.device = torch.device(device) if not isinstance(device, int) else torch.device(
-            "cuda", device
-        )
-        if self.device.type != "cuda":
-            raise ValueError(f"CudaStagingBuffer needs a CUDA device, got {self.device}")
-        self._tensor: torch.Tensor | None = None
-        # per region, recorded after its last launch: the publisher waits for chunk k's copy
-        # only, while chunk k+1's copy is queued behind it in another region
-        self._launched: list[torch.cuda.Event | None] = [None] * slots
-        self._export: CudaIpcHandle | None = None  # slots=1: this update's one export
-        self._closed = False
-        self.exports = 0  # reduce_tensor calls so far
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        if self._closed:
-            raise ValueError("CUDA staging buffer is closed")
-        if self._tensor is None:
-            self._tensor = torch.empty(
-                self.capacity * self.slots, dtype=torch.uint8, device=self.device
-            )
-        return self._tensor
-
-    def launch(self, plan: PackPlan, slot: int = 0) -> None:
-        super().launch(plan, slot)
-        event = self._launched[slot]
-        if event is None:
-            event = self._launched[slot] = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-
-    def ready(self, slot: int | None = None) -> None:
-        # The consumer is another process: the copies must be done before the handle goes
-        # out (vLLM's producer synchronizes; a consumer that finds the storage in torch's IPC
-        # cache does not wait on the export's event).
-        if slot is None:
-            torch.cuda.synchronize(self.device)
-            return
-        event = self._launched[slot]
-        if event is not None:
-            event.synchronize()
-
-    def copied(self, slot: int | None = None) -> bool:
-        events = self._launched if slot is None else [self._launched[slot]]
-        return all(e is None or e.query() for e in events)
-
-    def handle(self, slot: int = 0) -> CudaIpcHandle:
-        if self.slots == 1:
-            if self._export is None:
-                self._export = cuda_ipc_handle(self.region(0))
-                self.exports += 1
-            return self._export
-        self.exports += 1
-        return cuda_ipc_handle(self.region(slot))
-
-    def end_update(self) -> None:
-        self._export = None
-        self._tensor = None
-
-    def close(self) -> None:
-        self.end_update()
-        self._closed = True
+        return getattr(staging, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,7 +37,6 @@ shared-memory segments) are kept until the commit's ack, then released and, on C
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -46,33 +45,41 @@ import socket
 import threading
 import time
 import weakref
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 import torch
 import zmq
-import zmq.utils.monitor
 
-from slotsync.protocol import wire
+from slotsync.protocol import inputs, wire
+from slotsync.protocol.chunking import MessageBound, cut
 from slotsync.protocol.connect_check import check_endpoint
 from slotsync.protocol.errors import DAEMON_GONE, SlotsyncError, SlotsyncTimeout
 from slotsync.protocol.export import (
-    DTYPE_NAME_MEMO,
-    CudaStagingBuffer,
     PackedLayout,
     ShmSegment,
-    ShmStagingBuffer,
-    StagingBuffer,
     cuda_ipc_handle,
     dtype_name,
     gpu_uuid_of,
     nbytes_of,
     pack_into,
-    release_unconsumed,
 )
-from slotsync.protocol.liveness import heartbeat_options, peer_pid
+from slotsync.protocol.export_ledger import ExportLedger
+from slotsync.protocol.inputs import check_version
+from slotsync.protocol.link import DaemonLink
+from slotsync.protocol.session import (
+    MAX_UNACKED_CHUNKS,
+    Awaited,
+    ErrorAction,
+    Outcome,
+    PublisherSession,
+    SentChunk,
+    region_of,
+    to_exception,
+    unacked_before_copy,
+)
+from slotsync.protocol.staging import CudaStagingBuffer, ShmStagingBuffer, StagingBuffer
 from slotsync.protocol.topology import EngineSlot
 
 __all__ = ["DEFAULT_STAGING_BUFFERS", "DEFAULT_STAGING_BYTES", "MAX_UNACKED_CHUNKS",
@@ -84,8 +91,6 @@ _T = TypeVar("_T")
 DEFAULT_STAGING_BYTES = 512 * 1024 * 1024
 """Default staging buffer (packed) / chunk limit (unpacked): 512 MiB."""
 
-MAX_UNACKED_CHUNKS = 2
-"""Unpacked ``publish``: chunks in flight (packed: ``staging_buffers``)."""
 DEFAULT_STAGING_BUFFERS = 4
 """Packed: staging regions per rank (GPU memory: 4 x 512 MiB by default, vLLM's packed
 default is 2 x 1 GiB)."""
@@ -119,10 +124,8 @@ class PublishStats:
     engine_resumed: bool = True
 
 
-def _release(
-    sock: zmq.Socket, monitor: zmq.Socket, ctx: zmq.Context, segments: list[ShmSegment],
-    staging: list[StagingBuffer],
-) -> None:
+def _release(link: DaemonLink, segments: list[ShmSegment],
+             staging: list[StagingBuffer]) -> None:
     """Finalizer: free everything a publisher owns (runs from close(), GC or atexit)."""
     for buf in staging:
         buf.close()
@@ -130,13 +133,11 @@ def _release(
     for seg in segments:
         seg.close_and_unlink()
     segments.clear()
-    try:
-        sock.disable_monitor()
-    except zmq.ZMQError:
-        pass
-    monitor.close(linger=0)
-    sock.close(linger=_LINGER_MS)
-    ctx.term()
+    link.close()
+
+
+def _size_of(item: tuple[str, torch.Tensor, int]) -> int:
+    return item[2]
 
 
 def _one_thread(method: Callable[..., _T]) -> Callable[..., _T]:
@@ -260,77 +261,40 @@ class Publisher:
         else:
             self.gpu_uuid = wire.logical_gpu_uuid(rank - self.slot.start)
 
-        self.registered: wire.Registered | None = None
-        self._next_id = 0
-        self._update_id: int | None = None  # the open update, if any
-        self._num_chunks = 0
-        self._bytes = 0
-        self._unacked: deque[int] = deque()  # chunk indices sent, ack not yet awaited
-        self._early_acks: set[int] = set()  # chunk acks read while sending or waiting
+        self._session = PublisherSession(rank, self.slot)  # the update state machine
         # packed chunk whose copy is launched but not yet sent: (index, layout, region)
         self._pending: tuple[int, PackedLayout, int] | None = None
-        self._begin_unacked: str | None = None  # weight version of a Begin not yet acked
-        self._begin_acked = False  # its Ack(begin) was read while doing something else
-        self._begin_refused: wire.Error | None = None  # ... or a "not registered" for it
-        # chunks sent before the begin's ack (index, layout, handles): sent again if a
-        # restarted daemon refused the begin, under the new update id
-        self._sent_before_ack: list[tuple[int, PackedLayout, list[wire.Handle]]] = []
         # held by the thread inside publish / begin / send_chunk / commit (see _one_thread)
         self._busy = threading.RLock()
         self._export_s = 0.0
         self._wait_s = 0.0
         self._last_commit: wire.Ack | None = None  # the last update's Ack(commit)
-        self._pinned: list[torch.Tensor] = []  # unpacked CUDA exports, until commit's ack
-        # CUDA exports sent this update: per chunk until its ack, then known consumed. On a
-        # failed update the others are given back (export.release_unconsumed).
-        self._chunk_exports: dict[int, list[wire.CudaIpcHandle]] = {}
-        self._consumed_exports: set[tuple[bytes, int]] = set()
-        self._update_segments: list[ShmSegment] = []  # unpacked shm, until commit's ack
         self._segments: list[ShmSegment] = []  # every segment we own (for the finalizer)
+        self._exports = ExportLedger(self._segments)  # what the open update exported
         self._staging: list[StagingBuffer] = []  # at most one, created on first packed chunk
-
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        # A fixed routing id: after a reconnect (daemon restart, dropped connection) the daemon
-        # (ROUTER_HANDOVER) still knows which registered rank is talking.
-        self._sock.setsockopt(
-            zmq.ROUTING_ID, f"slotsync-r{rank}-p{os.getpid()}-{os.urandom(4).hex()}".encode()
-        )
-        # Liveness: ZMTP heartbeats, answered by libzmq's I/O thread (a trainer busy in a
-        # forward pass still answers them), close a connection whose daemon went silent within
-        # liveness_s; a daemon that exits closes it at once (see daemon/liveness.py).
-        for name, value in heartbeat_options(self.liveness_s).items():
-            self._sock.setsockopt(getattr(zmq, name), value)
-        # Watch the connection: a daemon that refuses our credentials (ZAP) answers nothing,
-        # and one that is gone sends nothing either, so without this the rank would only see
-        # a timeout.
-        self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            | zmq.EVENT_DISCONNECTED)
+        # Liveness: a daemon that exits closes the connection at once; heartbeats close one
+        # whose daemon went silent within liveness_s (see daemon/liveness.py). The monitor
+        # sees a daemon that refuses our credentials (ZAP): it answers nothing, so without it
+        # the rank would only see a timeout.
+        self._link = DaemonLink(
+            endpoint, routing_id=f"slotsync-r{rank}-p{os.getpid()}-{os.urandom(4).hex()}"
+            .encode(), liveness_s=self.liveness_s, monitor=True, send_timeout_s=timeout_s,
+            linger_ms=_LINGER_MS)
         self._connected: bool | None = None  # None: not yet (the first handshake is pending)
-        self._daemon_pid = 0  # the daemon's pid, from its replies' Peer-Address (SO_PEERCRED)
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
-        try:
-            self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-            self._sock.connect(endpoint)
-        except zmq.ZMQError as e:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._sock.close(linger=0)
-            self._ctx.term()
-            raise ValueError(f"cannot connect to daemon endpoint {endpoint!r}: {e}") from e
-        self._finalizer = weakref.finalize(
-            self, _release, self._sock, self._monitor, self._ctx, self._segments, self._staging
-        )
+        self._finalizer = weakref.finalize(self, _release, self._link, self._segments,
+                                           self._staging)
 
     # ---------------------------------------------------------------- public API
 
     @property
+    def registered(self) -> wire.Registered | None:
+        """The daemon's last ``Registered`` reply, or ``None`` before (or after losing) it."""
+        return self._session.registered
+
+    @property
     def update_id(self) -> int | None:
         """The open update's id, or ``None`` between updates."""
-        return self._update_id
+        return self._session.update_id
 
     @property
     def closed(self) -> bool:
@@ -350,8 +314,8 @@ class Publisher:
             RuntimeError: an update is open.
         """
         self._check_usable()
-        if self._update_id is not None:
-            raise RuntimeError(f"cannot register while update {self._update_id} is open")
+        if self.update_id is not None:
+            raise RuntimeError(f"cannot register while update {self.update_id} is open")
         held_until = time.monotonic() + self.liveness_s
         while True:
             try:
@@ -383,39 +347,14 @@ class Publisher:
         )
         # (an Error with an update id answers an earlier message, e.g. a chunk sent after a
         # begin the restarted daemon refused: stale once we register again)
-        reply = self._wait(
-            "register",
-            "Registered",
-            lambda m: isinstance(m, wire.Registered)
-            or (isinstance(m, wire.Error) and m.update_id is None),
-        )
+        reply = self._wait(Awaited("register"))
         if isinstance(reply, wire.Error):
             raise self._error(reply)
         assert isinstance(reply, wire.Registered)
-        if reply.protocol_version != wire.PROTOCOL_VERSION:
-            raise SlotsyncError(
-                "register",
-                f"daemon speaks protocol version {reply.protocol_version}, "
-                f"this publisher {wire.PROTOCOL_VERSION}",
-                slot=(self.slot.start, self.slot.end),
-            )
-        if (reply.rank, reply.slot_start, reply.slot_size) != (
-            self.rank,
-            self.slot.start,
-            self.slot.count,
-        ):
-            raise SlotsyncError(
-                "register",
-                f"daemon registered rank {reply.rank} in slot [{reply.slot_start}, "
-                f"{reply.slot_start + reply.slot_size}), but this is rank {self.rank} of "
-                f"slot {self.slot}",
-                slot=(self.slot.start, self.slot.end),
-            )
-        self.registered = reply
-        self._next_id = reply.next_update_id
+        self._session.registration(reply)
         log.debug(
             "rank %d registered with %s: slot %s, next update id %d",
-            self.rank, self.endpoint, self.slot, self._next_id,
+            self.rank, self.endpoint, self.slot, self._session.next_id,
         )
         return reply
 
@@ -438,68 +377,61 @@ class Publisher:
             ValueError, TypeError: a bad ``weight_version``.
             SlotsyncError, SlotsyncTimeout: as ``register``.
         """
-        _check_version(weight_version)
+        check_version(weight_version)
         return self._send_begin(weight_version)
 
     def _send_begin(self, weight_version: str) -> int:
         """Open the next update and send its ``Begin``, without waiting for the ack
         (``_await_begin``, called before any wait for a chunk's ack, and by ``commit``)."""
         self._check_usable()
-        if self._update_id is not None:
-            raise RuntimeError(f"update {self._update_id} is still open; commit or abort it first")
+        if self.update_id is not None:
+            raise RuntimeError(f"update {self.update_id} is still open; commit or abort it first")
         self._read_monitor(during_update=False)
         if self.registered is None or self._connected is False:
             # (never registered, or the daemon went away since: register with the one that
             # listens now, or say why none does)
             self.register()
-        uid = self._next_id
-        self._update_id = uid
-        self._num_chunks = 0
-        self._bytes = 0
-        self._unacked.clear()
-        self._early_acks.clear()
-        self._send(wire.Begin(update_id=uid, weight_version=weight_version))
-        self._begin_unacked = weight_version
-        return uid
+        begin = self._session.begin(weight_version)
+        self._send(begin)
+        return begin.update_id
 
     def _await_begin(self) -> None:
-        """Wait for the open update's ``Ack(begin)`` if it is still due. Chunks may have gone
+        """Settle the open update's ``Ack(begin)`` if it is still due. Chunks may have gone
         out before it (the daemon holds them until the engine has started): if the begin
         fails, their exports are given back with the update's others (``_end_update``); if a
         restarted daemon refused it, they are sent again after the new ``Begin``."""
-        weight_version = self._begin_unacked
-        if weight_version is None:
+        s = self._session
+        if not s.begin_due():
             return
+        weight_version = s.begin_version
         try:
-            refused, self._begin_refused = self._begin_refused, None
+            refused, s.begin_refused = s.begin_refused, None
             if refused is not None:
                 raise self._error(refused)
-            if not self._begin_acked:
-                self._wait_ack("begin")
+            if not s.begin_acked:
+                self._wait(Awaited("begin", s.update_id))
         except SlotsyncError as e:
             if e.code != wire.NOT_REGISTERED:
                 raise
             # The daemon restarted and forgot us: register again (learning its next update
             # id) and begin once more.
             log.info("rank %d: daemon does not know this rank; registering again", self.rank)
-            self._update_id = None
+            s.update_id = None
             try:
                 self.register()
-                self._update_id = self._next_id
-                self._send(wire.Begin(update_id=self._update_id, weight_version=weight_version))
-                self._begin_unacked = None  # (a second refusal ends the update)
+                begin, chunks = s.rebegin()  # (a second refusal ends the update)
+                self._send(begin)
                 # the chunks the daemon refused with the begin: same exports (never mapped),
                 # the new update id
-                for index, layout, handles in self._sent_before_ack:
-                    self._send(self._chunk_message(self._update_id, index, layout, handles))
-                self._wait_ack("begin")
+                for chunk in chunks:
+                    self._send(chunk)
+                if not s.begin_acked:
+                    self._wait(Awaited("begin", s.update_id))
             except BaseException:
                 self._end_update()  # the chunk copied for the first begin goes too
                 raise
-        self._begin_unacked = None
-        self._begin_acked = False
-        self._sent_before_ack.clear()
-        log.debug("rank %d: update %d begun (weight version %s)", self.rank, self._update_id,
+        s.begin_settled()
+        log.debug("rank %d: update %d begun (weight version %s)", self.rank, s.update_id,
                   weight_version)
 
     @_one_thread
@@ -523,7 +455,7 @@ class Publisher:
             SlotsyncError, SlotsyncTimeout: the chunk failed or was not acknowledged in time.
         """
         self._check_usable()
-        self._require_open()
+        self._session.require_open()
         self._send_chunk(list(named_tensors), max_unacked=0)
         self._wait_unacked(0)
 
@@ -538,7 +470,8 @@ class Publisher:
         the GPU copied this one (``_send_pending``), or by ``commit``. When that next chunk's
         region is already free, its copy is queued before the pending chunk is sent, so that
         the GPU copies chunk after chunk while the CPU waits, exports and sends."""
-        self._require_open()
+        s = self._session
+        s.require_open()
         if not items:
             raise ValueError("a chunk needs at least one tensor")
         if not pipelined:
@@ -546,48 +479,46 @@ class Publisher:
             if len(set(names)) != len(names):
                 dup = sorted({n for n in names if names.count(n) > 1})
                 raise ValueError(f"duplicate tensor names in one chunk: {dup}")
-        index = self._num_chunks
+        index = s.num_chunks
         t0 = time.perf_counter()
         if self.packed:
             staging = self._staging_buffer()
-            slot = index % staging.slots
+            region = region_of(index, staging.regions)
             # CPU: overlaps the engine's load of earlier chunks and the pending chunk's copy
-            plan = staging.plan(items, slot, sizes,
+            plan = staging.plan(items, region, sizes,
                                 poll=self._send_if_copied if pipelined else None)
             self._export_s += time.perf_counter() - t0
-            # The region is free once the chunk that last used it, index - slots, was
+            # The region is free once the chunk that last used it, index - regions, was
             # acknowledged. With the pending chunk (index - 1) not yet sent, that is at most
-            # slots - 2 chunks unacknowledged; if acks already arrived say so, this chunk's
+            # regions - 2 chunks unacknowledged; if acks already arrived say so, this chunk's
             # copy is queued behind the pending one's. Else the pending chunk goes out first,
             # and then we wait (the engine must not wait for it while we do).
-            queue_first = (pipelined and staging.slots > 1 and self._pending is not None
-                           and self._wait_unacked(min(max_unacked, staging.slots - 1) - 1,
-                                                  block=False))
+            keep = unacked_before_copy(max_unacked, staging.regions)
+            queue_first = (pipelined and staging.regions > 1 and self._pending is not None
+                           and self._wait_unacked(keep - 1, block=False))
             if not queue_first:
                 self._send_pending()
-                self._wait_unacked(min(max_unacked, staging.slots - 1))
+                self._wait_unacked(keep)
             t0 = time.perf_counter()
-            staging.launch(plan, slot)
+            staging.launch(plan, region)
             self._export_s += time.perf_counter() - t0
             if queue_first:
                 self._send_pending()  # waits for its own region's copy only
             t0 = time.perf_counter()
-            self._pending = (index, plan.layout, slot)
-            self._num_chunks += 1
-            self._bytes += plan.total
+            self._pending = (index, plan.layout, region)
+            s.add_chunk(plan.total)
             self._export_s += time.perf_counter() - t0
             if not pipelined:
                 self._send_pending()
             return index
-        if self._begin_refused is not None:
+        if s.begin_refused is not None:
             self._await_begin()
         t0 = time.perf_counter()
         layout, handles = self._export_unpacked(items)
         self._export_s += time.perf_counter() - t0
         self._wait_unacked(max_unacked)
-        self._num_chunks += 1
-        self._bytes += sum(layout.tensor_sizes)
-        self._send_chunk_message(self._require_open(), index, layout, handles)
+        s.add_chunk(sum(layout.tensor_sizes))
+        self._send_chunk_message(s.require_open(), index, layout, handles)
         return index
 
     def _send_if_copied(self) -> None:
@@ -604,65 +535,48 @@ class Publisher:
         region's handle is handed out only then (the engine reads it from another process)."""
         if self._pending is None:
             return
-        if self._begin_refused is not None:
+        if self._session.begin_refused is not None:
             self._await_begin()  # a restarted daemon refused the begin: register again first
-        index, layout, slot = self._pending
+        index, layout, region = self._pending
         self._pending = None
         t0 = time.perf_counter()
         staging = self._staging[0]
-        staging.ready(slot)
-        handles: list[wire.Handle] = [staging.handle(slot)]
+        staging.ready(region)
+        handles: list[wire.Handle] = [staging.handle(region)]
         self._export_s += time.perf_counter() - t0
-        self._send_chunk_message(self._require_open(), index, layout, handles)
-
-    @staticmethod
-    def _chunk_message(uid: int, index: int, layout: PackedLayout,
-                       handles: list[wire.Handle]) -> wire.OutgoingChunk:
-        return wire.OutgoingChunk(  # our own layout: the daemon checks it on decode
-            update_id=uid,
-            index=index,
-            names=layout.names,
-            dtype_names=layout.dtype_names,
-            shapes=layout.shapes,
-            tensor_sizes=layout.tensor_sizes,
-            handles=handles,
-        )
+        self._send_chunk_message(self._session.require_open(), index, layout, handles)
 
     def _send_chunk_message(self, uid: int, index: int, layout: PackedLayout,
                             handles: list[wire.Handle]) -> None:
         t0 = time.perf_counter()
-        chunk = self._chunk_message(uid, index, layout, handles)
+        sent = SentChunk(index, *layout, handles)
+        chunk = self._session.chunk_message(sent)
         self._export_s += time.perf_counter() - t0
         self._send(chunk)
-        if self._begin_unacked is not None and not self._begin_acked:
-            self._sent_before_ack.append((index, layout, handles))
-        self._unacked.append(index)
-        cuda = [h for h in handles if isinstance(h, wire.CudaIpcHandle)]
-        if cuda:
-            self._chunk_exports[index] = cuda
+        self._session.chunk_sent(sent)
+        self._exports.sent(index, handles)
 
     def _wait_unacked(self, keep: int, *, block: bool = True) -> bool:
         """Wait for chunk acks, oldest first, until at most ``keep`` chunks are unacked.
         With ``block=False``, take only the acks that already arrived; returns whether at
         most ``keep`` are unacked. (The begin's ack comes before any chunk's: awaited first.)"""
+        s = self._session
         if not block:
             self._drain()
-        elif len(self._unacked) > keep:
+        elif len(s.unacked) > keep:
             self._await_begin()
-        while len(self._unacked) > keep:
-            index = self._unacked[0]
-            if index in self._early_acks:
-                self._early_acks.discard(index)
-            elif block:
-                self._wait_ack("chunk", index)
-            else:
+        while True:
+            taken, due = s.take_acked(keep)
+            for index in taken:
+                self._exports.acked(index)  # the engine mapped them
+                log.debug("rank %d: update %s chunk %d acknowledged", self.rank, s.update_id,
+                          index)
+            if due is None:
+                return True
+            if not block:
                 return False
-            self._unacked.popleft()
-            for h in self._chunk_exports.pop(index, ()):  # the engine mapped them
-                self._consumed_exports.add((h.ref_counter_handle, h.ref_counter_offset))
-            log.debug("rank %d: update %s chunk %d acknowledged", self.rank, self._update_id,
-                      index)
-        return True
+            self._wait(Awaited("chunk", s.update_id, due))
+            s.chunk_acked(due)
 
     @_one_thread
     def commit(self) -> None:
@@ -676,17 +590,21 @@ class Publisher:
                 (after a timeout the update stays open: call ``abort``).
         """
         self._check_usable()
-        self._require_open()
+        s = self._session
+        s.require_open()
         self._send_pending()
-        if self._num_chunks:
+        if s.num_chunks:
             self._await_begin()  # (the begin's ack comes once a chunk arrived: none did here,
             # and the daemon refuses an update of no chunk, in answer to this commit)
-        uid = self._require_open()  # a re-registration may have renumbered the update
         # The commit goes out before the last chunks' acks: the daemon finishes as soon as
         # the engine has loaded every chunk, without waiting for this rank to hear of it.
-        self._send(wire.Commit(update_id=uid, num_chunks=self._num_chunks))
+        # (a re-registration may have renumbered the update)
+        commit = s.commit()
+        uid = commit.update_id
+        self._send(commit)
         self._wait_unacked(0)
-        ack = self._wait_ack("commit")
+        ack = self._wait(Awaited("commit", uid))
+        assert isinstance(ack, wire.Ack)
         self._last_commit = ack
         if ack.omitted_count:
             log.warning("rank %d: update %d left out %d tensor name(s) the slot's previous "
@@ -694,7 +612,7 @@ class Publisher:
                         ack.omitted_count, ", ".join(ack.omitted_names[:5]))
         log.debug(
             "rank %d: update %d committed: %d chunks, %d bytes",
-            self.rank, uid, self._num_chunks, self._bytes,
+            self.rank, uid, s.num_chunks, s.bytes,
         )
         self._end_update(succeeded=True)
 
@@ -702,15 +620,13 @@ class Publisher:
         """Give up on the open update (best effort: the ``Abort`` is sent without waiting) and
         release its exports. The slot's update fails and the engine stays paused (I4). No-op
         when no update is open."""
-        uid = self._update_id
+        uid = self.update_id
         if uid is None:
             return
         log.debug("rank %d: aborting update %d: %s", self.rank, uid, reason)
         try:
             if not self.closed:
-                self._sock.send(
-                    wire.encode(wire.Abort(update_id=uid, reason=reason[:1024])), zmq.NOBLOCK
-                )
+                self._link.send(wire.Abort(update_id=uid, reason=reason[:1024]), block=False)
         except zmq.ZMQError as e:
             log.warning("rank %d: could not send Abort for update %d: %s", self.rank, uid, e)
         finally:
@@ -723,9 +639,9 @@ class Publisher:
         weight_version: str,
     ) -> PublishStats:
         """One whole update: begin, chunks of at most ``staging_bytes`` in iteration order,
-        commit. Chunking is deterministic, so ranks that iterate the same names and sizes cut
-        identical chunks. On any exception the update is aborted (best effort) and the
-        exception re-raised.
+        commit. Chunking is deterministic (``chunking.cut``), so ranks that iterate the same
+        names and sizes cut identical chunks. On any exception the update is aborted (best
+        effort) and the exception re-raised.
 
         Args:
             named_tensors: ``(name, tensor)`` pairs, consumed lazily (a generator is fine), or
@@ -746,13 +662,13 @@ class Publisher:
             RuntimeError: an update is already open.
         """
         self._check_usable()
-        if self._update_id is not None:
-            raise RuntimeError(f"update {self._update_id} is still open; commit or abort it first")
-        _check_version(weight_version)
+        if self.update_id is not None:
+            raise RuntimeError(f"update {self.update_id} is still open; commit or abort it first")
+        check_version(weight_version)
         whole = isinstance(named_tensors, Sequence | Mapping)
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
-        checked = self._checked(named_tensors)
+        checked = inputs.checked(named_tensors, self.staging_bytes, self.packed)
         if whole:
             # A list or mapping is checked whole before begin, so that bad input never
             # pauses the engine: each tensor, then each chunk's message size.
@@ -778,22 +694,13 @@ class Publisher:
             # starts the engine: it holds them until the start returned (no wait for the
             # begin's ack here; the first wait for a chunk's ack awaits it first).
             self._send_begin(weight_version)
-            chunk: list[tuple[str, torch.Tensor]] = []
-            sizes: list[int] = []
-            size = 0
-            for name, t, n in itertools.chain((first,), checked):
-                if self._cuts_before(size, n, bool(chunk)):
-                    self._send_chunk(chunk, ahead, sizes, pipelined=True)
-                    chunk, sizes, size = [], [], 0
-                chunk.append((name, t))
-                sizes.append(n)
-                size += n
-            if chunk:
-                self._send_chunk(chunk, ahead, sizes, pipelined=True)
-            chunks, nbytes = self._num_chunks, self._bytes
+            for chunk in cut(itertools.chain((first,), checked), _size_of, self.staging_bytes):
+                self._send_chunk([(name, t) for name, t, _ in chunk], ahead,
+                                 [n for *_, n in chunk], pipelined=True)
+            chunks, nbytes = self._session.num_chunks, self._session.bytes
             self.commit()
         except BaseException as e:
-            if self._update_id is not None:
+            if self.update_id is not None:
                 self.abort(f"{type(e).__name__}: {e}")
             raise
         ack = self._last_commit
@@ -808,26 +715,9 @@ class Publisher:
             engine_resumed=ack.resumed if ack else True,
         )
 
-    def _check_fits(self, name: str, n: int) -> None:
-        if n > self.staging_bytes:
-            what = "the staging buffer" if self.packed else "the chunk limit (staging_bytes)"
-            raise ValueError(
-                f"tensor {name!r} is {n} bytes, larger than {what} of "
-                f"{self.staging_bytes} bytes (raise staging_bytes)"
-            )
-
-    # Bounds of a chunk message's parts (msgpack), see _check_message_sizes: the message's
-    # own fields, and per tensor beyond its name's UTF-8 bytes the name's header, its dtype
-    # name and size and, per dimension, its shape; a handle record (CUDA: ~270 bytes plus
-    # its size and stride tuples; shm: ~60), one per chunk packed, one per tensor unpacked.
-    _CHUNK_BYTES, _TENSOR_BYTES, _DIM_BYTES = 128, 32, 9
-    _HANDLE_BYTES = {"cuda": 384, "shm": 96}
-
     def _check_message_sizes(self, items: list[tuple[str, torch.Tensor, int]]) -> None:
         """Refuse, before the begin, a chunk whose message would exceed the daemon's
-        ``max_message_bytes`` (learnt at registration), cutting chunks as ``publish`` does.
-        Uses an upper bound of each message's size (``_CHUNK_BYTES`` ...): a few hundred bytes
-        per message and a few dozen per tensor above the real one; cheap: lengths only.
+        ``max_message_bytes`` (learnt at registration): ``chunking.MessageBound``.
 
         Raises:
             ValueError: names the chunk, its tensor count and both sizes.
@@ -835,34 +725,10 @@ class Publisher:
         cap = self.registered.max_message_bytes if self.registered else 0
         if not cap:
             return
-        handle = self._HANDLE_BYTES[self.transport]
-        per_chunk = self._CHUNK_BYTES + (handle if self.packed else 0)
-        per_dim = self._DIM_BYTES * (1 if self.packed or self.transport == "shm" else 3)
-        per_tensor = self._TENSOR_BYTES + (0 if self.packed else handle)
-        worst = 4 * wire.MAX_NAME_CHARS + per_tensor + per_dim * wire.MAX_DIMS
-        if per_chunk + worst * len(items) <= cap:
+        bound = MessageBound(self.transport, self.packed)
+        if bound.worst(len(items)) <= cap:
             return  # even the whole update in one message would fit (the usual case: free)
-        index, count, size, bound = 0, 0, 0, per_chunk
-        for name, t, n in items:
-            if self._cuts_before(size, n, bool(count)):
-                index, count, size, bound = index + 1, 0, 0, per_chunk
-            size += n
-            count += 1
-            bound += (len(name) if name.isascii() else len(name.encode())) + per_tensor \
-                + per_dim * t.dim()
-            if bound > cap:
-                raise ValueError(
-                    f"chunk {index} of this update would encode to about {bound} bytes or more "
-                    f"({count}+ tensors: their names, shapes and handles), over the daemon's "
-                    f"max_message_bytes of {cap}: raise the daemon's --max-message-bytes (or "
-                    "send fewer tensors per chunk: a smaller staging_bytes)"
-                )
-
-    def _cuts_before(self, size: int, n: int, nonempty: bool) -> bool:
-        """Whether a tensor of ``n`` bytes starts a new chunk after ``size`` bytes of a chunk:
-        the one chunking rule (``publish`` and its pre-check cut alike; every rank of a slot
-        cuts identical chunks from the same names and sizes, I2)."""
-        return nonempty and size + n > self.staging_bytes
+        bound.check(((name, t.dim(), n) for name, t, n in items), self.staging_bytes, cap)
 
     def _allocate_staging(self) -> None:
         """Allocate this update's staging memory before the begin, so that a size that does
@@ -881,73 +747,14 @@ class Publisher:
                 f"{self.staging_bytes} bytes ({total} bytes) on {where}: {e} (lower "
                 "staging_bytes or staging_buffers)") from None
 
-    def _checked(self, items: Iterable[object]) -> Iterator[tuple[str, torch.Tensor, int]]:
-        """``(name, tensor, bytes)`` per item, lazily, after the checks ``publish`` documents:
-        a (str, Tensor) pair, a name not seen before, of 1 to ``wire.MAX_NAME_CHARS``
-        characters, a dtype of ``wire.DTYPE_SIZES``, not on the meta device, at most
-        ``staging_bytes``.
-
-        One test per check on the way through (this runs once per tensor and round); what
-        fails is told by ``_refuse``."""
-        seen: set[str] = set()
-        limit, max_chars, known = self.staging_bytes, wire.MAX_NAME_CHARS, DTYPE_NAME_MEMO
-        strided = torch.strided
-        for item in items:
-            if type(item) is tuple and len(item) == 2:
-                name, t = item
-                if type(name) is not str or not isinstance(t, torch.Tensor):
-                    name, t = self._check_item(item)  # raises the TypeError
-            else:
-                name, t = self._check_item(item)
-            n = t.nbytes if t.layout is strided else -1  # (sparse: _refuse says so)
-            if (n < 0 or name in seen or not 0 < len(name) <= max_chars
-                    or t.dtype not in known or t.is_meta or n > limit):
-                self._refuse(name, t, n, seen)  # raises, or remembers a new dtype's name
-            seen.add(name)
-            yield name, t, n
-
-    def _refuse(self, name: str, t: torch.Tensor, n: int, seen: set[str]) -> None:
-        """Raise the ValueError saying which of ``_checked``'s checks ``(name, t)`` fails;
-        returns when none does (a dtype seen for the first time)."""
-        if t.layout is not torch.strided:
-            raise ValueError(f"tensor {name!r} has layout {t.layout}: only dense (strided) "
-                             "tensors can be published")
-        if name in seen:
-            raise ValueError(f"tensor {name!r} appears twice in one update")
-        if not 0 < len(name) <= wire.MAX_NAME_CHARS:
-            raise ValueError(
-                f"tensor name {name[:80]!r} must have 1 to {wire.MAX_NAME_CHARS} "
-                f"characters (it has {len(name)})"
-            )
-        dtype_name(t.dtype)  # raises ValueError naming the allowed dtypes (memoized)
-        if t.is_meta:
-            raise ValueError(f"tensor {name!r} is on the meta device: it has no data")
-        self._check_fits(name, n)
-
-    @staticmethod
-    def _check_item(item: object) -> tuple[str, torch.Tensor]:
-        """One ``(name, tensor)`` pair, or a TypeError saying what was given instead."""
-        if not (isinstance(item, tuple | list) and len(item) == 2):
-            raise TypeError(
-                f"publish takes (name, tensor) pairs (e.g. model.state_dict().items()), got "
-                f"{type(item).__name__} {str(item)[:80]!r}"
-            )
-        name, t = item
-        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
-            raise TypeError(
-                f"publish takes (name: str, tensor: torch.Tensor) pairs, got "
-                f"({type(name).__name__}, {type(t).__name__}) for {str(name)[:80]!r}"
-            )
-        return name, t
-
     def close(self) -> None:
         """Abort an open update, close the socket and unlink every shared-memory segment this
         publisher owns. Idempotent; also runs at garbage collection and interpreter exit."""
         if self.closed:
             return
-        if self._update_id is not None:
+        if self.update_id is not None:
             self.abort("publisher closed")
-        self._pinned.clear()
+        self._exports.pinned.clear()
         self._finalizer()
 
     def __enter__(self) -> Publisher:
@@ -968,12 +775,7 @@ class Publisher:
         if self.closed:
             raise RuntimeError("publisher is closed")
 
-    def _require_open(self) -> int:
-        if self._update_id is None:
-            raise RuntimeError("no update is open; call begin() first")
-        return self._update_id
-
-    def _slot_pair(self) -> tuple[int, int]:
+    def _slot_range(self) -> tuple[int, int]:
         return (self.slot.start, self.slot.end)
 
     def _staging_buffer(self) -> StagingBuffer:
@@ -983,7 +785,7 @@ class Publisher:
                 buf = CudaStagingBuffer(self.staging_bytes, self.device, self.staging_buffers)
             else:
                 buf = ShmStagingBuffer(self.staging_bytes, rank=self.rank,
-                                       slots=self.staging_buffers)
+                                       regions=self.staging_buffers)
                 self._segments.append(buf.segment)
             self._staging.append(buf)
         return self._staging[0]
@@ -1004,15 +806,14 @@ class Publisher:
                 layout.dtype_names.append(dtype_name(e.dtype))
                 layout.shapes.append([int(d) for d in e.shape])
                 layout.tensor_sizes.append(nbytes_of(e))
-                self._pinned.append(e)
+                self._exports.pinned.append(e)
                 handles.append(cuda_ipc_handle(e))
             torch.cuda.synchronize(self.device)
             return layout, handles
         # shm: one segment per chunk, the tensors back to back, one handle per tensor
         total = sum(nbytes_of(t) for _, t in items)
         seg = ShmSegment(total, rank=self.rank)
-        self._segments.append(seg)
-        self._update_segments.append(seg)
+        self._exports.segment(seg)
         assert seg.tensor is not None
         layout = pack_into(seg.tensor, items)
         off = 0
@@ -1022,120 +823,49 @@ class Publisher:
         return layout, handles
 
     def _end_update(self, succeeded: bool = False) -> None:
-        """Forget the open update: release exports, move to the next update id (I7). After
-        an update that did not succeed, the CUDA exports of chunks never acknowledged are
-        given back (``export.release_unconsumed``): else the block would stay allocated for
-        the life of the process."""
-        uid = self._update_id
-        self._update_id = None
-        if uid is not None:
-            self._next_id = max(self._next_id, uid + 1)
-        if not succeeded:
-            done = self._consumed_exports  # mapped by the engine, or given back below
-            for index in self._early_acks:  # acknowledged, not yet awaited: mapped too
-                done.update((h.ref_counter_handle, h.ref_counter_offset)
-                            for h in self._chunk_exports.get(index, ()))
-            for handles in self._chunk_exports.values():
-                for h in handles:
-                    key = (h.ref_counter_handle, h.ref_counter_offset)
-                    if key not in done:  # (one export may serve several chunks)
-                        done.add(key)
-                        release_unconsumed(h)
-        self._chunk_exports.clear()
-        self._consumed_exports.clear()
-        self._pinned.clear()
-        self._unacked.clear()
-        self._early_acks.clear()
+        """Forget the open update: release exports (``ExportLedger.end``: after an update that
+        did not succeed, the CUDA exports never acknowledged are given back), move to the
+        next update id (I7)."""
+        acked_early = self._session.end()
+        self._exports.end(succeeded, acked_early)
         self._pending = None
-        self._begin_unacked = None
-        self._begin_acked = False
-        self._begin_refused = None
-        self._sent_before_ack.clear()
         for buf in self._staging:
             buf.end_update()
         if self.transport == "cuda":
             # free exported blocks whose consumers have released them (vLLM's own producer
             # calls this after finish; vllm-contract.md)
             torch.cuda.ipc_collect()
-        for seg in self._update_segments:
-            seg.close_and_unlink()
-            if seg in self._segments:
-                self._segments.remove(seg)
-        self._update_segments.clear()
 
     def _error(self, err: wire.Error) -> SlotsyncError:
-        """Turn a daemon Error into a SlotsyncError; if it is the open update's, end it.
-
-        An Error without an update id refused one message (e.g. a frame the daemon could not
-        decode) and left the slot's update open: it is aborted here, so that the slot's
-        update fails at once rather than at the daemon's next deadline (up to
-        ``commit_timeout_s``). Not when the daemon does not know this connection (it
-        restarted): it holds no update of ours, and ``begin`` registers again -- keeping, while
-        the begin is unacknowledged, the chunk already copied for it."""
-        if self._update_id is not None and err.update_id in (None, self._update_id):
-            if err.code == wire.NOT_REGISTERED and self._begin_unacked is not None:
-                pass  # _await_begin registers again and begins once more
-            elif err.update_id is None and err.code != wire.NOT_REGISTERED:
-                self.abort(f"the daemon refused a message: {err.phase}: {err.message}")
-            else:
-                self._end_update()
-        return SlotsyncError(
-            err.phase,
-            err.message,
-            slot=err.slot or None,
-            update_id=err.update_id,
-            missing_ranks=err.missing_ranks,
-            fatal=err.fatal,
-            code=err.code,
-        )
-
-    def _concerns_us(self, err: wire.Error) -> bool:
-        return err.update_id is None or err.update_id == self._update_id
+        """Turn a daemon Error into a SlotsyncError; end or abort the open update as
+        ``PublisherSession.error_action`` says."""
+        action = self._session.error_action(err)
+        if action is ErrorAction.ABORT:
+            self.abort(f"the daemon refused a message: {err.phase}: {err.message}")
+        elif action is ErrorAction.END:
+            self._end_update()
+        return to_exception(err)
 
     def _decode(self, frame: bytes) -> wire.FromDaemon:
         try:
             return wire.decode_from_daemon(frame)
         except wire.ProtocolError as e:
             raise SlotsyncError(
-                "protocol", str(e), slot=self._slot_pair(), update_id=self._update_id
+                "protocol", str(e), slot=self._slot_range(), update_id=self.update_id
             ) from None
-
-    def _keep_early_ack(self, msg: wire.FromDaemon) -> bool:
-        """Remember an ack of a chunk still in flight, or of the begin, that arrived before we
-        waited for it."""
-        if not (isinstance(msg, wire.Ack) and self._update_id is not None
-                and msg.update_id == self._update_id):
-            return False
-        if msg.phase == "chunk" and msg.index in self._unacked:
-            self._early_acks.add(msg.index)
-            return True
-        if msg.phase == "begin" and self._begin_unacked is not None:
-            self._begin_acked = True
-            return True
-        return False
 
     def _drain(self) -> None:
         """Handle replies that arrived unasked: keep acks of chunks in flight, raise an Error
         of the open update (or one with no update id); drop stale acks and errors of other
         update ids."""
-        while self._sock.poll(0):
-            msg = self._recv()
-            if self._keep_early_ack(msg):
-                continue
-            if isinstance(msg, wire.Error) and self._concerns_us(msg):
-                if msg.code == wire.NOT_REGISTERED and self._begin_unacked is not None:
-                    self._begin_refused = msg  # _await_begin registers again
-                    continue
+        while self._link.has_message():
+            msg = self._decode(self._link.recv_frame())
+            outcome = self._session.receive(msg)
+            if outcome is Outcome.ERROR:
+                assert isinstance(msg, wire.Error)
                 raise self._error(msg)
-            log.debug("rank %d: ignoring stale reply %r", self.rank, msg)
-
-    def _recv(self) -> wire.FromDaemon:
-        """One waiting reply, decoded; notes the daemon's pid (for messages naming it)."""
-        frame = self._sock.recv(zmq.NOBLOCK, copy=False)
-        if not self._daemon_pid:
-            with contextlib.suppress(zmq.ZMQError):
-                self._daemon_pid = peer_pid(frame.get("Peer-Address"))
-        return self._decode(frame.bytes)
+            if outcome is Outcome.STALE:
+                log.debug("rank %d: ignoring stale reply %r", self.rank, msg)
 
     def _read_monitor(self, *, during_update: bool, phase: str = "register",
                       waited_for: str = "") -> None:
@@ -1148,19 +878,18 @@ class Publisher:
                 ``liveness_s``. A daemon that restarts forgets the update in flight, so it
                 ends here; the next ``begin`` registers again.
         """
-        while self._monitor.poll(0):
-            event = zmq.utils.monitor.recv_monitor_message(self._monitor)
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        for event in self._link.events():
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 raise SlotsyncError(
                     "register",
                     f"the daemon at {self.endpoint} refused this process (uid "
                     f"{os.getuid()}, gid {os.getgid()}): not in its allow_uids / "
                     "allow_gids (see the daemon's peer_refused log line)",
-                    slot=self._slot_pair(),
+                    slot=self._slot_range(),
                 )
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
+            elif event == zmq.EVENT_DISCONNECTED:
                 self._connected = False
                 if during_update:
                     raise self._daemon_gone(phase, waited_for)
@@ -1168,22 +897,23 @@ class Publisher:
     def _daemon_gone(self, phase: str, waited_for: str) -> SlotsyncError:
         """The error for a connection that closed while waiting for ``waited_for``; ends the
         open update (the daemon that held it is gone) and forgets the registration."""
-        who = f"slotsyncd (pid {self._daemon_pid})" if self._daemon_pid else "slotsyncd"
+        pid = self._link.peer_pid
+        who = f"slotsyncd (pid {pid})" if pid else "slotsyncd"
         try:
             check_endpoint(self.endpoint, timeout_s=0.5)
             why = ("it stopped, restarted or was killed, or answered no heartbeat within "
                    f"liveness_s={self.liveness_s:g} s")
         except SlotsyncError as e:
             why = e.message
-        uid = self._update_id
+        uid = self.update_id
         if uid is not None:
             self._end_update()
-        self.registered = None  # (the next begin registers with whichever daemon listens)
-        self._daemon_pid = 0
+        self._session.forget_registration()  # (the next begin registers with whichever
+        self._link.peer_pid = 0  # daemon listens)
         during = f" of update {uid}" if uid is not None else ""
         return SlotsyncError(
             phase, f"lost the connection to {who} at {self.endpoint} while waiting for "
-            f"{waited_for}{during}: {why}", slot=self._slot_pair(), update_id=uid,
+            f"{waited_for}{during}: {why}", slot=self._slot_range(), update_id=uid,
             code=DAEMON_GONE)
 
     def _send(self, msg: wire.ToDaemon | wire.OutgoingChunk) -> None:
@@ -1198,51 +928,33 @@ class Publisher:
                 "staging_bytes) or raise the daemon's --max-message-bytes"
             )
         try:
-            self._sock.send(frame)
+            self._link.send(frame)
         except zmq.Again:
             raise SlotsyncTimeout(
                 type(msg).__name__.lower(),
                 f"room to send {type(msg).__name__}",
                 self.timeout_s,
                 endpoint=self.endpoint,
-                slot=self._slot_pair(),
-                update_id=self._update_id,
+                slot=self._slot_range(),
+                update_id=self.update_id,
             ) from None
 
-    def _wait_ack(self, phase: Literal["begin", "chunk", "commit"], index: int = -1) -> wire.Ack:
-        uid = self._update_id
-
-        def match(m: wire.FromDaemon) -> bool:
-            return (
-                isinstance(m, wire.Ack)
-                and m.update_id == uid
-                and m.phase == phase
-                and (phase != "chunk" or m.index == index)
-            )
-
-        what = f"Ack({phase}, index={index})" if phase == "chunk" else f"Ack({phase})"
-        reply = self._wait(phase, f"{what} for update {uid}", match)
-        assert isinstance(reply, wire.Ack)
-        return reply
-
-    def _wait(
-        self, phase: str, waited_for: str, match: Callable[[wire.FromDaemon], bool]
-    ) -> wire.FromDaemon:
-        """Receive until ``match`` accepts a reply; raise for an Error that concerns us.
+    def _wait(self, awaited: Awaited) -> wire.FromDaemon:
+        """Receive until the ``awaited`` reply comes; raise for an Error that concerns us.
 
         Raises:
             SlotsyncTimeout: nothing matched within ``timeout_s``.
-            SlotsyncError: an Error of the open update (or without update id) arrived.
+            SlotsyncError: an Error of the open update (or without update id) arrived, or
+                the connection closed.
         """
         t0 = time.perf_counter()
         try:
-            return self._wait_loop(phase, waited_for, match)
+            return self._wait_loop(awaited)
         finally:
             self._wait_s += time.perf_counter() - t0
 
-    def _wait_loop(
-        self, phase: str, waited_for: str, match: Callable[[wire.FromDaemon], bool]
-    ) -> wire.FromDaemon:
+    def _wait_loop(self, awaited: Awaited) -> wire.FromDaemon:
+        phase, waited_for = awaited.phase, awaited.describe()
         deadline = time.monotonic() + self.timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -1252,24 +964,25 @@ class Publisher:
                     waited_for,
                     self.timeout_s,
                     endpoint=self.endpoint,
-                    slot=self._slot_pair(),
-                    update_id=self._update_id,
+                    slot=self._slot_range(),
+                    update_id=self.update_id,
                 )
-            ready = dict(self._poller.poll(max(1, int(remaining * 1000))))
-            if self._monitor in ready:
+            ready = self._link.poll(max(0.001, remaining))
+            if ready == "event":
                 self._read_monitor(during_update=True, phase=phase, waited_for=waited_for)
                 continue
-            if self._sock not in ready:
+            if ready is None:
                 continue
-            msg = self._recv()
-            if match(msg):
+            msg = self._decode(self._link.recv_frame())
+            outcome = self._session.receive(msg, awaited)
+            if outcome is Outcome.MATCH:
                 return msg
-            if self._keep_early_ack(msg):
-                continue
-            if isinstance(msg, wire.Error) and self._concerns_us(msg):
+            if outcome is Outcome.ERROR:
+                assert isinstance(msg, wire.Error)
                 raise self._error(msg)
-            log.debug("rank %d: ignoring stale reply %r while waiting for %s",
-                      self.rank, msg, waited_for)
+            if outcome is Outcome.STALE:
+                log.debug("rank %d: ignoring stale reply %r while waiting for %s",
+                          self.rank, msg, waited_for)
 
 
 def _resolve_transport(
@@ -1296,17 +1009,3 @@ def _resolve_transport(
             dev = torch.device("cuda", torch.cuda.current_device())
         return "cuda", dev
     return "shm", dev if dev is not None else torch.device("cpu")
-
-
-def _check_version(weight_version: object) -> None:
-    """A weight version the wire carries (``Begin``): a str of 1 to ``MAX_VERSION_CHARS``.
-
-    Raises:
-        TypeError: not a str. ValueError: empty or too long.
-    """
-    if not isinstance(weight_version, str):
-        raise TypeError(f"weight_version must be a str, got {type(weight_version).__name__} "
-                        f"{weight_version!r}"[:200])
-    if not 0 < len(weight_version) <= wire.MAX_VERSION_CHARS:
-        raise ValueError(f"weight_version must have 1 to {wire.MAX_VERSION_CHARS} characters "
-                         f"(it has {len(weight_version)})")

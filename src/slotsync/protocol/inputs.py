@@ -1,0 +1,114 @@
+"""What ``Publisher.publish`` accepts: the checks of its tensors and of the weight version.
+
+The rules come from the wire (``wire.MAX_NAME_CHARS``, ``wire.MAX_VERSION_CHARS``,
+``wire.DTYPE_SIZES``: what the daemon decodes) and from the staging memory (a tensor must fit
+in ``staging_bytes``). No I/O here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from slotsync.protocol import wire
+from slotsync.protocol.export import DTYPE_NAME_MEMO, dtype_name
+
+__all__ = ["check_fits", "check_item", "check_version", "checked"]
+
+
+def check_version(weight_version: object) -> None:
+    """A weight version the wire carries (``Begin``): a str of 1 to ``MAX_VERSION_CHARS``.
+
+    Raises:
+        TypeError: not a str. ValueError: empty or too long.
+    """
+    if not isinstance(weight_version, str):
+        raise TypeError(f"weight_version must be a str, got {type(weight_version).__name__} "
+                        f"{weight_version!r}"[:200])
+    if not 0 < len(weight_version) <= wire.MAX_VERSION_CHARS:
+        raise ValueError(f"weight_version must have 1 to {wire.MAX_VERSION_CHARS} characters "
+                         f"(it has {len(weight_version)})")
+
+
+def check_fits(name: str, n: int, limit: int, packed: bool) -> None:
+    """A tensor ``name`` of ``n`` bytes fits a staging region (packed) or the chunk limit
+    (unpacked) of ``limit`` bytes.
+
+    Raises:
+        ValueError: names the tensor and both sizes.
+    """
+    if n > limit:
+        what = "the staging buffer" if packed else "the chunk limit (staging_bytes)"
+        raise ValueError(
+            f"tensor {name!r} is {n} bytes, larger than {what} of "
+            f"{limit} bytes (raise staging_bytes)"
+        )
+
+
+def checked(items: Iterable[object], limit: int,
+            packed: bool) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """``(name, tensor, bytes)`` per item, lazily, after the checks ``publish`` documents:
+    a (str, Tensor) pair, a name not seen before, of 1 to ``wire.MAX_NAME_CHARS``
+    characters, a dtype of ``wire.DTYPE_SIZES``, not on the meta device, at most ``limit``
+    bytes.
+
+    One test per check on the way through (this runs once per tensor and round); what
+    fails is told by ``_refuse``.
+
+    Raises:
+        TypeError: an item is not a ``(str, torch.Tensor)`` pair.
+        ValueError: a check fails (names the tensor).
+    """
+    seen: set[str] = set()
+    max_chars, known = wire.MAX_NAME_CHARS, DTYPE_NAME_MEMO
+    strided = torch.strided
+    for item in items:
+        if type(item) is tuple and len(item) == 2:
+            name, t = item
+            if type(name) is not str or not isinstance(t, torch.Tensor):
+                name, t = check_item(item)  # raises the TypeError
+        else:
+            name, t = check_item(item)
+        n = t.nbytes if t.layout is strided else -1  # (sparse: _refuse says so)
+        if (n < 0 or name in seen or not 0 < len(name) <= max_chars
+                or t.dtype not in known or t.is_meta or n > limit):
+            _refuse(name, t, n, seen, limit, packed)  # raises, or remembers a new dtype
+        seen.add(name)
+        yield name, t, n
+
+
+def _refuse(name: str, t: torch.Tensor, n: int, seen: set[str], limit: int,
+            packed: bool) -> None:
+    """Raise the ValueError saying which of ``checked``'s checks ``(name, t)`` fails;
+    returns when none does (a dtype seen for the first time)."""
+    if t.layout is not torch.strided:
+        raise ValueError(f"tensor {name!r} has layout {t.layout}: only dense (strided) "
+                         "tensors can be published")
+    if name in seen:
+        raise ValueError(f"tensor {name!r} appears twice in one update")
+    if not 0 < len(name) <= wire.MAX_NAME_CHARS:
+        raise ValueError(
+            f"tensor name {name[:80]!r} must have 1 to {wire.MAX_NAME_CHARS} "
+            f"characters (it has {len(name)})"
+        )
+    dtype_name(t.dtype)  # raises ValueError naming the allowed dtypes (memoized)
+    if t.is_meta:
+        raise ValueError(f"tensor {name!r} is on the meta device: it has no data")
+    check_fits(name, n, limit, packed)
+
+
+def check_item(item: object) -> tuple[str, torch.Tensor]:
+    """One ``(name, tensor)`` pair, or a TypeError saying what was given instead."""
+    if not (isinstance(item, tuple | list) and len(item) == 2):
+        raise TypeError(
+            f"publish takes (name, tensor) pairs (e.g. model.state_dict().items()), got "
+            f"{type(item).__name__} {str(item)[:80]!r}"
+        )
+    name, t = item
+    if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+        raise TypeError(
+            f"publish takes (name: str, tensor: torch.Tensor) pairs, got "
+            f"({type(name).__name__}, {type(t).__name__}) for {str(name)[:80]!r}"
+        )
+    return name, t
