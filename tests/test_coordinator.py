@@ -1407,13 +1407,13 @@ def test_start_that_reached_no_worker_leaves_the_engine_intact():
     h.round(1, n_chunks=1)
     assert h.ended[-1].outcome == "failed"
     assert not h.engine.paused and h.coord.state is SlotState.IDLE
-    assert not h.coord.needs_full_update and not h.coord.engine_dirty
+    assert not h.coord.needs_full_update and not h.coord.engine_mid_update
     h2 = _multiproc_harness()
     h2.round(0, n_chunks=1)
     h2.engine.fail[("start_weight_update", 1)] = {1: "CUDA out of memory"}
     h2.round(1, n_chunks=1)
     assert h2.engine.paused and h2.coord.state is SlotState.FAILED
-    assert h2.coord.engine_dirty and h2.coord.recover_first
+    assert h2.coord.engine_mid_update and h2.coord.recover_first
 
 
 def test_restarted_daemon_sends_no_finish_into_a_serving_engine():
@@ -1422,12 +1422,12 @@ def test_restarted_daemon_sends_no_finish_into_a_serving_engine():
     sends no finish -- on an engine of several workers that finish would fail on worker 0
     first and leave the others' replies queued (vLLM gh-58242). The update is a full one."""
     h = _multiproc_harness()
-    h.coord.restore_dirty(URL, 7, "step-7", "in_flight")
-    assert h.coord.dirty_state()[0] == "failed" and h.coord.engine_paused
+    h.coord.restore_mid_update(URL, 7, "step-7", "in_flight")
+    assert h.coord.mid_update_state()[0] == "failed" and h.coord.engine_paused
     h.round(8, n_chunks=1)
     assert "finish_recover" not in h.engine.calls and h.engine.unread() == [0, 0]
     assert h.coord.last_version == "v8" and not h.engine.paused
-    assert h.coord.dirty_state() is None
+    assert h.coord.mid_update_state() is None
 
 
 def test_replies_out_of_step_survive_a_daemon_restart_until_the_engine_restarts():
@@ -1441,10 +1441,10 @@ def test_replies_out_of_step_survive_a_daemon_restart_until_the_engine_restarts(
     h.engine.fail.clear()
     h.engine.calls.clear()
     h.round(2, n_chunks=1)
-    assert h.coord.dirty_state()[0] == "out_of_step"
+    assert h.coord.mid_update_state()[0] == "out_of_step"
     h2 = _multiproc_harness()  # a restarted daemon, the same broken engine
     h2.engine = h.engine
-    h2.coord.restore_dirty(URL, 2, "", "out_of_step")
+    h2.coord.restore_mid_update(URL, 2, "", "out_of_step")
     h2.engine.calls.clear()
     h2.round(3, n_chunks=1)
     err = next(m for m in h2.replies[0] if isinstance(m, Error) and m.update_id == 3)
@@ -1452,7 +1452,7 @@ def test_replies_out_of_step_survive_a_daemon_restart_until_the_engine_restarts(
     h2.engine.restart()  # comes up serving, version "default" as before: still recognised
     h2.round(4, n_chunks=1)
     assert h2.coord.last_version == "v4" and h2.engine.unread() == [0, 0]
-    assert h2.coord.dirty_state() is None
+    assert h2.coord.mid_update_state() is None
 
 
 # ---------------------------------------------------------------- liveness and slot lifecycle
@@ -1614,7 +1614,7 @@ def test_engine_left_mid_update_by_a_dead_job_needs_a_full_update_from_the_next_
     assert h.coord.needs_full_update and h.coord.engine_paused
     h.run(h.table.poll(6.0))
     assert h.table.slots == {} and URL in h.table.released
-    assert [d[1] for d in h.table.dirty_engines()] == [URL]  # (kept in the durable record)
+    assert [d[1] for d in h.table.mid_update_engines()] == [URL]  # (kept in the durable record)
     # the next job, another topology of the same engine, adopts what is known of it
     h.engine.world_size = 1
     a = h.table.on_message(ident(5), preg(0, 600, size=1), 7.0, peer_pid=600)

@@ -83,7 +83,7 @@ def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str]
     its shared memory."""
     import signal
 
-    from slotsync.daemon.launcher import die_with_parent
+    from slotsync.testing.processes import die_with_parent
 
     def _term(_sig: int, _frame: object) -> None:
         raise SystemExit(143)
@@ -96,8 +96,8 @@ def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str]
 
     from slotsync.engine.checksum import tensor_checksum
     from slotsync.protocol.groups import new_slot_groups
-    from slotsync.protocol.publisher import Publisher
     from slotsync.protocol.topology import SlotTopology
+    from slotsync.testing.ranks import rank_publisher
 
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -114,9 +114,8 @@ def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str]
             dev = torch.device("cpu")
         weights = load_file(str(cfg.model), device=str(dev))
         named = sorted(weights.items())
-        pub = Publisher(
-            endpoint, rank, slot, engine_url, packed=cfg.packed,
-            transport="cuda" if cfg.device == "cuda" else "shm", device=dev,
+        pub = rank_publisher(
+            endpoint, rank, slot, engine_url, device=dev, packed=cfg.packed,
             gpu_uuid=uuids[rank] if uuids else None,
             staging_bytes=cfg.staging_bytes, timeout_s=cfg.timeout_s,
         )
@@ -146,9 +145,9 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
     """
     import torch.multiprocessing as mp
 
-    from slotsync.daemon.launcher import DaemonProcess
     from slotsync.engine.launcher import ReferenceEngine
     from slotsync.protocol.wire import logical_gpu_uuid
+    from slotsync.testing.processes import DaemonProcess
 
     def say(text: str) -> None:
         try:

@@ -436,8 +436,9 @@ def run_session(
     Raises:
         RuntimeError: a rank failed (its traceback is in the message) or timed out.
     """
-    from slotsync.daemon.launcher import DaemonProcess
-    from slotsync.engine.launcher import ReferenceEngine, free_port
+    from slotsync.engine.launcher import ReferenceEngine
+    from slotsync.testing.ports import free_port
+    from slotsync.testing.processes import DaemonProcess
 
     engines: list[ReferenceEngine] = []
     try:

@@ -49,8 +49,7 @@ def _rank_main(rank: int, ranks: int, device: str, model: Qwen3MoeConfig, cmds: 
     try:
         import torch
 
-        from slotsync.protocol.publisher import Publisher
-        from slotsync.protocol.wire import logical_gpu_uuid
+        from slotsync.testing.ranks import rank_publisher
 
         specs = qwen3_moe_specs(model)
         dev = torch.device(device)
@@ -72,11 +71,8 @@ def _rank_main(rank: int, ranks: int, device: str, model: Qwen3MoeConfig, cmds: 
                 results.put(("copy", rank, _time_copy(torch, dev, nbytes * ranks)))
                 continue
             _, endpoint, engine_url, cfg, rounds = cmd
-            pub = Publisher(
-                endpoint, rank, (0, ranks), engine_url, packed=cfg.packed,
-                transport="cuda" if dev.type == "cuda" else "shm",
-                device=dev if dev.type == "cuda" else None,
-                gpu_uuid=logical_gpu_uuid(rank) if dev.type == "cuda" else None,
+            pub = rank_publisher(
+                endpoint, rank, (0, ranks), engine_url, device=dev, packed=cfg.packed,
                 staging_bytes=cfg.staging_bytes, staging_buffers=cfg.staging_buffers,
                 timeout_s=300,
             )  # fmt: skip
@@ -192,9 +188,9 @@ def run_gpu(
     Raises:
         RuntimeError: a rank failed (traceback in the message).
     """
-    from slotsync.daemon.launcher import DaemonProcess
     from slotsync.engine.launcher import ReferenceEngine
     from slotsync.protocol.wire import logical_gpu_uuid
+    from slotsync.testing.processes import DaemonProcess
 
     model = model or Qwen3MoeConfig(layers=16)
     specs: list[TensorSpec] = qwen3_moe_specs(model)

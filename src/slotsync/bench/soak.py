@@ -36,6 +36,8 @@ import sys
 import time
 from typing import Any
 
+from slotsync.testing.procfs import children, proc_status, shm_usage
+
 SEG_PREFIX = "slotsync-"
 RSS_FLOOR_KB = 1024  # growth below this, first to last sample, is noise
 RSS_GROWTH_PER_100 = 0.005  # slope threshold: fraction of the first sample per 100 rounds
@@ -62,15 +64,12 @@ def _rank_main(rank: int, n: int, endpoint: str, url: str, packed: bool, rounds:
     import torch
 
     from slotsync.protocol.errors import SlotsyncError
-    from slotsync.protocol.publisher import Publisher
-    from slotsync.protocol.wire import logical_gpu_uuid
+    from slotsync.testing.ranks import rank_publisher
 
     torch.set_num_threads(1)
     cuda = device != "cpu"
-    pub = Publisher(endpoint, rank, (0, n), url, packed=packed,
-                    transport="cuda" if cuda else "shm", device=device if cuda else None,
-                    gpu_uuid=logical_gpu_uuid(rank) if cuda else None,
-                    staging_bytes=16_384, timeout_s=120)
+    pub = rank_publisher(endpoint, rank, (0, n), url, device=device, packed=packed,
+                         staging_bytes=16_384, timeout_s=120)
     ok = 0
     err = ""
     try:
@@ -92,52 +91,13 @@ def _rank_main(rank: int, n: int, endpoint: str, url: str, packed: bool, rounds:
         q.put(("done", rank, ok, err, os.getpid()))
 
 
-def _children(pid: int) -> list[int]:
-    """Direct child pids of ``pid`` (from /proc/*/stat)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # field 4 (ppid) follows the ")" that closes the command name
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(name))
-    return out
-
-
 def _proc(pid: int) -> tuple[int, int]:
     """(VmRSS kB, open fds) of one process; (0, 0) if it is gone."""
     try:
-        rss = 0
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1])
-        return rss, len(os.listdir(f"/proc/{pid}/fd"))
+        st = proc_status(pid)
     except OSError:
         return 0, 0
-
-
-def _segments(pids: list[int]) -> tuple[int, int]:
-    """(count, bytes) of /dev/shm segments created by ``pids``."""
-    want = tuple(f"{SEG_PREFIX}{p}-" for p in pids)
-    count = size = 0
-    try:
-        names = os.listdir("/dev/shm")
-    except FileNotFoundError:
-        return 0, 0
-    for name in names:
-        if name.startswith(want):
-            try:
-                size += os.stat(f"/dev/shm/{name}").st_size
-                count += 1
-            except OSError:
-                pass
-    return count, size
+    return st["rss_kb"], st["fds"]
 
 
 def sample(daemon_pid: int, engine_pid: int, rank_pids: list[int], k: int,
@@ -145,10 +105,10 @@ def sample(daemon_pid: int, engine_pid: int, rank_pids: list[int], k: int,
     """One row of figures at round ``k``."""
     d_rss, d_fds = _proc(daemon_pid)
     e_rss = e_fds = 0
-    for p in [engine_pid, *_children(engine_pid)]:
+    for p in [engine_pid, *children(engine_pid)]:
         r, f = _proc(p)
         e_rss, e_fds = e_rss + r, e_fds + f
-    segs, seg_bytes = _segments(rank_pids)
+    segs, seg_bytes = shm_usage(rank_pids)
     return {"round": k, "daemon_rss_kb": d_rss, "daemon_fds": d_fds, "engine_rss_kb": e_rss,
             "engine_fds": e_fds, "shm_segments": segs, "shm_bytes": seg_bytes,
             "cuda_allocated": cuda_bytes}
@@ -221,8 +181,8 @@ def run_soak(rounds: int = 1000, ranks: int = 8, every: int = 100, packed: bool 
     """
     # At least a handful of samples, whatever --every says: a short run still gets a verdict.
     every = max(1, min(every, rounds // 5))
-    from slotsync.daemon.launcher import DaemonProcess
     from slotsync.engine.launcher import ReferenceEngine
+    from slotsync.testing.processes import DaemonProcess
 
     say = (lambda *_: None) if quiet else (lambda *a: print(*a, flush=True))
     own_engine = engine is None

@@ -182,6 +182,8 @@ class SlotCoordinator:
             of after its answer, the acks and this daemon's next turn. 1 keeps vLLM's own
             examples' order (each call after the previous one returned).
         omitted_names: ``"warn"`` or ``"refuse"`` (see ``OMITTED_NAMES_POLICIES``).
+        max_message_bytes: the daemon's frame cap in bytes, told to each rank in
+            ``Registered`` (0: unknown).
 
     Raises:
         ValueError: ``chunks_in_flight`` < 1, or an unknown ``omitted_names`` policy.
@@ -189,7 +191,7 @@ class SlotCoordinator:
 
     def __init__(
         self, start: int, size: int, timeouts: Timeouts | None = None, daemon_version: str = "",
-        chunks_in_flight: int = 3, omitted_names: str = "warn",
+        chunks_in_flight: int = 3, omitted_names: str = "warn", max_message_bytes: int = 0,
     ) -> None:
         if chunks_in_flight < 1:
             raise ValueError(f"chunks_in_flight must be >= 1, got {chunks_in_flight}")
@@ -198,6 +200,7 @@ class SlotCoordinator:
                              f"{omitted_names!r}")
         self.chunks_in_flight = chunks_in_flight
         self.omitted_names = omitted_names
+        self.max_message_bytes = max_message_bytes
         self.start = start
         self.size = size
         self.timeouts = timeouts or Timeouts()
@@ -213,7 +216,7 @@ class SlotCoordinator:
         # some out is reported (or refused), and after a failure the update that restores the
         # engine must cover them all before it is resumed (I4)
         self.last_ok_names: frozenset[str] = frozenset()
-        self.engine_dirty = False  # a start may be active on some engine workers
+        self.engine_mid_update = False  # a start may be active on some engine workers
         # What the daemon knows of the engine's session (design.md I9): the weight version it
         # should report (seen at the last probe, or finished by the daemon since), whether a
         # refused or reset connection was seen since (a possible restart), and whether it was
@@ -402,6 +405,7 @@ class SlotCoordinator:
                     self.next_update_id,
                     PROTOCOL_VERSION,
                     self.daemon_version,
+                    self.max_message_bytes,
                 ),
             )
         )
@@ -461,7 +465,7 @@ class SlotCoordinator:
                 # The engine holds a session nobody recorded (e.g. a daemon restarted without
                 # its state dir): end it, tolerating the 500, and start once more.
                 u.start_retried = True  # (phase stays starting: it may be mid-update)
-                self.engine_dirty = True
+                self.engine_mid_update = True
                 u.stage = STAGE_INDEX["recover"]
                 return self._advance(now)
             return self._fail(now, "engine", f"vLLM {route} failed: {error}", [])
@@ -496,7 +500,7 @@ class SlotCoordinator:
         elif route == "start_weight_update":
             u.on(PhaseEvent.STARTED)
             u.engine_started_at = now
-            self.engine_dirty = True
+            self.engine_mid_update = True
             actions: list[Action] = [
                 Reply(self.ranks[r].identity, Ack(u.update_id, "begin")) for r in sorted(u.begun)
             ]
@@ -509,7 +513,7 @@ class SlotCoordinator:
             return acks + self._advance(now)
         elif route == "finish_weight_update":
             u.on(PhaseEvent.FINISHED)
-            self.engine_dirty = False
+            self.engine_mid_update = False
             self.needs_full_update = False
             self.last_ok_names = frozenset(u.names)
             self.last_version = u.weight_version  # I8: recorded only with a successful finish
@@ -604,7 +608,7 @@ class SlotCoordinator:
         """Take over what released slot ``old`` knew of the same engine: the next job's first
         update is a full one if the engine was left paused, mid-update or out of step."""
         self.engine_url = old.engine_url
-        for name in ("engine_paused", "needs_full_update", "last_ok_names", "engine_dirty",
+        for name in ("engine_paused", "needs_full_update", "last_ok_names", "engine_mid_update",
                      "engine_version", "session_suspect", "engine_asleep", "replies_suspect",
                      "engine_out_of_step", "recover_first", "_restored", "engine_gpu_uuids",
                      "last_version", "last_error", "last_outcome", "_failed"):
@@ -651,7 +655,7 @@ class SlotCoordinator:
         world size again (the probe did, in this stage) and require a full update (it serves
         the weights of its own checkpoint, not the last ones the daemon loaded)."""
         self.engine_initialized = False
-        self.engine_dirty = False  # a new process holds no half-open session
+        self.engine_mid_update = False  # a new process holds no half-open session
         self.engine_out_of_step = None  # ... and its replies line up
         self.replies_suspect = False
         self.recover_first = True
@@ -677,7 +681,7 @@ class SlotCoordinator:
                 # workers a finish that fails on worker 0 leaves the others' replies queued,
                 # gh-58242). The next update stays a full one.
                 self.engine_paused = False
-                self.engine_dirty = False
+                self.engine_mid_update = False
                 return [SlotEvent(self.slot, "engine_serving_after_restart", {
                     "engine": self.engine_url, "update_id": u.update_id,
                     "record": restored, "needs_full_update": self.needs_full_update},
@@ -751,13 +755,13 @@ class SlotCoordinator:
             self.needs_full_update = True  # (a check it could not make: recover it fully)
         return [a for a in out if not isinstance(a, EngineCall)]
 
-    def restore_dirty(self, engine_url: str, update_id: int, weight_version: str,
+    def restore_mid_update(self, engine_url: str, update_id: int, weight_version: str,
                       state: str) -> None:
         """A previous daemon left this slot's engine mid-update (durable record): keep it
         paused and marked as needing a full update; the next round first ends any half-open
         session (finish, tolerating the 500), then sends everything (design.md I4)."""
         self.engine_url = engine_url
-        self.engine_dirty = True
+        self.engine_mid_update = True
         self.engine_paused = True
         self.needs_full_update = True
         self.engine_initialized = False
@@ -779,7 +783,7 @@ class SlotCoordinator:
                 "daemon stopped (vLLM gh-58242): restart the engine; the daemon then "
                 "initialises it and sends a full update")
 
-    def dirty_state(self) -> tuple[str, int, str] | None:
+    def mid_update_state(self) -> tuple[str, int, str] | None:
         """``(state, update_id, weight_version)`` if the engine may hold half-loaded weights:
         ``"in_flight"`` from the update's begin until it ended (resume returned),
         ``"failed"`` after a failed update until a full update succeeds; else None.
@@ -795,7 +799,7 @@ class SlotCoordinator:
         uid, _ = self._failed if self._failed else (self.next_update_id - 1, "")
         if self.engine_out_of_step:
             return ("out_of_step", uid, "")  # (refused until a new session, also after us)
-        if self.needs_full_update and (self.engine_dirty or self.engine_paused):
+        if self.needs_full_update and (self.engine_mid_update or self.engine_paused):
             return ("failed", uid, "")
         return None
 
@@ -806,7 +810,7 @@ class SlotCoordinator:
         if self.current is None:
             self.engine_url = url
             self.engine_initialized = False
-            self.engine_dirty = False
+            self.engine_mid_update = False
             self.engine_paused = False
             self.engine_asleep = False
             self.engine_version = None
@@ -854,7 +858,7 @@ class SlotCoordinator:
             "gpu_uuids": {str(r): i.gpu_uuid for r, i in sorted(self.ranks.items())},
             "engine_paused": self.engine_paused,
             "needs_full_update": self.needs_full_update,
-            "engine_may_be_mid_update": self.engine_dirty,
+            "engine_may_be_mid_update": self.engine_mid_update,
             "engine_sleeping": self.engine_asleep,
             "engine_replies_out_of_step": self.engine_out_of_step,
             "engine_weight_version": self.engine_version,
@@ -1079,7 +1083,7 @@ class SlotCoordinator:
                 u.stage += 1
                 continue
             if st.name == "recover" and not (
-                    self.engine_dirty and (self.recover_first or u.start_retried)):
+                    self.engine_mid_update and (self.recover_first or u.start_retried)):
                 u.stage += 1  # (start first: a start that finds a session ends it, below)
                 continue
             if st.name in EXECUTOR_STAGES and self.replies_suspect:
@@ -1260,7 +1264,7 @@ class SlotCoordinator:
             and self._start_reached_none(failed[1]))
         if started:
             self.needs_full_update = True
-            self.engine_dirty = True
+            self.engine_mid_update = True
             self.engine_paused = True
             # After a finish that reached the workers (some failed it, or it timed out and ran
             # on), the ones that finished hold no session: start first (a worker still in its

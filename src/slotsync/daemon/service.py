@@ -22,7 +22,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import msgspec
 import zmq
 import zmq.asyncio
 import zmq.utils.monitor
@@ -38,10 +37,10 @@ from slotsync.daemon.coordinator import (
     Timeouts,
     UpdateEnded,
 )
-from slotsync.daemon.inflight_record import DirtyEngine, InflightRecord
 from slotsync.daemon.liveness import ConnectionBook, PeerWatch, heartbeat_options, peer_pid
 from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.metrics import Metrics
+from slotsync.daemon.mid_update_record import MidUpdateEngine, MidUpdateRecord
 from slotsync.daemon.peer_auth import ZAP_DOMAIN, ZapHandler
 from slotsync.daemon.slot_table import SlotTable
 from slotsync.daemon.status_server import StatusServer
@@ -128,6 +127,7 @@ class Daemon:
             config.chunks_in_flight,
             config.omitted_names,
             config.slot_release_s,
+            config.max_message_bytes,
         )
         self.metrics.watch(self.table)  # slot/rank/in-flight gauges read the table per scrape
         self.endpoint = config.endpoint()
@@ -155,14 +155,14 @@ class Daemon:
         self._last_update: str = ""
         if config.engines:
             self.table.set_engine_table(*_engine_table(config.engines))
-        self.record = InflightRecord(config.state_path())
+        self.record = MidUpdateRecord(config.state_path())
         self._chunk_meta = ChunkMetaCache()  # each round re-sends the same chunk lists
         # Record writes run in order on one thread, off the event loop (a slow state disk
         # delays nothing else); only a /start_weight_update waits for them (_engine_call).
         self._record_io = ThreadPoolExecutor(1, thread_name_prefix="slotsync-record")
         self._record_key: tuple | None = None
         self._record_written: asyncio.Future[bool] | None = None
-        self.restored: list[DirtyEngine] = []
+        self.restored: list[MidUpdateEngine] = []
 
     @property
     def status_port(self) -> int:
@@ -256,7 +256,7 @@ class Daemon:
             await self.stop(reason)  # a second signal: stop now
             return
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
-        self.table.draining = True
+        self.table.on_drain()
         self.notifier.notify(STOPPING=1, STATUS=f"stopping ({reason})")
         n = self.table.updates_in_flight()
         log_event(log, logging.INFO, "shutdown", reason=reason, updates_in_flight=n,
@@ -522,16 +522,16 @@ class Daemon:
 
     def _persist(self, *, before_actions: bool) -> None:
         """Queue a rewrite of the durable record if the set of possibly mid-update engines
-        changed. A slot is recorded from its update's begin (``dirty_state``), so the write runs
-        while the begin's other calls run; its start waits until it is written
+        changed. A slot is recorded from its update's begin (``mid_update_state``), so the write
+        runs while the begin's other calls run; its start waits until it is written
         (``_record_on_disk``). A rewrite that only drops entries is queued after the actions
         went out (``before_actions=False``): the record thread then does not compete with
         sending the commit's acks, and a daemon killed before the write only recovers an
         engine it need not have."""
         if self.record.path is None:
             return
-        engines = [DirtyEngine(*d) for d in self.table.dirty_engines()]
-        key = InflightRecord.key_of(engines)
+        engines = [MidUpdateEngine(*d) for d in self.table.mid_update_engines()]
+        key = MidUpdateRecord.key_of(engines)
         if key == self._record_key:
             return
         if before_actions and set(key) <= set(self._record_key or ()):
@@ -569,8 +569,6 @@ class Daemon:
             if isinstance(a, Reply):
                 msg = a.msg
                 if isinstance(msg, Registered):
-                    msg = msgspec.structs.replace(
-                        msg, max_message_bytes=self.config.max_message_bytes)
                     log_event(log, logging.INFO, "registered", rank=msg.rank,
                               slot=_slot((msg.slot_start, msg.slot_start + msg.slot_size)))
                 elif isinstance(msg, Error) and msg.phase == "register":

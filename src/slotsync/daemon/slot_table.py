@@ -35,16 +35,22 @@ class SlotTable:
         omitted_names: each slot's policy for updates that leave out names (see
             ``coordinator.OMITTED_NAMES_POLICIES``).
         slot_release_s: seconds after a slot's last rank went until the slot is released.
+        max_message_bytes: the daemon's frame cap in bytes, told to each rank at registration
+            (0: unknown).
+
+    Shutting down, the adapter calls ``on_drain``: from then on registrations and begins
+    are refused (``draining``).
     """
 
     def __init__(self, timeouts: Timeouts | None = None, daemon_version: str = "",
                  chunks_in_flight: int = 3, omitted_names: str = "warn",
-                 slot_release_s: float = 60.0) -> None:
+                 slot_release_s: float = 60.0, max_message_bytes: int = 0) -> None:
         self.timeouts = timeouts or Timeouts()
         self.daemon_version = daemon_version
         self.chunks_in_flight = chunks_in_flight
         self.omitted_names = omitted_names
         self.slot_release_s = slot_release_s
+        self.max_message_bytes = max_message_bytes
         self.slots: dict[tuple[int, int], SlotCoordinator] = {}
         # undeclared slots released with something to remember about their engine, by URL
         self.released: dict[str, SlotCoordinator] = {}
@@ -55,7 +61,14 @@ class SlotTable:
 
     def _coordinator(self, start: int, size: int) -> SlotCoordinator:
         return SlotCoordinator(start, size, self.timeouts, self.daemon_version,
-                               self.chunks_in_flight, self.omitted_names)
+                               self.chunks_in_flight, self.omitted_names,
+                               self.max_message_bytes)
+
+    def on_drain(self) -> list[Action]:
+        """The daemon is shutting down gracefully: refuse new registrations and updates (the
+        updates in flight go on). Returns no actions."""
+        self.draining = True
+        return []
 
     def set_engine_table(
         self, table: dict[tuple[int, int], str],
@@ -89,7 +102,7 @@ class SlotTable:
                 c.declared_gpu_uuids = uuids
         for key in sorted(set(self.declared) - set(table)):
             c = self.slots.get(key)
-            if c is not None and not c.ranks and c.dirty_state() is None:
+            if c is not None and not c.ranks and c.mid_update_state() is None:
                 del self.slots[key]
                 changes.append(f"slot [{key[0]}, {key[1]}) removed")
             else:
@@ -200,7 +213,7 @@ class SlotTable:
                 del self._rank_of[ident]
         if key not in self.declared and not keep_slot:
             del self.slots[key]
-            if c.engine_url and (c.dirty_state() is not None or c.engine_paused
+            if c.engine_url and (c.mid_update_state() is not None or c.engine_paused
                                  or c.needs_full_update or c.last_ok_names):
                 self.released[c.engine_url.rstrip("/")] = c
         return [SlotEvent(key, "slot_released", {
@@ -236,19 +249,19 @@ class SlotTable:
 
     def restore(self, slot: tuple[int, int], engine_url: str, update_id: int,
                 weight_version: str, state: str) -> None:
-        """Recreate a slot that a previous daemon left mid-update (see inflight_record)."""
+        """Recreate a slot that a previous daemon left mid-update (see mid_update_record)."""
         c = self.slots.get(slot)
         if c is None:
             c = self.slots[slot] = self._coordinator(slot[0], slot[1] - slot[0])
-        c.restore_dirty(engine_url, update_id, weight_version, state)
+        c.restore_mid_update(engine_url, update_id, weight_version, state)
 
-    def dirty_engines(self) -> list[tuple[tuple[int, int], str, int, str, str]]:
+    def mid_update_engines(self) -> list[tuple[tuple[int, int], str, int, str, str]]:
         """``(slot, engine_url, update_id, weight_version, state)`` of every engine that may
         hold half-loaded weights."""
         out = []
         for key, c in sorted(self.slots.items(), key=lambda kc: kc[0]) + sorted(
                 ((c.slot, c) for c in self.released.values()), key=lambda kc: kc[0]):
-            d = c.dirty_state()
+            d = c.mid_update_state()
             if d is not None:
                 out.append((key, c.engine_url or "", d[1], d[2], d[0]))
         return out
@@ -286,7 +299,7 @@ class SlotTable:
         actions: list[Action] = []
         for (s, e), c in list(self.slots.items()):
             same_engine = (c.engine_url or "").rstrip("/") == url and (
-                c.ranks or c.current is not None or c.dirty_state() is not None)
+                c.ranks or c.current is not None or c.mid_update_state() is not None)
             overlaps = (s, e) != key and s < key[1] and key[0] < e
             if (s, e) == key:
                 if c.ranks and not self._live(c):  # a new job in the slot of a gone one

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,15 +24,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from slotsync.daemon.launcher import die_with_parent
 from slotsync.protocol.wire import logical_gpu_uuid, normalize_gpu_uuid
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (bind to port 0, then release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+from slotsync.testing.ports import free_port  # (moved there, issue 16; re-exported here)
+from slotsync.testing.processes import die_with_parent
 
 
 class EngineStartError(RuntimeError):

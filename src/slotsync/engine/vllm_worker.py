@@ -320,7 +320,7 @@ def vllm_worker_main(spec: VllmWorkerSpec, conn: Connection) -> None:
     Sends ``("ready", {"gpu_uuid", "device"})`` or ``("err", traceback)`` once, then serves
     ``(method, kwargs)`` requests in order until ``("exit", {})`` or until the parent goes.
     """
-    from slotsync.daemon.launcher import die_with_parent
+    from slotsync.testing.processes import die_with_parent
 
     die_with_parent()  # SIGTERM when the engine's front dies, even by SIGKILL
     try:

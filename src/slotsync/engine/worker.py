@@ -925,7 +925,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     Sends ``("ready", {"gpu_uuid", "device"})`` or ``("err", traceback)`` once, then serves
     ``(method, kwargs)`` requests until ``("exit", {})`` or until the parent goes away.
     """
-    from slotsync.daemon.launcher import die_with_parent
+    from slotsync.testing.processes import die_with_parent
 
     die_with_parent()  # SIGTERM when the engine's front dies, even by SIGKILL
     try:

@@ -26,8 +26,10 @@ FORMAT = 1
 
 
 @dataclass(frozen=True)
-class DirtyEngine:
-    """An engine that may hold half-loaded weights (design.md I4)."""
+class MidUpdateEngine:
+    """An engine that may hold half-loaded weights (design.md I4): one entry of the record
+    file. The same fact is ``SlotCoordinator.engine_mid_update`` in the core and
+    ``"engine_may_be_mid_update"`` in ``/status``."""
 
     slot: tuple[int, int]
     engine_url: str
@@ -40,14 +42,14 @@ class DirtyEngine:
         return (self.slot, self.engine_url, self.update_id, self.state)
 
 
-class InflightRecord:
+class MidUpdateRecord:
     """Reads and writes the record file. ``path`` None disables it (tests, no state dir)."""
 
     def __init__(self, path: str | os.PathLike[str] | None) -> None:
         self.path = Path(path) if path else None
         self._last: tuple | None = None
 
-    def load(self) -> list[DirtyEngine]:
+    def load(self) -> list[MidUpdateEngine]:
         """The engines a previous daemon left mid-update; [] if none or no file.
 
         Raises:
@@ -60,7 +62,7 @@ class InflightRecord:
             if data.get("format") != FORMAT:
                 raise ValueError(f"unknown format {data.get('format')!r}")
             return [
-                DirtyEngine((int(d["slot"][0]), int(d["slot"][1])), str(d["engine_url"]),
+                MidUpdateEngine((int(d["slot"][0]), int(d["slot"][1])), str(d["engine_url"]),
                             int(d["update_id"]), str(d["weight_version"]), str(d["state"]),
                             float(d.get("since", 0.0)))
                 for d in data["slots"]
@@ -69,11 +71,11 @@ class InflightRecord:
             raise ValueError(f"in-flight record {self.path} is unreadable: {e}") from None
 
     @staticmethod
-    def key_of(engines: list[DirtyEngine]) -> tuple:
+    def key_of(engines: list[MidUpdateEngine]) -> tuple:
         """What a write of ``engines`` depends on (equal keys: nothing to rewrite)."""
         return tuple(sorted(e.key() for e in engines))
 
-    def save(self, engines: list[DirtyEngine]) -> bool:
+    def save(self, engines: list[MidUpdateEngine]) -> bool:
         """Write the record if it changed (temp file, then rename: another process sees the
         old or the new record, never a part); returns whether it wrote. Blocking: the daemon
         calls it from its record thread.
