@@ -34,7 +34,8 @@ def test_wheel_installs_and_runs(tmp_path):
     (wheel,) = dist.glob("slotsync-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for want in ("slotsync/protocol/wire.py", "slotsync/daemon/service.py",
-                 "slotsync/engine/worker.py", "slotsync/cli.py"):
+                 "slotsync/engine/worker.py", "slotsync/cli.py",
+                 "slotsync/testing/processes.py", "slotsync/testing/ranks.py"):
         assert want in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry).decode()

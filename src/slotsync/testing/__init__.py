@@ -1,0 +1,13 @@
+"""Support shared by the tests, the benchmarks and the demo (shipped in the wheel, so that
+``slotsync bench`` and ``slotsync demo`` work from an installed package; issue 16).
+
+* ``processes``: ``slotsyncd`` as a subprocess (``DaemonProcess``) and ``die_with_parent``;
+* ``ports``: free loopback TCP ports;
+* ``procfs``: ``/proc`` and ``/dev/shm`` readers (RSS, open fds, child pids, segments);
+* ``ranks``: the ``Publisher`` of a test, benchmark or demo rank;
+* ``tensors``: synthetic weights the test ranks publish.
+
+Nothing here imports pytest, and this package imports none of its modules itself: each is
+imported on its own (``processes`` and ``ports`` need only the standard library; ``ranks``
+and ``tensors`` need torch).
+"""

@@ -1,0 +1,146 @@
+"""Helper processes for the demo, tests and benchmarks: ``slotsyncd`` as a subprocess
+(:class:`DaemonProcess`) and :func:`die_with_parent` for every helper a test or demo starts.
+
+Example::
+
+    with DaemonProcess(runtime_dir=tmp) as d:
+        d.endpoint        # "ipc:///.../slotsyncd.sock", what publishers connect to
+        d.status_url      # "http://127.0.0.1:<port>"
+
+(Moved from ``slotsync.daemon.launcher``, issue 16; that module re-exports these names.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from types import TracebackType
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for helper processes (daemon, reference engine): ask Linux to send them
+    SIGTERM when the process that started them dies, even by SIGKILL, so that a killed demo or
+    benchmark leaves nothing running. No-op elsewhere."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class DaemonStartError(RuntimeError):
+    """``slotsyncd`` exited or did not print its ready line in time."""
+
+
+class DaemonProcess:
+    """``python -m slotsync.daemon`` in a subprocess.
+
+    Args:
+        runtime_dir: folder for the ZeroMQ socket (default: a new temporary folder).
+        args: extra ``slotsyncd`` flags, e.g. ``["--chunk-timeout-s", "5"]``.
+        startup_timeout_s: bound on the wait for the ready line, seconds.
+        log_path: file receiving the daemon's stderr (default: a temporary file).
+        env: extra environment variables for the daemon.
+
+    Raises:
+        DaemonStartError: the daemon exited, or printed no ready line within
+            ``startup_timeout_s`` (the message carries the end of its log).
+    """
+
+    def __init__(
+        self,
+        runtime_dir: str | None = None,
+        args: list[str] | None = None,
+        startup_timeout_s: float = 30.0,
+        log_path: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self._tmp = None
+        if runtime_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="slotsyncd-")
+            runtime_dir = self._tmp.name
+        self.runtime_dir = runtime_dir
+        os.makedirs(runtime_dir, mode=0o770, exist_ok=True)
+        self.log_path = log_path or os.path.join(runtime_dir, "slotsyncd.log")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "slotsync.daemon", "--runtime-dir", runtime_dir,
+               "--status-port", "0", *(args or [])]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env={**os.environ, **(env or {})},
+                                     preexec_fn=die_with_parent)
+        self.endpoint = ""
+        self.status_port = 0
+        deadline = time.monotonic() + startup_timeout_s
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if line.startswith("slotsyncd ready"):
+                fields = dict(kv.split("=", 1) for kv in line.split()[2:])
+            elif line.startswith('{"event": "ready"'):  # --log-format json
+                fields = json.loads(line)
+            else:
+                fields = None
+            if fields is not None:
+                self.endpoint = fields["endpoint"]
+                self.status_port = int(fields["status_port"])
+                break
+            if not line or time.monotonic() > deadline:
+                self.stop()
+                raise DaemonStartError(f"slotsyncd did not start: {self.log_tail()}")
+
+    @property
+    def status_url(self) -> str:
+        """``http://127.0.0.1:<status_port>``: the daemon's status and metrics server."""
+        return f"http://127.0.0.1:{self.status_port}"
+
+    def status(self) -> dict:
+        """GET ``/status`` as a dict."""
+        with urllib.request.urlopen(self.status_url + "/status", timeout=10) as r:
+            return json.loads(r.read())
+
+    def metrics(self) -> str:
+        """GET ``/metrics`` (Prometheus text)."""
+        with urllib.request.urlopen(self.status_url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def log_tail(self, n: int = 4000) -> str:
+        """The last ``n`` characters of the daemon's log."""
+        if not self._log.closed:
+            self._log.flush()
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        if not self._log.closed:
+            self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> DaemonProcess:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
