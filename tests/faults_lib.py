@@ -24,9 +24,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 from slotsync.protocol import wire
+from slotsync.protocol.link import DaemonLink
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 RELIABILITY_ENV = "SLOTSYNC_RELIABILITY_OUT"
@@ -228,26 +227,13 @@ def job(rank: int, slot: tuple[int, int], engine_url: str, packed: bool, **scrip
 # ------------------------------------------------------------------------------ raw wire
 
 
-class WireRank:
-    """A raw DEALER socket to the daemon (no Publisher): sends any frame, reads replies."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-
-    def send(self, msg: Any) -> None:
-        self.sock.send(msg if isinstance(msg, bytes) else wire.encode(msg))
-
-    def send_frames(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames)
+class WireRank(DaemonLink):
+    """A raw DEALER socket to the daemon (no Publisher; ``protocol.link``): sends any frame
+    (``send``, ``send_frames``), reads replies."""
 
     def recv(self, timeout_s: float = 5.0) -> Any:
         """The next reply, decoded, or None after ``timeout_s``."""
-        if not self.sock.poll(int(timeout_s * 1000)):
-            return None
-        return wire.decode_from_daemon(self.sock.recv())
+        return super().recv(timeout_s)
 
     def recv_until(self, pred, timeout_s: float = 10.0) -> Any:
         """Replies until one satisfies ``pred`` (returned) or the time is up (None)."""
@@ -271,11 +257,6 @@ class WireRank:
                     and time.monotonic() < deadline):
                 return reply
             time.sleep(0.2)
-
-    def close(self) -> None:
-        # destroy, not term: term blocks forever while any socket of the context is open
-        if not self.ctx.closed:
-            self.ctx.destroy(linger=0)
 
 
 def shm_chunks(names_tensors, packed: bool, rank: int):

@@ -163,17 +163,9 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
 
 
 def _chunks(named, limit):
-    out, cur, size = [], [], 0
-    for n, t in named:
-        b = t.numel() * t.element_size()
-        if cur and size + b > limit:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append((n, t))
-        size += b
-    if cur:
-        out.append(cur)
-    return out
+    from slotsync.protocol.chunking import cut  # the publisher's own chunking rule
+
+    return list(cut(named, lambda item: item[1].numel() * item[1].element_size(), limit))
 
 
 def _raising(items, n, delay_s=0.0):

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotsync.bench.fake_exports import FakeExports
 from slotsync.bench.model import (
     Qwen3MoeConfig,
     TensorSpec,
@@ -54,6 +55,7 @@ from slotsync.bench.model import (
     qwen3_moe_specs,
     uniform_specs,
 )
+from slotsync.protocol.link import DaemonLink
 
 SYSTEMS = ("slotsync", "baseline")
 
@@ -111,104 +113,32 @@ def _specs(phase: Phase) -> list[TensorSpec]:
     return uniform_specs(phase.tensors)
 
 
-class _FakeExports:
-    """Synthetic ``reduce_tensor(t)[1]`` tuples, standing in for real CUDA exports.
-
-    Every export gets a fresh ref-counter offset (torch allocates one per export), so neither
-    system can hit a cache a real round would miss; packed, one export per round serves every
-    chunk, as the publisher sends it.
-    """
-
-    def __init__(self, rank: int) -> None:
-        import torch
-
-        self.torch = torch
-        self.rank = rank
-        self.counter = 0
-        self.ipc = bytes([rank % 256]) * 66  # torch: 64-byte cudaIpcMemHandle + framing
-        self.ref = f"/torch_{os.getpid()}_{rank}_ref".encode()
-        self.event = bytes([(rank + 1) % 256]) * 64
-
-    def args(self, shape: Sequence[int], dtype: Any, nbytes: int, offset: int) -> tuple:
-        self.counter += 1
-        stride = []
-        acc = 1
-        for d in reversed(shape):
-            stride.append(acc)
-            acc *= d
-        t = self.torch
-        # New bytes objects per export, as torch's _share_cuda_ returns: pickle's memo must
-        # not share them across handles (it would, for one reused object).
-        tag = self.counter.to_bytes(4, "little")
-        return (t.Tensor, t.Size(shape), tuple(reversed(stride)), 0, t.storage.TypedStorage,
-                dtype, 0, self.ipc[:-4] + tag, nbytes, offset, False, self.ref + b"",
-                self.counter * 8, self.event[:-4] + tag, True)
-
-    def round(self, chunks: list[list[TensorSpec]], packed: bool, staging_bytes: int,
-              staging_buffers: int = 1) -> list[list[tuple]]:
-        """Every chunk's exports for one round, as ``CudaStagingBuffer`` makes them: packed
-        with one region, the one export of the region that every chunk of the update sends;
-        with two, a fresh export per chunk of alternating halves of one block (same CUDA
-        memory handle, tensor offset 0 or ``cap``); unpacked, one per tensor."""
-        if not packed:
-            return [self.chunk(c) for c in chunks]
-        cap = max(staging_bytes, *(sum(s.nbytes for s in c) for c in chunks))
-        if staging_buffers == 1:
-            one = [self.args((cap,), self.torch.uint8, cap, 0)]
-            return [one for _ in chunks]
-        out = []
-        for k in range(len(chunks)):
-            a = list(self.args((cap,), self.torch.uint8, cap * staging_buffers, 0))
-            a[3] = (k % staging_buffers) * cap  # the region's offset in the block
-            if k:
-                a[7] = out[0][0][7]  # one block: one CUDA IPC memory handle
-            out.append([tuple(a)])
-        return out
-
-    def chunk(self, specs: list[TensorSpec]) -> list[tuple]:
-        """An unpacked chunk's exports: one per tensor."""
-        t = self.torch
-        out, off = [], 0
-        for s in specs:
-            out.append(self.args(s.shape, getattr(t, s.dtype), s.nbytes, off))
-            off += s.nbytes
-        return out
-
-
-class _DaemonLink:
-    """A rank's DEALER socket to slotsyncd: send a wire message, wait for the matching ack."""
+class _DaemonLink(DaemonLink):
+    """A rank's link to slotsyncd (``protocol.link``), waiting for the matching ack."""
 
     def __init__(self, endpoint: str, timeout_s: float) -> None:
-        import zmq
-
-        self.zmq = zmq
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.connect(endpoint)
-        self.timeout_ms = int(timeout_s * 1000)
-
-    def send(self, msg: Any) -> None:
-        from slotsync.protocol import wire
-
-        self.sock.send(wire.encode(msg))
+        super().__init__(endpoint)
+        self.timeout_s = timeout_s
 
     def wait(self, phase: str, index: int = -1) -> Any:
+        """The daemon's ``Registered`` (``phase="register"``) or ``Ack`` of ``phase`` (and
+        ``index``), skipping others.
+
+        Raises:
+            TimeoutError: no reply within ``timeout_s``. RuntimeError: an Error came.
+        """
         from slotsync.protocol import wire
 
         while True:
-            if not self.sock.poll(self.timeout_ms):
+            m = self.recv(self.timeout_s)
+            if m is None:
                 raise TimeoutError(f"no {phase} ack from slotsyncd")
-            m = wire.decode_from_daemon(self.sock.recv())
             if isinstance(m, wire.Error):
                 raise RuntimeError(f"slotsyncd error in {m.phase}: {m.message}")
             if isinstance(m, wire.Registered) and phase == "register":
                 return m
             if isinstance(m, wire.Ack) and m.phase == phase and (index < 0 or m.index == index):
                 return m
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
 
 
 def engine_call_seconds(status_url: str) -> tuple[float, float]:
@@ -291,7 +221,7 @@ def _rank_session(rank: int, plan: SessionPlan) -> dict[str, dict[str, dict[str,
             transport="cuda", pid=os.getpid(),
         ))  # fmt: skip
         next_id = link.wait("register").next_update_id
-    fake = _FakeExports(rank)
+    fake = FakeExports(rank)
     measure = rank == 0  # slot coordinator of slot 0 records per-chunk times
     out: dict[str, dict[str, dict[str, list]]] = {}
 
@@ -330,7 +260,7 @@ def _rank_session(rank: int, plan: SessionPlan) -> dict[str, dict[str, dict[str,
             ))  # fmt: skip
             while len(unacked) > ahead:
                 ack_oldest()
-            link.sock.send(frame)
+            link.send(frame)
             unacked.append(k)
         link.send(wire.Commit(update_id=uid, num_chunks=len(chunks)))
         while unacked:

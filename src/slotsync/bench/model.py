@@ -7,13 +7,15 @@ embeddings. 48 layers give 18,867 tensors and 61.1 GB in bfloat16 — the "61 GB
 the published slime/vime figures, where every rank of a colocated 8-GPU engine publishes the
 whole model in HF format.
 
-``chunk_specs`` cuts a list into chunks the way ``Publisher.publish`` does (greedy, in order,
-at most ``staging_bytes`` per chunk), so the benchmark's chunks are the publisher's chunks.
+``chunk_specs`` cuts a list into chunks with the publisher's own rule (``protocol.chunking``),
+so the benchmark's chunks are the publisher's chunks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from slotsync.protocol.chunking import cut
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -105,18 +107,13 @@ def chunk_specs(
     Raises:
         ValueError: a tensor is larger than ``staging_bytes`` and ``allow_oversize`` is off.
     """
-    chunks: list[list[TensorSpec]] = []
-    cur: list[TensorSpec] = []
-    size = 0
-    for s in specs:
-        n = s.nbytes
-        if n > staging_bytes and not allow_oversize:
-            raise ValueError(f"tensor {s.name} is {n} bytes, over the {staging_bytes}-byte chunk")
-        if cur and size + n > staging_bytes:
-            chunks.append(cur)
-            cur, size = [], 0
-        cur.append(s)
-        size += n
-    if cur:
-        chunks.append(cur)
-    return chunks
+    if not allow_oversize:
+        for s in specs:
+            if s.nbytes > staging_bytes:
+                raise ValueError(
+                    f"tensor {s.name} is {s.nbytes} bytes, over the {staging_bytes}-byte chunk")
+    return list(cut(specs, _nbytes, staging_bytes))
+
+
+def _nbytes(s: TensorSpec) -> int:
+    return s.nbytes

@@ -16,7 +16,7 @@ import argparse
 import time
 
 from slotsync.bench.cli import nonneg_int, positive_int
-from slotsync.bench.control import _FakeExports
+from slotsync.bench.fake_exports import FakeExports
 from slotsync.bench.model import Qwen3MoeConfig, chunk_specs, qwen3_moe_specs
 from slotsync.daemon import vllm_pickle
 from slotsync.daemon.aggregation import merge_chunk
@@ -33,7 +33,7 @@ def _frames(ranks: int, packed: bool, staging_bytes: int, index: int) -> list[by
     c = chunks[index]
     out = []
     for r in range(ranks):
-        args = _FakeExports(r).round([c], packed, staging_bytes)[0]
+        args = FakeExports(r).round([c], packed, staging_bytes)[0]
         out.append(wire.encode(wire.Chunk(
             update_id=1, index=0, names=[s.name for s in c], dtype_names=[s.dtype for s in c],
             shapes=[list(s.shape) for s in c], tensor_sizes=[s.nbytes for s in c],
