@@ -5,18 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from slotsync.protocol import session as ps
 from slotsync.protocol import wire
 from slotsync.protocol.chunking import MessageBound, cut, cuts_before
 from slotsync.protocol.errors import SlotsyncError
-from slotsync.protocol.session import (
-    Awaited,
-    ErrorAction,
-    Outcome,
-    PublisherSession,
-    SentChunk,
-    region_of,
-    unacked_before_copy,
-)
 from slotsync.protocol.topology import EngineSlot
 
 NEXT = 7
@@ -27,15 +19,15 @@ def _registered(rank: int = 1, start: int = 0, size: int = 2) -> wire.Registered
                            slot_size=size, next_update_id=NEXT)
 
 
-def _session() -> PublisherSession:
-    s = PublisherSession(1, EngineSlot(0, 2))
+def _session() -> ps.PublisherSession:
+    s = ps.PublisherSession(1, EngineSlot(0, 2))
     s.registration(_registered())
     return s
 
 
-def _chunk(s: PublisherSession, n: int = 4) -> SentChunk:
+def _chunk(s: ps.PublisherSession, n: int = 4) -> ps.SentChunk:
     index = s.add_chunk(n)
-    c = SentChunk(index, [f"t{index}"], ["float32"], [[1]], [n], [])
+    c = ps.SentChunk(index, [f"t{index}"], ["float32"], [[1]], [n], [])
     s.chunk_message(c)
     s.chunk_sent(c)
     return c
@@ -55,7 +47,7 @@ def test_update_ids_come_from_registration_and_grow_per_update() -> None:
 
 
 def test_registration_for_another_rank_or_protocol_is_refused() -> None:
-    s = PublisherSession(1, EngineSlot(0, 2))
+    s = ps.PublisherSession(1, EngineSlot(0, 2))
     with pytest.raises(SlotsyncError, match="but this is rank 1"):
         s.registration(_registered(rank=0))
     bad = wire.Registered(protocol_version=wire.PROTOCOL_VERSION + 1, rank=1, slot_start=0,
@@ -71,7 +63,7 @@ def test_acks_are_taken_in_order_and_an_early_ack_is_kept() -> None:
     for _ in range(3):
         _chunk(s)
     # chunk 1's ack comes first: kept, but chunk 0's must be awaited before it is taken
-    assert s.receive(_ack("chunk", index=1)) is Outcome.KEPT
+    assert s.receive(_ack("chunk", index=1)) is ps.Outcome.KEPT
     assert s.take_acked(0) == ([], 0)
     s.chunk_acked(0)
     assert s.take_acked(0) == ([0, 1], 2)
@@ -82,10 +74,10 @@ def test_an_awaited_ack_matches_and_others_are_stale() -> None:
     s = _session()
     s.begin("v")
     _chunk(s)
-    awaited = Awaited("chunk", NEXT, 0)
-    assert s.receive(_ack("chunk", index=0), awaited) is Outcome.MATCH
-    assert s.receive(_ack("chunk", uid=NEXT - 1, index=0)) is Outcome.STALE
-    assert s.receive(_ack("chunk", index=5)) is Outcome.STALE  # never sent
+    awaited = ps.Awaited("chunk", NEXT, 0)
+    assert s.receive(_ack("chunk", index=0), awaited) is ps.Outcome.MATCH
+    assert s.receive(_ack("chunk", uid=NEXT - 1, index=0)) is ps.Outcome.STALE
+    assert s.receive(_ack("chunk", index=5)) is ps.Outcome.STALE  # never sent
     assert awaited.describe() == f"Ack(chunk, index=0) for update {NEXT}"
 
 
@@ -93,23 +85,23 @@ def test_the_begins_ack_read_early_is_kept() -> None:
     s = _session()
     s.begin("v")
     assert s.begin_due()
-    assert s.receive(_ack("begin")) is Outcome.KEPT and s.begin_acked
+    assert s.receive(_ack("begin")) is ps.Outcome.KEPT and s.begin_acked
     s.begin_settled()
     assert not s.begin_due()
-    assert s.receive(_ack("begin")) is Outcome.STALE
+    assert s.receive(_ack("begin")) is ps.Outcome.STALE
 
 
 def test_an_error_for_another_update_is_ignored_and_ours_fails_the_update() -> None:
     s = _session()
     s.begin("v")
     other = wire.Error(phase="chunk", message="old", update_id=NEXT - 1)
-    assert s.receive(other) is Outcome.STALE
-    assert s.error_action(other) is ErrorAction.NONE
+    assert s.receive(other) is ps.Outcome.STALE
+    assert s.error_action(other) is ps.ErrorAction.NONE
     ours = wire.Error(phase="chunk", message="engine down", update_id=NEXT)
-    assert s.receive(ours) is Outcome.ERROR
-    assert s.error_action(ours) is ErrorAction.END
+    assert s.receive(ours) is ps.Outcome.ERROR
+    assert s.error_action(ours) is ps.ErrorAction.END
     refused = wire.Error(phase="protocol", message="cannot decode")  # no update id
-    assert s.error_action(refused) is ErrorAction.ABORT
+    assert s.error_action(refused) is ps.ErrorAction.ABORT
 
 
 def test_a_refused_begin_is_sent_again_with_the_chunks_sent_before_its_ack() -> None:
@@ -118,8 +110,8 @@ def test_a_refused_begin_is_sent_again_with_the_chunks_sent_before_its_ack() -> 
     c = _chunk(s)
     gone = wire.Error(phase="register", message="not registered", update_id=NEXT,
                       code=wire.NOT_REGISTERED)
-    assert s.receive(gone) is Outcome.REFUSED and s.begin_refused is gone
-    assert s.error_action(gone) is ErrorAction.KEEP
+    assert s.receive(gone) is ps.Outcome.REFUSED and s.begin_refused is gone
+    assert s.error_action(gone) is ps.ErrorAction.KEEP
     s.update_id = None  # (the publisher registers again)
     s.registration(wire.Registered(protocol_version=wire.PROTOCOL_VERSION, rank=1,
                                    slot_start=0, slot_size=2, next_update_id=40))
@@ -127,11 +119,11 @@ def test_a_refused_begin_is_sent_again_with_the_chunks_sent_before_its_ack() -> 
     assert begin.update_id == 40 and begin.weight_version == "v"
     assert [(m.update_id, m.index, m.names) for m in chunks] == [(40, c.index, c.names)]
     # the resent begin's ack is kept; a second refusal ends the update
-    assert s.receive(_ack("begin", uid=40)) is Outcome.KEPT
+    assert s.receive(_ack("begin", uid=40)) is ps.Outcome.KEPT
     again = wire.Error(phase="register", message="not registered", update_id=40,
                        code=wire.NOT_REGISTERED)
-    assert s.receive(again) is Outcome.ERROR
-    assert s.error_action(again) is ErrorAction.END
+    assert s.receive(again) is ps.Outcome.ERROR
+    assert s.error_action(again) is ps.ErrorAction.END
 
 
 def test_end_reports_the_acks_read_but_not_taken_and_forgets_the_update() -> None:
@@ -147,12 +139,12 @@ def test_end_reports_the_acks_read_but_not_taken_and_forgets_the_update() -> Non
 
 
 def test_a_region_is_reused_only_after_its_previous_chunks_ack() -> None:
-    assert [region_of(k, 3) for k in range(5)] == [0, 1, 2, 0, 1]
+    assert [ps.region_of(k, 3) for k in range(5)] == [0, 1, 2, 0, 1]
     # before chunk k's copy into region k % n, chunk k - n must be acknowledged: at most
     # n - 1 unacked
-    assert unacked_before_copy(max_unacked=3, regions=4) == 3
-    assert unacked_before_copy(max_unacked=3, regions=2) == 1
-    assert unacked_before_copy(max_unacked=3, regions=1) == 0
+    assert ps.unacked_before_copy(max_unacked=3, regions=4) == 3
+    assert ps.unacked_before_copy(max_unacked=3, regions=2) == 1
+    assert ps.unacked_before_copy(max_unacked=3, regions=1) == 0
 
 
 def test_commit_counts_the_chunks() -> None:
