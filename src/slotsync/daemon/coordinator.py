@@ -823,57 +823,19 @@ class SlotCoordinator:
     # ------------------------------------------------------------------ status
 
     def status(self, now: float | None = None) -> dict:
-        """A JSON-able snapshot for ``/status``; ``now``: monotonic seconds (rank ages)."""
-        if now is None:
-            now = max([i.last_seen for i in self.ranks.values()], default=0.0)
-        u = self.current
-        cur = None
-        if u is not None:
-            cur = {
-                "update_id": u.update_id,
-                "weight_version": u.weight_version,
-                "engine_started": u.engine_started,
-                "ranks_begun": sorted(u.begun),
-                "chunks_received": {str(r): n for r, n in sorted(u.sent_count.items())},
-                "chunks_consumed": u.next_index,
-                "bytes_consumed": u.consumed_bytes,
-                "ranks_committed": sorted(u.committed),
-                "engine_call_in_flight": (next(iter(self._calls.values())).route
-                                          if self._calls else None),
-                "engine_calls_in_flight": len(self._calls),
-            }
-        return {
-            "slot": [self.start, self.end],
-            "state": self.state.value,
-            "engine_url": self.engine_url,
-            "packed": self.packed,
-            "transport": self.transport,
-            "ranks_expected": self.size,
-            "ranks_registered": sorted(self.ranks),
-            "ranks": [{"rank": i.rank, "pid": i.peer_pid or i.pid, "host": i.hostname,
-                       "alive": i.gone_at is None,
-                       "last_seen_s": round(max(0.0, now - i.last_seen), 3),
-                       "gone_s": None if i.gone_at is None else round(now - i.gone_at, 3),
-                       "gone_why": i.gone_why or None} for i in self._by_rank()],
-            "gpu_uuids": {str(r): i.gpu_uuid for r, i in sorted(self.ranks.items())},
-            "engine_paused": self.engine_paused,
-            "needs_full_update": self.needs_full_update,
-            "engine_may_be_mid_update": self.engine_mid_update,
-            "engine_sleeping": self.engine_asleep,
-            "engine_replies_out_of_step": self.engine_out_of_step,
-            "engine_weight_version": self.engine_version,
-            "engine_gpu_uuids": list(self.declared_gpu_uuids or self.engine_gpu_uuids or []),
-            "last_update_names": len(self.last_ok_names),
-            "next_update_id": self.next_update_id,
-            "current_update": cur,
-            "last_version": self.last_version,
-            "last_outcome": self.last_outcome,
-            "last_duration_s": self.last_duration_s,
-            "last_error": self.last_error,
-            "updates_succeeded": self.updates_ok,
-            "updates_failed": self.updates_failed,
-            "engine_calls": dict(self.engine_calls),
-        }
+        """A JSON-able snapshot for ``/status`` (``status_documents.slot_status``); ``now``:
+        monotonic seconds (rank ages)."""
+        from slotsync.daemon.status_documents import slot_status  # (it imports this module)
+
+        return slot_status(self, now)
+
+    def by_rank(self) -> list[RankInfo]:
+        """The registered ranks in rank order."""
+        return self._by_rank()
+
+    def calls_in_flight(self) -> list[EngineCall]:
+        """The current update's engine calls in flight, oldest first."""
+        return list(self._calls.values())
 
     # ------------------------------------------------------------------ internals
 

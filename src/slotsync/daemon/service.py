@@ -33,7 +33,6 @@ from slotsync.daemon.coordinator import (
     EngineCall,
     Reply,
     SlotEvent,
-    SlotState,
     Timeouts,
     UpdateEnded,
 )
@@ -43,6 +42,7 @@ from slotsync.daemon.metrics import Metrics
 from slotsync.daemon.mid_update_record import MidUpdateEngine, MidUpdateRecord
 from slotsync.daemon.peer_auth import ZAP_DOMAIN, ZapHandler
 from slotsync.daemon.slot_table import SlotTable
+from slotsync.daemon.status_documents import daemon_status, status_line
 from slotsync.daemon.status_server import StatusServer
 from slotsync.daemon.systemd import Notifier
 from slotsync.daemon.vllm_client import EngineError, VllmClient
@@ -307,12 +307,8 @@ class Daemon:
                 "engine_remembered": left is not None or slot in self.table.slots}
 
     def status_line(self) -> str:
-        """One line for systemd's STATUS=: slots, ranks, updates and the last update."""
-        slots = self.table.slots.values()
-        failed = sum(c.state is SlotState.FAILED for c in slots)
-        line = (f"{len(self.table.slots)} slots, {self.table.connected_ranks()} ranks, "
-                f"{self.table.updates_in_flight()} updating, {failed} failed")
-        return line + (f"; last: {self._last_update}" if self._last_update else "")
+        """One line for systemd's STATUS= (``status_documents.status_line``)."""
+        return status_line(self.table, self._last_update)
 
     async def stop(self, reason: str = "daemon stopping") -> None:
         """Fail updates in flight, tell their ranks, close sockets and sessions."""
@@ -347,20 +343,9 @@ class Daemon:
         self._stopped.set()
 
     def status(self) -> dict:
-        """The ``/status`` document: daemon facts and every slot's state."""
-        now = time.monotonic()
-        return {
-            "version": __version__,
-            "endpoint": self.endpoint,
-            "uptime_s": round(time.time() - self.started_at, 3),
-            "ranks_connected": self.table.connected_ranks(),
-            "slots": [c.status(now) for _, c in sorted(self.table.slots.items())],
-            # engines of released slots that a later job must update fully (by engine URL)
-            "released_engines": [
-                {"engine_url": url, "slot": list(c.slot), "engine_paused": c.engine_paused,
-                 "needs_full_update": c.needs_full_update, "last_error": c.last_error}
-                for url, c in sorted(self.table.released.items())],
-        }
+        """The ``/status`` document (``status_documents.daemon_status``)."""
+        return daemon_status(self.table, __version__, self.endpoint, self.started_at,
+                             time.monotonic())
 
     # ------------------------------------------------------------------ adapters
 

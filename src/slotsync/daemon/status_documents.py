@@ -1,0 +1,96 @@
+"""The JSON documents the daemon serves and announces: ``/status`` (one per slot, and the
+daemon's) and the one-line ``STATUS=`` systemd shows. Pure functions of the core's state; the
+keys are the operator's interface (docs/operations.md) and stay as they are.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from slotsync.daemon.coordinator import SlotCoordinator, SlotState
+
+if TYPE_CHECKING:
+    from slotsync.daemon.slot_table import SlotTable
+
+
+def slot_status(c: SlotCoordinator, now: float | None = None) -> dict[str, Any]:
+    """One slot's ``/status`` entry; ``now``: monotonic seconds (rank ages; default the last
+    time a rank was seen). ``"engine_may_be_mid_update"`` is ``c.engine_mid_update``."""
+    if now is None:
+        now = max([i.last_seen for i in c.ranks.values()], default=0.0)
+    u = c.current
+    cur = None
+    if u is not None:
+        calls = c.calls_in_flight()
+        cur = {
+            "update_id": u.update_id,
+            "weight_version": u.weight_version,
+            "engine_started": u.engine_started,
+            "ranks_begun": sorted(u.begun),
+            "chunks_received": {str(r): n for r, n in sorted(u.sent_count.items())},
+            "chunks_consumed": u.next_index,
+            "bytes_consumed": u.consumed_bytes,
+            "ranks_committed": sorted(u.committed),
+            "engine_call_in_flight": calls[0].route if calls else None,
+            "engine_calls_in_flight": len(calls),
+        }
+    return {
+        "slot": [c.start, c.end],
+        "state": c.state.value,
+        "engine_url": c.engine_url,
+        "packed": c.packed,
+        "transport": c.transport,
+        "ranks_expected": c.size,
+        "ranks_registered": sorted(c.ranks),
+        "ranks": [{"rank": i.rank, "pid": i.peer_pid or i.pid, "host": i.hostname,
+                   "alive": i.gone_at is None,
+                   "last_seen_s": round(max(0.0, now - i.last_seen), 3),
+                   "gone_s": None if i.gone_at is None else round(now - i.gone_at, 3),
+                   "gone_why": i.gone_why or None} for i in c.by_rank()],
+        "gpu_uuids": {str(r): i.gpu_uuid for r, i in sorted(c.ranks.items())},
+        "engine_paused": c.engine_paused,
+        "needs_full_update": c.needs_full_update,
+        "engine_may_be_mid_update": c.engine_mid_update,
+        "engine_sleeping": c.engine_asleep,
+        "engine_replies_out_of_step": c.engine_out_of_step,
+        "engine_weight_version": c.engine_version,
+        "engine_gpu_uuids": list(c.declared_gpu_uuids or c.engine_gpu_uuids or []),
+        "last_update_names": len(c.last_ok_names),
+        "next_update_id": c.next_update_id,
+        "current_update": cur,
+        "last_version": c.last_version,
+        "last_outcome": c.last_outcome,
+        "last_duration_s": c.last_duration_s,
+        "last_error": c.last_error,
+        "updates_succeeded": c.updates_ok,
+        "updates_failed": c.updates_failed,
+        "engine_calls": dict(c.engine_calls),
+    }
+
+
+def daemon_status(table: SlotTable, version: str, endpoint: str, started_at: float,
+                  now: float) -> dict[str, Any]:
+    """The ``/status`` document: daemon facts and every slot's state. ``started_at``: wall-clock
+    seconds since the epoch; ``now``: monotonic seconds."""
+    return {
+        "version": version,
+        "endpoint": endpoint,
+        "uptime_s": round(time.time() - started_at, 3),
+        "ranks_connected": table.connected_ranks(),
+        "slots": [slot_status(c, now) for _, c in sorted(table.slots.items())],
+        # engines of released slots that a later job must update fully (by engine URL)
+        "released_engines": [
+            {"engine_url": url, "slot": list(c.slot), "engine_paused": c.engine_paused,
+             "needs_full_update": c.needs_full_update, "last_error": c.last_error}
+            for url, c in sorted(table.released.items())],
+    }
+
+
+def status_line(table: SlotTable, last_update: str) -> str:
+    """One line for systemd's ``STATUS=``: slots, ranks, updates and the last update."""
+    slots = table.slots.values()
+    failed = sum(c.state is SlotState.FAILED for c in slots)
+    line = (f"{len(table.slots)} slots, {table.connected_ranks()} ranks, "
+            f"{table.updates_in_flight()} updating, {failed} failed")
+    return line + (f"; last: {last_update}" if last_update else "")
