@@ -556,6 +556,7 @@ def test_publish_sends_chunks_while_the_begin_is_in_flight_and_gives_them_back_i
     before any chunk's. If the begin fails, the exports sent meanwhile are given back, each
     once (``release_unconsumed``), since no engine will map them."""
     from slotsync.protocol import export_ledger
+    from slotsync.protocol.chunk_export import ChunkExporter
     from slotsync.protocol.staging import ShmStagingBuffer
 
     events: list[str] = []
@@ -572,9 +573,9 @@ def test_publish_sends_chunks_while_the_begin_is_in_flight_and_gives_them_back_i
         events.append("export")
         return export(self, items)
 
-    export = Publisher._export_unpacked
+    export = ChunkExporter.unpacked
     monkeypatch.setattr(ShmStagingBuffer, "handle", handle)
-    monkeypatch.setattr(Publisher, "_export_unpacked", export_unpacked)
+    monkeypatch.setattr(ChunkExporter, "unpacked", export_unpacked)
 
     def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
         if isinstance(msg, wire.Begin):

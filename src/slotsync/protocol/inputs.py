@@ -1,4 +1,5 @@
-"""What ``Publisher.publish`` accepts: the checks of its tensors and of the weight version.
+"""What ``Publisher`` accepts: its arguments and transport, and ``publish``'s tensors and weight
+version.
 
 The rules come from the wire (``wire.MAX_NAME_CHARS``, ``wire.MAX_VERSION_CHARS``,
 ``wire.DTYPE_SIZES``: what the daemon decodes) and from the staging memory (a tensor must fit
@@ -13,8 +14,49 @@ import torch
 
 from slotsync.protocol import wire
 from slotsync.protocol.export import DTYPE_NAME_MEMO, dtype_name
+from slotsync.protocol.topology import EngineSlot
 
-__all__ = ["check_fits", "check_item", "check_version", "checked"]
+__all__ = ["MAX_STAGING_BUFFERS", "check_fits", "check_item", "check_publisher_args",
+           "check_version", "checked", "resolve_transport"]
+
+MAX_STAGING_BUFFERS = 8
+"""Packed: the most staging regions per rank."""
+
+
+def check_publisher_args(rank: int, slot: EngineSlot, gpu_uuid: str | None, packed: bool,
+                         staging_bytes: int, staging_buffers: int, timeout_s: float,
+                         liveness_s: float) -> None:
+    """``Publisher``'s arguments, checked in one place (see its Args).
+
+    Raises:
+        TypeError: an argument of the wrong type (names it and what was given).
+        ValueError: ``rank`` not in ``slot``, or a value out of range.
+    """
+    for arg, value in (("rank", rank), ("staging_bytes", staging_bytes),
+                       ("staging_buffers", staging_buffers)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
+    if rank not in slot:
+        raise ValueError(f"rank {rank} is not in its engine slot {slot}")
+    if gpu_uuid is not None and not isinstance(gpu_uuid, str):
+        raise TypeError(f"gpu_uuid must be a str, got {type(gpu_uuid).__name__} "
+                        f"{gpu_uuid!r}")
+    if not isinstance(packed, bool):
+        raise TypeError(f"packed must be True or False, got {type(packed).__name__} "
+                        f"{packed!r}")
+    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool):
+        raise TypeError(f"timeout_s must be a number of seconds, got "
+                        f"{type(timeout_s).__name__} {timeout_s!r}")
+    if staging_bytes <= 0:
+        raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
+    if not 1 <= staging_buffers <= MAX_STAGING_BUFFERS:
+        raise ValueError(f"staging_buffers must be 1..{MAX_STAGING_BUFFERS}, got "
+                         f"{staging_buffers}")
+    if not 0 < timeout_s < float("inf"):
+        raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
+    if (not isinstance(liveness_s, int | float) or isinstance(liveness_s, bool)
+            or not 0.1 <= liveness_s <= 3600):
+        raise ValueError(f"liveness_s must be 0.1..3600 seconds, got {liveness_s!r}")
 
 
 def check_version(weight_version: object) -> None:
@@ -112,3 +154,29 @@ def check_item(item: object) -> tuple[str, torch.Tensor]:
             f"({type(name).__name__}, {type(t).__name__}) for {str(name)[:80]!r}"
         )
     return name, t
+
+
+def resolve_transport(
+    transport: str, device: torch.device | int | str | None
+) -> tuple[str, torch.device]:
+    """Pick the transport and the rank's device (see ``Publisher``'s ``transport``)."""
+    if transport not in ("auto", "cuda", "shm"):
+        raise ValueError(f"transport must be 'auto', 'cuda' or 'shm', got {transport!r}")
+    dev: torch.device | None = None
+    if device is not None:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if transport == "auto":
+        if dev is not None:
+            transport = "cuda" if dev.type == "cuda" else "shm"
+        else:
+            transport = "cuda" if torch.cuda.is_available() else "shm"
+    if transport == "cuda":
+        if dev is not None and dev.type != "cuda":
+            raise ValueError(f"transport 'cuda' needs a CUDA device, got {dev}")
+        if not torch.cuda.is_available():
+            raise ValueError("transport 'cuda' needs a CUDA build of torch and a visible GPU "
+                             "(torch.cuda.is_available() is False); use transport='shm'")
+        if dev is None or dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return "cuda", dev
+    return "shm", dev if dev is not None else torch.device("cpu")

@@ -53,20 +53,15 @@ import torch
 import zmq
 
 from slotsync.protocol import inputs, wire
+from slotsync.protocol.chunk_export import ChunkExporter
 from slotsync.protocol.chunking import MessageBound, cut
 from slotsync.protocol.connect_check import check_endpoint
 from slotsync.protocol.errors import DAEMON_GONE, SlotsyncError, SlotsyncTimeout
 from slotsync.protocol.export import (
     PackedLayout,
-    ShmSegment,
-    cuda_ipc_handle,
-    dtype_name,
     gpu_uuid_of,
-    nbytes_of,
-    pack_into,
 )
-from slotsync.protocol.export_ledger import ExportLedger
-from slotsync.protocol.inputs import check_version
+from slotsync.protocol.inputs import MAX_STAGING_BUFFERS, check_version
 from slotsync.protocol.link import DaemonLink
 from slotsync.protocol.session import (
     MAX_UNACKED_CHUNKS,
@@ -79,10 +74,10 @@ from slotsync.protocol.session import (
     to_exception,
     unacked_before_copy,
 )
-from slotsync.protocol.staging import CudaStagingBuffer, ShmStagingBuffer, StagingBuffer
 from slotsync.protocol.topology import EngineSlot
 
-__all__ = ["DEFAULT_STAGING_BUFFERS", "DEFAULT_STAGING_BYTES", "MAX_UNACKED_CHUNKS",
+__all__ = ["DEFAULT_STAGING_BUFFERS", "DEFAULT_STAGING_BYTES", "MAX_STAGING_BUFFERS",
+           "MAX_UNACKED_CHUNKS",
            "PublishStats", "Publisher"]
 
 log = logging.getLogger(__name__)
@@ -94,8 +89,6 @@ DEFAULT_STAGING_BYTES = 512 * 1024 * 1024
 DEFAULT_STAGING_BUFFERS = 4
 """Packed: staging regions per rank (GPU memory: 4 x 512 MiB by default, vLLM's packed
 default is 2 x 1 GiB)."""
-MAX_STAGING_BUFFERS = 8
-"""Packed: the most staging regions per rank."""
 
 _LINGER_MS = 500  # how long close() lets an unsent Abort try to get out
 
@@ -124,15 +117,9 @@ class PublishStats:
     engine_resumed: bool = True
 
 
-def _release(link: DaemonLink, segments: list[ShmSegment],
-             staging: list[StagingBuffer]) -> None:
+def _release(link: DaemonLink, exporter: ChunkExporter) -> None:
     """Finalizer: free everything a publisher owns (runs from close(), GC or atexit)."""
-    for buf in staging:
-        buf.close()
-    staging.clear()
-    for seg in segments:
-        seg.close_and_unlink()
-    segments.clear()
+    exporter.close()
     link.close()
 
 
@@ -219,32 +206,9 @@ class Publisher:
         timeout_s: float = 360.0,
         liveness_s: float = 10.0,
     ) -> None:
-        for arg, value in (("rank", rank), ("staging_bytes", staging_bytes),
-                           ("staging_buffers", staging_buffers)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
         self.slot = slot if isinstance(slot, EngineSlot) else EngineSlot(*slot)
-        if rank not in self.slot:
-            raise ValueError(f"rank {rank} is not in its engine slot {self.slot}")
-        if gpu_uuid is not None and not isinstance(gpu_uuid, str):
-            raise TypeError(f"gpu_uuid must be a str, got {type(gpu_uuid).__name__} "
-                            f"{gpu_uuid!r}")
-        if not isinstance(packed, bool):
-            raise TypeError(f"packed must be True or False, got {type(packed).__name__} "
-                            f"{packed!r}")
-        if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool):
-            raise TypeError(f"timeout_s must be a number of seconds, got "
-                            f"{type(timeout_s).__name__} {timeout_s!r}")
-        if staging_bytes <= 0:
-            raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
-        if not 1 <= staging_buffers <= MAX_STAGING_BUFFERS:
-            raise ValueError(f"staging_buffers must be 1..{MAX_STAGING_BUFFERS}, got "
-                             f"{staging_buffers}")
-        if not 0 < timeout_s < float("inf"):
-            raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
-        if (not isinstance(liveness_s, int | float) or isinstance(liveness_s, bool)
-                or not 0.1 <= liveness_s <= 3600):
-            raise ValueError(f"liveness_s must be 0.1..3600 seconds, got {liveness_s!r}")
+        inputs.check_publisher_args(rank, self.slot, gpu_uuid, packed, staging_bytes,
+                                    staging_buffers, timeout_s, liveness_s)
         self.endpoint = endpoint
         self.rank = rank
         self.engine_url = engine_url
@@ -253,7 +217,7 @@ class Publisher:
         self.staging_buffers = staging_buffers
         self.timeout_s = timeout_s
         self.liveness_s = float(liveness_s)
-        self.transport, self.device = _resolve_transport(transport, device)
+        self.transport, self.device = inputs.resolve_transport(transport, device)
         if gpu_uuid is not None:
             self.gpu_uuid = wire.normalize_gpu_uuid(gpu_uuid)
         elif self.transport == "cuda":
@@ -269,9 +233,9 @@ class Publisher:
         self._export_s = 0.0
         self._wait_s = 0.0
         self._last_commit: wire.Ack | None = None  # the last update's Ack(commit)
-        self._segments: list[ShmSegment] = []  # every segment we own (for the finalizer)
-        self._exports = ExportLedger(self._segments)  # what the open update exported
-        self._staging: list[StagingBuffer] = []  # at most one, created on first packed chunk
+        self._exporter = ChunkExporter(self.transport, self.device, rank, staging_bytes,
+                                       staging_buffers)  # staging memory, exports
+        self._exports = self._exporter.ledger  # what the open update exported
         # Liveness: a daemon that exits closes the connection at once; heartbeats close one
         # whose daemon went silent within liveness_s (see daemon/liveness.py). The monitor
         # sees a daemon that refuses our credentials (ZAP): it answers nothing, so without it
@@ -281,8 +245,7 @@ class Publisher:
             .encode(), liveness_s=self.liveness_s, monitor=True, send_timeout_s=timeout_s,
             linger_ms=_LINGER_MS)
         self._connected: bool | None = None  # None: not yet (the first handshake is pending)
-        self._finalizer = weakref.finalize(self, _release, self._link, self._segments,
-                                           self._staging)
+        self._finalizer = weakref.finalize(self, _release, self._link, self._exporter)
 
     # ---------------------------------------------------------------- public API
 
@@ -482,7 +445,7 @@ class Publisher:
         index = s.num_chunks
         t0 = time.perf_counter()
         if self.packed:
-            staging = self._staging_buffer()
+            staging = self._exporter.staging()
             region = region_of(index, staging.regions)
             # CPU: overlaps the engine's load of earlier chunks and the pending chunk's copy
             plan = staging.plan(items, region, sizes,
@@ -514,7 +477,7 @@ class Publisher:
         if s.begin_refused is not None:
             self._await_begin()
         t0 = time.perf_counter()
-        layout, handles = self._export_unpacked(items)
+        layout, handles = self._exporter.unpacked(items)
         self._export_s += time.perf_counter() - t0
         self._wait_unacked(max_unacked)
         s.add_chunk(sum(layout.tensor_sizes))
@@ -527,7 +490,7 @@ class Publisher:
         if self._pending is None:
             return
         self._drain()  # (reads acks, or an Error, that arrived)
-        if self._staging[0].copied(self._pending[2]):
+        if self._exporter.staging().copied(self._pending[2]):
             self._send_pending()
 
     def _send_pending(self) -> None:
@@ -540,7 +503,7 @@ class Publisher:
         index, layout, region = self._pending
         self._pending = None
         t0 = time.perf_counter()
-        staging = self._staging[0]
+        staging = self._exporter.staging()
         staging.ready(region)
         handles: list[wire.Handle] = [staging.handle(region)]
         self._export_s += time.perf_counter() - t0
@@ -685,7 +648,7 @@ class Publisher:
                 "publish got no tensors: nothing to send (was the iterator already consumed?)"
             )
         if self.packed:
-            self._allocate_staging()
+            self._exporter.allocate()
         t0 = time.perf_counter()
         self._export_s = self._wait_s = 0.0
         ahead = self.staging_buffers - 1 if self.packed else MAX_UNACKED_CHUNKS - 1
@@ -730,23 +693,6 @@ class Publisher:
             return  # even the whole update in one message would fit (the usual case: free)
         bound.check(((name, t.dim(), n) for name, t, n in items), self.staging_bytes, cap)
 
-    def _allocate_staging(self) -> None:
-        """Allocate this update's staging memory before the begin, so that a size that does
-        not fit fails before the engine is paused.
-
-        Raises:
-            MemoryError: the regions cannot be allocated (names their size and the device).
-        """
-        try:
-            self._staging_buffer().tensor  # noqa: B018 - allocates (CUDA: once per update)
-        except (RuntimeError, OSError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            total = self.staging_bytes * self.staging_buffers
-            where = self.device if self.transport == "cuda" else "/dev/shm"
-            raise MemoryError(
-                f"cannot allocate {self.staging_buffers} staging region(s) of "
-                f"{self.staging_bytes} bytes ({total} bytes) on {where}: {e} (lower "
-                "staging_bytes or staging_buffers)") from None
-
     def close(self) -> None:
         """Abort an open update, close the socket and unlink every shared-memory segment this
         publisher owns. Idempotent; also runs at garbage collection and interpreter exit."""
@@ -778,63 +724,12 @@ class Publisher:
     def _slot_range(self) -> tuple[int, int]:
         return (self.slot.start, self.slot.end)
 
-    def _staging_buffer(self) -> StagingBuffer:
-        if not self._staging:
-            buf: StagingBuffer
-            if self.transport == "cuda":
-                buf = CudaStagingBuffer(self.staging_bytes, self.device, self.staging_buffers)
-            else:
-                buf = ShmStagingBuffer(self.staging_bytes, rank=self.rank,
-                                       regions=self.staging_buffers)
-                self._segments.append(buf.segment)
-            self._staging.append(buf)
-        return self._staging[0]
-
-    def _export_unpacked(
-        self, items: Sequence[tuple[str, torch.Tensor]]
-    ) -> tuple[PackedLayout, list[wire.Handle]]:
-        """Unpacked export: one handle per tensor, kept alive until the commit's ack."""
-        handles: list[wire.Handle] = []
-        if self.transport == "cuda":
-            layout = PackedLayout([], [], [], [])
-            for name, t in items:
-                e = t.detach()
-                if e.device != self.device:
-                    e = e.to(self.device)
-                e = e.contiguous()
-                layout.names.append(name)
-                layout.dtype_names.append(dtype_name(e.dtype))
-                layout.shapes.append([int(d) for d in e.shape])
-                layout.tensor_sizes.append(nbytes_of(e))
-                self._exports.pinned.append(e)
-                handles.append(cuda_ipc_handle(e))
-            torch.cuda.synchronize(self.device)
-            return layout, handles
-        # shm: one segment per chunk, the tensors back to back, one handle per tensor
-        total = sum(nbytes_of(t) for _, t in items)
-        seg = ShmSegment(total, rank=self.rank)
-        self._exports.segment(seg)
-        assert seg.tensor is not None
-        layout = pack_into(seg.tensor, items)
-        off = 0
-        for n in layout.tensor_sizes:
-            handles.append(seg.handle(off, n))
-            off += n
-        return layout, handles
-
     def _end_update(self, succeeded: bool = False) -> None:
         """Forget the open update: release exports (``ExportLedger.end``: after an update that
         did not succeed, the CUDA exports never acknowledged are given back), move to the
         next update id (I7)."""
-        acked_early = self._session.end()
-        self._exports.end(succeeded, acked_early)
         self._pending = None
-        for buf in self._staging:
-            buf.end_update()
-        if self.transport == "cuda":
-            # free exported blocks whose consumers have released them (vLLM's own producer
-            # calls this after finish; vllm-contract.md)
-            torch.cuda.ipc_collect()
+        self._exporter.end_update(succeeded, self._session.end())
 
     def _error(self, err: wire.Error) -> SlotsyncError:
         """Turn a daemon Error into a SlotsyncError; end or abort the open update as
@@ -983,29 +878,3 @@ class Publisher:
             if outcome is Outcome.STALE:
                 log.debug("rank %d: ignoring stale reply %r while waiting for %s",
                           self.rank, msg, waited_for)
-
-
-def _resolve_transport(
-    transport: str, device: torch.device | int | str | None
-) -> tuple[str, torch.device]:
-    """Pick the transport and the rank's device (see ``Publisher``'s ``transport``)."""
-    if transport not in ("auto", "cuda", "shm"):
-        raise ValueError(f"transport must be 'auto', 'cuda' or 'shm', got {transport!r}")
-    dev: torch.device | None = None
-    if device is not None:
-        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if transport == "auto":
-        if dev is not None:
-            transport = "cuda" if dev.type == "cuda" else "shm"
-        else:
-            transport = "cuda" if torch.cuda.is_available() else "shm"
-    if transport == "cuda":
-        if dev is not None and dev.type != "cuda":
-            raise ValueError(f"transport 'cuda' needs a CUDA device, got {dev}")
-        if not torch.cuda.is_available():
-            raise ValueError("transport 'cuda' needs a CUDA build of torch and a visible GPU "
-                             "(torch.cuda.is_available() is False); use transport='shm'")
-        if dev is None or dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        return "cuda", dev
-    return "shm", dev if dev is not None else torch.device("cpu")

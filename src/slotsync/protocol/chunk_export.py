@@ -1,0 +1,137 @@
+"""A publisher's exports: its staging memory (packed) and per-chunk exports (unpacked), and
+what they hold during an update (``ExportLedger``).
+
+Packed: one ``StagingBuffer`` of ``regions`` regions, created on first use and allocated per
+update (CUDA) or kept for the publisher's life (shm). Unpacked: CUDA tensors exported as they
+are (a contiguous copy on the rank's device where needed), or one shared-memory segment per
+chunk with the tensors back to back; both are kept until the commit's ack (design.md I3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from slotsync.protocol import wire
+from slotsync.protocol.export import (
+    PackedLayout,
+    ShmSegment,
+    cuda_ipc_handle,
+    dtype_name,
+    nbytes_of,
+    pack_into,
+)
+from slotsync.protocol.export_ledger import ExportLedger
+from slotsync.protocol.staging import CudaStagingBuffer, ShmStagingBuffer, StagingBuffer
+
+__all__ = ["ChunkExporter"]
+
+
+class ChunkExporter:
+    """Exports one rank's chunks.
+
+    Args:
+        transport: ``"cuda"`` or ``"shm"``.
+        device: the rank's device (cuda: its GPU).
+        rank: the rank (names its shared-memory segments).
+        capacity: bytes of each staging region (``staging_bytes``).
+        regions: staging regions (``staging_buffers``).
+    """
+
+    def __init__(self, transport: str, device: torch.device, rank: int, capacity: int,
+                 regions: int) -> None:
+        self.transport = transport
+        self.device = device
+        self.rank = rank
+        self.capacity = capacity
+        self.regions = regions
+        self.segments: list[ShmSegment] = []  # every segment we own (for close)
+        self.ledger = ExportLedger(self.segments)  # what the open update exported
+        self._staging: StagingBuffer | None = None
+
+    def staging(self) -> StagingBuffer:
+        """The staging buffer, created on first use.
+
+        Raises:
+            OSError: the shared-memory segment cannot be created.
+        """
+        if self._staging is None:
+            buf: StagingBuffer
+            if self.transport == "cuda":
+                buf = CudaStagingBuffer(self.capacity, self.device, self.regions)
+            else:
+                buf = ShmStagingBuffer(self.capacity, rank=self.rank, regions=self.regions)
+                self.segments.append(buf.segment)
+            self._staging = buf
+        return self._staging
+
+    def allocate(self) -> None:
+        """Allocate this update's staging memory (before the begin, so that a size that does
+        not fit fails before the engine is paused).
+
+        Raises:
+            MemoryError: the regions cannot be allocated (names their size and the device).
+        """
+        try:
+            self.staging().tensor  # noqa: B018 - allocates (CUDA: once per update)
+        except (RuntimeError, OSError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            total = self.capacity * self.regions
+            where = self.device if self.transport == "cuda" else "/dev/shm"
+            raise MemoryError(
+                f"cannot allocate {self.regions} staging region(s) of "
+                f"{self.capacity} bytes ({total} bytes) on {where}: {e} (lower "
+                "staging_bytes or staging_buffers)") from None
+
+    def unpacked(
+        self, items: Sequence[tuple[str, torch.Tensor]]
+    ) -> tuple[PackedLayout, list[wire.Handle]]:
+        """Unpacked export: one handle per tensor, kept alive until the commit's ack."""
+        handles: list[wire.Handle] = []
+        if self.transport == "cuda":
+            layout = PackedLayout([], [], [], [])
+            for name, t in items:
+                e = t.detach()
+                if e.device != self.device:
+                    e = e.to(self.device)
+                e = e.contiguous()
+                layout.names.append(name)
+                layout.dtype_names.append(dtype_name(e.dtype))
+                layout.shapes.append([int(d) for d in e.shape])
+                layout.tensor_sizes.append(nbytes_of(e))
+                self.ledger.pinned.append(e)
+                handles.append(cuda_ipc_handle(e))
+            torch.cuda.synchronize(self.device)
+            return layout, handles
+        # shm: one segment per chunk, the tensors back to back, one handle per tensor
+        total = sum(nbytes_of(t) for _, t in items)
+        seg = ShmSegment(total, rank=self.rank)
+        self.ledger.segment(seg)
+        assert seg.tensor is not None
+        layout = pack_into(seg.tensor, items)
+        off = 0
+        for n in layout.tensor_sizes:
+            handles.append(seg.handle(off, n))
+            off += n
+        return layout, handles
+
+    def end_update(self, succeeded: bool, acked_early: set[int]) -> None:
+        """The update ended: settle the ledger (``ExportLedger.end``), drop the staging
+        memory's exports and, on CUDA, free exported blocks whose consumers have released
+        them (``torch.cuda.ipc_collect()``: vLLM's own producer calls it after finish;
+        vllm-contract.md)."""
+        self.ledger.end(succeeded, acked_early)
+        if self._staging is not None:
+            self._staging.end_update()
+        if self.transport == "cuda":
+            torch.cuda.ipc_collect()
+
+    def close(self) -> None:
+        """Free the staging memory and unlink every segment left. Idempotent."""
+        self.ledger.pinned.clear()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        for seg in self.segments:
+            seg.close_and_unlink()
+        self.segments.clear()
