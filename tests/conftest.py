@@ -1,11 +1,49 @@
-"""Shared pytest set-up: the engine under test (see ``tests/engines.py``)."""
+"""Shared pytest set-up: the engine under test (see ``tests/engines.py``) and the engine
+fixtures several test modules use (issue 16: each module defined its own copy).
+
+* ``engine``: a reference engine with two workers, one per test module (modules that need a
+  different engine, e.g. vLLM's code with a model, define their own ``engine``);
+* ``engine_box``: an :class:`engines.EngineBox` of the engine under test (``--engine``), two
+  workers, one per module; ``fresh_engine``: that box brought back to a clean state (faults
+  cleared, no update open, resumed) before and after each test.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from engines import ENGINE_ENV, IMPLS, vllm_importable
+from engines import ENGINE_ENV, IMPLS, EngineBox, vllm_importable
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    """A started ``ReferenceEngine(workers=2)`` (skips without torch: its workers need it)."""
+    pytest.importorskip("torch")
+    from slotsync.engine.launcher import ReferenceEngine
+
+    with ReferenceEngine(workers=2) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def engine_box() -> Iterator[EngineBox]:
+    """The engine under test with two workers, restartable (``EngineBox``)."""
+    box = EngineBox(2)
+    yield box
+    box.close()
+
+
+@pytest.fixture
+def fresh_engine(engine_box: EngineBox) -> Iterator[EngineBox]:
+    """The module's ``engine_box``, with faults cleared and any leftover update ended
+    (restarted where vLLM's executor would otherwise carry a failed call's replies into the
+    next)."""
+    engine_box.reset()
+    yield engine_box
+    engine_box.reset()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

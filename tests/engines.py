@@ -8,8 +8,9 @@ exception handlers and uvicorn, vLLM's ``Worker`` weight-update state machine an
 Both expose the test-only routes ``/_slotsync/stats`` and ``/_slotsync/fault``.
 
 vLLM's engine loads weights into a real model, so it needs one whose names, dtypes and shapes
-are what the tests publish: :func:`start_engine` writes it from ``trainer_script.make_tensors``
-(or the ``named`` tensors given) as a safetensors file.
+are what the tests publish: :func:`start_engine` writes it from
+``slotsync.testing.tensors.make_tensors`` (or the ``named`` tensors given) as a safetensors
+file.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from slotsync.testing.ports import port_free
+
+__all__ = ["ENGINE_ENV", "IMPLS", "EngineBox", "impl", "model_file", "port_free",
+           "start_engine", "vllm_importable"]
 
 ENGINE_ENV = "SLOTSYNC_TEST_ENGINE"
 IMPLS = ("reference", "vllm")
@@ -50,7 +56,7 @@ def model_file(named: list[tuple[str, Any]] | None = None) -> Path:
     from safetensors.torch import save_file
 
     if named is None:
-        from trainer_script import make_tensors
+        from slotsync.testing.tensors import make_tensors
 
         named = make_tensors(0)
     key = tuple((n, str(t.dtype), tuple(t.shape)) for n, t in named)
@@ -76,18 +82,6 @@ def start_engine(workers: int = 2, *, named: list[tuple[str, Any]] | None = None
             kw["model"] = model_file(named)
         kw.setdefault("startup_timeout_s", 300.0)
     return ReferenceEngine(workers=workers, impl=which, **kw)
-
-
-def port_free(port: int) -> bool:
-    """Whether a TCP port on 127.0.0.1 can be bound now."""
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 class EngineBox:

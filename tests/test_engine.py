@@ -133,10 +133,7 @@ def sample_tensors(seed: int) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[ReferenceEngine]:
-    with ReferenceEngine(workers=2, startup_timeout_s=90) as eng:
-        yield eng
+# (fixture ``engine``, a reference engine with two workers: tests/conftest.py)
 
 
 @pytest.fixture

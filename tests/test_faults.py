@@ -36,18 +36,13 @@ from slotsync.engine.launcher import free_port
 pytest.importorskip("torch")
 
 from engines import EngineBox, impl, start_engine  # noqa: E402
-from faults_lib import (  # noqa: E402
-    RankPool,
-    Recorder,
-    WireRank,
-    describe_errors,
+from faults_lib import WireRank, shm_chunks  # noqa: E402
+from rank_pool import RankPool, job  # noqa: E402
+from reliability_rows import Recorder, describe_errors  # noqa: E402
+from state_readers import (  # noqa: E402
     engine_checksums,
     engine_stats,
     engine_summary,
-    job,
-    proc_status,
-    shm_chunks,
-    shm_segments,
     slot_status,
     wait_for,
 )
@@ -56,6 +51,7 @@ from trainer_script import make_tensors  # noqa: E402
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
 from slotsync.engine.checksum import tensor_checksum  # noqa: E402
 from slotsync.protocol import wire  # noqa: E402
+from slotsync.testing.procfs import proc_status, shm_segments  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -17,29 +17,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from engines import EngineBox  # noqa: E402
 from trainer_script import make_tensors, run_rank  # noqa: E402
 
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
 from slotsync.engine.checksum import checksums_by_worker, tensor_checksum  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def engine():
-    box = EngineBox(2)
-    yield box
-    box.close()
-
-
-@pytest.fixture
-def fresh_engine(engine):
-    """The module's engine, with faults cleared and any leftover update ended (restarted
-    where vLLM's executor would otherwise carry a failed call's replies into the next)."""
-    engine.reset()
-    yield engine
-    engine.reset()
 
 
 def run_ranks(daemon, engine_url, packed, scripts, timeout_s=90.0, on_event=None):

@@ -216,13 +216,7 @@ def test_stale_socket_file_is_reclaimed(tmp_path):
         assert d.status()["endpoint"].endswith("slotsyncd.sock")
 
 
-@pytest.fixture(scope="module")
-def engine():
-    pytest.importorskip("torch")
-    from slotsync.engine.launcher import ReferenceEngine
-
-    with ReferenceEngine(workers=2) as eng:
-        yield eng
+# (fixture ``engine``, a reference engine with two workers: tests/conftest.py)
 
 
 @pytest.fixture

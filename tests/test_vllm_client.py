@@ -7,13 +7,7 @@ import pytest
 pytest.importorskip("torch")  # the reference engine's workers need torch
 
 from slotsync.daemon.vllm_client import EngineError, VllmClient, error_message  # noqa: E402
-from slotsync.engine.launcher import ReferenceEngine, free_port  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def engine():
-    with ReferenceEngine(workers=2) as eng:
-        yield eng
+from slotsync.engine.launcher import free_port  # noqa: E402
 
 
 async def test_round_of_routes_and_errors(engine):

@@ -47,38 +47,25 @@ from __future__ import annotations
 
 import time
 
+from slotsync.testing.tensors import make_tensors  # (moved there, issue 16; re-exported)
 
-def make_tensors(seed: int):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    return [
-        ("layers.0.attn.qkv.weight", torch.randn(64, 48, generator=g).to(torch.bfloat16)),
-        ("layers.0.mlp.up.weight", torch.randn(128, 64, generator=g)),
-        ("layers.0.norm.weight", torch.randn(64, generator=g).to(torch.float16)),
-        ("layers.1.mlp.up.weight", torch.randn(128, 64, generator=g)),
-        ("layers.1.mask", torch.rand(32, generator=g) > 0.5),
-        ("lm_head.weight", torch.randn(100, 64, generator=g)),
-    ]
+__all__ = ["make_tensors", "run_rank"]
 
 
 def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
     import torch
 
     from slotsync.protocol.errors import SlotsyncError
-    from slotsync.protocol.publisher import Publisher
-    from slotsync.protocol.wire import logical_gpu_uuid
+    from slotsync.testing.ranks import rank_publisher
 
     url = script.get("engine_url", engine_url)
     time.sleep(script.get("register_delay_s", 0))
     cuda = script.get("cuda", False)
-    pub = Publisher(endpoint, rank, slot, url, packed=packed,
-                    transport="cuda" if cuda else "shm",
-                    device="cuda:0" if cuda else None,
-                    gpu_uuid=logical_gpu_uuid(rank - slot[0]) if cuda else None,
-                    staging_bytes=40_000, staging_buffers=script.get("staging_buffers", 4),
-                    timeout_s=script.get("timeout_s", 20.0),
-                    liveness_s=script.get("liveness_s", 10.0))
+    pub = rank_publisher(endpoint, rank, slot, url, device="cuda:0" if cuda else None,
+                         packed=packed, staging_bytes=40_000,
+                         staging_buffers=script.get("staging_buffers", 4),
+                         timeout_s=script.get("timeout_s", 20.0),
+                         liveness_s=script.get("liveness_s", 10.0))
     try:
         try:
             pub.register()
