@@ -506,7 +506,7 @@ def test_dtype_mismatch_rejected_before_engine_sees_it():
         assert "dtype_names" in err.message and "[1]" in err.message
     # I4: engine stays paused, not resumed, marked for a full update
     assert h.engine.paused and "resume" not in h.engine.calls
-    assert h.coord.state is SlotState.FAILED and h.coord.needs_full_update
+    assert h.coord.state is SlotState.FAILED and h.coord.engine.needs_full_update
     assert h.coord.last_version is None  # I8
 
 
@@ -546,7 +546,7 @@ def test_full_update_after_a_failure_covers_what_successful_updates_loaded():
     for k, names in enumerate((("x", "y"), ("a", "b"))):
         for r in range(2):
             h.send(r, chunk(1, k, r, names=names))
-    assert h.ended[-1].outcome == "failed" and h.coord.needs_full_update
+    assert h.ended[-1].outcome == "failed" and h.coord.engine.needs_full_update
 
     def update(uid: int, names: tuple[str, ...]) -> object:
         h.begin(uid)
@@ -776,7 +776,7 @@ def test_engine_is_paused_only_once_every_rank_has_begun():
     h.run(h.table.poll(h.now))
     err = h.last(0)
     assert isinstance(err, Error) and err.phase == "begin" and err.missing_ranks == [1]
-    assert not h.engine.paused and not h.coord.needs_full_update
+    assert not h.engine.paused and not h.coord.engine.needs_full_update
     h.send(0, Begin(1, "w"))
     h.send(1, reg(1, url="http://elsewhere:1"))  # refused: the slot's engine is another
     err = h.last(0)
@@ -815,14 +815,14 @@ def test_daemon_stop_fails_update_and_leaves_engine_paused():
     h.send(0, chunk(0, 0, 0))  # the engine is paused and started
     h.run(h.table.shutdown(h.now, "SIGTERM"))
     assert all(h.last(r).phase == "shutdown" for r in range(2))
-    assert h.engine.paused and h.coord.needs_full_update
+    assert h.engine.paused and h.coord.engine.needs_full_update
     # an update that had not touched the engine yet leaves it serving
     h2 = Harness()
     h2.register_all()
     h2.begin()
     h2.run(h2.table.shutdown(h2.now, "SIGTERM"))
     assert all(h2.last(r).phase == "shutdown" for r in range(2))
-    assert not h2.engine.paused and not h2.coord.needs_full_update
+    assert not h2.engine.paused and not h2.coord.engine.needs_full_update
 
 
 def test_reregistration_during_update_fails_it():
@@ -1052,7 +1052,7 @@ def test_pause_that_timed_out_is_checked_and_a_paused_engine_resumed():
         h.send(r, chunk(0, 0, r))
     assert h.last(0).phase == "engine" and "no answer" in h.last(0).message
     assert h.engine.calls[-2:] == ["is_paused", "resume"] and not h.engine.paused
-    assert h.coord.state is SlotState.IDLE and not h.coord.needs_full_update
+    assert h.coord.state is SlotState.IDLE and not h.coord.engine.needs_full_update
     h.engine.calls.clear()
     h.engine.fail[("update_weights", 0)] = "HTTP 500: boom"
     h.round(1, n_chunks=1)
@@ -1376,7 +1376,7 @@ def test_replies_out_of_step_are_found_and_the_engine_must_be_restarted():
     h.round(0, n_chunks=1)
     h.engine.fail[("update_weights", 1)] = {0: "boom", 1: "boom"}
     h.round(1, n_chunks=1)
-    assert h.engine.unread() == [0, 1] and h.coord.replies_suspect
+    assert h.engine.unread() == [0, 1] and h.coord.engine.replies_suspect
     h.engine.calls.clear()
     h.engine.fail.clear()
     h.round(2, n_chunks=1)
@@ -1392,7 +1392,7 @@ def test_replies_out_of_step_are_found_and_the_engine_must_be_restarted():
     h.coord.on_connection_lost(h.now)  # (the restart broke the pooled connections)
     h.round(4, n_chunks=1)
     assert h.coord.last_version == "v4" and h.engine.unread() == [0, 0]
-    assert h.coord.engine_out_of_step is None
+    assert h.coord.engine.out_of_step is None
 
 
 def test_start_that_reached_no_worker_leaves_the_engine_intact():
@@ -1407,13 +1407,13 @@ def test_start_that_reached_no_worker_leaves_the_engine_intact():
     h.round(1, n_chunks=1)
     assert h.ended[-1].outcome == "failed"
     assert not h.engine.paused and h.coord.state is SlotState.IDLE
-    assert not h.coord.needs_full_update and not h.coord.engine_mid_update
+    assert not h.coord.engine.needs_full_update and not h.coord.engine.mid_update
     h2 = _multiproc_harness()
     h2.round(0, n_chunks=1)
     h2.engine.fail[("start_weight_update", 1)] = {1: "CUDA out of memory"}
     h2.round(1, n_chunks=1)
     assert h2.engine.paused and h2.coord.state is SlotState.FAILED
-    assert h2.coord.engine_mid_update and h2.coord.recover_first
+    assert h2.coord.engine.mid_update and h2.coord.engine.recover_first
 
 
 def test_restarted_daemon_sends_no_finish_into_a_serving_engine():
@@ -1423,7 +1423,7 @@ def test_restarted_daemon_sends_no_finish_into_a_serving_engine():
     first and leave the others' replies queued (vLLM gh-58242). The update is a full one."""
     h = _multiproc_harness()
     h.coord.restore_mid_update(URL, 7, "step-7", "in_flight")
-    assert h.coord.mid_update_state()[0] == "failed" and h.coord.engine_paused
+    assert h.coord.mid_update_state()[0] == "failed" and h.coord.engine.paused
     h.round(8, n_chunks=1)
     assert "finish_recover" not in h.engine.calls and h.engine.unread() == [0, 0]
     assert h.coord.last_version == "v8" and not h.engine.paused
@@ -1484,7 +1484,7 @@ def test_rank_gone_mid_update_fails_it_at_once_naming_rank_and_pid():
     err = _errors(h, 0)[-1]
     assert "rank 1 (pid 201 on node-a) is gone: its process (pid 201) exited" in err.message
     assert err.phase == "rank_gone" and err.missing_ranks == [1]
-    assert h.coord.needs_full_update and h.coord.engine_paused  # I4: started, stays paused
+    assert h.coord.engine.needs_full_update and h.coord.engine.paused  # I4: started, stays paused
     assert "resume" not in h.engine.calls and h.ended[-1].outcome == "failed"
     ranks = {r["rank"]: r for r in h.coord.status(2.0)["ranks"]}
     assert ranks[1]["alive"] is False and ranks[1]["pid"] == 201 and ranks[1]["gone_s"] == 1.0
@@ -1611,7 +1611,7 @@ def test_engine_left_mid_update_by_a_dead_job_needs_a_full_update_from_the_next_
         h.send(r, chunk(1, 0, r))
     for r in range(2):  # the job is killed mid-update
         h.run(h.table.on_connection_gone(ident(r), 1.0, "its process exited"))
-    assert h.coord.needs_full_update and h.coord.engine_paused
+    assert h.coord.engine.needs_full_update and h.coord.engine.paused
     h.run(h.table.poll(6.0))
     assert h.table.slots == {} and URL in h.table.released
     assert [d[1] for d in h.table.mid_update_engines()] == [URL]  # (kept in the durable record)
@@ -1620,7 +1620,7 @@ def test_engine_left_mid_update_by_a_dead_job_needs_a_full_update_from_the_next_
     a = h.table.on_message(ident(5), preg(0, 600, size=1), 7.0, peer_pid=600)
     assert isinstance(a[-1].msg, Registered)
     c = h.table.slots[(0, 1)]
-    assert c.needs_full_update and c.engine_paused and c.last_ok_names == {"a", "b"}
+    assert c.engine.needs_full_update and c.engine.paused and c.engine.last_ok_names == {"a", "b"}
     assert c.state is SlotState.FAILED and h.table.released == {}
 
 
@@ -1658,7 +1658,7 @@ def test_operator_drop_refused_during_an_update_unless_forced():
     h.run(h.table.drop((0, 2), 0.0, force=True))
     assert "dropped by the operator" in _errors(h, 0)[-1].message
     assert h.table.slots == {} and h.table.connected_ranks() == 0
-    assert h.table.released[URL].needs_full_update  # started: the next job updates fully
+    assert h.table.released[URL].engine.needs_full_update  # started: the next job updates fully
 
 
 def test_engine_a_dead_job_left_paused_stays_failed_in_metrics_and_status_after_release():

@@ -70,6 +70,7 @@ import msgspec
 
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
 from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk, merge_chunk
+from slotsync.daemon.engine_session import EngineSession
 from slotsync.daemon.update import (
     BEGIN_STAGES,
     EXECUTOR_STAGES,
@@ -209,39 +210,8 @@ class SlotCoordinator:
         self.engine_url: str | None = None
         self.packed: bool | None = None
         self.transport: str | None = None
-        self.engine_initialized = False
-        self.engine_paused = False
-        self.needs_full_update = False  # I4: set after a failed update
-        # the tensor names of the slot's last successful update: a later update that leaves
-        # some out is reported (or refused), and after a failure the update that restores the
-        # engine must cover them all before it is resumed (I4)
-        self.last_ok_names: frozenset[str] = frozenset()
-        self.engine_mid_update = False  # a start may be active on some engine workers
-        # What the daemon knows of the engine's session (design.md I9): the weight version it
-        # should report (seen at the last probe, or finished by the daemon since), whether a
-        # refused or reset connection was seen since (a possible restart), and whether it was
-        # sleeping or paused by someone else at the last begin.
-        self.engine_version: str | None = None
-        self.session_suspect = False
-        self.engine_asleep = False
-        # vLLM's MultiprocExecutor reads the workers' replies in rank order and raises at the
-        # first failure, leaving later workers' replies queued: the next call then reads them
-        # as its own (vLLM gh-58242, PR 57846 open). After a worker's failure the next executor
-        # call is a harmless check_health (replies_suspect); a stale error answering it means
-        # the replies are out of step until the engine restarts (engine_out_of_step: why).
-        self.replies_suspect = False
-        self.engine_out_of_step: str | None = None
-        # End a half-open session before the start (finish first), or start first and end the
-        # session only where a worker says it is already active: after a failed finish the
-        # workers that succeeded hold no session, so a finish would fail on worker 0 first.
-        self.recover_first = True
+        self.engine = EngineSession()  # what the daemon knows of the engine (I4, I9)
         self._failed_call: tuple[str, str] | None = None  # (route, error) of the last failure
-        self._restored: str | None = None  # record state a previous daemon left, until probed
-        # GPU UUIDs of the engine's workers where they can be known: the engine table's
-        # (declared) or the engine's own report (the reference engine's /get_world_size)
-        self.declared_gpu_uuids: tuple[str, ...] | None = None
-        self.engine_gpu_uuids: tuple[str, ...] | None = None
-        self.world_size: int | None = None
         self.next_update_id = 0
         self.current: Update | None = None
         self.last_version: str | None = None
@@ -280,7 +250,7 @@ class SlotCoordinator:
             return SlotState.UPDATING
         if self._reconcile or self._maintenance:
             return SlotState.RECOVERING
-        if self.needs_full_update:  # before "registering": the engine is paused either way
+        if self.engine.needs_full_update:  # before "registering": the engine is paused anyway
             return SlotState.FAILED
         if len(self.ranks) < self.size:
             return SlotState.REGISTERING
@@ -349,7 +319,7 @@ class SlotCoordinator:
             self.ranks.clear()
             if msg.engine_url != self.engine_url:
                 self.set_engine_url(msg.engine_url)  # a new engine: unknown state, new init
-            self.engine_initialized = False
+            self.engine.initialized = False
             prev = f"; before that: {self.last_error}" if self.last_error else ""
             again = f", ranks {dropped} must register again" if dropped else ""
             self.last_error = (f"rank {msg.rank} re-registered with engine {msg.engine_url!r} "
@@ -381,7 +351,7 @@ class SlotCoordinator:
                 )
         elif msg.engine_url != self.engine_url or msg.packed != self.packed:
             # First (or only) rank sets the slot's engine; a new engine means a new init.
-            self.engine_initialized = False
+            self.engine.initialized = False
         actions: list[Action] = []
         u = self.current
         if msg.rank in self.ranks and u is not None and (
@@ -465,7 +435,7 @@ class SlotCoordinator:
                 # The engine holds a session nobody recorded (e.g. a daemon restarted without
                 # its state dir): end it, tolerating the 500, and start once more.
                 u.start_retried = True  # (phase stays starting: it may be mid-update)
-                self.engine_mid_update = True
+                self.engine.mid_update = True
                 u.stage = STAGE_INDEX["recover"]
                 return self._advance(now)
             return self._fail(now, "engine", f"vLLM {route} failed: {error}", [])
@@ -476,7 +446,7 @@ class SlotCoordinator:
             if not (isinstance(results, list) and len(results) == self.size
                     and all(r is None for r in results)):
                 return self._out_of_step(u, now, f"check_health answered {result!r}")
-            self.replies_suspect = False
+            self.engine.replies_suspect = False
         elif route == "get_world_size":
             ws = result.get("world_size") if isinstance(result, dict) else None
             if ws != self.size:
@@ -487,20 +457,20 @@ class SlotCoordinator:
                     f"[{self.start}, {self.end}) has {self.size} ranks",
                     [],
                 )
-            self.world_size = ws
-            self.engine_gpu_uuids = _reported_uuids(result)
+            self.engine.world_size = ws
+            self.engine.gpu_uuids = _reported_uuids(result)
         elif route == "weight_info":
             out += self._check_session(u, result)
         elif route == "is_sleeping":
             out += self._check_sleep(u, result)
         elif route == "init_weight_transfer_engine":
-            self.engine_initialized = True
+            self.engine.initialized = True
         elif route == "pause":
-            self.engine_paused = True
+            self.engine.paused = True
         elif route == "start_weight_update":
             u.on(PhaseEvent.STARTED)
             u.engine_started_at = now
-            self.engine_mid_update = True
+            self.engine.mid_update = True
             actions: list[Action] = [
                 Reply(self.ranks[r].identity, Ack(u.update_id, "begin")) for r in sorted(u.begun)
             ]
@@ -513,17 +483,17 @@ class SlotCoordinator:
             return acks + self._advance(now)
         elif route == "finish_weight_update":
             u.on(PhaseEvent.FINISHED)
-            self.engine_mid_update = False
-            self.needs_full_update = False
-            self.last_ok_names = frozenset(u.names)
+            self.engine.mid_update = False
+            self.engine.needs_full_update = False
+            self.engine.last_ok_names = frozenset(u.names)
             self.last_version = u.weight_version  # I8: recorded only with a successful finish
-            self.engine_version = u.weight_version  # what the engine reports from now on
+            self.engine.version = u.weight_version  # what the engine reports from now on
             if u.found_asleep:
                 # vLLM resumes a sleeping engine itself once fully awake; one that someone
                 # else paused is theirs to resume.
                 return self._complete(now)
         elif route == "resume":
-            self.engine_paused = False
+            self.engine.paused = False
             return self._complete(now)
         return out + self._advance(now)
 
@@ -534,14 +504,14 @@ class SlotCoordinator:
         memory its trainer already gave back). The next executor call checks first."""
         if self.size > 1 and (WORKER_FAILED in error or (
                 "no answer within" in error and route in _EXECUTOR_ROUTES)):
-            self.replies_suspect = True
+            self.engine.replies_suspect = True
 
     def on_connection_lost(self, now: float) -> list[Action]:
         """The engine's HTTP client saw a refused or reset connection (counted by
         ``VllmClient.connection_errors``): the engine may have restarted at the same URL. The
         next begin's probe then treats a weight version it cannot recognise as a new session
         (design.md I9). Returns no actions."""
-        self.session_suspect = True
+        self.engine.session_suspect = True
         return []
 
     def on_rank_gone(self, rank: int, identity: bytes, now: float, why: str) -> list[Action]:
@@ -601,28 +571,25 @@ class SlotCoordinator:
         gone = self._by_rank()
         self.ranks.clear()
         self.packed = self.transport = None  # the next job chooses
-        self.engine_initialized = False
+        self.engine.initialized = False
         return gone
 
     def adopt_engine(self, old: SlotCoordinator) -> None:
         """Take over what released slot ``old`` knew of the same engine: the next job's first
         update is a full one if the engine was left paused, mid-update or out of step."""
         self.engine_url = old.engine_url
-        for name in ("engine_paused", "needs_full_update", "last_ok_names", "engine_mid_update",
-                     "engine_version", "session_suspect", "engine_asleep", "replies_suspect",
-                     "engine_out_of_step", "recover_first", "_restored", "engine_gpu_uuids",
-                     "last_version", "last_error", "last_outcome", "_failed"):
+        self.engine.take_over(old.engine)
+        for name in ("last_version", "last_error", "last_outcome", "_failed"):
             setattr(self, name, getattr(old, name))
-        self.engine_initialized = False
         self.next_update_id = max(self.next_update_id, old.next_update_id)
 
     def _check_session(self, u: Update, result: Any) -> list[Action]:
         """``/weight_info`` at the begin: is the engine the session this daemon initialised?"""
         v = result.get("weight_version") if isinstance(result, dict) else None
         v = v if isinstance(v, str) else None
-        seen, suspect = self.engine_version, self.session_suspect
-        self.session_suspect = False
-        self.engine_version = v
+        seen, suspect = self.engine.version, self.engine.session_suspect
+        self.engine.session_suspect = False
+        self.engine.version = v
         if seen is not None and v != seen:
             why = (f"engine {self.engine_url} reports weight version {v!r}, but the daemon "
                    f"last saw {seen!r}: restarted at the same URL, or updated by someone else")
@@ -633,7 +600,7 @@ class SlotCoordinator:
             if suspect:
                 # the version the daemon saw last: the same process; initialise it again to be
                 # sure (the IPC backend's init only records the packed flag)
-                self.engine_initialized = False
+                self.engine.initialized = False
             return []  # (not initialised: it is, in this begin; v is the baseline)
         return self._new_session(u, why)
 
@@ -641,38 +608,34 @@ class SlotCoordinator:
         """check_health did not get one clean answer per worker: a worker's reply to an
         earlier call is still queued, so every later call would read another call's reply
         (vLLM's MultiprocExecutor, gh-58242). Nothing but a restart puts it right."""
-        self.engine_out_of_step = (
+        self.engine.out_of_step = (
             f"engine {self.engine_url}'s executor replies are out of step: after a worker's "
             f"failure, check_health read a reply to an earlier call ({answer[:300]}); vLLM "
             "0.32's MultiprocExecutor leaves later workers' replies queued when one fails "
             "(vLLM gh-58242, fixed by PR 57846), and every later call would take another "
             "call's reply for its own. Restart the engine: the daemon then initialises it and "
             "sends a full update")
-        return self._fail(now, "engine", self.engine_out_of_step, [])
+        return self._fail(now, "engine", self.engine.out_of_step, [])
 
     def _new_session(self, u: Update, why: str) -> list[Action]:
         """The engine is not the session this daemon initialised: initialise it again, ask its
         world size again (the probe did, in this stage) and require a full update (it serves
         the weights of its own checkpoint, not the last ones the daemon loaded)."""
-        self.engine_initialized = False
-        self.engine_mid_update = False  # a new process holds no half-open session
-        self.engine_out_of_step = None  # ... and its replies line up
-        self.replies_suspect = False
-        self.recover_first = True
-        if self.last_ok_names:
-            self.needs_full_update = True
+        self.engine.new_process()
+        if self.engine.last_ok_names:
+            self.engine.needs_full_update = True
             u.weights_intact = False
         return [SlotEvent(self.slot, "engine_session_new", {
             "engine": self.engine_url, "update_id": u.update_id, "why": why,
-            "full_update_needed": self.needs_full_update})]
+            "full_update_needed": self.engine.needs_full_update})]
 
     def _check_sleep(self, u: Update, result: Any) -> list[Action]:
         """``/is_sleeping`` at the begin (vLLM 0.32: the scheduler paused, or the executor
         asleep at any level)."""
         sleeping = bool(result.get("is_sleeping")) if isinstance(result, dict) else False
-        restored, self._restored = self._restored, None
+        restored, self.engine.restored = self.engine.restored, None
         if not sleeping:
-            was_asleep, self.engine_asleep = self.engine_asleep, False
+            was_asleep, self.engine.asleep = self.engine.asleep, False
             if restored is not None:
                 # A previous daemon's record said mid-update, but the engine serves: that
                 # update never started a weight update (the daemon pauses before it starts,
@@ -680,18 +643,18 @@ class SlotCoordinator:
                 # no worker holds a session: no finish is sent (on an engine of several
                 # workers a finish that fails on worker 0 leaves the others' replies queued,
                 # gh-58242). The next update stays a full one.
-                self.engine_paused = False
-                self.engine_mid_update = False
+                self.engine.paused = False
+                self.engine.mid_update = False
                 return [SlotEvent(self.slot, "engine_serving_after_restart", {
                     "engine": self.engine_url, "update_id": u.update_id,
-                    "record": restored, "needs_full_update": self.needs_full_update},
+                    "record": restored, "needs_full_update": self.engine.needs_full_update},
                     warning=False)]
-            if self.engine_paused:
-                self.engine_paused = False
+            if self.engine.paused:
+                self.engine.paused = False
                 if was_asleep:  # left paused for vLLM's full /wake_up, which resumed it
                     return [SlotEvent(self.slot, "engine_awake", {
                         "engine": self.engine_url, "update_id": u.update_id}, warning=False)]
-                if self.engine_out_of_step:
+                if self.engine.out_of_step:
                     # an engine left paused with its replies out of step serves again: a
                     # restart (nobody can repair the replies in place)
                     return self._new_session(u, "the engine the daemon left paused with its "
@@ -701,15 +664,15 @@ class SlotCoordinator:
                 # else, or a restarted process (the weight version tells which)
                 return [SlotEvent(self.slot, "engine_serving_unexpectedly", {
                     "engine": self.engine_url, "update_id": u.update_id,
-                    "needs_full_update": self.needs_full_update})]
+                    "needs_full_update": self.engine.needs_full_update})]
             return []
-        if self.engine_paused and not self.engine_asleep:
+        if self.engine.paused and not self.engine.asleep:
             return []  # this daemon's own pause (a failed update): nothing new
-        self.engine_asleep = True
+        self.engine.asleep = True
         u.found_asleep = True
         u.weights_intact = False
-        self.needs_full_update = True
-        self.engine_paused = True
+        self.engine.needs_full_update = True
+        self.engine.paused = True
         return [SlotEvent(self.slot, "engine_found_sleeping", {
             "engine": self.engine_url, "update_id": u.update_id,
             "why": "vLLM /is_sleeping is true (asleep, or paused by someone else): a level-2 "
@@ -751,8 +714,8 @@ class SlotCoordinator:
         out = self._fail(now, phase, reason, [])
         if self._reconcile:
             self._reconcile = False
-            self.engine_paused = True
-            self.needs_full_update = True  # (a check it could not make: recover it fully)
+            self.engine.paused = True
+            self.engine.needs_full_update = True  # (a check it could not make: recover it fully)
         return [a for a in out if not isinstance(a, EngineCall)]
 
     def restore_mid_update(self, engine_url: str, update_id: int, weight_version: str,
@@ -761,11 +724,11 @@ class SlotCoordinator:
         paused and marked as needing a full update; the next round first ends any half-open
         session (finish, tolerating the 500), then sends everything (design.md I4)."""
         self.engine_url = engine_url
-        self.engine_mid_update = True
-        self.engine_paused = True
-        self.needs_full_update = True
-        self.engine_initialized = False
-        self._restored = state
+        self.engine.mid_update = True
+        self.engine.paused = True
+        self.engine.needs_full_update = True
+        self.engine.initialized = False
+        self.engine.restored = state
         self.next_update_id = max(self.next_update_id, update_id + 1)
         self.last_outcome = "failed"
         self._failed = (update_id, "the daemon restarted during this update")
@@ -778,7 +741,7 @@ class SlotCoordinator:
             "next begin checks whether it is paused)"
         )
         if state == "out_of_step":
-            self.engine_out_of_step = (
+            self.engine.out_of_step = (
                 f"engine {engine_url}'s executor replies were out of step when the previous "
                 "daemon stopped (vLLM gh-58242): restart the engine; the daemon then "
                 "initialises it and sends a full update")
@@ -797,9 +760,9 @@ class SlotCoordinator:
         if u is not None:
             return ("in_flight", u.update_id, u.weight_version)
         uid, _ = self._failed if self._failed else (self.next_update_id - 1, "")
-        if self.engine_out_of_step:
+        if self.engine.out_of_step:
             return ("out_of_step", uid, "")  # (refused until a new session, also after us)
-        if self.needs_full_update and (self.engine_mid_update or self.engine_paused):
+        if self.engine.needs_full_update and (self.engine.mid_update or self.engine.paused):
             return ("failed", uid, "")
         return None
 
@@ -809,13 +772,7 @@ class SlotCoordinator:
         update."""
         if self.current is None:
             self.engine_url = url
-            self.engine_initialized = False
-            self.engine_mid_update = False
-            self.engine_paused = False
-            self.engine_asleep = False
-            self.engine_version = None
-            self.engine_gpu_uuids = None
-            self.last_ok_names = frozenset()  # another engine: nothing known about its weights
+            self.engine.forget()  # another engine: nothing known about its weights
             self._pending_url = None
         else:
             self._pending_url = url
@@ -893,7 +850,7 @@ class SlotCoordinator:
                 msg.update_id,
             )
         u = Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now,
-                    weights_intact=not self.needs_full_update)
+                    weights_intact=not self.engine.needs_full_update)
         self.current = u  # its begin stages (the table at the top) run from _advance
         return self._advance(now)  # (a gone rank gets gone_s to come back: _deadline)
 
@@ -940,7 +897,7 @@ class SlotCoordinator:
                 {r: self.ranks[r].gpu_uuid for r in got},
                 packed=bool(self.packed),
                 transport=self.transport or "cuda",
-                world_size=self.world_size or self.size,
+                world_size=self.engine.world_size or self.size,
             )
         except ChunkMismatch as e:
             return e
@@ -1038,17 +995,17 @@ class SlotCoordinator:
             return []  # a stage in flight; or the slot's last registrations (begin deadline)
         while u.stage < len(BEGIN_STAGES):
             st = BEGIN_STAGES[u.stage]
-            if u.stage > 0 and self.engine_out_of_step:
+            if u.stage > 0 and self.engine.out_of_step:
                 # (the probe found no new session, which would have cleared it)
-                return self._fail(now, "begin", self.engine_out_of_step, [])
-            if st.name == "init" and self.engine_initialized:
+                return self._fail(now, "begin", self.engine.out_of_step, [])
+            if st.name == "init" and self.engine.initialized:
                 u.stage += 1
                 continue
             if st.name == "recover" and not (
-                    self.engine_mid_update and (self.recover_first or u.start_retried)):
+                    self.engine.mid_update and (self.engine.recover_first or u.start_retried)):
                 u.stage += 1  # (start first: a start that finds a session ends it, below)
                 continue
-            if st.name in EXECUTOR_STAGES and self.replies_suspect:
+            if st.name in EXECUTOR_STAGES and self.engine.replies_suspect:
                 # the first executor call after a worker's failure checks the replies line up
                 return [self._call(u, "check_replies", {"method": "check_health"})[0]]
             if st.touches_generation:
@@ -1083,7 +1040,7 @@ class SlotCoordinator:
     def _uuid_mismatch(self) -> str:
         """Why the ranks' GPU UUIDs are not the engine's workers' (I2, before the pause), or
         '' when they match or the engine's are not known (then vLLM names a missing one)."""
-        want = self.declared_gpu_uuids or self.engine_gpu_uuids
+        want = self.engine.declared_gpu_uuids or self.engine.gpu_uuids
         if not want:
             return ""
         have = {i.gpu_uuid: r for r, i in self.ranks.items()}
@@ -1091,7 +1048,7 @@ class SlotCoordinator:
             return ""
         strays = sorted((r, g) for g, r in have.items() if g not in want)
         lacking = sorted(set(want) - set(have))
-        source = ("the engine table declares" if self.declared_gpu_uuids
+        source = ("the engine table declares" if self.engine.declared_gpu_uuids
                   else f"engine {self.engine_url} reports")
         parts = []
         if strays:
@@ -1105,15 +1062,15 @@ class SlotCoordinator:
     def _before_finish(self, u: Update, now: float) -> list[Action]:
         """Every chunk is loaded and every rank committed: check what the update left out of
         the slot's last successful update, then finish (I4)."""
-        missing = self.last_ok_names - u.names
-        if missing and self.needs_full_update:
+        missing = self.engine.last_ok_names - u.names
+        if missing and self.engine.needs_full_update:
             # I4: finishing would resume an engine that still holds half-loaded weights
             names = sorted(missing)
             return self._fail(
                 now, "commit",
                 f"the slot needs a full update (after a failed one, a restarted or sleeping "
                 f"engine), but update {u.update_id} misses {len(names)} of the "
-                f"{len(self.last_ok_names)} tensor names the last successful update loaded: "
+                f"{len(self.engine.last_ok_names)} tensor names the last successful update loaded: "
                 f"{_some(names)}; publish every tensor", [],
             )  # fmt: skip
         if missing and self.omitted_names == "refuse":
@@ -1147,24 +1104,24 @@ class SlotCoordinator:
         uid = call.update_id
         if call.route == "is_paused":
             if not ok:
-                self.engine_paused = True  # unknown: say paused (the next begin probes again)
+                self.engine.paused = True  # unknown: say paused (the next begin probes again)
                 self.last_error = (f"{self.last_error}; then /is_paused failed ({error}): the "
                                    "engine may still be paused")[:4000]
                 return [SlotEvent(self.slot, "engine_state_unknown", {
                     "engine": self.engine_url, "update_id": uid, "error": error})]
             paused = bool(result.get("is_paused")) if isinstance(result, dict) else True
             if not paused:
-                self.engine_paused = False
+                self.engine.paused = False
                 return self._advance(now)
             return [self._maintenance_call("resume")]
         # resume
         if not ok:
-            self.engine_paused = True
+            self.engine.paused = True
             self.last_error = (f"{self.last_error}; then resuming the engine failed ({error}): "
                                "it stays paused until the next round")[:4000]
             return [SlotEvent(self.slot, "engine_resume_failed", {
                 "engine": self.engine_url, "update_id": uid, "error": error})] + self._advance(now)
-        self.engine_paused = False
+        self.engine.paused = False
         ev = SlotEvent(self.slot, "engine_resumed_after_failure", {
             "engine": self.engine_url, "update_id": uid,
             "why": "the failed update had paused the engine but not started a weight update: "
@@ -1225,32 +1182,32 @@ class SlotCoordinator:
             failed is not None and failed[0] == "start_weight_update"
             and self._start_reached_none(failed[1]))
         if started:
-            self.needs_full_update = True
-            self.engine_mid_update = True
-            self.engine_paused = True
+            self.engine.needs_full_update = True
+            self.engine.mid_update = True
+            self.engine.paused = True
             # After a finish that reached the workers (some failed it, or it timed out and ran
             # on), the ones that finished hold no session: start first (a worker still in its
             # session answers "already active"; then finish and start again). Otherwise the
             # workers are still in their sessions: finish first. (Either order is right for
             # one worker; for several, the wrong one fails on worker 0 first, see
             # replies_suspect.)
-            self.recover_first = not (
+            self.engine.recover_first = not (
                 self.size > 1 and failed is not None and failed[0] == "finish_weight_update"
                 and (WORKER_FAILED in failed[1] or "HTTP " not in failed[1]))
             fate = "the engine stays paused and needs a full update"
         elif u.pause_sent and u.weights_intact:
             self._reconcile = True  # after the orphans: /is_paused, then resume
-            self.engine_paused = True  # (may be: the check tells)
+            self.engine.paused = True  # (may be: the check tells)
             fate = ("no weight update had started: the engine is resumed if the pause reached "
                     "it")
-        elif u.pause_sent or self.engine_paused:
-            self.engine_paused = True
-            fate = ("the engine stays paused and needs a full update" if self.needs_full_update
-                    else "the engine stays paused")
+        elif u.pause_sent or self.engine.paused:
+            self.engine.paused = True
+            fate = ("the engine stays paused and needs a full update"
+                    if self.engine.needs_full_update else "the engine stays paused")
         else:
             fate = "the engine was not paused"
         # The engine may have restarted or been swapped: re-check and re-init next time.
-        self.engine_initialized = False
+        self.engine.initialized = False
         message = (f"slot [{self.start}, {self.end}) update {u.update_id} failed in {phase}: "
                    f"{text} ({fate})")
         self.last_error = message

@@ -188,7 +188,7 @@ class Metrics:
                 # (released slots' engines a later job must still update fully count as
                 # failed: the engine stays paused, SlotsyncSlotFailed must see it)
                 lambda s=state: sum(c.state == s for c in table.slots.values()) + (
-                    sum(c.needs_full_update for c in table.released.values())
+                    sum(c.engine.needs_full_update for c in table.released.values())
                     if s is SlotState.FAILED else 0)
             )
 

@@ -28,7 +28,7 @@ FORMAT = 1
 @dataclass(frozen=True)
 class MidUpdateEngine:
     """An engine that may hold half-loaded weights (design.md I4): one entry of the record
-    file. The same fact is ``SlotCoordinator.engine_mid_update`` in the core and
+    file. The same fact is ``EngineSession.mid_update`` in the core and
     ``"engine_may_be_mid_update"`` in ``/status``."""
 
     slot: tuple[int, int]

@@ -303,7 +303,7 @@ class Daemon:
         await self._execute(actions)
         left = self.table.released.get((c.engine_url or "").rstrip("/")) if c else None
         return {"dropped": list(slot), "ranks": ranks, "engine_url": c.engine_url if c else None,
-                "needs_full_update": bool(c and c.needs_full_update),
+                "needs_full_update": bool(c and c.engine.needs_full_update),
                 "engine_remembered": left is not None or slot in self.table.slots}
 
     def status_line(self) -> str:

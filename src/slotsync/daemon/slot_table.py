@@ -95,11 +95,11 @@ class SlotTable:
                                + (" (after the update in flight)" if c.current else ""))
                 c.set_engine_url(url)
             uuids = gpu_uuids.get(key) or None
-            if uuids != c.declared_gpu_uuids:
-                if c.declared_gpu_uuids is not None or uuids is not None:
+            if uuids != c.engine.declared_gpu_uuids:
+                if c.engine.declared_gpu_uuids is not None or uuids is not None:
                     changes.append(f"slot [{key[0]}, {key[1]}) GPU UUIDs "
                                    f"{list(uuids) if uuids else 'not declared'}")
-                c.declared_gpu_uuids = uuids
+                c.engine.declared_gpu_uuids = uuids
         for key in sorted(set(self.declared) - set(table)):
             c = self.slots.get(key)
             if c is not None and not c.ranks and c.mid_update_state() is None:
@@ -213,14 +213,14 @@ class SlotTable:
                 del self._rank_of[ident]
         if key not in self.declared and not keep_slot:
             del self.slots[key]
-            if c.engine_url and (c.mid_update_state() is not None or c.engine_paused
-                                 or c.needs_full_update or c.last_ok_names):
+            if c.engine_url and (c.mid_update_state() is not None or c.engine.paused
+                                 or c.engine.needs_full_update or c.engine.last_ok_names):
                 self.released[c.engine_url.rstrip("/")] = c
         return [SlotEvent(key, "slot_released", {
             "engine": c.engine_url, "reason": reason,
             "ranks": [f"{g.rank} (pid {g.peer_pid or g.pid}: {g.gone_why or 'registered'})"
                       for g in gone],
-            "needs_full_update": c.needs_full_update}, warning=False)]
+            "needs_full_update": c.engine.needs_full_update}, warning=False)]
 
     def coordinator(self, slot: tuple[int, int]) -> SlotCoordinator:
         return self.slots[slot]

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def slot_status(c: SlotCoordinator, now: float | None = None) -> dict[str, Any]:
     """One slot's ``/status`` entry; ``now``: monotonic seconds (rank ages; default the last
-    time a rank was seen). ``"engine_may_be_mid_update"`` is ``c.engine_mid_update``."""
+    time a rank was seen). ``"engine_may_be_mid_update"`` is ``c.engine.mid_update``."""
     if now is None:
         now = max([i.last_seen for i in c.ranks.values()], default=0.0)
     u = c.current
@@ -49,14 +49,14 @@ def slot_status(c: SlotCoordinator, now: float | None = None) -> dict[str, Any]:
                    "gone_s": None if i.gone_at is None else round(now - i.gone_at, 3),
                    "gone_why": i.gone_why or None} for i in c.by_rank()],
         "gpu_uuids": {str(r): i.gpu_uuid for r, i in sorted(c.ranks.items())},
-        "engine_paused": c.engine_paused,
-        "needs_full_update": c.needs_full_update,
-        "engine_may_be_mid_update": c.engine_mid_update,
-        "engine_sleeping": c.engine_asleep,
-        "engine_replies_out_of_step": c.engine_out_of_step,
-        "engine_weight_version": c.engine_version,
-        "engine_gpu_uuids": list(c.declared_gpu_uuids or c.engine_gpu_uuids or []),
-        "last_update_names": len(c.last_ok_names),
+        "engine_paused": c.engine.paused,
+        "needs_full_update": c.engine.needs_full_update,
+        "engine_may_be_mid_update": c.engine.mid_update,
+        "engine_sleeping": c.engine.asleep,
+        "engine_replies_out_of_step": c.engine.out_of_step,
+        "engine_weight_version": c.engine.version,
+        "engine_gpu_uuids": list(c.engine.declared_gpu_uuids or c.engine.gpu_uuids or []),
+        "last_update_names": len(c.engine.last_ok_names),
         "next_update_id": c.next_update_id,
         "current_update": cur,
         "last_version": c.last_version,
@@ -81,8 +81,8 @@ def daemon_status(table: SlotTable, version: str, endpoint: str, started_at: flo
         "slots": [slot_status(c, now) for _, c in sorted(table.slots.items())],
         # engines of released slots that a later job must update fully (by engine URL)
         "released_engines": [
-            {"engine_url": url, "slot": list(c.slot), "engine_paused": c.engine_paused,
-             "needs_full_update": c.needs_full_update, "last_error": c.last_error}
+            {"engine_url": url, "slot": list(c.slot), "engine_paused": c.engine.paused,
+             "needs_full_update": c.engine.needs_full_update, "last_error": c.last_error}
             for url, c in sorted(table.released.items())],
     }
 

@@ -1,0 +1,89 @@
+"""What the daemon knows of one slot's engine and its session (design.md I4, I9): I/O-free.
+
+The coordinator (``coordinator.py``) owns one ``EngineSession`` per slot and updates it from
+engine call outcomes; ``/status`` reports it (``status_documents.py``); a released slot's is
+taken over by the next slot that registers the same engine (``SlotCoordinator.adopt_engine``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineSession:
+    """Facts about the engine behind a slot.
+
+    ``initialized``: ``/init_weight_transfer_engine`` ran on this engine process. ``paused``:
+    generation is paused (or may be). ``needs_full_update``: the next update must load every
+    name of ``last_ok_names`` (after a failed update, a restarted or sleeping engine, I4).
+    ``last_ok_names``: the tensor names of the slot's last successful update (a later update
+    that leaves some out is reported or refused). ``mid_update``: a ``/start_weight_update``
+    may be active on some workers (the record file's entries, ``"engine_may_be_mid_update"``
+    in ``/status``).
+
+    Its session (I9): ``version`` the weight version it should report (seen at the last probe,
+    or finished by the daemon since); ``session_suspect`` a refused or reset connection was
+    seen since (a possible restart); ``asleep`` it was sleeping or paused by someone else at
+    the last begin. ``restored``: the record state a previous daemon left, until probed.
+
+    vLLM's MultiprocExecutor reads the workers' replies in rank order and raises at the first
+    failure, leaving later workers' replies queued: the next call then reads them as its own
+    (vLLM gh-58242, PR 57846 open). After a worker's failure the next executor call is a
+    harmless check_health (``replies_suspect``); a stale error answering it means the replies
+    are out of step until the engine restarts (``out_of_step``: why).
+
+    ``recover_first``: end a half-open session before the start (finish first), or start first
+    and end the session only where a worker says it is already active: after a failed finish
+    the workers that succeeded hold no session, so a finish would fail on worker 0 first.
+
+    GPU UUIDs of the engine's workers where they can be known: ``declared_gpu_uuids`` (the
+    engine table's) or ``gpu_uuids`` (the engine's own report, the reference engine's
+    ``/get_world_size``); ``world_size`` as ``/get_world_size`` reported it.
+    """
+
+    initialized: bool = False
+    paused: bool = False
+    needs_full_update: bool = False
+    last_ok_names: frozenset[str] = field(default_factory=frozenset)
+    mid_update: bool = False
+    version: str | None = None
+    session_suspect: bool = False
+    asleep: bool = False
+    replies_suspect: bool = False
+    out_of_step: str | None = None
+    recover_first: bool = True
+    restored: str | None = None
+    declared_gpu_uuids: tuple[str, ...] | None = None
+    gpu_uuids: tuple[str, ...] | None = None
+    world_size: int | None = None
+
+    def take_over(self, old: EngineSession) -> None:
+        """Take what a released slot knew of the same engine (paused, mid-update, out of step,
+        the last update's names); the engine is initialised again before its next update. The
+        engine table's declared UUIDs and the world size stay this slot's own."""
+        for name in ("paused", "needs_full_update", "last_ok_names", "mid_update", "version",
+                     "session_suspect", "asleep", "replies_suspect", "out_of_step",
+                     "recover_first", "restored", "gpu_uuids"):
+            setattr(self, name, getattr(old, name))
+        self.initialized = False
+
+    def forget(self) -> None:
+        """Another engine from now on (engine table reload): nothing is known of it, and it
+        is initialised before its first update."""
+        self.initialized = False
+        self.mid_update = False
+        self.paused = False
+        self.asleep = False
+        self.version = None
+        self.gpu_uuids = None
+        self.last_ok_names = frozenset()
+
+    def new_process(self) -> None:
+        """The engine is a process this daemon did not initialise (restarted at its URL): no
+        half-open session, its replies line up, and it is initialised again."""
+        self.initialized = False
+        self.mid_update = False
+        self.out_of_step = None
+        self.replies_suspect = False
+        self.recover_first = True
