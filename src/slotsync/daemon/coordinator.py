@@ -71,6 +71,12 @@ import msgspec
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
 from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk, merge_chunk
 from slotsync.daemon.engine_session import EngineSession
+from slotsync.daemon.registration import (
+    RankInfo,
+    rank_held,
+    unlike_the_slot,
+    wrong_protocol_or_slot,
+)
 from slotsync.daemon.update import (
     BEGIN_STAGES,
     EXECUTOR_STAGES,
@@ -132,41 +138,6 @@ class SlotState(StrEnum):
     UPDATING = "updating"
     RECOVERING = "recovering"  # after a failed update: checking / restoring the engine's pause
     FAILED = "failed"  # last update failed: engine paused, needs a full update
-
-
-@dataclass
-class RankInfo:
-    """A registered rank: its socket identity, what it told us at registration, and whether
-    its process is still there.
-
-    ``pid`` is the pid it reported (in its own pid namespace); ``peer_pid`` the kernel's
-    (SO_PEERCRED, in the daemon's namespace; 0 when the kernel could not name it, e.g. a
-    process in a pid namespace the daemon cannot see). Times are monotonic seconds: ``last_seen``
-    its last message, ``gone_at`` when its connection closed or its process exited (None while
-    it lives), ``gone_why`` how that was seen.
-    """
-
-    rank: int
-    identity: bytes
-    gpu_uuid: str
-    hostname: str
-    pid: int
-    peer_pid: int = 0
-    last_seen: float = 0.0
-    gone_at: float | None = None
-    gone_why: str = ""
-
-    @property
-    def who(self) -> str:
-        """``"rank 3 (pid 1234 on host-a)"``, for messages."""
-        return f"rank {self.rank} (pid {self.peer_pid or self.pid} on {self.hostname})"
-
-    def same_process(self, msg: Register, peer_pid: int) -> bool:
-        """Whether a registration comes from this rank's process (kernel pids where both are
-        known, else the reported host and pid)."""
-        if peer_pid and self.peer_pid:
-            return peer_pid == self.peer_pid
-        return (msg.hostname, msg.pid) == (self.hostname, self.pid)
 
 
 class SlotCoordinator:
@@ -288,27 +259,13 @@ class SlotCoordinator:
                 out += self._fail(now, "register", text, [msg.rank])
             return out
 
-        if msg.protocol_version != PROTOCOL_VERSION:
-            return refuse(
-                f"protocol version mismatch: rank {msg.rank} speaks {msg.protocol_version}, "
-                f"this daemon speaks {PROTOCOL_VERSION}"
-            )
-        if (msg.slot_start, msg.slot_start + msg.slot_size) != self.slot:
-            return refuse(
-                f"rank {msg.rank} claims slot [{msg.slot_start}, {msg.slot_start + msg.slot_size})"
-                f" but its rank belongs to slot [{self.start}, {self.end})"
-            )
-        held = self.ranks.get(msg.rank)
-        if (held is not None and held.gone_at is None and held.identity != identity
-                and not held.same_process(msg, peer_pid)):
+        why = wrong_protocol_or_slot(msg, self.slot)
+        if why:
+            return refuse(why)
+        why = rank_held(self.ranks.get(msg.rank), identity, msg, peer_pid)
+        if why:
             # (not refuse(): the update in flight belongs to the live holder, not to this one)
-            return [Reply(identity, Error(
-                "register",
-                f"rank {msg.rank} is already registered by pid {held.peer_pid or held.pid} on "
-                f"{held.hostname}, which is still connected; pid {peer_pid or msg.pid} on "
-                f"{msg.hostname} claims it too: two trainer processes with one rank? (check "
-                "the launcher's RANK; a restarted rank registers once its old process is gone)",
-                list(self.slot), code=RANK_HELD))]
+            return [Reply(identity, Error("register", why, list(self.slot), code=RANK_HELD))]
         if (
             msg.rank in self.ranks
             and self.current is None
@@ -327,28 +284,10 @@ class SlotCoordinator:
                                f"{again}{prev}")[:4000]
         others = {r: i for r, i in self.ranks.items() if r != msg.rank}
         if others:
-            if msg.engine_url != self.engine_url:
-                return refuse(
-                    f"rank {msg.rank} names engine {msg.engine_url!r} but rank(s) "
-                    f"{sorted(others)} of slot [{self.start}, {self.end}) name "
-                    f"{self.engine_url!r}"
-                )
-            if msg.packed != self.packed:
-                return refuse(
-                    f"rank {msg.rank} registers packed={msg.packed} but the slot uses "
-                    f"packed={self.packed}"
-                )
-            if msg.transport != self.transport:
-                return refuse(
-                    f"rank {msg.rank} registers transport {msg.transport!r} but the slot uses "
-                    f"{self.transport!r}"
-                )
-            dup = [r for r, i in others.items() if i.gpu_uuid == msg.gpu_uuid]
-            if dup:
-                return refuse(
-                    f"rank {msg.rank} registers GPU UUID {msg.gpu_uuid} already held by "
-                    f"rank {dup[0]}"
-                )
+            why = unlike_the_slot(msg, self.slot, others, self.engine_url, self.packed,
+                                  self.transport)
+            if why:
+                return refuse(why)
         elif msg.engine_url != self.engine_url or msg.packed != self.packed:
             # First (or only) rank sets the slot's engine; a new engine means a new init.
             self.engine.initialized = False
