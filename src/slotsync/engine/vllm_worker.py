@@ -59,8 +59,6 @@ without a message gives ``""``).
 from __future__ import annotations
 
 import os
-import sys
-import traceback
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -68,6 +66,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+
+from slotsync.engine.worker_pipe import failure, next_request, start_worker
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class VllmWorkerHost:
         # that it shows in a checksum instead of holding whatever the allocator had.
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
-        from slotsync.engine.worker import worker_device
+        from slotsync.engine.worker_state import worker_device
 
         self.index = spec.index
         self.device, self.gpu_uuid = worker_device(spec.device, spec.gpu_uuid)
@@ -320,27 +320,16 @@ def vllm_worker_main(spec: VllmWorkerSpec, conn: Connection) -> None:
     Sends ``("ready", {"gpu_uuid", "device"})`` or ``("err", traceback)`` once, then serves
     ``(method, kwargs)`` requests in order until ``("exit", {})`` or until the parent goes.
     """
-    from slotsync.testing.processes import die_with_parent
-
-    die_with_parent()  # SIGTERM when the engine's front dies, even by SIGKILL
-    try:
-        host = VllmWorkerHost(spec)
-    except BaseException:
-        conn.send(("err", traceback.format_exc()))
+    host = start_worker(conn, lambda: VllmWorkerHost(spec))
+    if host is None:
         return
-    conn.send(("ready", {"gpu_uuid": host.gpu_uuid, "device": str(host.device)}))
-    while True:
-        try:
-            method, kwargs = conn.recv()
-        except (EOFError, OSError, KeyboardInterrupt):
-            return
+    while (request := next_request(conn)) is not None:
+        method, kwargs = request
         if method == "exit":
             conn.send(("ok", None))
             return
         try:
             answer: tuple[str, Any] = ("ok", _call(host, method, kwargs))
         except Exception as e:  # vLLM's WorkerProc: any Exception becomes a FAILURE reply
-            tb = traceback.format_exc().rstrip().replace("\n", f"\n[worker {spec.index}] ")
-            print(f"[worker {spec.index}] {method} failed: {tb}", file=sys.stderr, flush=True)
-            answer = ("err", str(e))
+            answer = failure(spec.index, method, e)
         conn.send(answer)
