@@ -72,127 +72,31 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from slotsync.engine.faults import Fault, FaultTable
+from slotsync.engine.engine_state import SLEEP_TAGS, EngineState
+from slotsync.engine.http_shapes import (
+    CLOSE_AFTER,
+    PAUSE_MODES,
+    UPDATE_BODY,
+    UpdateBody,
+    bad_request,
+    detail,
+    err500,
+    missing,
+    pause_mode,
+    read_json,
+    read_required,
+    sleep_level,
+)
 from slotsync.engine.pool import CollectiveRpcError, WorkerPool
 
-PAUSE_MODES = ("abort", "wait", "keep")
-_CLOSE_AFTER = "slotsync.close_after"  # response key: close the connection once it is sent
-SLEEP_TAGS = frozenset(("weights", "kv_cache"))
-"""vLLM 0.32 ``v1/executor/abstract.py SLEEP_TAGS``."""
-
-
-@dataclass
-class EngineState:
-    """Engine-level state (vLLM's API-server, engine-core and executor side): pause flag,
-    weight version, sleeping tags, counters, faults."""
-
-    paused: bool = False
-    weight_version: str = "default"
-    packed: bool = False
-    init_count: int = 0
-    pause_count: int = 0
-    resume_count: int = 0
-    shutdown_count: int = 0
-    sleeping_tags: set[str] = field(default_factory=set)
-    fault_table: FaultTable = field(default_factory=FaultTable)
-    baseline: dict[str, str] | None = None
-
-    @property
-    def faults(self) -> list[Fault]:
-        """The injected faults."""
-        return self.fault_table.faults
-
-    @property
-    def route_counts(self) -> dict[str, int]:
-        """Calls per route name."""
-        return self.fault_table.route_counts
-
-    def match_fault(self, route: str) -> Fault | None:
-        """Count one call of ``route``; return the fault that fires on it, if any."""
-        return self.fault_table.match(route)
-
-
-def _err500(message: str, status: int = 500, close: bool = True) -> web.Response:
-    """vLLM's error body; ``close``: close the connection after it, as uvicorn does after an
-    error raised through ``ServerErrorMiddleware`` (vLLM's handlers render any status but
-    only an unhandled ``Exception``'s 500 is re-raised there)."""
-    resp = web.json_response(
-        {
-            "error": {
-                "message": message,
-                "type": "InternalServerError" if status == 500 else _phrase(status),
-                "param": None,
-                "code": status,
-            }
-        },
-        status=status,
-    )
-    if close and status == 500:
-        resp[_CLOSE_AFTER] = True  # see EngineApp._log_middleware
-    return resp
-
-
-def _phrase(status: int) -> str:
-    from http import HTTPStatus
-
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Error"
-
-
-def _bad_request(message: str, param: str | None = None) -> web.Response:
-    """A 400 as vLLM's validation / HTTP-exception handlers render it (connection kept)."""
-    return web.json_response(
-        {"error": {"message": message, "type": "Bad Request", "param": param, "code": 400}},
-        status=400,
-    )
-
-
-def _missing(key: str) -> web.Response:
-    """vLLM 0.32's 400 for a missing ``Body(embed=True)`` key (pydantic's error, as vLLM's
-    ``validation_exception_handler`` formats it)."""
-    err = {"type": "missing", "loc": f"body.{key}", "msg": "Field required", "input": "None"}
-    return _bad_request(f"1 validation error:\n  {err}", f"body.{key}")
-
-
-def _query_error(err: dict[str, Any]) -> web.Response:
-    """vLLM 0.32's 400 for a query parameter pydantic refused (``err["loc"]`` its name)."""
-    return _bad_request(f"1 validation error:\n  {err}", err["loc"])
-
-
-def _detail(status: int, detail: Any) -> web.Response:
-    """The test-only routes' error shape."""
-    return web.json_response({"detail": detail}, status=status)
-
-
-class _UpdateBody(msgspec.Struct):
-    """``/update_weights`` body: ``update_info`` kept as JSON text (other keys ignored)."""
-
-    update_info: msgspec.Raw = msgspec.Raw(b"null")
-
-
-_UPDATE_BODY = msgspec.json.Decoder(_UpdateBody)
-
-
-async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
-    """The body as a dict (``{}`` when empty), or a 400 response like vLLM's."""
-    raw = await request.read()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return _bad_request("Invalid JSON format", "body")
-    if not isinstance(body, dict):
-        return _bad_request("Request body must be a JSON object", "body")
-    return body
+__all__ = ["PAUSE_MODES", "SLEEP_TAGS", "CollectiveRpcError", "EngineApp", "EngineState",
+           "WorkerPool"]
 
 
 class EngineApp:
@@ -237,7 +141,7 @@ class EngineApp:
         try:
             resp = await handler(request)
             status = resp.status
-            if resp.get(_CLOSE_AFTER) and request.transport is not None:
+            if resp.get(CLOSE_AFTER) and request.transport is not None:
                 # uvicorn after an exception raised through ServerErrorMiddleware: the
                 # response goes out as usual (no "Connection: close"), then the transport
                 # closes -- a client reusing the connection finds it reset
@@ -279,7 +183,7 @@ class EngineApp:
             text = f"Call to {utility} method failed: {msg}"
             if plain is not None:
                 return web.json_response({"error": f"{plain}: {text}"}, status=f.status), None
-            return _err500(text, f.status), None
+            return err500(text, f.status), None
         return None, {i: msg for i in f.workers}
 
     async def _fanout(
@@ -290,24 +194,47 @@ class EngineApp:
         per_worker: list[dict[str, Any]] | None = None,
         utility: str = "collective_rpc",
     ) -> list[Any] | web.Response:
+        """``route``'s fault, then ``method`` on every worker: their results, or the 500."""
         early, inject = await self._apply_fault(route, utility)
         if early is not None:
             return early
+        return await self._rpc(method, kwargs, per_worker, inject, utility)
+
+    async def _rpc(self, method: str, kwargs: dict[str, Any] | None = None,
+                   per_worker: list[dict[str, Any]] | None = None,
+                   inject: dict[int, str] | None = None,
+                   utility: str = "collective_rpc") -> list[Any] | web.Response:
+        """``method`` on every worker: their results, or vLLM's 500 naming ``utility``."""
         try:
             return await self.pool.collective_rpc(method, kwargs, per_worker, inject)
         except CollectiveRpcError as e:
-            return _err500(e.api_message(utility))
+            return err500(e.api_message(utility))
+
+    async def _read_then_fanout(self, request: web.Request,
+                                route: str) -> dict[str, Any] | web.Response:
+        """Read the body (vLLM's 400s), then run the worker method named ``route`` on every
+        worker: the body, or the error response."""
+        body = await read_json(request)
+        if isinstance(body, web.Response):
+            return body
+        res = await self._fanout(route, route)
+        return res if isinstance(res, web.Response) else body
+
+    async def _plain(self, route: str, utility: str, answer: Callable[[], dict[str, Any]],
+                     plain: str | None = None) -> web.Response:
+        """A route that runs no worker call: ``route``'s fault, else ``answer()``'s body
+        (``plain``: see :meth:`_apply_fault`)."""
+        early, _ = await self._apply_fault(route, utility, plain)
+        return early if early is not None else web.json_response(answer())
 
     # -- vLLM routes -----------------------------------------------------------------------
 
     async def init_weight_transfer_engine(self, request: web.Request) -> web.Response:
         """``POST /init_weight_transfer_engine`` ``{"init_info": {"packed": bool}}``."""
-        body = await _read_json(request)
-        if isinstance(body, web.Response):
-            return body
-        init_info = body.get("init_info")
-        if init_info is None:
-            return _missing("init_info")
+        got = await read_required(request, "init_info")
+        if isinstance(got, web.Response):
+            return got
+        _, init_info = got
         res = await self._fanout(
             "init_weight_transfer_engine", "init_weight_transfer_engine", {"init_info": init_info}
         )
@@ -319,12 +246,9 @@ class EngineApp:
 
     async def start_weight_update(self, request: web.Request) -> web.Response:
         """``POST /start_weight_update`` (body ignored)."""
-        body = await _read_json(request)
-        if isinstance(body, web.Response):
-            return body
-        res = await self._fanout("start_weight_update", "start_weight_update")
-        if isinstance(res, web.Response):
-            return res
+        got = await self._read_then_fanout(request, "start_weight_update")
+        if isinstance(got, web.Response):
+            return got
         return web.json_response({"message": "Weight update started"})
 
     async def update_weights(self, request: web.Request) -> web.Response:
@@ -335,29 +259,25 @@ class EngineApp:
 
         One ``update_info`` for every worker travels to them as its JSON text, checked here
         for syntax only: each worker decodes it itself, in parallel, instead of this process
-        decoding it and pickling it again for the workers (an update_info of a few hundred
-        tensors took ~0.2 ms of the front's time that way)."""
+        decoding it and pickling it again for the workers."""
         raw = await request.read()
         try:
-            top = _UPDATE_BODY.decode(raw) if raw.strip() else _UpdateBody()
+            top = UPDATE_BODY.decode(raw) if raw.strip() else UpdateBody()
         except msgspec.ValidationError:
-            return _bad_request("Request body must be a JSON object", "body")
+            return bad_request("Request body must be a JSON object", "body")
         except msgspec.DecodeError:
-            return _bad_request("Invalid JSON format", "body")
+            return bad_request("Invalid JSON format", "body")
         text = bytes(top.update_info)
         if text == b"null":
-            return _missing("update_info")
-        if not text.startswith(b"["):
-            res = await self._fanout("update_weights", "update_weights",
-                                     {"update_info_json": text})
-            if isinstance(res, web.Response):
-                return res
-            return web.json_response({"message": "Weights updated"})
-        update_info = json.loads(text)
-        n = self.pool.world_size
-        per_worker = [{"update_info": update_info[i]} if i < len(update_info)
-                      else {"missing_rank": True} for i in range(n)]
-        res = await self._fanout("update_weights", "update_weights", None, per_worker)
+            return missing("update_info")
+        kwargs: dict[str, Any] | None = {"update_info_json": text}
+        per_worker = None
+        if text.startswith(b"["):
+            update_info = json.loads(text)
+            n = self.pool.world_size
+            kwargs, per_worker = None, [{"update_info": update_info[i]} if i < len(update_info)
+                                        else {"missing_rank": True} for i in range(n)]
+        res = await self._fanout("update_weights", "update_weights", kwargs, per_worker)
         if isinstance(res, web.Response):
             return res
         return web.json_response({"message": "Weights updated"})
@@ -365,12 +285,9 @@ class EngineApp:
     async def finish_weight_update(self, request: web.Request) -> web.Response:
         """``POST /finish_weight_update`` with optional ``{"weight_version": str}``; the
         version is recorded only when every worker finished."""
-        body = await _read_json(request)
+        body = await self._read_then_fanout(request, "finish_weight_update")
         if isinstance(body, web.Response):
             return body
-        res = await self._fanout("finish_weight_update", "finish_weight_update")
-        if isinstance(res, web.Response):
-            return res
         version = body.get("weight_version")
         if version is not None:
             self.state.weight_version = str(version)
@@ -386,64 +303,37 @@ class EngineApp:
         self.state.shutdown_count += 1
         return web.json_response({"message": "Weight transfer shut down"})
 
-    def _mode(self, request: web.Request) -> str | web.Response:
-        """The ``mode`` query parameter (default ``abort``), or vLLM's 400 for another."""
-        mode = request.query.get("mode", "abort")
-        if mode in PAUSE_MODES:
-            return mode
-        return _query_error({
-            "type": "literal_error", "loc": "query.mode",
-            "msg": "Input should be 'abort', 'wait' or 'keep'", "input": mode,
-            "ctx": {"expected": "'abort', 'wait' or 'keep'"},
-        })  # fmt: skip
-
     async def pause(self, request: web.Request) -> web.Response:
         """``POST /pause?mode=abort|wait|keep`` (default ``abort``) -> ``{"status": "paused"}``."""
-        mode = self._mode(request)
+        mode = pause_mode(request)
         if isinstance(mode, web.Response):
             return mode
-        early, _ = await self._apply_fault("pause", "pause_scheduler",
-                                           plain="Failed to pause generation")
-        if early is not None:
-            return early
-        self.state.paused = True
-        self.state.pause_count += 1
-        return web.json_response({"status": "paused"})
+        return await self._plain("pause", "pause_scheduler", self.state.pause,
+                                 "Failed to pause generation")
 
     async def resume(self, request: web.Request) -> web.Response:
         """``POST /resume`` -> ``{"status": "resumed"}``."""
-        early, _ = await self._apply_fault("resume", "resume_scheduler",
-                                           plain="Failed to resume generation")
-        if early is not None:
-            return early
-        self.state.paused = False
-        self.state.resume_count += 1
-        return web.json_response({"status": "resumed"})
+        return await self._plain("resume", "resume_scheduler", self.state.resume,
+                                 "Failed to resume generation")
 
     async def is_paused(self, request: web.Request) -> web.Response:
         """``GET /is_paused`` -> ``{"is_paused": bool}``."""
-        early, _ = await self._apply_fault("is_paused", "is_scheduler_paused",
-                                           plain="Failed to fetch pause status")
-        if early is not None:
-            return early
-        return web.json_response({"is_paused": self.state.paused})
+        return await self._plain("is_paused", "is_scheduler_paused",
+                                 lambda: {"is_paused": self.state.paused},
+                                 "Failed to fetch pause status")
 
     async def get_world_size(self, request: web.Request) -> web.Response:
         """``GET /get_world_size`` -> ``{"world_size": N, "gpu_uuids": [...]}`` (N workers, one
         DP rank, with or without ``include_dp``; ``gpu_uuids``: each worker's GPU UUID in rank
         order, an extension vLLM does not have)."""
-        early, _ = await self._apply_fault("get_world_size")
-        if early is not None:
-            return early
-        return web.json_response({"world_size": self.pool.world_size,
-                                  "gpu_uuids": self.pool.gpu_uuids})
+        return await self._plain("get_world_size", "collective_rpc",
+                                 lambda: {"world_size": self.pool.world_size,
+                                          "gpu_uuids": self.pool.gpu_uuids})
 
     async def weight_info(self, request: web.Request) -> web.Response:
         """``GET /weight_info`` -> ``{"weight_version": str}`` (``"default"`` at first)."""
-        early, _ = await self._apply_fault("weight_info", "get_weight_version")
-        if early is not None:
-            return early
-        return web.json_response({"weight_version": self.state.weight_version})
+        return await self._plain("weight_info", "get_weight_version",
+                                 lambda: {"weight_version": self.state.weight_version})
 
     async def weight_checker(self, request: web.Request) -> web.Response:
         """``POST /weight_checker`` (the reference engine's shapes; vLLM's differ, see
@@ -458,15 +348,13 @@ class EngineApp:
         * ``{"action": "reset"}`` -> ``{"status": "reset"}``: forgets the stored baseline
           (vLLM's zeroes every weight).
         """
-        body = await _read_json(request)
-        if isinstance(body, web.Response):
-            return body
-        action = body.get("action")
-        if action is None:
-            return _missing("action")
+        got = await read_required(request, "action")
+        if isinstance(got, web.Response):
+            return got
+        body, action = got
         if action not in ("checksum", "compare", "reset"):
-            return _bad_request(f"Unknown action {action!r}: use checksum, compare or reset",
-                                "body.action")
+            return bad_request(f"Unknown action {action!r}: use checksum, compare or reset",
+                               "body.action")
         if action == "reset":
             self.state.baseline = None
             return web.json_response({"status": "reset"})
@@ -474,9 +362,9 @@ class EngineApp:
         if action == "compare" and baseline is None:
             baseline = self.state.baseline
             if baseline is None:
-                return _bad_request("action='compare' requires a 'baseline' object")
+                return bad_request("action='compare' requires a 'baseline' object")
         if baseline is not None and not isinstance(baseline, dict):
-            return _bad_request("'baseline' must be an object {name: hex}", "body.baseline")
+            return bad_request("'baseline' must be an object {name: hex}", "body.baseline")
         res = await self._fanout("weight_checker", "checksums",
                                  utility="compute_weight_checksums")
         if isinstance(res, web.Response):
@@ -500,36 +388,20 @@ class EngineApp:
         """``POST /sleep?level=0|1|2&mode=`` -> ``{"status": "sleeping", "level": L}``: pause
         the scheduler, then from level 1 put the workers to sleep (unless already asleep);
         level 2 discards the weights."""
-        text = request.query.get("level", "1")
-        try:
-            level = int(text)
-        except ValueError:
-            return _query_error({
-                "type": "int_parsing", "loc": "query.level",
-                "msg": "Input should be a valid integer, unable to parse string as an "
-                       "integer", "input": text,
-            })  # fmt: skip
-        if level < 0 or level > 2:
-            kind, bound = ("greater_than_equal", 0) if level < 0 else ("less_than_equal", 2)
-            word = "greater" if level < 0 else "less"
-            return _query_error({
-                "type": kind, "loc": "query.level",
-                "msg": f"Input should be {word} than or equal to {bound}", "input": text,
-                "ctx": {"ge" if level < 0 else "le": bound},
-            })  # fmt: skip
-        mode = self._mode(request)
+        level = sleep_level(request)
+        if isinstance(level, web.Response):
+            return level
+        mode = pause_mode(request)
         if isinstance(mode, web.Response):
             return mode
         early, inject = await self._apply_fault("sleep", "sleep")
         if early is not None:
             return early
-        self.state.paused = True
-        if level >= 1 and "weights" not in self.state.sleeping_tags:
-            try:
-                await self.pool.collective_rpc("sleep", {"level": level}, inject=inject)
-            except CollectiveRpcError as e:
-                return _err500(e.api_message("sleep"))
-            self.state.sleeping_tags |= SLEEP_TAGS
+        if self.state.workers_sleep(level):
+            res = await self._rpc("sleep", {"level": level}, inject=inject, utility="sleep")
+            if isinstance(res, web.Response):
+                return res
+            self.state.slept()
         return web.json_response({"status": "sleeping", "level": level})
 
     async def wake_up(self, request: web.Request) -> web.Response:
@@ -541,30 +413,20 @@ class EngineApp:
         early, inject = await self._apply_fault("wake_up", "wake_up")
         if early is not None:
             return early
-        t = tags
-        if t is not None and "scheduling" in t:
-            t = [x for x in t if x != "scheduling"]
-        st = self.state
-        if (t is None or t) and st.sleeping_tags and all(x in st.sleeping_tags
-                                                         for x in (t or ())):
-            try:
-                await self.pool.collective_rpc("wake_up", {"tags": t}, inject=inject)
-            except CollectiveRpcError as e:
-                return _err500(e.api_message("wake_up"))
-            st.sleeping_tags = st.sleeping_tags - set(t) if t else set()
-        awake = not st.sleeping_tags
-        if awake:
-            st.paused = False
+        wake, t = self.state.tags_to_wake(tags)
+        if wake:
+            res = await self._rpc("wake_up", {"tags": t}, inject=inject, utility="wake_up")
+            if isinstance(res, web.Response):
+                return res
+            self.state.woke(t)
+        awake = self.state.settle_awake()
         return web.json_response({"status": "awake" if awake else "sleeping", "tags": tags})
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
         """``GET /is_sleeping`` -> ``{"is_sleeping": bool}``: paused or any tag asleep (vLLM
         0.32 ``EngineCore.is_sleeping``)."""
-        early, _ = await self._apply_fault("is_sleeping", "is_sleeping")
-        if early is not None:
-            return early
-        return web.json_response({"is_sleeping": self.state.paused
-                                  or bool(self.state.sleeping_tags)})
+        return await self._plain("is_sleeping", "is_sleeping",
+                                 lambda: {"is_sleeping": self.state.sleeping})
 
     async def collective_rpc(self, request: web.Request) -> web.Response:
         """``POST /collective_rpc`` ``{"method": str, "args": [...], "kwargs": {...}}`` (vLLM's
@@ -575,12 +437,12 @@ class EngineApp:
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _bad_request(f"JSON decode error: {e}")
+            return bad_request(f"JSON decode error: {e}")
         if not isinstance(body, dict):
-            return _bad_request("Request body must be a JSON object")
+            return bad_request("Request body must be a JSON object")
         method = body.get("method")
         if method is None:
-            return _bad_request("Missing 'method' in request body")
+            return bad_request("Missing 'method' in request body")
         res = await self._fanout("collective_rpc", "rpc", {
             "method": method, "args": list(body.get("args", [])),
             "kwargs": dict(body.get("kwargs", {}))})
@@ -596,7 +458,7 @@ class EngineApp:
         try:
             workers = await self.pool.collective_rpc("stats")
         except CollectiveRpcError as e:
-            return _err500(e.api_message(), close=False)
+            return err500(e.api_message(), close=False)
         s = self.state
         return web.json_response(
             {
@@ -609,7 +471,7 @@ class EngineApp:
                 "pause_count": s.pause_count,
                 "resume_count": s.resume_count,
                 "shutdown_count": s.shutdown_count,
-                "sleeping": s.paused or bool(s.sleeping_tags),
+                "sleeping": s.sleeping,
                 "sleeping_tags": sorted(s.sleeping_tags),
                 "route_counts": s.route_counts,
                 "faults": s.fault_table.as_json(),
@@ -623,9 +485,9 @@ class EngineApp:
         try:
             body = json.loads(raw) if raw.strip() else {}
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return _detail(400, "Invalid JSON format")
+            return detail(400, "Invalid JSON format")
         try:
             faults = self.state.fault_table.apply(body, self.pool.world_size)
         except ValueError as e:
-            return _detail(400, str(e))
+            return detail(400, str(e))
         return web.json_response({"faults": faults})
