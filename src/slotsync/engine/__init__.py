@@ -12,12 +12,17 @@ Two implementations of ``python -m slotsync.engine`` (``--impl``):
   processes that run vLLM's ``gpu_worker.Worker`` weight-update code; stand-ins only for the
   engine core, the distributed groups and the CUDA calls the receive path makes.
 
-Modules: ``worker`` (reference per-worker state machine, handle mapping, weights), ``server``
-(reference aiohttp routes, fan-out, error wrapping, test-only ``/_slotsync/`` routes),
-``pool`` (worker processes and ``collective_rpc``), ``faults`` (test-only fault injection),
-``shm`` (the shared-memory stand-in handle), ``cuda_standin`` (CPU / logical-UUID stand-ins
-for vLLM's receive path), ``vllm_server`` / ``vllm_worker`` / ``vllm_model`` (``--impl vllm``),
-``vllm_receive`` (``--receive vllm``), ``checksum`` (``tensor_checksum``,
-``checksums_by_worker``), ``launcher`` (``ReferenceEngine`` for tests and demos),
-``__main__`` (``python -m slotsync.engine``).
+Modules: ``worker`` (reference worker process: serve loop), ``worker_state`` (its per-worker
+state machine), ``payload`` (vLLM's ``update_info`` / ``init_info`` parsing), ``weight_loader``
+(the weights, handle mapping, copy-out), ``worker_pipe`` (the worker's end of the pool's pipe,
+both impls), ``server`` (reference aiohttp routes, fan-out, test-only ``/_slotsync/`` routes),
+``engine_state`` (its engine-level state), ``http_shapes`` (vLLM's error bodies and 400
+texts), ``pool`` (worker processes and ``collective_rpc``), ``faults`` (test-only fault
+injection), ``shm`` (the shared-memory stand-in handle), ``cuda_standin`` (CPU / logical-UUID
+stand-ins for vLLM's receive path), ``vllm_server`` (``--impl vllm``: vLLM's routers and
+launcher), ``vllm_engine_client`` (its ``AsyncLLM`` stand-in), ``vllm_executor`` (its
+executor stand-in), ``vllm_worker`` / ``vllm_model`` (its workers), ``vllm_receive``
+(``--receive vllm``), ``checksum`` (``tensor_checksum``, ``checksums_by_worker``),
+``launcher`` (``ReferenceEngine`` for tests and demos), ``__main__`` (``python -m
+slotsync.engine``).
 """

@@ -22,6 +22,15 @@ from typing import Any
 
 from slotsync.engine.worker import WorkerSpec, worker_main
 
+Kwargs = dict[str, Any] | None
+"""Keyword arguments of a worker call, the same for every worker."""
+PerWorker = list[dict[str, Any]] | None
+"""Keyword arguments per worker, in rank order (overrides ``Kwargs``)."""
+Inject = dict[int, str] | None
+"""``{worker index: message}``: test faults raised inside the call on those workers."""
+Answer = tuple[bool, Any]
+"""A worker's answer: (ok, result or error text)."""
+
 
 class CollectiveRpcError(Exception):
     """One or more workers failed a fanned-out call.
@@ -209,13 +218,8 @@ class WorkerPool:
         """Each worker's GPU UUID, in rank order."""
         return [w.gpu_uuid for w in self.workers]
 
-    async def collective_rpc(
-        self,
-        method: str,
-        kwargs: dict[str, Any] | None = None,
-        per_worker: list[dict[str, Any]] | None = None,
-        inject: dict[int, str] | None = None,
-    ) -> list[Any]:
+    async def collective_rpc(self, method: str, kwargs: Kwargs = None,
+                             per_worker: PerWorker = None, inject: Inject = None) -> list[Any]:
         """Run ``method`` on every worker and return their results in rank order.
 
         Args:
@@ -234,28 +238,21 @@ class WorkerPool:
             raise CollectiveRpcError(errors, self.world_size)
         return [p for _, p in results]
 
-    async def submit(
-        self,
-        method: str,
-        kwargs: dict[str, Any] | None = None,
-        per_worker: list[dict[str, Any]] | None = None,
-        inject: dict[int, str] | None = None,
-    ) -> list[asyncio.Future]:
+    async def submit(self, method: str, kwargs: Kwargs = None, per_worker: PerWorker = None,
+                     inject: Inject = None) -> list[asyncio.Future]:
         """Write one call to every worker (same arguments as :meth:`collective_rpc`) and
         return, in rank order, the futures of their answers ``(ok, result or error text)``
         without waiting for them. Shielded like :meth:`collective_rpc`: once started, the
         call reaches every worker."""
         return await asyncio.shield(self._submit(method, kwargs, per_worker, inject))
 
-    async def _fan_out(self, method: str, kwargs: dict[str, Any] | None,
-                       per_worker: list[dict[str, Any]] | None,
-                       inject: dict[int, str] | None) -> list[tuple[bool, Any]]:
+    async def _fan_out(self, method: str, kwargs: Kwargs, per_worker: PerWorker,
+                       inject: Inject) -> list[Answer]:
         answers = await self._submit(method, kwargs, per_worker, inject)
         return list(await asyncio.gather(*answers))
 
-    async def _submit(self, method: str, kwargs: dict[str, Any] | None,
-                      per_worker: list[dict[str, Any]] | None,
-                      inject: dict[int, str] | None) -> list[asyncio.Future]:
+    async def _submit(self, method: str, kwargs: Kwargs, per_worker: PerWorker,
+                      inject: Inject) -> list[asyncio.Future]:
         # The same request for every worker: pickle it once, not once per worker (an
         # update_info of thousands of tensors takes a while to pickle).
         shared = (pickle.dumps((method, dict(kwargs or {})), pickle.HIGHEST_PROTOCOL)
