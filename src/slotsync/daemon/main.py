@@ -11,7 +11,8 @@ import sys
 
 from slotsync.daemon.config import Config, load_config
 from slotsync.daemon.logs import configure_logging, log_event
-from slotsync.daemon.service import Daemon, DaemonAlreadyRunning
+from slotsync.daemon.runtime_dir import DaemonAlreadyRunning
+from slotsync.daemon.service import Daemon
 
 
 async def serve(config: Config) -> int:

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
-import os
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +24,7 @@ import zmq.asyncio
 import zmq.utils.monitor
 
 from slotsync import __version__
+from slotsync.daemon import runtime_dir
 from slotsync.daemon.config import Config, ConfigError, read_config_file
 from slotsync.daemon.coordinator import (
     Action,
@@ -41,6 +39,7 @@ from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.metrics import Metrics
 from slotsync.daemon.mid_update_record import MidUpdateEngine, MidUpdateRecord
 from slotsync.daemon.peer_auth import ZAP_DOMAIN, ZapHandler
+from slotsync.daemon.runtime_dir import DaemonAlreadyRunning as DaemonAlreadyRunning
 from slotsync.daemon.slot_table import SlotTable
 from slotsync.daemon.status_documents import daemon_status, status_line
 from slotsync.daemon.status_server import StatusServer
@@ -78,33 +77,6 @@ def _engine_table(engines) -> tuple[dict, dict]:
     """``config.engines`` as ``SlotTable.set_engine_table`` takes it: URLs and GPU UUIDs."""
     return ({e.slot: e.url for e in engines},
             {e.slot: tuple(e.gpu_uuids) for e in engines if e.gpu_uuids})
-
-
-class DaemonAlreadyRunning(RuntimeError):
-    """Another live daemon owns the socket path."""
-
-
-def _claim_ipc_path(path: str) -> None:
-    """Make ``path`` free for binding: refuse if a live process listens there (a second daemon
-    must not steal the socket), remove a stale socket file left by a dead one.
-
-    Raises:
-        DaemonAlreadyRunning: something accepts connections on ``path``.
-    """
-    if not os.path.exists(path):
-        return
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-    except OSError as e:
-        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
-            os.unlink(path)
-            return
-        raise
-    else:
-        raise DaemonAlreadyRunning(f"another slotsyncd is listening on {path}")
-    finally:
-        s.close()
 
 
 class Daemon:
@@ -176,15 +148,7 @@ class Daemon:
             DaemonAlreadyRunning: a live daemon owns the socket path.
             OSError / zmq.ZMQError: the socket or port cannot be bound.
         """
-        if self.endpoint.startswith("ipc://"):
-            path = self.endpoint[len("ipc://") :]
-            folder = os.path.dirname(path) or "."
-            if os.path.exists(folder) and not os.path.isdir(folder):
-                raise NotADirectoryError(f"socket folder {folder} exists and is not a directory")
-            if not os.path.isdir(folder):
-                os.makedirs(folder, exist_ok=True)
-                os.chmod(folder, 0o770)  # the service user and its group only (umask aside)
-            _claim_ipc_path(path)
+        runtime_dir.prepare(self.endpoint)
         # Engines a killed predecessor left mid-update stay paused and need a full update.
         self.restored = self.record.load()
         for d in self.restored:
@@ -213,9 +177,7 @@ class Daemon:
             zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
             | _HANDSHAKE_FAILED_MASK)
         sock.bind(self.endpoint)
-        if self.endpoint.startswith("ipc://"):
-            # Group members (the trainer ranks) must be able to connect; others not at all.
-            os.chmod(self.endpoint[len("ipc://"):], 0o770)
+        runtime_dir.open_to_group(self.endpoint)
         self._sock = sock
         if self.config.status_port >= 0:
             self._status = StatusServer(
@@ -336,9 +298,7 @@ class Daemon:
                 self._sock.disable_monitor()
                 self._monitor.close(linger=0)
             self._sock.close(linger=0)
-            if self.endpoint.startswith("ipc://"):
-                with contextlib.suppress(OSError):
-                    os.unlink(self.endpoint[len("ipc://") :])
+            runtime_dir.release(self.endpoint)
         self._ctx.term()
         self._stopped.set()
 
