@@ -29,6 +29,10 @@ while decoding, in C; rules across fields run in ``__post_init__`` (msgspec turn
 ``Invalid enum value 'object' - at `$.handles[0][6]``` (array fields are named by position,
 the tag counting as element 0; ``decode_to_daemon`` appends the record kind and the field's
 name: ``(CudaIpcHandle field 'dtype')``).
+
+This file is longer than our ~500-line rule on purpose: it holds one thing, the wire schema,
+and keeping every message and every check in one place is what makes "validated in one
+place" true (vLLM ``distributed/weight_transfer/`` keeps its messages the same way).
 """
 
 from __future__ import annotations
@@ -352,8 +356,8 @@ class ChunkMetaCache:
     Every round, every rank of a slot sends the same chunks: the same names, dtypes, shapes and
     sizes, byte for byte; only the update id, index and handles change. A frame whose four
     lists are bytes already seen is decoded with those lists left encoded, and gets the
-    checked lists of the earlier ``Chunk`` (shared, never modified: ~1 ms less per frame of
-    1,350 tensors on the H200 host). Anything else is decoded and checked in full.
+    checked lists of the earlier ``Chunk`` (shared, never modified; the saving is in
+    BENCHMARKS.md). Anything else is decoded and checked in full.
 
     Args:
         max_entries: distinct chunks kept (a round of Qwen3-30B-A3B in 512 MiB chunks has 114);
@@ -388,8 +392,8 @@ class ChunkMetaCache:
 
 class OutgoingChunk(msgspec.Struct, tag="chunk"):
     """A ``Chunk`` as a publisher builds it from a layout it made itself: the same fields,
-    encoded to the same bytes, without ``Chunk.__post_init__``'s checks (~1 ms for a chunk
-    of 1,350 tensors on the H200 host). The daemon decodes it as a ``Chunk``, checks
+    encoded to the same bytes, without ``Chunk.__post_init__``'s checks (their cost: BENCHMARKS.md).
+    The daemon decodes it as a ``Chunk``, checks
     included."""
 
     update_id: int
