@@ -3,9 +3,10 @@
 * ZeroMQ intake: a ROUTER socket on an ``ipc://`` path; each frame is decoded and validated
   (``wire.decode_to_daemon``) and handed to the table with the sender's identity.
 * Timers: one task sleeps until the earliest deadline and calls ``SlotTable.poll``.
-* Engine calls: each ``EngineCall`` action runs as a task on that engine's ``VllmClient``;
-  its outcome is fed back to the slot's coordinator.
-* Status server: ``/healthz``, ``/status``, ``/metrics``.
+* Actions: ``executor.ActionExecutor`` runs what the table returns (replies, engine calls on
+  its client pool, the durable record, update-end logs); the socket folder and socket file are
+  ``runtime_dir.py``'s.
+* Status server: ``/healthz``, ``/status``, ``/metrics`` (``status_documents.py``).
 
 Everything runs on one event loop, so the core is never entered concurrently.
 """
@@ -16,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import zmq
@@ -28,12 +28,9 @@ from slotsync.daemon import runtime_dir
 from slotsync.daemon.config import Config, ConfigError, read_config_file
 from slotsync.daemon.coordinator import (
     Action,
-    EngineCall,
-    Reply,
-    SlotEvent,
     Timeouts,
-    UpdateEnded,
 )
+from slotsync.daemon.executor import ActionExecutor, peer_name, slot_text
 from slotsync.daemon.liveness import ConnectionBook, PeerWatch, heartbeat_options, peer_pid
 from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.metrics import Metrics
@@ -44,12 +41,10 @@ from slotsync.daemon.slot_table import SlotTable
 from slotsync.daemon.status_documents import daemon_status, status_line
 from slotsync.daemon.status_server import StatusServer
 from slotsync.daemon.systemd import Notifier
-from slotsync.daemon.vllm_client import EngineError, VllmClient
 from slotsync.protocol.wire import (
     ChunkMetaCache,
     Error,
     ProtocolError,
-    Registered,
     decode_to_daemon,
     encode,
 )
@@ -60,17 +55,6 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_F
 _HANDSHAKE_FAILED_MASK = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
-
-
-def _slot(slot: tuple[int, int] | list[int]) -> str:
-    """A slot in log lines, as everywhere else: ``[start,end)``."""
-    return f"[{slot[0]},{slot[1]})"
-
-def _peer_name(identity: bytes) -> str:
-    """A socket identity for the log: the publisher's own (``slotsync-r3-p1234-…``, ASCII),
-    else hex."""
-    text = identity.decode("ascii", "replace")
-    return text if text.isprintable() and "\ufffd" not in text else identity.hex()
 
 
 def _engine_table(engines) -> tuple[dict, dict]:
@@ -117,23 +101,18 @@ class Daemon:
         # rejected-message warnings per peer: the first few, then a count per minute
         self._rejects = RateLimiter(burst=5, interval_s=60.0)
         self._zap: ZapHandler | None = None
-        self._clients: dict[str, VllmClient] = {}
-        self._tasks: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
         self._stopped = asyncio.Event()
         self._status: StatusServer | None = None
         self._loops: list[asyncio.Task] = []
         self.notifier = Notifier()
-        self._last_update: str = ""
         if config.engines:
             self.table.set_engine_table(*_engine_table(config.engines))
         self.record = MidUpdateRecord(config.state_path())
         self._chunk_meta = ChunkMetaCache()  # each round re-sends the same chunk lists
-        # Record writes run in order on one thread, off the event loop (a slow state disk
-        # delays nothing else); only a /start_weight_update waits for them (_engine_call).
-        self._record_io = ThreadPoolExecutor(1, thread_name_prefix="slotsync-record")
-        self._record_key: tuple | None = None
-        self._record_written: asyncio.Future[bool] | None = None
+        self.executor = ActionExecutor(self.table, self.record, self.metrics, self._send,
+                                       self._rejects, config.engine_timeout_s,
+                                       self._after_actions, time.monotonic)
         self.restored: list[MidUpdateEngine] = []
 
     @property
@@ -153,7 +132,7 @@ class Daemon:
         self.restored = self.record.load()
         for d in self.restored:
             self.table.restore(d.slot, d.engine_url, d.update_id, d.weight_version, d.state)
-            log_event(log, logging.WARNING, "engine_left_mid_update", slot=_slot(d.slot),
+            log_event(log, logging.WARNING, "engine_left_mid_update", slot=slot_text(d.slot),
                       engine=d.engine_url, update_id=d.update_id, version=d.weight_version,
                       state=d.state)
         uids, gids = self.config.allowed_ids()
@@ -260,9 +239,9 @@ class Daemon:
         c = self.table.slots.get(slot)
         ranks = sorted(c.ranks) if c is not None else []
         actions = self.table.drop(slot, time.monotonic(), force=force)
-        log_event(log, logging.WARNING, "slot_dropped", slot=_slot(slot), force=force,
+        log_event(log, logging.WARNING, "slot_dropped", slot=slot_text(slot), force=force,
                   ranks=ranks)
-        await self._execute(actions)
+        await self.executor.execute(actions)
         left = self.table.released.get((c.engine_url or "").rstrip("/")) if c else None
         return {"dropped": list(slot), "ranks": ranks, "engine_url": c.engine_url if c else None,
                 "needs_full_update": bool(c and c.engine.needs_full_update),
@@ -270,22 +249,14 @@ class Daemon:
 
     def status_line(self) -> str:
         """One line for systemd's STATUS= (``status_documents.status_line``)."""
-        return status_line(self.table, self._last_update)
+        return status_line(self.table, self.executor.last_update)
 
     async def stop(self, reason: str = "daemon stopping") -> None:
         """Fail updates in flight, tell their ranks, close sockets and sessions."""
         if self._stopped.is_set():
             return
-        await self._execute(self.table.shutdown(time.monotonic(), reason))
-        await self._record_on_disk()  # the failed updates' record is written before we exit
-        self._record_io.shutdown(wait=True)
-        for t in self._loops:
-            t.cancel()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._loops, *self._tasks, return_exceptions=True)
-        for c in self._clients.values():
-            await c.close()
+        await self.executor.execute(self.table.shutdown(time.monotonic(), reason))
+        await self.executor.close(*self._loops)
         self.notifier.close()
         if self._status is not None:
             await self._status.stop()
@@ -340,7 +311,7 @@ class Daemon:
         if gone:  # (a new connection on a closed one's fd: that one is gone)
             await self._connections_gone(gone, "its connection closed")
         self._pids.watch(pid)
-        peer = f"pid {pid}" if pid else _peer_name(identity)
+        peer = f"pid {pid}" if pid else peer_name(identity)
         if len(frames) != 2:
             self._reject(peer, f"{len(frames) - 1} frames")
             await self._send(
@@ -354,7 +325,7 @@ class Daemon:
             self._reject(peer, str(e))
             await self._send(identity, Error("decode", str(e), fatal=False))
             return
-        await self._execute(self.table.on_message(identity, msg, time.monotonic(), pid))
+        await self.executor.execute(self.table.on_message(identity, msg, time.monotonic(), pid))
 
     def _reject(self, peer: str, error: str) -> None:
         """A frame that is not a valid message: counted, answered, and logged at most a few
@@ -392,9 +363,7 @@ class Daemon:
                 pid = self._book.pid_of_fd(fd)
                 gone = self._book.disconnected(fd)
                 if gone:
-                    t = asyncio.create_task(self._closed(gone, pid))
-                    self._tasks.add(t)
-                    t.add_done_callback(self._tasks.discard)
+                    self.executor.spawn(self._closed(gone, pid))
                 elif fd in self._handshaken:
                     self._handshaken.discard(fd)
                     # libzmq drops a peer whose frame is over MAXMSGSIZE without a word: say so
@@ -422,16 +391,13 @@ class Daemon:
             actions += self.table.on_connection_gone(ident, now, why)
         self._pids.keep_only(self._book.pids())
         if actions:
-            await self._execute(actions)
+            await self.executor.execute(actions)
 
     def _process_exited(self, pid: int) -> None:
         """``PeerWatch``: process ``pid`` ended; its ranks are gone."""
         gone = self._book.exited(pid)
         if gone:
-            t = asyncio.create_task(self._connections_gone(gone, f"its process (pid {pid}) "
-                                                                 "exited"))
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
+            self.executor.spawn(self._connections_gone(gone, f"its process (pid {pid}) exited"))
 
     async def _wait_wake(self, timeout: float | None) -> None:
         """Sleep until ``_wake`` is set or ``timeout`` passes. ``asyncio.timeout`` rather than
@@ -449,7 +415,7 @@ class Daemon:
             await self._wait_wake(max(0.0, min(ds) - time.monotonic()) if ds else None)
             now = time.monotonic()
             self._log_suppressed(now)
-            await self._execute(self.table.poll(now))
+            await self.executor.execute(self.table.poll(now))
 
     async def _watchdog_loop(self) -> None:
         # WATCHDOG=1 from the event loop itself, at half the interval: a stuck loop stops it.
@@ -465,112 +431,6 @@ class Daemon:
         except zmq.ZMQError as e:  # peer gone: nothing to tell it
             log.debug("cannot reply to %s: %s", identity.hex(), e)
 
-    def _persist(self, *, before_actions: bool) -> None:
-        """Queue a rewrite of the durable record if the set of possibly mid-update engines
-        changed. A slot is recorded from its update's begin (``mid_update_state``), so the write
-        runs while the begin's other calls run; its start waits until it is written
-        (``_record_on_disk``). A rewrite that only drops entries is queued after the actions
-        went out (``before_actions=False``): the record thread then does not compete with
-        sending the commit's acks, and a daemon killed before the write only recovers an
-        engine it need not have."""
-        if self.record.path is None:
-            return
-        engines = [MidUpdateEngine(*d) for d in self.table.mid_update_engines()]
-        key = MidUpdateRecord.key_of(engines)
-        if key == self._record_key:
-            return
-        if before_actions and set(key) <= set(self._record_key or ()):
-            return  # only drops entries: after the actions
-        self._record_key = key
-        try:
-            fut = asyncio.get_running_loop().run_in_executor(self._record_io, self.record.save,
-                                                             engines)
-        except RuntimeError:  # stopped: nothing runs after this, write it here
-            self.record.save(engines)
-            return
-        fut.add_done_callback(self._record_done)
-        self._record_written = fut
-
-    def _record_done(self, fut: asyncio.Future[bool]) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
-            log_event(log, logging.ERROR, "record_write_failed", path=str(self.record.path),
-                      error=str(fut.exception()))
-
-    async def _record_on_disk(self) -> str:
-        """Wait for every queued record write (they run in order); returns '' or why the
-        record could not be written (the start is then not sent, and the update fails)."""
-        fut = self._record_written
-        if fut is None:
-            return ""
-        try:
-            await asyncio.shield(fut)
-        except Exception as e:  # noqa: BLE001 - any failure means: do not start
-            return f"not sent: the in-flight record {self.record.path} cannot be written: {e}"
-        return ""
-
-    async def _execute(self, actions: list[Action]) -> None:
-        self._persist(before_actions=True)
-        for a in actions:
-            if isinstance(a, Reply):
-                msg = a.msg
-                if isinstance(msg, Registered):
-                    log_event(log, logging.INFO, "registered", rank=msg.rank,
-                              slot=_slot((msg.slot_start, msg.slot_start + msg.slot_size)))
-                elif isinstance(msg, Error) and msg.phase == "register":
-                    # (a publisher retries a held rank every 0.2 s: log a few per peer)
-                    peer = _peer_name(a.identity)
-                    if self._rejects.allow(f"register {peer}", time.monotonic()):
-                        log_event(log, logging.WARNING, "registration_refused", peer=peer,
-                                  error=msg.message)
-                await self._send(a.identity, msg)
-            elif isinstance(a, EngineCall):
-                t = asyncio.create_task(self._engine_call(a))
-                self._tasks.add(t)
-                t.add_done_callback(self._tasks.discard)
-            elif isinstance(a, UpdateEnded):
-                self._record(a)
-            elif isinstance(a, SlotEvent):
-                log_event(log, logging.WARNING if a.warning else logging.INFO, a.event,
-                          slot=_slot(a.slot), **a.fields)
-        self._persist(before_actions=False)
-        self._after_actions()
-
     def _after_actions(self) -> None:
         self.notifier.status(self.status_line())
         self._wake.set()  # deadlines may have moved
-
-    async def _engine_call(self, call: EngineCall) -> None:
-        coord = self.table.coordinator(call.slot)
-        url = coord.engine_url or ""
-        client = self._clients.get(url)
-        if client is None:
-            client = VllmClient(url, self.config.engine_timeout_s, self.metrics.observe_request)
-            self._clients[url] = client
-        log_event(log, logging.DEBUG, "engine_call", slot=_slot(call.slot),
-                  update_id=call.update_id, route=call.route)
-        # The durable record must name the slot before its engine can be mid-update.
-        err = await self._record_on_disk() if call.needs_record else ""
-        if err:
-            result, ok = None, False
-        else:
-            lost = client.connection_errors
-            try:
-                result = await client.call(call.route, call.body)
-                ok, err = True, ""
-            except EngineError as e:
-                result, ok, err = None, False, str(e)
-            if client.connection_errors != lost:  # refused / reset: a restarted engine?
-                await self._execute(self.table.on_connection_lost(url, time.monotonic()))
-        await self._execute(coord.on_engine_result(call.call_id, ok, result, err, time.monotonic()))
-
-    def _record(self, e: UpdateEnded) -> None:
-        self.metrics.update_ended(e)
-        level = logging.INFO if e.outcome == "success" else logging.ERROR
-        fields = dict(slot=_slot(e.slot), engine=e.engine_url, update_id=e.update_id,
-                      version=e.weight_version, outcome=e.outcome,
-                      duration_s=round(e.seconds, 4), chunks=e.chunks, bytes=e.nbytes)
-        if e.error:
-            fields["error"] = e.error
-        log_event(log, level, "update_end", **fields)
-        self._last_update = (f"slot {_slot(e.slot)} update {e.update_id} {e.weight_version} "
-                             f"{e.outcome} in {e.seconds:.2f} s")
