@@ -1,22 +1,27 @@
 """The per-slot update coordinator: an I/O-free state machine (h11 style).
 
-One ``SlotCoordinator`` per engine slot. The adapter (``slotsync.daemon.service``) feeds it
-events -- rank messages (``on_register``, ``on_message``), engine call results
-(``on_engine_result``), connection trouble seen by the engine's HTTP client
-(``on_connection_lost``) and the clock (``poll``) -- and executes the actions it returns:
+One ``SlotCoordinator`` per engine slot. The adapter (``slotsync.daemon.service``, which runs
+actions through ``executor.py``) feeds it events -- rank messages (``on_register``,
+``on_message``), engine call results (``on_engine_result``), connection trouble seen by the
+engine's HTTP client (``on_connection_lost``) and the clock (``poll``) -- and executes the
+actions it returns (``actions.py``):
 
 * ``Reply(identity, msg)``: send a wire message to a rank's socket identity;
-* ``EngineCall(call_id, update_id, route, body, slot, index)``: one vLLM HTTP call; its outcome
-  must come back through ``on_engine_result(call_id, ...)``. One begin stage at a time per
-  slot (a stage's probes go out together), then up to ``chunks_in_flight``
+* ``EngineCall(call_id, update_id, route, body, slot, index, needs_record)``: one vLLM HTTP
+  call; its outcome must come back through ``on_engine_result(call_id, ...)``. One begin
+  stage at a time per slot (a stage's probes go out together), then up to ``chunks_in_flight``
   ``/update_weights`` calls, so that the engine finds the next chunk's request waiting when it
   finishes one (results may come back in any order; chunks are acknowledged in index order);
 * ``UpdateEnded(...)``: an update finished or failed (for metrics and logs);
 * ``SlotEvent(slot, event, fields)``: something an operator should read in the log (an engine
   restarted, found asleep, resumed after a failed update, names an update left out).
 
+Its parts live beside it: the update in flight, its phase table and begin stages
+(``update.py``), what is known of the engine (``engine_session.py``), registration checks
+(``registration.py``), the ``/status`` entry (``status_documents.py``).
+
 One update (design.md "Flow of one round"); each begin stage runs when the one before it
-returned and its condition holds::
+returned and its condition holds (``update.BEGIN_STAGES``)::
 
     stage    engine calls (together)                      when
     probe    get_world_size, weight_info, is_sleeping     every rank registered (each round:
@@ -70,11 +75,12 @@ import msgspec
 
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
 from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk, merge_chunk
-from slotsync.daemon.engine_session import EngineSession
+from slotsync.daemon.engine_session import WORKER_FAILED, EngineSession, start_reached_none
 from slotsync.daemon.registration import (
     RankInfo,
     rank_held,
     unlike_the_slot,
+    uuid_mismatch,
     wrong_protocol_or_slot,
 )
 from slotsync.daemon.update import (
@@ -104,17 +110,6 @@ OMITTED_NAMES_POLICIES = ("warn", "refuse")
 """What a successful update that leaves out names the slot's last successful update loaded
 does (``Config.omitted_names``): ``warn`` (log, metric, ``PublishStats``) or ``refuse``
 (fail it before the finish; the engine then needs a full update)."""
-
-
-_EXECUTOR_ROUTES = frozenset({
-    "init_weight_transfer_engine", "pause", "finish_recover", "start_weight_update",
-    "update_weights", "finish_weight_update", "check_replies",
-})
-"""Engine calls that reach the workers through vLLM's executor."""
-
-WORKER_FAILED = "Worker failed with error"
-"""vLLM's MultiprocExecutor (engines of several workers) wraps a worker's error in this text
-(vLLM 0.32 ``v1/executor/multiproc_executor.py`` ``collective_rpc``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,14 +346,14 @@ class SlotCoordinator:
             if call_id in self._orphans:
                 orphan_route = self._orphans.pop(call_id)
                 if not ok:
-                    self._note_reply_trouble(orphan_route, error)
+                    self.engine.note_reply_trouble(orphan_route, error, self.size)
                 return self._advance(now)
             return []
         u = self.current
         assert u is not None and u.update_id == call.update_id  # else it would be an orphan
         route = call.route
         if not ok:
-            self._note_reply_trouble(route, error)
+            self.engine.note_reply_trouble(route, error, self.size)
             if route == "check_replies":
                 return self._out_of_step(u, now, error)
             self._failed_call = (route, error)
@@ -435,15 +430,6 @@ class SlotCoordinator:
             self.engine.paused = False
             return self._complete(now)
         return out + self._advance(now)
-
-    def _note_reply_trouble(self, route: str, error: str) -> None:
-        """A failed call that may have left a later worker's reply queued (vLLM's
-        MultiprocExecutor, gh-58242): a worker's failure, or an executor call that timed out
-        (it runs on, and may fail on worker 0 after the daemon stopped waiting, e.g. mapping
-        memory its trainer already gave back). The next executor call checks first."""
-        if self.size > 1 and (WORKER_FAILED in error or (
-                "no answer within" in error and route in _EXECUTOR_ROUTES)):
-            self.engine.replies_suspect = True
 
     def on_connection_lost(self, now: float) -> list[Action]:
         """The engine's HTTP client saw a refused or reset connection (counted by
@@ -799,23 +785,10 @@ class SlotCoordinator:
             return self._not_current(rank, "chunk", f"chunk {msg.index}", msg.update_id)
         # A rank sends chunks right after its begin, without waiting for the begin's ack: they
         # are merged while the engine is paused and started, and go out once it has started.
-        if rank not in u.begun:
-            return self._fail(
-                now, "chunk", f"rank {rank} sent chunk {msg.index} before its begin", []
-            )
-        if rank in u.committed:
-            return self._fail(now, "chunk", f"rank {rank} sent chunk {msg.index} after commit", [])
-        expect = u.sent_count.get(rank, 0)
-        done = [(r, n) for r, n in sorted(u.committed.items()) if n <= msg.index]
-        if done:
-            r0, n0 = done[0]
-            return self._fail(now, "chunk", f"rank {rank} sent chunk {msg.index} but rank {r0} "
-                              f"committed {n0} chunks: {SAME_CHUNKS_RULE}", [])
-        if msg.index != expect:
-            return self._fail(
-                now, "chunk", f"rank {rank} sent chunk {msg.index}, expected chunk {expect}", []
-            )
-        u.sent_count[rank] = expect + 1
+        why = u.chunk_out_of_order(rank, msg.index)
+        if why:
+            return self._fail(now, "chunk", why, [])
+        u.sent_count[rank] = msg.index + 1
         got = u.pending.setdefault(msg.index, {})
         got[rank] = msg
         u.first_arrival.setdefault(msg.index, now)
@@ -955,7 +928,8 @@ class SlotCoordinator:
                 if not u.sent_count:
                     return []  # nothing to load yet (an update of no chunk is refused)
                 if st.name == "pause":
-                    wrong = self._uuid_mismatch()
+                    wrong = uuid_mismatch(self.ranks, self.engine.declared_gpu_uuids,
+                                          self.engine.gpu_uuids, self.engine_url)
                     if wrong:
                         return self._fail(now, "begin", wrong, [])
             u.stage += 1
@@ -966,37 +940,6 @@ class SlotCoordinator:
                 out += self._call(u, route, body, needs_record=st.needs_record)
             return out
         return []  # start in flight
-
-    def _start_reached_none(self, error: str) -> bool:
-        """A failed start whose error shows that no worker began a session: vLLM's own answer
-        (status 4xx/5xx, not a timeout or a lost connection) without the executor's per-worker
-        wrapping on an engine of several workers (it failed before the call reached them), or
-        the one worker's own failure on a single-worker engine."""
-        if "HTTP " not in error or "already active" in error:
-            return False  # timeout, connection lost: the workers may have started
-        return self.size == 1 or WORKER_FAILED not in error
-
-    def _uuid_mismatch(self) -> str:
-        """Why the ranks' GPU UUIDs are not the engine's workers' (I2, before the pause), or
-        '' when they match or the engine's are not known (then vLLM names a missing one)."""
-        want = self.engine.declared_gpu_uuids or self.engine.gpu_uuids
-        if not want:
-            return ""
-        have = {i.gpu_uuid: r for r, i in self.ranks.items()}
-        if set(have) == set(want):
-            return ""
-        strays = sorted((r, g) for g, r in have.items() if g not in want)
-        lacking = sorted(set(want) - set(have))
-        source = ("the engine table declares" if self.engine.declared_gpu_uuids
-                  else f"engine {self.engine_url} reports")
-        parts = []
-        if strays:
-            parts.append("rank(s) " + ", ".join(f"{r} ({g})" for r, g in strays)
-                         + " have GPU UUIDs the engine does not")
-        if lacking:
-            parts.append(f"no rank has {', '.join(lacking)}")
-        return (f"the ranks' GPU UUIDs are not the engine's: {'; '.join(parts)} ({source} "
-                f"{list(want)})")
 
     def _before_finish(self, u: Update, now: float) -> list[Action]:
         """Every chunk is loaded and every rank committed: check what the update left out of
@@ -1119,7 +1062,7 @@ class SlotCoordinator:
         # a start whose failure shows no worker began a session counts as not sent
         started = u.start_sent and not (
             failed is not None and failed[0] == "start_weight_update"
-            and self._start_reached_none(failed[1]))
+            and start_reached_none(failed[1], self.size))
         if started:
             self.engine.needs_full_update = True
             self.engine.mid_update = True

@@ -9,6 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+EXECUTOR_ROUTES = frozenset({
+    "init_weight_transfer_engine", "pause", "finish_recover", "start_weight_update",
+    "update_weights", "finish_weight_update", "check_replies",
+})
+"""Engine calls that reach the workers through vLLM's executor."""
+
+WORKER_FAILED = "Worker failed with error"
+"""vLLM's MultiprocExecutor (engines of several workers) wraps a worker's error in this text
+(vLLM 0.32 ``v1/executor/multiproc_executor.py`` ``collective_rpc``)."""
+
 
 @dataclass
 class EngineSession:
@@ -87,3 +97,23 @@ class EngineSession:
         self.out_of_step = None
         self.replies_suspect = False
         self.recover_first = True
+
+    def note_reply_trouble(self, route: str, error: str, size: int) -> None:
+        """A failed call that may have left a later worker's reply queued (vLLM's
+        MultiprocExecutor, gh-58242): a worker's failure, or an executor call that timed out
+        (it runs on, and may fail on worker 0 after the daemon stopped waiting, e.g. mapping
+        memory its trainer already gave back). The next executor call checks first.
+        ``size``: the engine's workers."""
+        if size > 1 and (WORKER_FAILED in error or (
+                "no answer within" in error and route in EXECUTOR_ROUTES)):
+            self.replies_suspect = True
+
+
+def start_reached_none(error: str, size: int) -> bool:
+    """A failed start whose error shows that no worker began a session: vLLM's own answer
+    (status 4xx/5xx, not a timeout or a lost connection) without the executor's per-worker
+    wrapping on an engine of several workers (it failed before the call reached them), or
+    the one worker's own failure on a single-worker engine (``size``: its workers)."""
+    if "HTTP " not in error or "already active" in error:
+        return False  # timeout, connection lost: the workers may have started
+    return size == 1 or WORKER_FAILED not in error

@@ -88,3 +88,27 @@ def unlike_the_slot(msg: Register, slot: tuple[int, int], others: dict[int, Rank
     if dup:
         return f"rank {msg.rank} registers GPU UUID {msg.gpu_uuid} already held by rank {dup[0]}"
     return ""
+
+
+def uuid_mismatch(ranks: dict[int, RankInfo], declared: tuple[str, ...] | None,
+                  reported: tuple[str, ...] | None, engine_url: str | None) -> str:
+    """Why the ranks' GPU UUIDs are not the engine's workers' (I2, before the pause), or
+    '' when they match or the engine's are not known (then vLLM names a missing one)."""
+    want = declared or reported
+    if not want:
+        return ""
+    have = {i.gpu_uuid: r for r, i in ranks.items()}
+    if set(have) == set(want):
+        return ""
+    strays = sorted((r, g) for g, r in have.items() if g not in want)
+    lacking = sorted(set(want) - set(have))
+    source = ("the engine table declares" if declared
+              else f"engine {engine_url} reports")
+    parts = []
+    if strays:
+        parts.append("rank(s) " + ", ".join(f"{r} ({g})" for r, g in strays)
+                     + " have GPU UUIDs the engine does not")
+    if lacking:
+        parts.append(f"no rank has {', '.join(lacking)}")
+    return (f"the ranks' GPU UUIDs are not the engine's: {'; '.join(parts)} ({source} "
+            f"{list(want)})")

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from slotsync.daemon.aggregation import ChunkMismatch, MergedChunk
+from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk
 from slotsync.protocol.wire import Chunk
 
 
@@ -178,3 +178,21 @@ class Update:
         """Every one of ``size`` ranks committed and every committed chunk was consumed."""
         return (len(self.committed) == size and not self.pending
                 and self.next_index == next(iter(self.committed.values())))
+
+    def chunk_out_of_order(self, rank: int, index: int) -> str:
+        """Why chunk ``index`` from ``rank`` breaks the round's order (design.md "Flow of one
+        round": after the rank's begin, before its commit, indices 0, 1, ... and no further
+        than another rank's commit, ``aggregation.SAME_CHUNKS_RULE``); '' if it is the next."""
+        if rank not in self.begun:
+            return f"rank {rank} sent chunk {index} before its begin"
+        if rank in self.committed:
+            return f"rank {rank} sent chunk {index} after commit"
+        expect = self.sent_count.get(rank, 0)
+        done = [(r, n) for r, n in sorted(self.committed.items()) if n <= index]
+        if done:
+            r0, n0 = done[0]
+            return (f"rank {rank} sent chunk {index} but rank {r0} committed {n0} chunks: "
+                    f"{SAME_CHUNKS_RULE}")
+        if index != expect:
+            return f"rank {rank} sent chunk {index}, expected chunk {expect}"
+        return ""
