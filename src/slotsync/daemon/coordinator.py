@@ -91,20 +91,8 @@ from slotsync.daemon.update import (
     PhaseEvent,
     Update,
 )
-from slotsync.protocol.wire import (
-    MAX_OMITTED_NAMES,
-    PROTOCOL_VERSION,
-    RANK_HELD,
-    Abort,
-    Ack,
-    Begin,
-    Chunk,
-    Commit,
-    Error,
-    Register,
-    Registered,
-    normalize_gpu_uuid,
-)
+from slotsync.protocol import wire
+from slotsync.protocol.wire import Abort, Ack, Begin, Chunk, Commit, Error, Register, Registered
 
 OMITTED_NAMES_POLICIES = ("warn", "refuse")
 """What a successful update that leaves out names the slot's last successful update loaded
@@ -260,7 +248,7 @@ class SlotCoordinator:
         why = rank_held(self.ranks.get(msg.rank), identity, msg, peer_pid)
         if why:
             # (not refuse(): the update in flight belongs to the live holder, not to this one)
-            return [Reply(identity, Error("register", why, list(self.slot), code=RANK_HELD))]
+            return [Reply(identity, Error("register", why, list(self.slot), code=wire.RANK_HELD))]
         if (
             msg.rank in self.ranks
             and self.current is None
@@ -307,7 +295,7 @@ class SlotCoordinator:
                     self.start,
                     self.size,
                     self.next_update_id,
-                    PROTOCOL_VERSION,
+                    wire.PROTOCOL_VERSION,
                     self.daemon_version,
                     self.max_message_bytes,
                 ),
@@ -1133,13 +1121,13 @@ class SlotCoordinator:
         if self._pending_url is not None:
             self.set_engine_url(self._pending_url)
         ack = Ack(u.update_id, "commit", -1, now - u.started_at,
-                  u.omitted[:MAX_OMITTED_NAMES], len(u.omitted), not u.found_asleep)
+                  u.omitted[:wire.MAX_OMITTED_NAMES], len(u.omitted), not u.found_asleep)
         acks: list[Action] = [Reply(i.identity, ack) for i in self._by_rank()]
         if u.omitted:
             acks.append(SlotEvent(self.slot, "omitted_names", {
                 "engine": self.engine_url, "update_id": u.update_id,
                 "version": u.weight_version, "count": len(u.omitted),
-                "names": ",".join(u.omitted[:MAX_OMITTED_NAMES]),
+                "names": ",".join(u.omitted[:wire.MAX_OMITTED_NAMES]),
                 "why": "the slot's last successful update loaded them and this one did not: "
                        "vLLM keeps their old values"}))
         acks.append(
@@ -1172,6 +1160,6 @@ def _reported_uuids(result: Any) -> tuple[str, ...] | None:
     if not isinstance(uuids, list) or not all(isinstance(x, str) for x in uuids):
         return None
     try:
-        return tuple(normalize_gpu_uuid(x) for x in uuids)
+        return tuple(wire.normalize_gpu_uuid(x) for x in uuids)
     except ValueError:
         return None

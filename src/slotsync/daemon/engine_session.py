@@ -81,22 +81,14 @@ class EngineSession:
     def forget(self) -> None:
         """Another engine from now on (engine table reload): nothing is known of it, and it
         is initialised before its first update."""
-        self.initialized = False
-        self.mid_update = False
-        self.paused = False
-        self.asleep = False
-        self.version = None
-        self.gpu_uuids = None
-        self.last_ok_names = frozenset()
+        self.initialized = self.mid_update = self.paused = self.asleep = False
+        self.version, self.gpu_uuids, self.last_ok_names = None, None, frozenset()
 
     def new_process(self) -> None:
         """The engine is a process this daemon did not initialise (restarted at its URL): no
         half-open session, its replies line up, and it is initialised again."""
-        self.initialized = False
-        self.mid_update = False
-        self.out_of_step = None
-        self.replies_suspect = False
-        self.recover_first = True
+        self.initialized = self.mid_update = self.replies_suspect = False
+        self.out_of_step, self.recover_first = None, True
 
     def note_reply_trouble(self, route: str, error: str, size: int) -> None:
         """A failed call that may have left a later worker's reply queued (vLLM's

@@ -60,14 +60,9 @@ class ActionExecutor:
                  send: Callable[[bytes, FromDaemon], Awaitable[None]], rejects: RateLimiter,
                  engine_timeout_s: float, after: Callable[[], None],
                  now: Callable[[], float]) -> None:
-        self.table = table
-        self.record = record
-        self.metrics = metrics
-        self._send = send
-        self._rejects = rejects
-        self._engine_timeout_s = engine_timeout_s
-        self._after = after
-        self._now = now
+        self.table, self.record, self.metrics = table, record, metrics
+        self._send, self._after, self._now = send, after, now
+        self._rejects, self._engine_timeout_s = rejects, engine_timeout_s
         self.clients: dict[str, VllmClient] = {}
         self.tasks: set[asyncio.Task] = set()
         self.last_update = ""  # the last update's outcome, for STATUS=
