@@ -5,13 +5,15 @@ fixtures several test modules use (issue 16: each module defined its own copy).
   different engine, e.g. vLLM's code with a model, define their own ``engine``);
 * ``engine_box``: an :class:`engines.EngineBox` of the engine under test (``--engine``), two
   workers, one per module; ``fresh_engine``: that box brought back to a clean state (faults
-  cleared, no update open, resumed) before and after each test.
+  cleared, no update open, resumed) before and after each test;
+* ``receive``: the GPU tests' workers' receive path, once ``reference`` and once ``vllm``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,6 +46,23 @@ def fresh_engine(engine_box: EngineBox) -> Iterator[EngineBox]:
     engine_box.reset()
     yield engine_box
     engine_box.reset()
+
+
+@pytest.fixture(scope="module", params=["reference", "vllm"],
+                ids=["receive=reference", "receive=vllm"])
+def receive(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
+    """The workers' receive path (``ReferenceEngine(receive=...)``) and the engine's extra
+    environment for it; ``vllm`` skips where vLLM's ``IPCWeightTransferEngine`` cannot be
+    imported, from vllm or from the shim in ``build/vllm-shim``."""
+    if request.param == "reference":
+        return "reference", {}
+    from slotsync.engine.vllm_receive import receive_env
+
+    env = receive_env(Path(__file__).resolve().parents[1] / "build" / "vllm-shim")
+    if env is None:
+        pytest.skip("vllm.distributed.weight_transfer.ipc_engine is not importable (no vllm; "
+                    "run python tools/vllm_shim.py build/vllm-shim where vllm is installed)")
+    return "vllm", env
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -53,7 +53,7 @@ def _rank_server(conn: Connection, tests_dir: str) -> None:
     import trainer_script
 
     torch.set_num_threads(1)
-    conn.send(("ready", -1, os.getpid()))
+    conn.send({"event": "ready", "pid": os.getpid()})
     q = _PipeQueue(conn)
     while True:
         job = conn.recv()
@@ -94,9 +94,9 @@ class RankPool:
         if not proc.ready:
             if not proc.conn.poll(timeout_s):
                 raise RuntimeError("rank process did not start")
-            kind, _, pid = proc.conn.recv()
-            assert kind == "ready"
-            proc.ready, proc.pid = True, pid
+            hello = proc.conn.recv()
+            assert hello["event"] == "ready", hello
+            proc.ready, proc.pid = True, hello["pid"]
         return proc
 
     def _give_back(self, proc: _Proc) -> None:
@@ -141,7 +141,7 @@ class RankRun:
     def __init__(self, pool: RankPool) -> None:
         self.pool = pool
         self.procs: dict[int, _Proc] = {}
-        self.events: dict[int, list[tuple]] = {}
+        self.events: dict[int, list[dict]] = {}  # trainer_script's reports, by rank
         self.times: dict[int, list[float]] = {}
         self.killed: dict[int, float] = {}  # rank -> monotonic time of the SIGKILL
         self.t0 = 0.0
@@ -178,7 +178,7 @@ class RankRun:
                     continue
                 self.events[r].append(ev)
                 self.times.setdefault(r, []).append(time.monotonic())
-                if ev[0] == "exit":
+                if ev["event"] == "exit":
                     done.add(r)
                 if on_event is not None:
                     on_event(r, ev)
@@ -194,13 +194,14 @@ class RankRun:
         assert not missing, f"rank(s) {missing} did not exit in {timeout_s} s: {self.events}"
         return self.events
 
-    def rounds(self, rank: int) -> list[tuple]:
-        return [e for e in self.events[rank] if e[0] == "round"]
+    def rounds(self, rank: int) -> list[dict]:
+        """``rank``'s round results (``{"event": "round", ...}``, see trainer_script)."""
+        return [e for e in self.events[rank] if e["event"] == "round"]
 
     def round_time(self, rank: int, k: int) -> float | None:
         """Monotonic arrival time of ``rank``'s result for round ``k``."""
         for ev, t in zip(self.events[rank], self.times.get(rank, []), strict=False):
-            if ev[0] == "round" and ev[2] == k:
+            if ev["event"] == "round" and ev["round"] == k:
                 return t
         return None
 

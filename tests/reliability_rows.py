@@ -69,13 +69,13 @@ def describe_errors(run: RankRun, k: int, ranks: list[int]) -> list[str]:
         if r in run.killed and not run.rounds(r):
             out.append(f"rank {r}: (killed)")
             continue
-        res = [e for e in run.rounds(r) if e[2] == k]
+        res = [e for e in run.rounds(r) if e["round"] == k]
         if not res:
             out.append(f"rank {r}: no result")
-        elif res[0][3] == "ok":
+        elif res[0]["status"] == "ok":
             out.append(f"rank {r}: ok")
         else:
             e = res[0]
-            kind = f" [{e[10]}]" if len(e) > 10 and e[10] != "SlotsyncError" else ""
-            out.append(f"rank {r}: {e[4]}{kind}: {e[5][:80]}")
+            kind = f" [{e['error_type']}]" if e["error_type"] != "SlotsyncError" else ""
+            out.append(f"rank {r}: {e['phase']}{kind}: {e['message'][:80]}")
     return out

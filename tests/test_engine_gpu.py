@@ -29,21 +29,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", params=["reference", "vllm"],
-                ids=["receive=reference", "receive=vllm"])
-def receive(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
-    """The workers' receive path and the engine's extra environment for it."""
-    if request.param == "reference":
-        return "reference", {}
-    from slotsync.engine.vllm_receive import receive_env
-
-    env = receive_env(ROOT / "build" / "vllm-shim")
-    if env is None:
-        pytest.skip("vllm.distributed.weight_transfer.ipc_engine is not importable")
-    return "vllm", env
 
 
 def _qualname(cls: type) -> str:

@@ -148,18 +148,19 @@ def assert_told(run, k: int, ranks: list[int], slot: tuple[int, int], phases=Non
     measured from ``since`` (or from each rank's previous event)."""
     detect = 0.0
     for r in ranks:
-        res = [e for e in run.rounds(r) if e[2] == k]
+        res = [e for e in run.rounds(r) if e["round"] == k]
         assert len(res) == 1, (r, run.events[r])
         e = res[0]
-        assert e[3] == "error", (r, e)
-        assert e[10] == "SlotsyncError", f"rank {r} was never told (own timeout): {e}"
-        assert e[9] is True, e  # fatal
-        assert e[7] == slot_key(slot) and e[8] is not None, e
-        assert f"update {e[8]}" in e[5] and f"[{slot[0]}, {slot[0] + slot[1]})" in e[5], e
+        assert e["status"] == "error", (r, e)
+        assert e["error_type"] == "SlotsyncError", f"rank {r} was never told (own timeout): {e}"
+        assert e["fatal"] is True, e  # fatal
+        assert e["slot"] == slot_key(slot) and e["update_id"] is not None, e
+        assert f"update {e['update_id']}" in e["message"], e
+        assert f"[{slot[0]}, {slot[0] + slot[1]})" in e["message"], e
         if phases is not None:
-            assert e[4] in phases, e
+            assert e["phase"] in phases, e
         if missing is not None:
-            assert e[6] == missing, e
+            assert e["missing_ranks"] == missing, e
         t = run.round_time(r, k)
         if since is None:
             evs = run.times[r]
@@ -214,17 +215,19 @@ def recover(pool, d, engine, packed: bool, k: int, slot=SLOT_A) -> str:
                                       for i in range(slot[1])])
         run.wait(60)
         results = [e for r in run.procs for e in run.rounds(r)]
-        out_of_step = [e for e in results if e[3] == "error" and "out of step" in e[5]]
+        out_of_step = [e for e in results
+                       if e["status"] == "error" and "out of step" in e["message"]]
         if not out_of_step or attempt == 2:
             break
         s = slot_status(d, slot_key(slot))
         assert s["engine_replies_out_of_step"] and s["state"] == "failed", s
-        assert "Restart the engine" in out_of_step[0][5], out_of_step[0]
+        assert "Restart the engine" in out_of_step[0]["message"], out_of_step[0]
         assert isinstance(engine, EngineBox), "an engine out of step must be restartable"
         engine.start_again()
         restarted = "replies out of step (vLLM gh-58242): refused until restarted; "
     for r in run.procs:
-        assert [e[3] for e in run.rounds(r)] == ["ok"], f"{r}: {run.events[r]}\n{d.log_tail(3000)}"
+        assert [e["status"] for e in run.rounds(r)] == ["ok"], (
+            f"{r}: {run.events[r]}\n{d.log_tail(3000)}")
     assert_weights(engine, k)
     stats = engine_stats(engine)
     assert stats["paused"] is False and not any(w["active"] for w in stats["workers"])
@@ -241,7 +244,7 @@ def slot_b_jobs(engine_b, packed: bool, k: int) -> list[dict]:
 def assert_slot_b_ok(run, engine_b, k: int) -> str:
     """Policy 4: the other slot completed its round, weights exact."""
     for r in (2, 3):
-        assert [e[3] for e in run.rounds(r)] == ["ok"], run.events[r]
+        assert [e["status"] for e in run.rounds(r)] == ["ok"], run.events[r]
     assert_weights(engine_b, k)
     assert engine_stats(engine_b)["paused"] is False
     return f"slot B [2,4): round ok, checksums match v{k}"
@@ -273,7 +276,7 @@ def test_rank_killed_around_chunk_k(rec, pool, eng, eng_b, daemon, packed, when)
                                        *slot_b_jobs(eng_b, packed, 1)])
 
     def on_event(r, ev):
-        if r == 1 and ev[0] in ("stalling", "stalling_commit") and 1 not in run.killed:
+        if r == 1 and ev["event"] in ("stalling", "stalling_commit") and 1 not in run.killed:
             run.kill(1)
 
     def watch():
@@ -295,9 +298,9 @@ def test_rank_killed_around_chunk_k(rec, pool, eng, eng_b, daemon, packed, when)
     detect = assert_told(run, 1, [0], SLOT_A, phases=phases, since=run.killed[1],
                          bound_s=1.0 + SLACK_S)
     e0 = run.rounds(0)[0]
-    if e0[4] == "rank_gone":
-        assert e0[6] == [1], e0
-        assert f"rank 1 (pid {run.pid(1)} on" in e0[5] and "exited" in e0[5], e0
+    if e0["phase"] == "rank_gone":
+        assert e0["missing_ranks"] == [1], e0
+        assert f"rank 1 (pid {run.pid(1)} on" in e0["message"] and "exited" in e0["message"], e0
     row.rank_errors = describe_errors(run, 1, [0, 1])
     row.detect_s = detect
     row.other_slot = assert_slot_b_ok(run, eng_b, 1)
@@ -306,7 +309,7 @@ def test_rank_killed_around_chunk_k(rec, pool, eng, eng_b, daemon, packed, when)
     dead = [run.pid(1)]
     assert wait_for(lambda: not shm_segments(dead), 10), shm_segments(dead)
     row.engine_final = recover(pool, daemon, eng, packed, 2)
-    row.happened = (f"rank 0 told ({e0[4]}) {detect:.1f} s after the kill; killed rank's "
+    row.happened = (f"rank 0 told ({e0['phase']}) {detect:.1f} s after the kill; killed rank's "
                     "/dev/shm segments unlinked; new processes for both ranks recover")
     row.outcome = "pass"
 
@@ -324,7 +327,7 @@ def test_rank_replaced_by_new_process_mid_update(rec, pool, eng, daemon, packed)
     t_new = []
 
     def on_event(r, ev):
-        if r == 1 and ev[0] == "stalling" and not t_new:
+        if r == 1 and ev["event"] == "stalling" and not t_new:
             run.kill(1)
             # the replacement: same rank, same slot; picks up at round 2 like rank 0 will
             new = pool._take()
@@ -337,14 +340,14 @@ def test_rank_replaced_by_new_process_mid_update(rec, pool, eng, daemon, packed)
     detect = assert_told(run, 1, [0], SLOT_A, phases={"rank_gone", "register", "chunk"},
                          since=t_new[0], bound_s=RANK_S + SLACK_S)
     e0 = run.rounds(0)[0]
-    assert [e[3] for e in run.rounds(0)] == ["error", "ok"], run.events[0]
-    assert [e[3] for e in run.rounds(11)] == ["ok"], run.events[11]
+    assert [e["status"] for e in run.rounds(0)] == ["error", "ok"], run.events[0]
+    assert [e["status"] for e in run.rounds(11)] == ["ok"], run.events[11]
     assert_weights(eng, 2)
     row.rank_errors = describe_errors(run, 1, [0]) + ["rank 1: (killed); new rank 1: round 2 ok"]
     row.detect_s = detect
     row.engine_after_fault = "(next round already running)"
     row.engine_final = engine_summary(eng) + "; round 2 ok, checksums match"
-    row.happened = f"update failed in {e0[4]} at the re-registration; round 2 ok"
+    row.happened = f"update failed in {e0['phase']} at the re-registration; round 2 ok"
     row.outcome = "pass"
 
 
@@ -397,7 +400,7 @@ def test_engine_fault(rec, pool, eng, eng_b, daemon, packed, name):
     detect = assert_told(run, 1, [0, 1], SLOT_A, phases=phases, bound_s=bound)
     e0 = run.rounds(0)[0]
     route = body["route"]
-    assert route in e0[5] or "no answer" in e0[5], e0
+    assert route in e0["message"] or "no answer" in e0["message"], e0
     row.rank_errors = describe_errors(run, 1, [0, 1])
     row.detect_s = detect
     if two:
@@ -419,7 +422,7 @@ def test_engine_fault(rec, pool, eng, eng_b, daemon, packed, name):
         time.sleep(max(0.0, t_fault + HANG_S + 1.0 - time.monotonic()))
     row.engine_final = recover(pool, daemon, eng, packed, 2)
     calls = slot_status(daemon)["engine_calls"]
-    row.happened = (f"ranks told in '{e0[4]}'; next round: finish_recover x"
+    row.happened = (f"ranks told in '{e0['phase']}'; next round: finish_recover x"
                     f"{calls.get('finish_recover', 0)}, check_health x"
                     f"{calls.get('check_replies', 0)}, then full update ok")
     row.outcome = "pass"
@@ -580,7 +583,7 @@ def test_daemon_sigkill_mid_update_then_restart(rec, pool, eng, tmp_path, packed
     daemon_pid = d.proc.pid
 
     def on_event(r, ev):
-        if ev[0] == "stalling" and not killed:
+        if ev["event"] == "stalling" and not killed:
             d.proc.kill()
             killed.append(time.monotonic())
 
@@ -588,8 +591,9 @@ def test_daemon_sigkill_mid_update_then_restart(rec, pool, eng, tmp_path, packed
     d.stop()
     for r in (0, 1):
         (e,) = run.rounds(r)
-        assert e[3] == "error" and e[10] == "SlotsyncError", e  # not its own timeout
-        assert f"lost the connection to slotsyncd (pid {daemon_pid})" in e[5], e
+        assert e["status"] == "error", e
+        assert e["error_type"] == "SlotsyncError", e  # not its own timeout
+        assert f"lost the connection to slotsyncd (pid {daemon_pid})" in e["message"], e
     detect = max(run.round_time(r, 1) - killed[0] for r in (0, 1))
     assert detect <= 3 + SLACK_S  # liveness_s
     stats = engine_stats(eng)
@@ -622,8 +626,8 @@ def test_wrong_topology_job_exits_then_the_right_one_registers(rec, pool, eng):
         run = pool.start(d.endpoint, [job(r, slot3, eng.url, True) for r in range(3)])
         run.wait(40)
         errs = [e for r in range(3) for e in run.rounds(r)]
-        assert errs and all(e[3] == "error" for e in errs), run.events
-        assert any("world size" in e[5] for e in errs), errs
+        assert errs and all(e["status"] == "error" for e in errs), run.events
+        assert any("world size" in e["message"] for e in errs), errs
         # job A is gone: /status says so per rank (issue 15 #1: it showed 3/3 registered)
         assert wait_for(lambda: not any(
             r["alive"] for r in slot_status(d, (0, 3))["ranks"]), 10), slot_status(d, (0, 3))
@@ -631,7 +635,7 @@ def test_wrong_topology_job_exits_then_the_right_one_registers(rec, pool, eng):
         run_b = pool.start(d.endpoint, [job(r, SLOT_A, eng.url, True) for r in range(2)])
         run_b.wait(40)
         for r in (0, 1):
-            assert [e[3] for e in run_b.rounds(r)] == ["ok"], run_b.events[r]
+            assert [e["status"] for e in run_b.rounds(r)] == ["ok"], run_b.events[r]
         took = time.monotonic() - t0
         assert took < 30  # registered within slot_release_s (at once: A's ranks were gone)
         assert_weights(eng, 1)
@@ -665,14 +669,14 @@ def test_second_process_claiming_a_live_rank_is_refused(rec, pool, eng, daemon):
     # (it retries for its liveness_s, in case the holder is a process on its way out)
     second = pool.start(daemon.endpoint, [job(0, SLOT_A, eng.url, True, liveness_s=2)])
     second.wait(30)
-    (err,) = [e for e in second.events[0] if e[0] == "register_error"]
+    (err,) = [e for e in second.events[0] if e["event"] == "register_error"]
     took = time.monotonic() - t0
-    assert f"already registered by pid {run.pid(0)}" in err[3], err
-    assert f"pid {second.pid(0)} on" in err[3] and "claims it too" in err[3], err
+    assert f"already registered by pid {run.pid(0)}" in err["message"], err
+    assert f"pid {second.pid(0)} on" in err["message"] and "claims it too" in err["message"], err
     run.wait(30)
     s = slot_status(daemon)
     assert s["updates_failed"] == 0, s
-    row.rank_errors = [f"second rank 0: {err[3][:160]}"]
+    row.rank_errors = [f"second rank 0: {err['message'][:160]}"]
     row.engine_after_fault = "engine untouched; /status shows no failed update"
     row.engine_final = recover(pool, daemon, eng, True, 1)
     row.detect_s = round(took, 2)
@@ -905,7 +909,7 @@ def test_engine_world_size_differs_from_slot(rec, pool, engine3, eng_b, daemon, 
                                        *slot_b_jobs(eng_b, packed, 1)])
     run.wait(40)
     detect = assert_told(run, 1, [0, 1], SLOT_A, phases={"begin"}, bound_s=SLACK_S)
-    assert "world size 3" in run.rounds(0)[0][5]
+    assert "world size 3" in run.rounds(0)[0]["message"]
     after = engine_stats(engine3)
     assert after["pause_count"] == before["pause_count"]  # never paused, never started
     assert after["route_counts"].get("start_weight_update", 0) == before["route_counts"].get(
@@ -1097,10 +1101,11 @@ def test_job_restart_ranks_register_at_different_times(rec, pool, eng, daemon):
     run.wait(40)
     row.rank_errors = describe_errors(run, 2, [0, 1])
     row.engine_after_fault = engine_summary(eng) + f"; /status {slot_status(daemon)['state']}"
-    e = [x for r in (0, 1) for x in run.rounds(r) if x[3] == "error"]
-    row.happened = ("the restarted job's first round fails: " + e[0][5][:100]) if e else "ok"
+    e = [x for r in (0, 1) for x in run.rounds(r) if x["status"] == "error"]
+    row.happened = ("the restarted job's first round fails: " + e[0]["message"][:100]
+                    if e else "ok")
     for r in (0, 1):
-        assert [x[3] for x in run.rounds(r)] == ["ok"], run.events[r]
+        assert [x["status"] for x in run.rounds(r)] == ["ok"], run.events[r]
     row.outcome = "pass"
 
 
@@ -1110,8 +1115,8 @@ def test_job_restart_ranks_register_at_different_times(rec, pool, eng, daemon):
 
 
 def _round_ok(run, r: int, k: int) -> tuple:
-    (e,) = [x for x in run.rounds(r) if x[2] == k]
-    assert e[3] == "ok", (r, run.events[r])
+    (e,) = [x for x in run.rounds(r) if x["round"] == k]
+    assert e["status"] == "ok", (r, run.events[r])
     return e
 
 
@@ -1195,9 +1200,9 @@ def test_failure_while_the_pause_is_in_flight(rec, pool, eng, daemon, packed):
                                        job(1, SLOT_A, eng.url, packed)])
     run.wait(40)
     (e0,) = run.rounds(0)
-    assert e0[3] == "error" and e0[10] == "ValueError", e0
+    assert e0["status"] == "error" and e0["error_type"] == "ValueError", e0
     detect = assert_told(run, 1, [1], SLOT_A, phases={"abort"}, bound_s=SLACK_S)
-    assert "resumed if the pause reached it" in run.rounds(1)[0][5]
+    assert "resumed if the pause reached it" in run.rounds(1)[0]["message"]
     assert wait_for(lambda: slot_status(daemon)["state"] == "idle", 10), slot_status(daemon)
     s = slot_status(daemon)
     assert s["engine_paused"] is False and s["needs_full_update"] is False, s
@@ -1263,7 +1268,7 @@ def test_update_that_omits_a_name(rec, pool, eng, daemon, packed):
     run.wait(40)
     for r in (0, 1):
         e = _round_ok(run, r, 2)
-        assert e[6] == ["lm_head.weight"] and e[7] is True, e
+        assert e["omitted_names"] == ["lm_head.weight"] and e["engine_resumed"] is True, e
     assert_weights(eng, 2, old={"lm_head.weight": 1})
     assert "omitted_names" in daemon.log_tail(20000)
     import urllib.request
@@ -1298,14 +1303,14 @@ def test_level_2_sleep_between_rounds(rec, pool, eng, daemon, packed):
         for r in (0, 1)])
     run.wait(40)
     detect = assert_told(run, 2, [0, 1], SLOT_A, phases={"commit"}, bound_s=SLACK_S)
-    assert "needs a full update" in run.rounds(0)[0][5]
+    assert "needs a full update" in run.rounds(0)[0]["message"]
     assert slot_status(daemon)["engine_sleeping"] is True
     run = pool.start(daemon.endpoint, [job(r, SLOT_A, eng.url, packed, first_round=3)
                                        for r in (0, 1)])
     run.wait(40)
     for r in (0, 1):
         e = _round_ok(run, r, 3)
-        assert e[7] is False, e  # engine_resumed: left paused for vLLM's wake_up
+        assert e["engine_resumed"] is False, e  # engine_resumed: left paused for vLLM's wake_up
     assert_weights(eng, 3)
     assert engine_stats(eng)["paused"] is True
     row.engine_after_fault = engine_summary(eng) + "; left paused (sleeping)"

@@ -8,8 +8,6 @@ with vLLM's (``--receive vllm``: ``IPCWeightTransferEngine.update_weights``, its
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,7 +15,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from test_integration import rounds, run_ranks  # noqa: E402
+from spawned_ranks import rounds, run_ranks  # noqa: E402
 from trainer_script import make_tensors  # noqa: E402
 
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
@@ -26,22 +24,6 @@ from slotsync.engine.launcher import ReferenceEngine  # noqa: E402
 from slotsync.protocol.wire import logical_gpu_uuid  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", params=["reference", "vllm"],
-                ids=["receive=reference", "receive=vllm"])
-def receive(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
-    """The workers' receive path and the engine's extra environment for it."""
-    if request.param == "reference":
-        return "reference", {}
-    from slotsync.engine.vllm_receive import receive_env
-
-    env = receive_env(ROOT / "build" / "vllm-shim")
-    if env is None:
-        pytest.skip("vllm.distributed.weight_transfer.ipc_engine is not importable (no vllm; "
-                    "run python tools/vllm_shim.py build/vllm-shim where vllm is installed)")
-    return "vllm", env
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
@@ -53,14 +35,14 @@ def test_cuda_ipc_rounds_land_in_every_worker(packed, receive):
             DaemonProcess() as d:
         ev = run_ranks(d, eng.url, packed, [{"rounds": 3, "cuda": True}] * 2, timeout_s=180)
         for r in range(2):
-            assert [e[3] for e in rounds(ev, r)] == ["ok"] * 3, ev
+            assert [e["status"] for e in rounds(ev, r)] == ["ok"] * 3, ev
         # The engine released each update's export at finish and the publisher dropped its
         # staging buffer after the commit: nothing stays allocated (or pinned in torch's IPC
         # limbo) after any round. Packed, round 1 leaves the gather kernel's tables (a small
         # bounded cache, found again by the next rounds, which leave nothing).
-        left = [e for r in ev for e in ev[r] if e[0] == "cuda_left"]
-        assert len(left) == 6 and all(e[3] == 0 for e in left if e[2] > 1), left
-        assert all(e[3] < (4096 if packed else 1) for e in left if e[2] == 1), left
+        left = [e for r in ev for e in ev[r] if e["event"] == "cuda_left"]
+        assert len(left) == 6 and all(e["bytes"] == 0 for e in left if e["round"] > 1), left
+        assert all(e["bytes"] < (4096 if packed else 1) for e in left if e["round"] == 1), left
         want = {n: tensor_checksum(t) for n, t in make_tensors(3)}
         _, body = eng.request("POST", "/weight_checker", {"action": "checksum"})
         assert set(body["checksums"]) == set(uuids)

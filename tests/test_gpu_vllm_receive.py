@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from engines import port_free  # noqa: E402
-from test_integration import rounds, run_ranks  # noqa: E402
+from spawned_ranks import rounds, run_ranks  # noqa: E402
 from trainer_script import make_tensors  # noqa: E402
 
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
@@ -84,20 +84,20 @@ def test_eight_ranks_eight_rounds_through_vllms_receive_path(vllm_env):
             t0 = time.monotonic()
             ev = run_ranks(d, eng.url, packed, [script] * RANKS, timeout_s=400)
             for r in range(RANKS):
-                assert [e[3] for e in rounds(ev, r)] == ["ok"] * ROUNDS, (name, ev[r])
+                assert [e["status"] for e in rounds(ev, r)] == ["ok"] * ROUNDS, (name, ev[r])
             _assert_checksums(eng, first + ROUNDS - 1)
-            left = [e for r in ev for e in ev[r] if e[0] == "cuda_left"]
+            left = [e for r in ev for e in ev[r] if e["event"] == "cuda_left"]
             assert len(left) == RANKS * ROUNDS, (name, left)
             # flat: no round after the first leaves anything allocated; the first may keep
             # the gather kernel's small table cache (packed), found again later
-            assert all(e[3] == 0 for e in left if e[2] > first), (name, left)
-            assert all(e[3] < (1 << 20) for e in left), (name, left)
+            assert all(e["bytes"] == 0 for e in left if e["round"] > first), (name, left)
+            assert all(e["bytes"] < (1 << 20) for e in left), (name, left)
             stats = eng.request("GET", "/_slotsync/stats")[1]
             assert all(w["receive"] == "vllm" for w in stats["workers"]), stats["workers"]
             print(f"{name}: {ROUNDS} rounds x {RANKS} ranks through vLLM's receive path in "
                   f"{time.monotonic() - t0:.1f} s; checksums equal on {RANKS} workers; "
                   f"CUDA memory left per round (rank 0): "
-                  f"{[e[3] for e in left if e[1] == 0]}")
+                  f"{[e['bytes'] for e in left if e['rank'] == 0]}")
         slot = d.status()["slots"][0]
         assert slot["updates_succeeded"] == ROUNDS * len(MODES) and slot["state"] == "idle"
 
@@ -109,7 +109,7 @@ def test_engine_restarted_at_the_same_url_is_initialised_again(vllm_env, packed)
         with DaemonProcess() as d:
             ev = run_ranks(d, eng.url, packed, [{"rounds": 1, "cuda": True}] * RANKS,
                            timeout_s=300)
-            assert all([e[3] for e in rounds(ev, r)] == ["ok"] for r in range(RANKS)), ev
+            assert all([e["status"] for e in rounds(ev, r)] == ["ok"] for r in range(RANKS)), ev
             port = eng.port
             eng.stop()
             deadline = time.monotonic() + 20
@@ -120,7 +120,7 @@ def test_engine_restarted_at_the_same_url_is_initialised_again(vllm_env, packed)
                            [{"rounds": 1, "cuda": True, "first_round": 2}] * RANKS,
                            timeout_s=300)
             for r in range(RANKS):
-                assert [e[3] for e in rounds(ev, r)] == ["ok"], (r, ev[r], d.log_tail(3000))
+                assert [e["status"] for e in rounds(ev, r)] == ["ok"], (r, ev[r], d.log_tail(3000))
             _assert_checksums(eng, 2)
             slot = d.status()["slots"][0]
             assert slot["engine_calls"]["init_weight_transfer_engine"] == 2, slot

@@ -9,15 +9,12 @@ Each test starts ``slotsyncd`` and an engine as subprocesses -- the reference en
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import time
-
 import pytest
 
 pytest.importorskip("torch")
 
-from trainer_script import make_tensors, run_rank  # noqa: E402
+from spawned_ranks import rounds, run_ranks  # noqa: E402
+from trainer_script import make_tensors  # noqa: E402
 
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
 from slotsync.engine.checksum import checksums_by_worker, tensor_checksum  # noqa: E402
@@ -25,47 +22,13 @@ from slotsync.engine.checksum import checksums_by_worker, tensor_checksum  # noq
 pytestmark = pytest.mark.slow
 
 
-def run_ranks(daemon, engine_url, packed, scripts, timeout_s=90.0, on_event=None):
-    """Run one process per script (rank = index); returns {rank: [events]}.
-    ``on_event(event)`` is called for each event as it arrives (to act mid-round)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    n = len(scripts)
-    procs = [ctx.Process(target=run_rank, args=(r, daemon.endpoint, (0, n), engine_url, packed,
-                                                scripts[r], q)) for r in range(n)]
-    for p in procs:
-        p.start()
-    events: dict[int, list] = {r: [] for r in range(n)}
-    exited = 0
-    deadline = time.monotonic() + timeout_s
-    while exited < n and time.monotonic() < deadline:
-        try:
-            ev = q.get(timeout=0.5)
-        except queue.Empty:
-            continue
-        events[ev[1]].append(ev)
-        exited += ev[0] == "exit"
-        if on_event is not None:
-            on_event(ev)
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-    assert exited == n, f"not every rank exited: {events}\n{daemon.log_tail()}"
-    return events
-
-
-def rounds(events, rank):
-    return [e for e in events[rank] if e[0] == "round"]
-
-
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
 def test_rounds_land_in_every_worker(fresh_engine, packed):
     with DaemonProcess() as d:
         ev = run_ranks(d, fresh_engine.url, packed, [{"rounds": 2}, {"rounds": 2}])
         for r in range(2):
-            assert [e[3] for e in rounds(ev, r)] == ["ok", "ok"], ev
-            assert rounds(ev, r)[0][4] >= 2  # several chunks per round
+            assert [e["status"] for e in rounds(ev, r)] == ["ok", "ok"], ev
+            assert rounds(ev, r)[0]["chunks"] >= 2  # several chunks per round
         want = {n: tensor_checksum(t) for n, t in make_tensors(2)}
         _, body = fresh_engine.request("POST", "/weight_checker", {"action": "checksum"})
         sums_by_worker = checksums_by_worker(body)
@@ -86,10 +49,10 @@ def test_two_ranks_claim_one_slot_with_different_engine_urls(fresh_engine):
                        [{"rounds": 0, "hold_s": 3.0},
                         {"rounds": 0, "engine_url": "http://127.0.0.1:1",
                          "register_delay_s": 1.0}])
-        err = [e for e in ev[1] if e[0] == "register_error"]
-        assert err and err[0][2] == "register"
-        assert "http://127.0.0.1:1" in err[0][3] and fresh_engine.url in err[0][3]
-        assert ("registered", 0) in ev[0]
+        err = [e for e in ev[1] if e["event"] == "register_error"]
+        assert err and err[0]["phase"] == "register"
+        assert "http://127.0.0.1:1" in err[0]["message"] and fresh_engine.url in err[0]["message"]
+        assert {"event": "registered", "rank": 0} in ev[0]
 
 
 def test_rank_that_never_sends_chunk_k_gets_deadline_error_naming_it(fresh_engine):
@@ -100,8 +63,9 @@ def test_rank_that_never_sends_chunk_k_gets_deadline_error_naming_it(fresh_engin
                                         "stall_s": 6}])
         for r in range(2):
             (e,) = rounds(ev, r)
-            assert e[3] == "error" and e[4] == "chunk", e
-            assert e[6] == [1] and "chunk 1" in e[5] and "rank(s) [1]" in e[5]
+            assert e["status"] == "error" and e["phase"] == "chunk", e
+            assert e["missing_ranks"] == [1] and "chunk 1" in e["message"]
+            assert "rank(s) [1]" in e["message"], e
         stats = fresh_engine.request("GET", "/_slotsync/stats")[1]
         assert stats["paused"] is True  # I4: not resumed on half-loaded weights
         assert [w["finish_count"] for w in stats["workers"]] == [
@@ -117,8 +81,8 @@ def test_dtype_differs_on_one_rank_rejected_before_engine_sees_it(fresh_engine):
                                         "dtype_of": {"layers.0.mlp.up.weight": "float16"}}])
         for r in range(2):
             (e,) = rounds(ev, r)
-            assert e[3] == "error" and e[4] == "chunk" and "dtype_names" in e[5], e
-            assert "layers.0.mlp.up.weight" in e[5]
+            assert e["status"] == "error" and e["phase"] == "chunk", e
+            assert "dtype_names" in e["message"] and "layers.0.mlp.up.weight" in e["message"]
         stats = fresh_engine.request("GET", "/_slotsync/stats")[1]
         # the mismatching chunk never reached the engine
         assert stats["route_counts"].get("update_weights", 0) == before["route_counts"].get(
@@ -133,9 +97,9 @@ def test_engine_500_on_chunk_k_reaches_every_rank_and_next_round_recovers(fresh_
         ev = run_ranks(d, fresh_engine.url, True, [{"rounds": 2}, {"rounds": 2}])
         for r in range(2):
             first, second = rounds(ev, r)
-            assert first[3] == "error" and first[4] == "engine", first
-            assert "update_weights" in first[5] and "500" in first[5]
-            assert second[3] == "ok", second  # recovered: finish, then a full update
+            assert first["status"] == "error" and first["phase"] == "engine", first
+            assert "update_weights" in first["message"] and "500" in first["message"]
+            assert second["status"] == "ok", second  # recovered: finish, then a full update
         want = {n: tensor_checksum(t) for n, t in make_tensors(2)}
         _, body = fresh_engine.request("POST", "/weight_checker", {"action": "checksum"})
         for sums in checksums_by_worker(body).values():

@@ -217,7 +217,7 @@ def scraped_round(tmp_path_factory):
         pytest.skip("neither promtool nor prometheus installed (Debian: apt-get install "
                     "prometheus)")
     pytest.importorskip("torch")
-    from test_integration import run_ranks
+    from spawned_ranks import rounds, run_ranks
 
     from slotsync.daemon.launcher import DaemonProcess
     from slotsync.engine.launcher import ReferenceEngine
@@ -233,7 +233,7 @@ def scraped_round(tmp_path_factory):
                 prom.wait_ready()
             ev = run_ranks(daemon, engine.url, True, [{"rounds": 2}, {"rounds": 2}])
             for r in range(2):
-                assert [e[3] for e in ev[r] if e[0] == "round"] == ["ok", "ok"], ev
+                assert [e["status"] for e in rounds(ev, r)] == ["ok", "ok"], ev
             yield daemon, prom
         finally:
             if prom is not None:

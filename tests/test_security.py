@@ -132,7 +132,7 @@ def uds_engine(tmp_path):
 def test_engine_behind_a_unix_socket(uds_engine):
     import asyncio
 
-    from test_integration import rounds, run_ranks
+    from spawned_ranks import rounds, run_ranks
 
     from slotsync.daemon.vllm_client import VllmClient
 
@@ -147,7 +147,7 @@ def test_engine_behind_a_unix_socket(uds_engine):
     with DaemonProcess() as d:
         ev = run_ranks(d, uds_engine, True, [{"rounds": 2}, {"rounds": 2}])
         for r in range(2):
-            assert [e[3] for e in rounds(ev, r)] == ["ok", "ok"], ev
+            assert [e["status"] for e in rounds(ev, r)] == ["ok", "ok"], ev
         assert d.status()["slots"][0]["last_version"] == "v2"
 
 

@@ -231,7 +231,7 @@ def _sigterm_when_stalling(d):
     sent = []
 
     def on_event(ev):
-        if ev[0] == "stalling" and not sent:
+        if ev["event"] == "stalling" and not sent:
             sent.append(True)
             d.proc.send_signal(signal.SIGTERM)
     return on_event
@@ -239,14 +239,14 @@ def _sigterm_when_stalling(d):
 
 @pytest.mark.slow
 def test_sigterm_lets_update_in_flight_finish_within_grace(clean_engine):
-    from test_integration import rounds, run_ranks
+    from spawned_ranks import rounds, run_ranks
 
     with DaemonProcess(args=[*FAST, "--shutdown-grace-s", "20", "--log-format", "json"]) as d:
         ev = run_ranks(d, clean_engine.url, True,
                        [{"rounds": 1}, {"rounds": 1, "delay_before_chunk": (1, 1, 2.0)}],
                        on_event=_sigterm_when_stalling(d))
         for r in range(2):
-            assert [e[3] for e in rounds(ev, r)] == ["ok"], ev
+            assert [e["status"] for e in rounds(ev, r)] == ["ok"], ev
         assert d.proc.wait(20) == 0
         lines = [json.loads(x) for x in d.log_tail(20000).splitlines() if x.startswith("{")]
         end = next(x for x in lines if x["event"] == "update_end")
@@ -259,7 +259,7 @@ def test_sigterm_lets_update_in_flight_finish_within_grace(clean_engine):
 
 @pytest.mark.slow
 def test_sigterm_fails_update_cleanly_after_grace(clean_engine):
-    from test_integration import rounds, run_ranks
+    from spawned_ranks import rounds, run_ranks
 
     with DaemonProcess(args=[*FAST, "--shutdown-grace-s", "1"]) as d:
         ev = run_ranks(d, clean_engine.url, True,
@@ -271,9 +271,10 @@ def test_sigterm_fails_update_cleanly_after_grace(clean_engine):
         except subprocess.TimeoutExpired:
             pytest.fail("daemon did not exit:\n" + d.log_tail())
         (e0,) = rounds(ev, 0)
-        assert e0[3] == "error" and e0[4] == "shutdown" and "grace of 1 s expired" in e0[5], e0
+        assert e0["status"] == "error" and e0["phase"] == "shutdown", e0
+        assert "grace of 1 s expired" in e0["message"], e0
         (e1,) = rounds(ev, 1)
-        assert e1[3] == "error", e1  # told (shutdown error) or, at worst, its own timeout
+        assert e1["status"] == "error", e1  # told (shutdown error) or, at worst, its own timeout
     stats = clean_engine.request("GET", "/_slotsync/stats")[1]
     assert stats["paused"] is True  # I4: left paused, not resumed on half-loaded weights
 
@@ -285,11 +286,11 @@ def test_sighup_reloads_engine_table(tmp_path, clean_engine):
     with DaemonProcess(args=["--config", str(cfg)]) as d:
         (slot,) = d.status()["slots"]
         assert slot["engine_url"] == "http://127.0.0.1:1" and slot["state"] == "registering"
-        from test_integration import rounds, run_ranks
+        from spawned_ranks import rounds, run_ranks
 
         ev = run_ranks(d, clean_engine.url, True, [{"rounds": 1}, {"rounds": 1}])
-        refused = [e for e in ev[0] if e[0] == "register_error"]
-        assert refused and "engine table declares 'http://127.0.0.1:1'" in refused[0][3]
+        refused = [e for e in ev[0] if e["event"] == "register_error"]
+        assert refused and "engine table declares 'http://127.0.0.1:1'" in refused[0]["message"]
         cfg.write_text(f'[[engines]]\nurl = "{clean_engine.url}"\nslot_start = 0\n'
                        'slot_size = 2\n')
         d.proc.send_signal(signal.SIGHUP)
@@ -298,7 +299,7 @@ def test_sighup_reloads_engine_table(tmp_path, clean_engine):
             assert time.monotonic() < deadline, d.log_tail()
             time.sleep(0.1)
         ev = run_ranks(d, clean_engine.url, True, [{"rounds": 1}, {"rounds": 1}])
-        assert [e[3] for e in rounds(ev, 0)] == ["ok"], ev
+        assert [e["status"] for e in rounds(ev, 0)] == ["ok"], ev
 
 
 # ------------------------------------------------------------------ slotsync status
@@ -328,7 +329,7 @@ def test_status_cli_table_json_and_exit_codes(tmp_path):
 
 @pytest.mark.slow
 def test_status_cli_exits_1_when_a_slot_failed(clean_engine):
-    from test_integration import run_ranks
+    from spawned_ranks import run_ranks
 
     with DaemonProcess() as d:
         run_ranks(d, clean_engine.url, True,
@@ -358,14 +359,14 @@ def test_status_cli_engine_state_column():
 @pytest.mark.slow
 def test_sigkill_mid_update_then_restart_keeps_engine_paused_and_recovers(tmp_path,
                                                                           clean_engine):
-    from test_integration import rounds, run_ranks
+    from spawned_ranks import rounds, run_ranks
 
     rt = str(tmp_path / "rt")
     d = DaemonProcess(runtime_dir=rt, args=FAST)
     killed = []
 
     def kill_when_stalling(ev):
-        if ev[0] == "stalling" and not killed:
+        if ev["event"] == "stalling" and not killed:
             killed.append(True)
             d.proc.kill()  # SIGKILL: no chance to clean up
 
@@ -374,7 +375,7 @@ def test_sigkill_mid_update_then_restart_keeps_engine_paused_and_recovers(tmp_pa
                     {"rounds": 1, "delay_before_chunk": (1, 1, 1.0), "timeout_s": 4}],
                    on_event=kill_when_stalling)
     d.stop()
-    assert all(rounds(ev, r)[0][3] == "error" for r in range(2))  # nobody waits forever
+    assert all(rounds(ev, r)[0]["status"] == "error" for r in range(2))  # nobody waits forever
     record = json.loads((tmp_path / "rt" / "inflight.json").read_text())
     assert record["slots"][0]["slot"] == [0, 2] and record["slots"][0]["state"] == "in_flight"
     stats = clean_engine.request("GET", "/_slotsync/stats")[1]
@@ -386,7 +387,7 @@ def test_sigkill_mid_update_then_restart_keeps_engine_paused_and_recovers(tmp_pa
         assert "previous daemon stopped" in slot["last_error"]
         assert slot["next_update_id"] == 1
         ev = run_ranks(d2, clean_engine.url, True, [{"rounds": 1}, {"rounds": 1}])
-        assert [e[3] for e in rounds(ev, 0)] == ["ok"], ev
+        assert [e["status"] for e in rounds(ev, 0)] == ["ok"], ev
         (slot,) = d2.status()["slots"]
         assert slot["state"] == "idle" and slot["engine_calls"].get("finish_recover") == 1
         assert json.loads((tmp_path / "rt" / "inflight.json").read_text())["slots"] == []

@@ -1,9 +1,20 @@
 """A scripted trainer rank for integration tests (run in a spawned process).
 
 ``run_rank`` publishes synthetic tensors through a real ``Publisher`` and reports what the rank
-saw on a queue: ``("registered", rank)``, ``("round", rank, k, "ok", chunks, nbytes)`` or
-``("round", rank, k, "error", phase, message, missing_ranks)``, ``("register_error", ...)``,
-then ``("exit", rank)``. ``script`` keys bend the behaviour to inject faults:
+saw on a queue, one dict per event with named keys (issue 16: they were positional tuples),
+always ``event`` (its kind) and ``rank``:
+
+* ``{"event": "registered"}``, or ``{"event": "register_error", "phase", "message"}``;
+* per round ``k``: ``{"event": "round", "round": k, "status": "ok", "chunks", "bytes",
+  "omitted_names", "engine_resumed"}`` (``chunks``/``bytes`` -1 where the round did not count
+  them; ``omitted_names`` ``[]`` and ``engine_resumed`` None outside ``publish``) or
+  ``{"event": "round", "round": k, "status": "error", "phase", "message", "missing_ranks",
+  "slot", "update_id", "fatal", "error_type"}`` (``slot`` a tuple or None; ``error_type`` the
+  exception's class name: ``SlotsyncTimeout`` means the rank's own deadline expired, the
+  daemon never told it; ``ValueError`` with phase ``input`` for ``raise_after``);
+* last ``{"event": "exit"}``.
+
+``script`` keys bend the behaviour to inject faults:
 
 * ``rounds``: how many rounds (default 1);
 * ``stop_before_chunk``: ``(round, k)``: send chunks < k, then sleep instead of chunk k;
@@ -14,18 +25,21 @@ then ``("exit", rank)``. ``script`` keys bend the behaviour to inject faults:
 * ``staging_buffers``: the publisher's staging regions (default 4);
 * ``cuda``: publish CUDA tensors over CUDA IPC (GPU tests), with ``logical_gpu_uuid(rank)`` so
   several ranks can share one physical GPU; after each ``publish`` the rank reports
-  ``("cuda_left", rank, k, bytes)``: GPU memory still allocated beyond the round's tensors.
+  ``{"event": "cuda_left", "round": k, "bytes"}``: GPU memory still allocated beyond the
+  round's tensors.
 
 Keys added for the fault-injection suite (``tests/test_faults.py``):
 
 * ``first_round``: number of the first round (default 1), so that a replacement process for a
   rank publishes the same weight version and tensors as the ranks that kept running;
 * ``delay_before_commit``: ``(round, seconds)``: after the last chunk's ack, report
-  ``("stalling_commit", rank, k)`` and sleep that long before committing;
+  ``{"event": "stalling_commit", "round": k}`` and sleep that long before committing
+  (``delay_before_chunk`` reports ``{"event": "stalling", "round": k}``);
 * ``start_at``: a ``time.time()`` value: after registering, sleep until then before the first
   round (so that every rank of a restarted job has re-registered before any of them begins);
-* ``trace``: report ``("begun", rank, k)`` after the begin is sent and ``("acked", rank, k,
-  i)`` after chunk i's ack (to act at a precise point of the round).
+* ``trace``: report ``{"event": "begun", "round": k}`` after the begin is sent and
+  ``{"event": "acked", "round": k, "chunk": i}`` after chunk i's ack (to act at a precise
+  point of the round).
 
 Keys added for issue 14's scenarios:
 
@@ -34,13 +48,6 @@ Keys added for issue 14's scenarios:
 * ``raise_after``: ``(round, n[, delay_s])``: the round's iterator raises ``ValueError``
   after ``n`` tensors (bad input found mid-publish: the publisher aborts the update), after
   sleeping ``delay_s`` seconds.
-
-Successful ``publish`` rounds report two more fields: the commit's ``omitted_names`` (list) and
-``engine_resumed``.
-
-Error events carry four more fields after ``missing_ranks``: ``slot`` (tuple or None),
-``update_id``, ``fatal`` and the exception's class name (``SlotsyncTimeout`` means the rank's
-own deadline expired: the daemon never told it).
 """
 
 from __future__ import annotations
@@ -49,7 +56,31 @@ import time
 
 from slotsync.testing.tensors import make_tensors  # (moved there, issue 16; re-exported)
 
-__all__ = ["make_tensors", "run_rank"]
+__all__ = ["error_round", "event", "make_tensors", "ok_round", "run_rank"]
+
+
+def event(kind: str, rank: int, **fields: object) -> dict:
+    """One report: ``{"event": kind, "rank": rank, **fields}`` (sent through a pipe: plain
+    values only)."""
+    return {"event": kind, "rank": rank, **fields}
+
+
+def ok_round(rank: int, k: int, *, chunks: int = -1, nbytes: int = -1,
+             omitted_names: list[str] | None = None,
+             engine_resumed: bool | None = None) -> dict:
+    """Round ``k`` succeeded (``chunks``/``nbytes`` -1: not counted)."""
+    return event("round", rank, round=k, status="ok", chunks=chunks, bytes=nbytes,
+                 omitted_names=omitted_names or [], engine_resumed=engine_resumed)
+
+
+def error_round(rank: int, k: int, *, phase: str, message: str,
+                missing_ranks: list[int] | None = None, slot: tuple[int, int] | None = None,
+                update_id: int | None = None, fatal: bool = True,
+                error_type: str = "SlotsyncError") -> dict:
+    """Round ``k`` failed: the ``SlotsyncError``'s fields (or a ``ValueError``'s)."""
+    return event("round", rank, round=k, status="error", phase=phase, message=message,
+                 missing_ranks=missing_ranks or [], slot=slot, update_id=update_id,
+                 fatal=fatal, error_type=error_type)
 
 
 def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
@@ -70,9 +101,9 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
         try:
             pub.register()
         except SlotsyncError as e:
-            results.put(("register_error", rank, e.phase, e.message))
+            results.put(event("register_error", rank, phase=e.phase, message=e.message))
             return
-        results.put(("registered", rank))
+        results.put(event("registered", rank))
         if script.get("start_at"):
             time.sleep(max(0.0, script["start_at"] - time.time()))
         stop = script.get("stop_before_chunk")
@@ -93,21 +124,21 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
                 if delay or hold or script.get("trace"):
                     pub.begin(f"v{k}")
                     if script.get("trace"):
-                        results.put(("begun", rank, k))
+                        results.put(event("begun", rank, round=k))
                     sent = 0
                     for i, chunk in enumerate(_chunks(named, 40_000)):
                         if delay and i == delay[1]:
-                            results.put(("stalling", rank, k))
+                            results.put(event("stalling", rank, round=k))
                             time.sleep(delay[2])
                         pub.send_chunk(chunk)
                         sent += 1
                         if script.get("trace"):
-                            results.put(("acked", rank, k, i))
+                            results.put(event("acked", rank, round=k, chunk=i))
                     if hold:
-                        results.put(("stalling_commit", rank, k))
+                        results.put(event("stalling_commit", rank, round=k))
                         time.sleep(hold[1])
                     pub.commit()
-                    results.put(("round", rank, k, "ok", sent, -1))
+                    results.put(ok_round(rank, k, chunks=sent))
                 elif stop and stop[0] == k:
                     pub.begin(f"v{k}")
                     for i, chunk in enumerate(_chunks(named, 40_000)):
@@ -116,7 +147,7 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
                             break
                         pub.send_chunk(chunk)
                     pub.commit()
-                    results.put(("round", rank, k, "ok", -1, -1))
+                    results.put(ok_round(rank, k))
                 else:
                     drop = set(script.get("omit", {}).get(k, ()))
                     items = [(n, t) for n, t in named if n not in drop]
@@ -129,24 +160,26 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
                     # (the round's tensors must not outlive it: the next round's then take
                     # the same addresses, as a trainer's parameters keep theirs)
                     del items
-                    results.put(("round", rank, k, "ok", st.chunks, st.bytes,
-                                 list(st.omitted_names), st.engine_resumed))
+                    results.put(ok_round(rank, k, chunks=st.chunks, nbytes=st.bytes,
+                                         omitted_names=list(st.omitted_names),
+                                         engine_resumed=st.engine_resumed))
                     if cuda:  # what the round left allocated on the GPU beyond its tensors
-                        results.put(("cuda_left", rank, k,
-                                     torch.cuda.memory_allocated() - before))
+                        results.put(event("cuda_left", rank, round=k,
+                                          bytes=torch.cuda.memory_allocated() - before))
             except ValueError as e:  # (raise_after): the publisher aborted the update
-                results.put(("round", rank, k, "error", "input", str(e), [], None, None, True,
-                             type(e).__name__))
+                results.put(error_round(rank, k, phase="input", message=str(e), fatal=True,
+                                        error_type=type(e).__name__))
             except SlotsyncError as e:
                 if pub.update_id is not None:  # own timeout: the update is still open here
                     pub.abort(f"{type(e).__name__}: {e.phase}")
-                results.put(("round", rank, k, "error", e.phase, e.message,
-                             list(e.missing_ranks), e.slot, e.update_id, e.fatal,
-                             type(e).__name__))
+                results.put(error_round(rank, k, phase=e.phase, message=e.message,
+                                        missing_ranks=list(e.missing_ranks), slot=e.slot,
+                                        update_id=e.update_id, fatal=e.fatal,
+                                        error_type=type(e).__name__))
     finally:
         time.sleep(script.get("hold_s", 0))  # (keep the connection: the rank stays alive)
         pub.close()
-        results.put(("exit", rank))
+        results.put(event("exit", rank))
 
 
 def _chunks(named, limit):

@@ -1,0 +1,55 @@
+"""Trainer ranks as freshly spawned processes, each running ``trainer_script.run_rank`` once
+(moved from ``tests/test_integration.py``, issue 16; several test modules use it). The fault
+suite's warm pool is ``rank_pool.RankPool``."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+from trainer_script import run_rank
+
+
+def run_ranks(daemon: Any, engine_url: str, packed: bool, scripts: list[dict],
+              timeout_s: float = 90.0,
+              on_event: Callable[[dict], None] | None = None) -> dict[int, list[dict]]:
+    """Run one process per script (rank = index, one engine slot ``(0, len(scripts))``) against
+    ``daemon`` (a ``DaemonProcess``); returns ``{rank: [reports]}`` (trainer_script's dicts).
+    ``on_event(report)`` is called for each report as it arrives (to act mid-round).
+
+    Raises:
+        AssertionError: a rank did not report ``exit`` within ``timeout_s`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    n = len(scripts)
+    procs = [ctx.Process(target=run_rank, args=(r, daemon.endpoint, (0, n), engine_url, packed,
+                                                scripts[r], q)) for r in range(n)]
+    for p in procs:
+        p.start()
+    events: dict[int, list] = {r: [] for r in range(n)}
+    exited = 0
+    deadline = time.monotonic() + timeout_s
+    while exited < n and time.monotonic() < deadline:
+        try:
+            ev = q.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        events[ev["rank"]].append(ev)
+        exited += ev["event"] == "exit"
+        if on_event is not None:
+            on_event(ev)
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    assert exited == n, f"not every rank exited: {events}\n{daemon.log_tail()}"
+    return events
+
+
+def rounds(events: dict[int, list[dict]], rank: int) -> list[dict]:
+    """``rank``'s round results (``{"event": "round", ...}``, see trainer_script)."""
+    return [e for e in events[rank] if e["event"] == "round"]
