@@ -159,8 +159,8 @@ def release_unconsumed(handle: CudaIpcHandle) -> None:
     decrements when it releases its mapping (or at once, when it finds the block mapped
     already); a block whose storage dies with a count above zero waits in torch's IPC limbo
     until ``torch.cuda.ipc_collect()`` finds it released -- for an export never mapped, for
-    the life of the process (measured on the H200: each failed packed update kept its whole
-    staging block). The publisher calls this, when an update fails, for the exports of the
+    the life of the process (each failed packed update would keep its whole staging block).
+    The publisher calls this, when an update fails, for the exports of the
     chunks the engine never acknowledged: those it never mapped are freed, and one it mapped
     before failing is freed while mapped but no longer read (the update failed; the engine
     reloads everything in the next, full update).

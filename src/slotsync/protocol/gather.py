@@ -3,8 +3,8 @@ with a single kernel launch.
 
 Packing a chunk into the staging region is one copy of its bytes, but done through torch it
 costs per-tensor Python: each source must be viewed flat and reinterpreted before
-``torch.cat`` takes it (~3.5 µs per tensor on the H200 host, 22 ms for the 6,291 tensors of
-``slotsync bench gpu``'s round, more than the copy itself). Here the per-tensor work is
+``torch.cat`` takes it (a few µs per tensor: for thousands of tensors, more than the copy
+itself; ``BENCHMARKS.md``). Here the per-tensor work is
 reading ``data_ptr()``: a table of (source address, destination offset, length) goes to the
 GPU and one Triton kernel copies every piece, reading each source through its address.
 

@@ -173,9 +173,8 @@ class Publisher:
             used: ``staging_buffers * staging_bytes`` during an update). With n > 1, up to
             n - 1 chunks wait at the daemon and engine while the next one is filled. Small
             chunks need more: each chunk's ack comes back through the engine's HTTP answer,
-            the daemon and ZeroMQ before its region is filled again (on one H200, 512 MiB
-            chunks ran 3.7x the copy time with 4 regions, 3.4-3.6x with 6;
-            ``BENCHMARKS.md``). 1 is vLLM's own producer: one chunk at a time.
+            the daemon and ZeroMQ before its region is filled again (``BENCHMARKS.md``
+            has the figures). 1 is vLLM's own producer: one chunk at a time.
         timeout_s: deadline of every wait for the daemon, in seconds. The default (360 s) is
             longer than the daemon's default ``engine_timeout_s`` (300 s), so that when an
             engine hangs, the daemon's error naming it reaches the rank before the rank's own
