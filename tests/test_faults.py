@@ -2,7 +2,7 @@
 
 Each scenario runs a real ``slotsyncd`` (subprocess), real reference engines (subprocesses with
 worker processes, ``slotsync.engine``) and trainer ranks (pooled processes running
-``tests/trainer_script.py``, see ``faults_lib.RankPool``), in packed and unpacked mode. The
+``tests/trainer_script.py``, see ``rank_pool.RankPool``), in packed and unpacked mode. The
 policy checked after each fault (issue "every fault ends cleanly"):
 
 1. every surviving rank of the affected slot gets exactly one fatal error from the *daemon*

@@ -31,7 +31,7 @@ def start_worker(conn: Connection, build: Callable[[], S]) -> S | None:
     """A worker process's start: SIGTERM once the parent dies (even by SIGKILL), then
     ``build()`` the worker's state and send ``("ready", {"gpu_uuid", "device"})``, or
     ``("err", traceback)`` and None when ``build`` raised."""
-    from slotsync.daemon.launcher import die_with_parent
+    from slotsync.testing.processes import die_with_parent
 
     die_with_parent()  # SIGTERM when the engine's front dies, even by SIGKILL
     try:
