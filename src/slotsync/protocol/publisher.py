@@ -33,6 +33,15 @@ Memory lifetime (design.md I3): a packed chunk's staging region is refilled only
 chunk's ack, and the staging memory is freed when the update ends; unpacked exports (and their
 shared-memory segments) are kept until the commit's ack, then released and, on CUDA,
 ``torch.cuda.ipc_collect()`` is called.
+
+This module holds one thing, the ``Publisher`` facade: its I/O (the waits on the daemon's
+socket, the order in which copies are launched, chunks sent and acks awaited). The rules it
+follows live beside it, each testable alone: ``session.py`` (the update state machine, acks,
+regions; sans I/O), ``chunking.py`` (the chunking rule, message-size bound), ``inputs.py``
+(argument and tensor checks), ``link.py`` (the socket), ``chunk_export.py`` and
+``export_ledger.py`` (staging memory, exports and their lifetime). Over 500 lines because
+``Publisher``'s public methods carry their full contracts (Args, Raises); see also
+docs/publisher.md.
 """
 
 from __future__ import annotations
