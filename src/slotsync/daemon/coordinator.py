@@ -63,6 +63,11 @@ I3 chunk acks only after ``update_weights`` returned, commit acks only after fin
 I4 resume only after a successful finish, a failed update that started leaves the engine
 paused and ``needs_full_update``; I5 every wait has a deadline; I7 all state keyed by update
 id, stale ids refused; I8 the version is recorded only with a successful finish; I9 above.
+
+Why this file is over 500 lines: it holds one thing, the event handlers of one slot's state
+machine (each ``on_*`` event, the begin plan's driver ``_advance``, ``_fail`` and
+``_complete``), which share the update in flight and the engine session; the pure parts it
+applies live in the modules named above.
 """
 
 from __future__ import annotations
