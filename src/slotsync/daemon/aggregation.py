@@ -43,7 +43,7 @@ class MergedChunk:
     ``ipc_handles_pickled`` holds the pickle's raw ``bytes``, not yet base64 text: msgspec's
     JSON encoder (``VllmClient``) writes ``bytes`` as standard base64 with padding, exactly
     the string vLLM base64-decodes, in one C pass instead of ``base64`` + a copy into the JSON
-    (0.3 ms less per unpacked chunk on the daemon's loop). Encode it with ``msgspec.json``
+    (see BENCHMARKS.md). Encode it with ``msgspec.json``
     (or apply ``vllm_pickle.b64`` first) anywhere else.
 
     ``update_info_json`` is that JSON text, made when the chunk is merged -- while the engine

@@ -4,8 +4,8 @@ learns on restart which engines it left paused with half-loaded weights.
 The record is ``<state_dir>/inflight.json``, rewritten atomically (temp file, rename) whenever
 the set of such engines changes. Not fsync'd: it guards against the daemon *process* dying
 while its engines live on, and the page cache outlives a process; a kernel crash or power
-loss takes the engines' processes down too, so nothing is left mid-update then (two fsyncs
-took ~2 ms per write on the H200 host, twice per round). The daemon writes it off its event
+loss takes the engines' processes down too, so nothing is left mid-update then (an fsync
+would cost every round two disk flushes; BENCHMARKS.md). The daemon writes it off its event
 loop, in order, and a slot's ``/start_weight_update`` is sent only once the record naming that
 slot is written. It lists every slot whose update has begun and not ended (``in_flight``), or whose
 update failed and was not yet recovered (``failed``)::
