@@ -19,6 +19,7 @@ import zmq
 
 from slotsync.protocol import wire
 from slotsync.protocol.errors import SlotsyncError, SlotsyncTimeout
+from slotsync.protocol.pipeline import ChunkPipeline
 from slotsync.protocol.publisher import Publisher, PublishStats
 
 Script = Callable[[wire.ToDaemon], list[wire.FromDaemon]]
@@ -500,7 +501,7 @@ def test_publish_lays_out_the_next_chunk_before_sending_the_one_being_copied(
 
     events: list[tuple[str, int]] = []
     plan, launch = ShmStagingBuffer.plan, StagingBuffer.launch
-    send = Publisher._send_chunk_message
+    send = ChunkPipeline._send_chunk_message
 
     def traced_plan(self: Any, items: Any, region: int = 0, sizes: Any = None, **kw: Any) -> Any:
         events.append(("plan", int(items[0][0].split(".")[2])))
@@ -521,7 +522,7 @@ def test_publish_lays_out_the_next_chunk_before_sending_the_one_being_copied(
 
     monkeypatch.setattr(ShmStagingBuffer, "plan", traced_plan)
     monkeypatch.setattr(StagingBuffer, "launch", traced_launch)
-    monkeypatch.setattr(Publisher, "_send_chunk_message", traced_send)
+    monkeypatch.setattr(ChunkPipeline, "_send_chunk_message", traced_send)
     daemon = make_daemon(slow_engine if slow else happy)
     named = _many_tensors(3)
     with _publisher(endpoint, packed=True, staging_bytes=64, staging_buffers=buffers) as pub:
@@ -617,7 +618,7 @@ def test_publish_sends_a_chunk_from_within_the_next_chunks_layout_once_copied(
     from slotsync.protocol import staging
 
     events: list[str] = []
-    plan, send = staging.plan_pack, Publisher._send_chunk_message
+    plan, send = staging.plan_pack, ChunkPipeline._send_chunk_message
 
     def traced_plan(buf: Any, items: Any, *a: Any, **kw: Any) -> Any:
         k = int(items[0][0].split(".")[2]) // 200
@@ -631,7 +632,7 @@ def test_publish_sends_a_chunk_from_within_the_next_chunks_layout_once_copied(
         send(self, uid, index, *rest)
 
     monkeypatch.setattr(staging, "plan_pack", traced_plan)
-    monkeypatch.setattr(Publisher, "_send_chunk_message", traced_send)
+    monkeypatch.setattr(ChunkPipeline, "_send_chunk_message", traced_send)
     make_daemon()
     def named() -> Iterator[tuple[str, torch.Tensor]]:  # 3 chunks of 200 tensors
         for i, item in enumerate(_many_tensors(600)):

@@ -34,13 +34,15 @@ chunk's ack, and the staging memory is freed when the update ends; unpacked expo
 shared-memory segments) are kept until the commit's ack, then released and, on CUDA,
 ``torch.cuda.ipc_collect()`` is called.
 
-This module holds one thing, the ``Publisher`` facade: its I/O (the waits on the daemon's
-socket, the order in which copies are launched, chunks sent and acks awaited). The rules it
-follows live beside it, each testable alone: ``session.py`` (the update state machine, acks,
-regions; sans I/O), ``chunking.py`` (the chunking rule, message-size bound), ``inputs.py``
-(argument and tensor checks), ``link.py`` (the socket), ``chunk_export.py`` and
-``export_ledger.py`` (staging memory, exports and their lifetime). Over 500 lines because
-``Publisher``'s public methods carry their full contracts (Args, Raises); see also
+This module holds the ``Publisher`` facade: its public methods, registration and the begin's
+settling. The rest lives beside it, each part testable alone: ``pipeline.py`` (the copy
+pipeline: which copy is launched, which chunk sent and which ack awaited, in what order),
+``waits.py`` (sends and deadline waits on the link and its monitor, replies turned into
+session inputs, a daemon gone), ``session.py`` (the update state machine, acks, regions; sans
+I/O), ``chunking.py`` (the chunking rule, message-size bound), ``inputs.py`` (argument and
+tensor checks), ``link.py`` (the socket), ``chunk_export.py`` and ``export_ledger.py``
+(staging memory, exports and their lifetime). Over 500 lines because it holds one thing,
+``Publisher``, whose public methods carry their full contracts (Args, Raises); see also
 docs/publisher.md.
 """
 
@@ -65,25 +67,20 @@ from slotsync.protocol import inputs, wire
 from slotsync.protocol.chunk_export import ChunkExporter
 from slotsync.protocol.chunking import MessageBound, cut
 from slotsync.protocol.connect_check import check_endpoint
-from slotsync.protocol.errors import DAEMON_GONE, SlotsyncError, SlotsyncTimeout
-from slotsync.protocol.export import (
-    PackedLayout,
-    gpu_uuid_of,
-)
+from slotsync.protocol.errors import SlotsyncError
+from slotsync.protocol.export import gpu_uuid_of
 from slotsync.protocol.inputs import MAX_STAGING_BUFFERS, check_version
 from slotsync.protocol.link import DaemonLink
+from slotsync.protocol.pipeline import ChunkPipeline
 from slotsync.protocol.session import (
     MAX_UNACKED_CHUNKS,
     Awaited,
     ErrorAction,
-    Outcome,
     PublisherSession,
-    SentChunk,
-    region_of,
     to_exception,
-    unacked_before_copy,
 )
 from slotsync.protocol.topology import EngineSlot
+from slotsync.protocol.waits import DaemonWaits
 
 __all__ = ["DEFAULT_STAGING_BUFFERS", "DEFAULT_STAGING_BYTES", "MAX_STAGING_BUFFERS",
            "MAX_UNACKED_CHUNKS",
@@ -134,6 +131,21 @@ def _release(link: DaemonLink, exporter: ChunkExporter) -> None:
 
 def _size_of(item: tuple[str, torch.Tensor, int]) -> int:
     return item[2]
+
+
+def _weak(method: Callable[..., _T]) -> Callable[..., _T]:
+    """``method`` (bound) without a strong reference to its object: the publisher's parts
+    call back into it without keeping it alive, so garbage collection still runs its
+    finalizer at once."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: object, **kwargs: object) -> _T:
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("publisher is closed")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 def _one_thread(method: Callable[..., _T]) -> Callable[..., _T]:
@@ -234,12 +246,8 @@ class Publisher:
             self.gpu_uuid = wire.logical_gpu_uuid(rank - self.slot.start)
 
         self._session = PublisherSession(rank, self.slot)  # the update state machine
-        # packed chunk whose copy is launched but not yet sent: (index, layout, region)
-        self._pending: tuple[int, PackedLayout, int] | None = None
         # held by the thread inside publish / begin / send_chunk / commit (see _one_thread)
         self._busy = threading.RLock()
-        self._export_s = 0.0
-        self._wait_s = 0.0
         self._last_commit: wire.Ack | None = None  # the last update's Ack(commit)
         self._exporter = ChunkExporter(self.transport, self.device, rank, staging_bytes,
                                        staging_buffers)  # staging memory, exports
@@ -252,7 +260,12 @@ class Publisher:
             endpoint, routing_id=f"slotsync-r{rank}-p{os.getpid()}-{os.urandom(4).hex()}"
             .encode(), liveness_s=self.liveness_s, monitor=True, send_timeout_s=timeout_s,
             linger_ms=_LINGER_MS)
-        self._connected: bool | None = None  # None: not yet (the first handshake is pending)
+        self._waits = DaemonWaits(  # sends, and waits for replies, on the link
+            self._link, self._session, endpoint=endpoint, rank=rank,
+            slot_range=self._slot_range(), timeout_s=timeout_s, liveness_s=self.liveness_s,
+            on_error=_weak(self._error), end_update=_weak(self._end_update))
+        self._pipeline = ChunkPipeline(  # chunks between copy and ack
+            self._session, self._exporter, packed, self._waits, _weak(self._await_begin), rank)
         self._finalizer = weakref.finalize(self, _release, self._link, self._exporter)
 
     # ---------------------------------------------------------------- public API
@@ -300,7 +313,7 @@ class Publisher:
 
     def _register_once(self) -> wire.Registered:
         self._read_monitor(during_update=False)
-        if self._connected is not True:
+        if self._waits.connected is not True:
             check_endpoint(self.endpoint)  # no daemon to talk to: say why now, not at timeout
         self._send(
             wire.Register(
@@ -358,7 +371,7 @@ class Publisher:
         if self.update_id is not None:
             raise RuntimeError(f"update {self.update_id} is still open; commit or abort it first")
         self._read_monitor(during_update=False)
-        if self.registered is None or self._connected is False:
+        if self.registered is None or self._waits.connected is False:
             # (never registered, or the daemon went away since: register with the one that
             # listens now, or say why none does)
             self.register()
@@ -427,127 +440,8 @@ class Publisher:
         """
         self._check_usable()
         self._session.require_open()
-        self._send_chunk(list(named_tensors), max_unacked=0)
-        self._wait_unacked(0)
-
-    def _send_chunk(self, items: list[tuple[str, torch.Tensor]], max_unacked: int,
-                    sizes: list[int] | None = None, *, pipelined: bool = False) -> int:
-        """Export and send one chunk, first waiting until at most ``max_unacked`` earlier
-        chunks are unacknowledged (packed: also until its staging region is free). Returns its
-        index; its ack is awaited later (``_wait_unacked``).
-
-        ``pipelined`` (``publish``: names already checked): a packed chunk's copy is only
-        launched; it is sent by the next call, after that call laid its own chunk out while
-        the GPU copied this one (``_send_pending``), or by ``commit``. When that next chunk's
-        region is already free, its copy is queued before the pending chunk is sent, so that
-        the GPU copies chunk after chunk while the CPU waits, exports and sends."""
-        s = self._session
-        s.require_open()
-        if not items:
-            raise ValueError("a chunk needs at least one tensor")
-        if not pipelined:
-            names = [n for n, _ in items]
-            if len(set(names)) != len(names):
-                dup = sorted({n for n in names if names.count(n) > 1})
-                raise ValueError(f"duplicate tensor names in one chunk: {dup}")
-        index = s.num_chunks
-        t0 = time.perf_counter()
-        if self.packed:
-            staging = self._exporter.staging()
-            region = region_of(index, staging.regions)
-            # CPU: overlaps the engine's load of earlier chunks and the pending chunk's copy
-            plan = staging.plan(items, region, sizes,
-                                poll=self._send_if_copied if pipelined else None)
-            self._export_s += time.perf_counter() - t0
-            # The region is free once the chunk that last used it, index - regions, was
-            # acknowledged. With the pending chunk (index - 1) not yet sent, that is at most
-            # regions - 2 chunks unacknowledged; if acks already arrived say so, this chunk's
-            # copy is queued behind the pending one's. Else the pending chunk goes out first,
-            # and then we wait (the engine must not wait for it while we do).
-            keep = unacked_before_copy(max_unacked, staging.regions)
-            queue_first = (pipelined and staging.regions > 1 and self._pending is not None
-                           and self._wait_unacked(keep - 1, block=False))
-            if not queue_first:
-                self._send_pending()
-                self._wait_unacked(keep)
-            t0 = time.perf_counter()
-            staging.launch(plan, region)
-            self._export_s += time.perf_counter() - t0
-            if queue_first:
-                self._send_pending()  # waits for its own region's copy only
-            t0 = time.perf_counter()
-            self._pending = (index, plan.layout, region)
-            s.add_chunk(plan.total)
-            self._export_s += time.perf_counter() - t0
-            if not pipelined:
-                self._send_pending()
-            return index
-        if s.begin_refused is not None:
-            self._await_begin()
-        t0 = time.perf_counter()
-        layout, handles = self._exporter.unpacked(items)
-        self._export_s += time.perf_counter() - t0
-        self._wait_unacked(max_unacked)
-        s.add_chunk(sum(layout.tensor_sizes))
-        self._send_chunk_message(s.require_open(), index, layout, handles)
-        return index
-
-    def _send_if_copied(self) -> None:
-        """While the next chunk is laid out: send the pending chunk if its copy is done,
-        without waiting for it."""
-        if self._pending is None:
-            return
-        self._drain()  # (reads acks, or an Error, that arrived)
-        if self._exporter.staging().copied(self._pending[2]):
-            self._send_pending()
-
-    def _send_pending(self) -> None:
-        """Send the packed chunk whose copy was launched last, once the copy is done: the
-        region's handle is handed out only then (the engine reads it from another process)."""
-        if self._pending is None:
-            return
-        if self._session.begin_refused is not None:
-            self._await_begin()  # a restarted daemon refused the begin: register again first
-        index, layout, region = self._pending
-        self._pending = None
-        t0 = time.perf_counter()
-        staging = self._exporter.staging()
-        staging.ready(region)
-        handles: list[wire.Handle] = [staging.handle(region)]
-        self._export_s += time.perf_counter() - t0
-        self._send_chunk_message(self._session.require_open(), index, layout, handles)
-
-    def _send_chunk_message(self, uid: int, index: int, layout: PackedLayout,
-                            handles: list[wire.Handle]) -> None:
-        t0 = time.perf_counter()
-        sent = SentChunk(index, *layout, handles)
-        chunk = self._session.chunk_message(sent)
-        self._export_s += time.perf_counter() - t0
-        self._send(chunk)
-        self._session.chunk_sent(sent)
-        self._exports.sent(index, handles)
-
-    def _wait_unacked(self, keep: int, *, block: bool = True) -> bool:
-        """Wait for chunk acks, oldest first, until at most ``keep`` chunks are unacked.
-        With ``block=False``, take only the acks that already arrived; returns whether at
-        most ``keep`` are unacked. (The begin's ack comes before any chunk's: awaited first.)"""
-        s = self._session
-        if not block:
-            self._drain()
-        elif len(s.unacked) > keep:
-            self._await_begin()
-        while True:
-            taken, due = s.take_acked(keep)
-            for index in taken:
-                self._exports.acked(index)  # the engine mapped them
-                log.debug("rank %d: update %s chunk %d acknowledged", self.rank, s.update_id,
-                          index)
-            if due is None:
-                return True
-            if not block:
-                return False
-            self._wait(Awaited("chunk", s.update_id, due))
-            s.chunk_acked(due)
+        self._pipeline.send_chunk(list(named_tensors), max_unacked=0)
+        self._pipeline.wait_unacked(0)
 
     @_one_thread
     def commit(self) -> None:
@@ -563,7 +457,7 @@ class Publisher:
         self._check_usable()
         s = self._session
         s.require_open()
-        self._send_pending()
+        self._pipeline.send_pending()
         if s.num_chunks:
             self._await_begin()  # (the begin's ack comes once a chunk arrived: none did here,
             # and the daemon refuses an update of no chunk, in answer to this commit)
@@ -573,7 +467,7 @@ class Publisher:
         commit = s.commit()
         uid = commit.update_id
         self._send(commit)
-        self._wait_unacked(0)
+        self._pipeline.wait_unacked(0)
         ack = self._wait(Awaited("commit", uid))
         assert isinstance(ack, wire.Ack)
         self._last_commit = ack
@@ -658,7 +552,7 @@ class Publisher:
         if self.packed:
             self._exporter.allocate()
         t0 = time.perf_counter()
-        self._export_s = self._wait_s = 0.0
+        self._pipeline.export_s = self._waits.wait_s = 0.0
         ahead = self.staging_buffers - 1 if self.packed else MAX_UNACKED_CHUNKS - 1
         try:
             # The first chunks are copied, exported and sent while the daemon pauses and
@@ -666,8 +560,8 @@ class Publisher:
             # begin's ack here; the first wait for a chunk's ack awaits it first).
             self._send_begin(weight_version)
             for chunk in cut(itertools.chain((first,), checked), _size_of, self.staging_bytes):
-                self._send_chunk([(name, t) for name, t, _ in chunk], ahead,
-                                 [n for *_, n in chunk], pipelined=True)
+                self._pipeline.send_chunk([(name, t) for name, t, _ in chunk], ahead,
+                                          [n for *_, n in chunk], pipelined=True)
             chunks, nbytes = self._session.num_chunks, self._session.bytes
             self.commit()
         except BaseException as e:
@@ -679,8 +573,8 @@ class Publisher:
             chunks=chunks,
             bytes=nbytes,
             seconds=time.perf_counter() - t0,
-            export_seconds=self._export_s,
-            wait_seconds=self._wait_s,
+            export_seconds=self._pipeline.export_s,
+            wait_seconds=self._waits.wait_s,
             omitted_names=tuple(ack.omitted_names) if ack else (),
             omitted_count=ack.omitted_count if ack else 0,
             engine_resumed=ack.resumed if ack else True,
@@ -736,7 +630,7 @@ class Publisher:
         """Forget the open update: release exports (``ExportLedger.end``: after an update that
         did not succeed, the CUDA exports never acknowledged are given back), move to the
         next update id (I7)."""
-        self._pending = None
+        self._pipeline.pending = None
         self._exporter.end_update(succeeded, self._session.end())
 
     def _error(self, err: wire.Error) -> SlotsyncError:
@@ -749,140 +643,11 @@ class Publisher:
             self._end_update()
         return to_exception(err)
 
-    def _decode(self, frame: bytes) -> wire.FromDaemon:
-        try:
-            return wire.decode_from_daemon(frame)
-        except wire.ProtocolError as e:
-            raise SlotsyncError(
-                "protocol", str(e), slot=self._slot_range(), update_id=self.update_id
-            ) from None
-
-    def _drain(self) -> None:
-        """Handle replies that arrived unasked: keep acks of chunks in flight, raise an Error
-        of the open update (or one with no update id); drop stale acks and errors of other
-        update ids."""
-        while self._link.has_message():
-            msg = self._decode(self._link.recv_frame())
-            outcome = self._session.receive(msg)
-            if outcome is Outcome.ERROR:
-                assert isinstance(msg, wire.Error)
-                raise self._error(msg)
-            if outcome is Outcome.STALE:
-                log.debug("rank %d: ignoring stale reply %r", self.rank, msg)
-
-    def _read_monitor(self, *, during_update: bool, phase: str = "register",
-                      waited_for: str = "") -> None:
-        """Handle the connection's pending events (never waits).
-
-        Raises:
-            SlotsyncError: the daemon refused our credentials; or, ``during_update`` (while
-                waiting for a reply), the connection closed (``code="daemon_gone"``): the
-                daemon exited, was killed or stopped answering heartbeats within
-                ``liveness_s``. A daemon that restarts forgets the update in flight, so it
-                ends here; the next ``begin`` registers again.
-        """
-        for event in self._link.events():
-            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                raise SlotsyncError(
-                    "register",
-                    f"the daemon at {self.endpoint} refused this process (uid "
-                    f"{os.getuid()}, gid {os.getgid()}): not in its allow_uids / "
-                    "allow_gids (see the daemon's peer_refused log line)",
-                    slot=self._slot_range(),
-                )
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._connected = True
-            elif event == zmq.EVENT_DISCONNECTED:
-                self._connected = False
-                if during_update:
-                    raise self._daemon_gone(phase, waited_for)
-
-    def _daemon_gone(self, phase: str, waited_for: str) -> SlotsyncError:
-        """The error for a connection that closed while waiting for ``waited_for``; ends the
-        open update (the daemon that held it is gone) and forgets the registration."""
-        pid = self._link.peer_pid
-        who = f"slotsyncd (pid {pid})" if pid else "slotsyncd"
-        try:
-            check_endpoint(self.endpoint, timeout_s=0.5)
-            why = ("it stopped, restarted or was killed, or answered no heartbeat within "
-                   f"liveness_s={self.liveness_s:g} s")
-        except SlotsyncError as e:
-            why = e.message
-        uid = self.update_id
-        if uid is not None:
-            self._end_update()
-        self._session.forget_registration()  # (the next begin registers with whichever
-        self._link.peer_pid = 0  # daemon listens)
-        during = f" of update {uid}" if uid is not None else ""
-        return SlotsyncError(
-            phase, f"lost the connection to {who} at {self.endpoint} while waiting for "
-            f"{waited_for}{during}: {why}", slot=self._slot_range(), update_id=uid,
-            code=DAEMON_GONE)
-
     def _send(self, msg: wire.ToDaemon | wire.OutgoingChunk) -> None:
-        self._drain()
-        frame = wire.encode(msg)
-        cap = self.registered.max_message_bytes if self.registered else 0
-        if cap and len(frame) > cap:
-            n = len(msg.names) if isinstance(msg, wire.Chunk | wire.OutgoingChunk) else 0
-            raise ValueError(
-                f"{type(msg).__name__} of {n} tensors encodes to {len(frame)} bytes, over the "
-                f"daemon's max_message_bytes of {cap}: send fewer tensors per chunk (a smaller "
-                "staging_bytes) or raise the daemon's --max-message-bytes"
-            )
-        try:
-            self._link.send(frame)
-        except zmq.Again:
-            raise SlotsyncTimeout(
-                type(msg).__name__.lower(),
-                f"room to send {type(msg).__name__}",
-                self.timeout_s,
-                endpoint=self.endpoint,
-                slot=self._slot_range(),
-                update_id=self.update_id,
-            ) from None
+        self._waits.send(msg)
 
     def _wait(self, awaited: Awaited) -> wire.FromDaemon:
-        """Receive until the ``awaited`` reply comes; raise for an Error that concerns us.
+        return self._waits.wait(awaited)
 
-        Raises:
-            SlotsyncTimeout: nothing matched within ``timeout_s``.
-            SlotsyncError: an Error of the open update (or without update id) arrived, or
-                the connection closed.
-        """
-        t0 = time.perf_counter()
-        try:
-            return self._wait_loop(awaited)
-        finally:
-            self._wait_s += time.perf_counter() - t0
-
-    def _wait_loop(self, awaited: Awaited) -> wire.FromDaemon:
-        phase, waited_for = awaited.phase, awaited.describe()
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise SlotsyncTimeout(
-                    phase,
-                    waited_for,
-                    self.timeout_s,
-                    endpoint=self.endpoint,
-                    slot=self._slot_range(),
-                    update_id=self.update_id,
-                )
-            ready = self._link.poll(max(0.001, remaining))
-            if ready == "event":
-                self._read_monitor(during_update=True, phase=phase, waited_for=waited_for)
-                continue
-            if ready is None:
-                continue
-            msg = self._decode(self._link.recv_frame())
-            outcome = self._session.receive(msg, awaited)
-            if outcome is Outcome.MATCH:
-                return msg
-            if outcome is Outcome.ERROR:
-                assert isinstance(msg, wire.Error)
-                raise self._error(msg)
-            if outcome is Outcome.STALE:
-                log.debug("rank %d: ignoring stale reply %r while waiting for %s",
-                          self.rank, msg, waited_for)
+    def _read_monitor(self, *, during_update: bool) -> None:
+        self._waits.read_monitor(during_update=during_update)
