@@ -4,45 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
-import signal
 import sys
 
 from slotsync.daemon.config import Config, load_config
-from slotsync.daemon.logs import configure_logging, log_event
-from slotsync.daemon.runtime_dir import DaemonAlreadyRunning
+from slotsync.daemon.logs import configure_logging
 from slotsync.daemon.service import Daemon
 
 
 async def serve(config: Config) -> int:
-    """Run a daemon with ``config`` until a stop signal; returns the exit status.
-
-    SIGTERM / SIGINT: graceful shutdown (updates in flight get ``shutdown_grace_s``); a second
-    one stops at once. SIGHUP: re-read the engine table from the config file.
-    """
-    daemon = Daemon(config)
-    log = logging.getLogger("slotsync.daemon")
-    try:
-        await daemon.start()
-    except DaemonAlreadyRunning as e:
-        log_event(log, logging.ERROR, "refusing_to_start", reason=str(e))
-        return 1
-    except OSError as e:
-        log_event(log, logging.ERROR, "cannot_bind", error=str(e))
-        return 1
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(
-            sig, lambda s=sig: asyncio.ensure_future(daemon.shutdown(f"received {s.name}"))
-        )
-    loop.add_signal_handler(signal.SIGHUP, daemon.reload)
-    # One line on stdout that wrappers (the demo, tests) can parse.
-    print(
-        f"slotsyncd ready endpoint={daemon.endpoint} status_port={daemon.status_port}", flush=True
-    )
-    await daemon.wait_stopped()
-    return 0
+    """Run a daemon with ``config`` until a stop signal; returns the exit status
+    (``service.Daemon.serve``: SIGTERM / SIGINT stop it gracefully, a second one at once;
+    SIGHUP re-reads the engine table)."""
+    return await Daemon(config).serve()
 
 
 def make_folders(config: Config) -> str | None:
