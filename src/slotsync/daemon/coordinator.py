@@ -16,9 +16,12 @@ actions it returns (``actions.py``):
 * ``SlotEvent(slot, event, fields)``: something an operator should read in the log (an engine
   restarted, found asleep, resumed after a failed update, names an update left out).
 
-Its parts live beside it: the update in flight, its phase table and begin stages
-(``update.py``), what is known of the engine (``engine_session.py``), registration checks
-(``registration.py``), the ``/status`` entry (``status_documents.py``).
+Its parts live beside it: the update in flight, its phase table, begin stages, deadlines
+(``Timeouts``, ``Update.wait_in_force``) and omitted-names refusals (``update.py``); what is
+known of the engine (``engine_session.py``); what the begin's probe answers mean
+(``probe.py``); what a failure leaves behind and a previous daemon's durable record
+(``recovery.py``); registration checks (``registration.py``); the ``/status`` entry
+(``status_documents.py``).
 
 One update (design.md "Flow of one round"); each begin stage runs when the one before it
 returned and its condition holds (``update.BEGIN_STAGES``)::
@@ -65,22 +68,28 @@ paused and ``needs_full_update``; I5 every wait has a deadline; I7 all state key
 id, stale ids refused; I8 the version is recorded only with a successful finish; I9 above.
 
 Why this file is over 500 lines: it holds one thing, the event handlers of one slot's state
-machine (each ``on_*`` event, the begin plan's driver ``_advance``, ``_fail`` and
-``_complete``), which share the update in flight and the engine session; the pure parts it
-applies live in the modules named above.
+machine (each ``on_*`` event, the begin plan's driver ``_advance``, the engine check after a
+failure, ``_fail`` and ``_complete``), which share the update in flight, the engine session
+and the slot's calls in flight; each rule they apply (probe answers, failure fates, the
+durable record's state, deadlines, registration and chunk checks) lives in the modules named
+above, and what stays here is reading events and building the actions they cause.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import msgspec
 
+from slotsync.daemon import probe, recovery
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
 from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk, merge_chunk
-from slotsync.daemon.engine_session import WORKER_FAILED, EngineSession, start_reached_none
+from slotsync.daemon.engine_session import (
+    EngineSession,
+    out_of_step_found,
+    replies_in_step,
+)
 from slotsync.daemon.registration import (
     RankInfo,
     rank_held,
@@ -94,6 +103,7 @@ from slotsync.daemon.update import (
     SENT_EVENTS,
     STAGE_INDEX,
     PhaseEvent,
+    Timeouts,
     Update,
 )
 from slotsync.protocol import wire
@@ -103,19 +113,6 @@ OMITTED_NAMES_POLICIES = ("warn", "refuse")
 """What a successful update that leaves out names the slot's last successful update loaded
 does (``Config.omitted_names``): ``warn`` (log, metric, ``PublishStats``) or ``refuse``
 (fail it before the finish; the engine then needs a full update)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    """Deadlines in seconds for each wait on ranks (design.md I5). Engine calls are bounded by
-    the HTTP client's own timeout, reported back as a failed ``on_engine_result``."""
-
-    begin_s: float = 120.0  # from the first Begin until every rank of the slot has begun
-    chunk_s: float = 120.0  # from the first copy of chunk k until every rank sent chunk k
-    commit_s: float = 600.0  # from the last progress until the next chunk or every Commit
-    # a rank gone (connection closed, process exited) when an update begins: how long a new
-    # process of it may take to register before the update fails naming it (liveness_s)
-    gone_s: float = 10.0
 
 
 class SlotState(StrEnum):
@@ -369,9 +366,7 @@ class SlotCoordinator:
         u.last_progress = now
         out: list[Action] = []
         if route == "check_replies":
-            results = result.get("results") if isinstance(result, dict) else None
-            if not (isinstance(results, list) and len(results) == self.size
-                    and all(r is None for r in results)):
+            if not replies_in_step(result, self.size):
                 return self._out_of_step(u, now, f"check_health answered {result!r}")
             self.engine.replies_suspect = False
         elif route == "get_world_size":
@@ -385,11 +380,11 @@ class SlotCoordinator:
                     [],
                 )
             self.engine.world_size = ws
-            self.engine.gpu_uuids = _reported_uuids(result)
+            self.engine.gpu_uuids = probe.reported_uuids(result)
         elif route == "weight_info":
-            out += self._check_session(u, result)
+            out += probe.check_session(self.engine, self.slot, self.engine_url, u, result)
         elif route == "is_sleeping":
-            out += self._check_sleep(u, result)
+            out += probe.check_sleep(self.engine, self.slot, self.engine_url, u, result)
         elif route == "init_weight_transfer_engine":
             self.engine.initialized = True
         elif route == "pause":
@@ -501,101 +496,11 @@ class SlotCoordinator:
             setattr(self, name, getattr(old, name))
         self.next_update_id = max(self.next_update_id, old.next_update_id)
 
-    def _check_session(self, u: Update, result: Any) -> list[Action]:
-        """``/weight_info`` at the begin: is the engine the session this daemon initialised?"""
-        v = result.get("weight_version") if isinstance(result, dict) else None
-        v = v if isinstance(v, str) else None
-        seen, suspect = self.engine.version, self.engine.session_suspect
-        self.engine.session_suspect = False
-        self.engine.version = v
-        if seen is not None and v != seen:
-            why = (f"engine {self.engine_url} reports weight version {v!r}, but the daemon "
-                   f"last saw {seen!r}: restarted at the same URL, or updated by someone else")
-        elif suspect and (seen is None or seen == "default"):
-            why = (f"a connection to engine {self.engine_url} was refused or reset since the "
-                   f"last round and its weight version {v!r} does not tell its session apart")
-        else:
-            if suspect:
-                # the version the daemon saw last: the same process; initialise it again to be
-                # sure (the IPC backend's init only records the packed flag)
-                self.engine.initialized = False
-            return []  # (not initialised: it is, in this begin; v is the baseline)
-        return self._new_session(u, why)
-
     def _out_of_step(self, u: Update, now: float, answer: str) -> list[Action]:
-        """check_health did not get one clean answer per worker: a worker's reply to an
-        earlier call is still queued, so every later call would read another call's reply
-        (vLLM's MultiprocExecutor, gh-58242). Nothing but a restart puts it right."""
-        self.engine.out_of_step = (
-            f"engine {self.engine_url}'s executor replies are out of step: after a worker's "
-            f"failure, check_health read a reply to an earlier call ({answer[:300]}); vLLM "
-            "0.32's MultiprocExecutor leaves later workers' replies queued when one fails "
-            "(vLLM gh-58242, fixed by PR 57846), and every later call would take another "
-            "call's reply for its own. Restart the engine: the daemon then initialises it and "
-            "sends a full update")
+        """check_health did not get one clean answer per worker: the engine's executor
+        replies are out of step (``engine_session.out_of_step_found``); the update fails."""
+        self.engine.out_of_step = out_of_step_found(self.engine_url, answer)
         return self._fail(now, "engine", self.engine.out_of_step, [])
-
-    def _new_session(self, u: Update, why: str) -> list[Action]:
-        """The engine is not the session this daemon initialised: initialise it again, ask its
-        world size again (the probe did, in this stage) and require a full update (it serves
-        the weights of its own checkpoint, not the last ones the daemon loaded)."""
-        self.engine.new_process()
-        if self.engine.last_ok_names:
-            self.engine.needs_full_update = True
-            u.weights_intact = False
-        return [SlotEvent(self.slot, "engine_session_new", {
-            "engine": self.engine_url, "update_id": u.update_id, "why": why,
-            "full_update_needed": self.engine.needs_full_update})]
-
-    def _check_sleep(self, u: Update, result: Any) -> list[Action]:
-        """``/is_sleeping`` at the begin (vLLM 0.32: the scheduler paused, or the executor
-        asleep at any level)."""
-        sleeping = bool(result.get("is_sleeping")) if isinstance(result, dict) else False
-        restored, self.engine.restored = self.engine.restored, None
-        if not sleeping:
-            was_asleep, self.engine.asleep = self.engine.asleep, False
-            if restored is not None:
-                # A previous daemon's record said mid-update, but the engine serves: that
-                # update never started a weight update (the daemon pauses before it starts,
-                # and resumes only after a finish), or the engine restarted since. Either way
-                # no worker holds a session: no finish is sent (on an engine of several
-                # workers a finish that fails on worker 0 leaves the others' replies queued,
-                # gh-58242). The next update stays a full one.
-                self.engine.paused = False
-                self.engine.mid_update = False
-                return [SlotEvent(self.slot, "engine_serving_after_restart", {
-                    "engine": self.engine_url, "update_id": u.update_id,
-                    "record": restored, "needs_full_update": self.engine.needs_full_update},
-                    warning=False)]
-            if self.engine.paused:
-                self.engine.paused = False
-                if was_asleep:  # left paused for vLLM's full /wake_up, which resumed it
-                    return [SlotEvent(self.slot, "engine_awake", {
-                        "engine": self.engine_url, "update_id": u.update_id}, warning=False)]
-                if self.engine.out_of_step:
-                    # an engine left paused with its replies out of step serves again: a
-                    # restart (nobody can repair the replies in place)
-                    return self._new_session(u, "the engine the daemon left paused with its "
-                                             "executor replies out of step serves again: "
-                                             "restarted")
-                # paused by this daemon (a failed update), serving now: resumed by someone
-                # else, or a restarted process (the weight version tells which)
-                return [SlotEvent(self.slot, "engine_serving_unexpectedly", {
-                    "engine": self.engine_url, "update_id": u.update_id,
-                    "needs_full_update": self.engine.needs_full_update})]
-            return []
-        if self.engine.paused and not self.engine.asleep:
-            return []  # this daemon's own pause (a failed update): nothing new
-        self.engine.asleep = True
-        u.found_asleep = True
-        u.weights_intact = False
-        self.engine.needs_full_update = True
-        self.engine.paused = True
-        return [SlotEvent(self.slot, "engine_found_sleeping", {
-            "engine": self.engine_url, "update_id": u.update_id,
-            "why": "vLLM /is_sleeping is true (asleep, or paused by someone else): a level-2 "
-                   "sleep discards the weights, so this update must be a full one, and the "
-                   "engine is left paused at the end (vLLM resumes it at its full /wake_up)"})]
 
     def _consumed(self, u: Update, idx: int) -> list[Action]:
         """Chunk ``idx`` (the next to acknowledge) was loaded: account for it, ack every rank."""
@@ -640,49 +545,20 @@ class SlotCoordinator:
                       state: str) -> None:
         """A previous daemon left this slot's engine mid-update (durable record): keep it
         paused and marked as needing a full update; the next round first ends any half-open
-        session (finish, tolerating the 500), then sends everything (design.md I4)."""
+        session (finish, tolerating the 500), then sends everything (design.md I4;
+        ``recovery.restore``)."""
         self.engine_url = engine_url
-        self.engine.mid_update = True
-        self.engine.paused = True
-        self.engine.needs_full_update = True
-        self.engine.initialized = False
-        self.engine.restored = state
+        recovery.restore(self.engine, engine_url, state)
         self.next_update_id = max(self.next_update_id, update_id + 1)
         self.last_outcome = "failed"
-        self._failed = (update_id, "the daemon restarted during this update")
-        version = f" ({weight_version!r})" if weight_version else ""
-        what = {"in_flight": "in flight", "out_of_step": "failed with the engine's executor "
-                "replies out of step"}.get(state, "failed")
-        self.last_error = (
-            f"slot [{self.start}, {self.end}) update {update_id}{version} was {what} when the "
-            "previous daemon stopped; the engine stays paused and needs a full update (the "
-            "next begin checks whether it is paused)"
-        )
-        if state == "out_of_step":
-            self.engine.out_of_step = (
-                f"engine {engine_url}'s executor replies were out of step when the previous "
-                "daemon stopped (vLLM gh-58242): restart the engine; the daemon then "
-                "initialises it and sends a full update")
+        self._failed = (update_id, recovery.RESTARTED_DURING_UPDATE)
+        self.last_error = recovery.restored_error(self.slot, update_id, weight_version, state)
 
     def mid_update_state(self) -> tuple[str, int, str] | None:
-        """``(state, update_id, weight_version)`` if the engine may hold half-loaded weights:
-        ``"in_flight"`` from the update's begin until it ended (resume returned),
-        ``"failed"`` after a failed update until a full update succeeds; else None.
-
-        The whole update, not just start .. finish: the durable record (the adapter writes it
-        when this changes) is then written while get_world_size and pause run -- it only has
-        to be written before start is sent -- and cleared after the commit's acks went out,
-        not between finish and resume. A daemon killed outside start .. finish leaves an
-        engine that is at worst paused: recovering it as if mid-update is safe."""
-        u = self.current
-        if u is not None:
-            return ("in_flight", u.update_id, u.weight_version)
-        uid, _ = self._failed if self._failed else (self.next_update_id - 1, "")
-        if self.engine.out_of_step:
-            return ("out_of_step", uid, "")  # (refused until a new session, also after us)
-        if self.engine.needs_full_update and (self.engine.mid_update or self.engine.paused):
-            return ("failed", uid, "")
-        return None
+        """``(state, update_id, weight_version)`` if the engine may hold half-loaded weights,
+        else None (``recovery.mid_update_state``)."""
+        return recovery.mid_update_state(self.current, self._failed, self.next_update_id,
+                                         self.engine)
 
     def set_engine_url(self, url: str) -> None:
         """Point the slot at another engine (engine table reload): at once when idle, else
@@ -937,26 +813,11 @@ class SlotCoordinator:
     def _before_finish(self, u: Update, now: float) -> list[Action]:
         """Every chunk is loaded and every rank committed: check what the update left out of
         the slot's last successful update, then finish (I4)."""
-        missing = self.engine.last_ok_names - u.names
-        if missing and self.engine.needs_full_update:
-            # I4: finishing would resume an engine that still holds half-loaded weights
-            names = sorted(missing)
-            return self._fail(
-                now, "commit",
-                f"the slot needs a full update (after a failed one, a restarted or sleeping "
-                f"engine), but update {u.update_id} misses {len(names)} of the "
-                f"{len(self.engine.last_ok_names)} tensor names the last successful update loaded: "
-                f"{_some(names)}; publish every tensor", [],
-            )  # fmt: skip
-        if missing and self.omitted_names == "refuse":
-            names = sorted(missing)
-            return self._fail(
-                now, "commit",
-                f"update {u.update_id} leaves out {len(names)} tensor names the slot's last "
-                f"successful update loaded: {_some(names)} (vLLM would keep their old values; "
-                "omitted_names = \"refuse\")", [],
-            )  # fmt: skip
-        u.omitted = sorted(missing)
+        refusal = u.omitted_refusal(self.engine.last_ok_names, self.engine.needs_full_update,
+                                    self.omitted_names)
+        if refusal:
+            return self._fail(now, "commit", refusal, [])
+        u.omitted = sorted(self.engine.last_ok_names - u.names)
         return self._call(u, "finish_weight_update", {"weight_version": u.weight_version})
 
     def _maintain(self, now: float) -> list[Action]:
@@ -1009,33 +870,7 @@ class SlotCoordinator:
         if (u is None or self._calls or self._orphans or self._maintenance or self._reconcile
                 or u.finishing):
             return None  # (each engine call is bounded by the HTTP client's timeout)
-        all_ranks = set(range(self.start, self.end))
-        not_begun = sorted(all_ranks - u.begun)
-        if not_begun:
-            gone = [i for i in self.gone_ranks() if i.rank in not_begun]
-            if gone:  # (a new process of the rank may be on its way: a restarted job)
-                t = max(u.first_begin_at, *(i.gone_at or 0.0 for i in gone))
-                return (min(t + self.timeouts.gone_s, u.first_begin_at + self.timeouts.begin_s),
-                        "rank_gone", "", [i.rank for i in gone])
-            return (u.first_begin_at + self.timeouts.begin_s, "begin", "begin", not_begun)
-        if u.pending:
-            idx = min(u.pending)
-            missing = sorted(all_ranks - set(u.pending[idx]))
-            if missing:
-                return (
-                    # (a chunk sent during the begin waits from the engine's start on)
-                    max(u.first_arrival[idx], u.engine_started_at) + self.timeouts.chunk_s,
-                    "chunk",
-                    f"chunk {idx}",
-                    missing,
-                )
-        missing = sorted(all_ranks - set(u.committed))
-        return (
-            u.last_progress + self.timeouts.commit_s,
-            "commit",
-            "the next chunk or commit",
-            missing,
-        )
+        return u.wait_in_force(range(self.start, self.end), self.gone_ranks(), self.timeouts)
 
     def _fail(self, now: float, phase: str, text: str, missing: list[int]) -> list[Action]:
         """Fail the update in flight: one Error to every rank of the slot. If it had sent
@@ -1052,37 +887,9 @@ class SlotCoordinator:
         self._calls.clear()
         self.next_update_id = max(self.next_update_id, u.update_id + 1)
         failed, self._failed_call = self._failed_call, None
-        # a start whose failure shows no worker began a session counts as not sent
-        started = u.start_sent and not (
-            failed is not None and failed[0] == "start_weight_update"
-            and start_reached_none(failed[1], self.size))
-        if started:
-            self.engine.needs_full_update = True
-            self.engine.mid_update = True
-            self.engine.paused = True
-            # After a finish that reached the workers (some failed it, or it timed out and ran
-            # on), the ones that finished hold no session: start first (a worker still in its
-            # session answers "already active"; then finish and start again). Otherwise the
-            # workers are still in their sessions: finish first. (Either order is right for
-            # one worker; for several, the wrong one fails on worker 0 first, see
-            # replies_suspect.)
-            self.engine.recover_first = not (
-                self.size > 1 and failed is not None and failed[0] == "finish_weight_update"
-                and (WORKER_FAILED in failed[1] or "HTTP " not in failed[1]))
-            fate = "the engine stays paused and needs a full update"
-        elif u.pause_sent and u.weights_intact:
+        fate, reconcile = recovery.after_failure(self.engine, u, failed, self.size)
+        if reconcile:
             self._reconcile = True  # after the orphans: /is_paused, then resume
-            self.engine.paused = True  # (may be: the check tells)
-            fate = ("no weight update had started: the engine is resumed if the pause reached "
-                    "it")
-        elif u.pause_sent or self.engine.paused:
-            self.engine.paused = True
-            fate = ("the engine stays paused and needs a full update"
-                    if self.engine.needs_full_update else "the engine stays paused")
-        else:
-            fate = "the engine was not paused"
-        # The engine may have restarted or been swapped: re-check and re-init next time.
-        self.engine.initialized = False
         message = (f"slot [{self.start}, {self.end}) update {u.update_id} failed in {phase}: "
                    f"{text} ({fate})")
         self.last_error = message
@@ -1150,21 +957,3 @@ class SlotCoordinator:
             )
         )
         return acks
-
-
-def _some(names: list[str], n: int = 5) -> str:
-    """The first ``n`` of ``names`` and how many more, for an error message."""
-    more = f" and {len(names) - n} more" if len(names) > n else ""
-    return ", ".join(names[:n]) + more
-
-
-def _reported_uuids(result: Any) -> tuple[str, ...] | None:
-    """The worker GPU UUIDs an engine reports next to its world size (the reference engine's
-    ``/get_world_size`` extension; vLLM reports none), normalised, or None."""
-    uuids = result.get("gpu_uuids") if isinstance(result, dict) else None
-    if not isinstance(uuids, list) or not all(isinstance(x, str) for x in uuids):
-        return None
-    try:
-        return tuple(wire.normalize_gpu_uuid(x) for x in uuids)
-    except ValueError:
-        return None

@@ -8,6 +8,7 @@ taken over by the next slot that registers the same engine (``SlotCoordinator.ad
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 EXECUTOR_ROUTES = frozenset({
     "init_weight_transfer_engine", "pause", "finish_recover", "start_weight_update",
@@ -109,3 +110,25 @@ def start_reached_none(error: str, size: int) -> bool:
     if "HTTP " not in error or "already active" in error:
         return False  # timeout, connection lost: the workers may have started
     return size == 1 or WORKER_FAILED not in error
+
+
+def replies_in_step(result: Any, size: int) -> bool:
+    """The ``check_replies`` call (vLLM's ``check_health`` through the executor) got one clean
+    answer per worker (``size``: the engine's workers): ``{"results": [None] * size}``."""
+    results = result.get("results") if isinstance(result, dict) else None
+    return (isinstance(results, list) and len(results) == size
+            and all(r is None for r in results))
+
+
+def out_of_step_found(engine_url: str, answer: str) -> str:
+    """Why ``EngineSession.out_of_step`` is set when check_health did not get one clean answer
+    per worker (``answer``: what it got, cut to 300 characters): a worker's reply to an
+    earlier call is still queued, so every later call would read another call's reply (vLLM
+    gh-58242). Nothing but a restart puts it right."""
+    return (
+        f"engine {engine_url}'s executor replies are out of step: after a worker's "
+        f"failure, check_health read a reply to an earlier call ({answer[:300]}); vLLM "
+        "0.32's MultiprocExecutor leaves later workers' replies queued when one fails "
+        "(vLLM gh-58242, fixed by PR 57846), and every later call would take another "
+        "call's reply for its own. Restart the engine: the daemon then initialises it and "
+        "sends a full update")

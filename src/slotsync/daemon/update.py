@@ -13,7 +13,7 @@ Rules (design.md "Flow of one round"; h11 ``_state.py`` style, the transitions a
   ``starting --start sent--> starting``: a start that met a session nobody recorded ends it
   (``finish_recover``) and is sent once more (``start_retried``). An event a phase has no row
   for is a bug in the coordinator: ``Update.on`` raises ``PhaseError``.
-* What a failure leaves behind follows from the phase (``SlotCoordinator._fail``): from
+* What a failure leaves behind follows from the phase (``recovery.after_failure``): from
   ``starting`` on the engine may be mid-update (I4); in ``pausing`` it is paused, or may be.
 * Chunks: chunk k is merged once every rank sent it (possibly ahead of its turn, ``merged``),
   handed to the engine in index order (``next_send``), and acknowledged in index order once
@@ -22,11 +22,32 @@ Rules (design.md "Flow of one round"; h11 ``_state.py`` style, the transitions a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk
+from slotsync.daemon.registration import RankInfo
 from slotsync.protocol.wire import Chunk
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Deadlines in seconds for each wait on ranks (design.md I5). Engine calls are bounded by
+    the HTTP client's own timeout, reported back as a failed ``on_engine_result``."""
+
+    begin_s: float = 120.0  # from the first Begin until every rank of the slot has begun
+    chunk_s: float = 120.0  # from the first copy of chunk k until every rank sent chunk k
+    commit_s: float = 600.0  # from the last progress until the next chunk or every Commit
+    # a rank gone (connection closed, process exited) when an update begins: how long a new
+    # process of it may take to register before the update fails naming it (liveness_s)
+    gone_s: float = 10.0
+
+
+def some_names(names: list[str], n: int = 5) -> str:
+    """The first ``n`` of ``names`` and how many more, for an error message."""
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,4 +216,59 @@ class Update:
                     f"{SAME_CHUNKS_RULE}")
         if index != expect:
             return f"rank {rank} sent chunk {index}, expected chunk {expect}"
+        return ""
+
+    def wait_in_force(self, ranks: range, gone: Sequence[RankInfo],
+                      timeouts: Timeouts) -> tuple[float, str, str, list[int]]:
+        """``(deadline, phase, what, missing ranks)`` of the wait on ranks in force (design.md
+        I5), for a slot of ``ranks`` whose ``gone`` ranks' processes ended (deadline:
+        monotonic seconds). The caller knows when no wait on ranks is in force (engine calls
+        out, the finish sent)."""
+        all_ranks = set(ranks)
+        not_begun = sorted(all_ranks - self.begun)
+        if not_begun:
+            gone = [i for i in gone if i.rank in not_begun]
+            if gone:  # (a new process of the rank may be on its way: a restarted job)
+                t = max(self.first_begin_at, *(i.gone_at or 0.0 for i in gone))
+                return (min(t + timeouts.gone_s, self.first_begin_at + timeouts.begin_s),
+                        "rank_gone", "", [i.rank for i in gone])
+            return (self.first_begin_at + timeouts.begin_s, "begin", "begin", not_begun)
+        if self.pending:
+            idx = min(self.pending)
+            missing = sorted(all_ranks - set(self.pending[idx]))
+            if missing:
+                return (
+                    # (a chunk sent during the begin waits from the engine's start on)
+                    max(self.first_arrival[idx], self.engine_started_at) + timeouts.chunk_s,
+                    "chunk",
+                    f"chunk {idx}",
+                    missing,
+                )
+        missing = sorted(all_ranks - set(self.committed))
+        return (
+            self.last_progress + timeouts.commit_s,
+            "commit",
+            "the next chunk or commit",
+            missing,
+        )
+
+    def omitted_refusal(self, last_ok_names: frozenset[str], needs_full_update: bool,
+                        policy: str) -> str:
+        """Why this update, all loaded and committed, must not finish for what it leaves out
+        of ``last_ok_names`` (the slot's last successful update's tensor names): the engine
+        needs a full update (I4: finishing would resume half-loaded weights), or ``policy``
+        (``Config.omitted_names``) is ``"refuse"``; '' if it may finish."""
+        missing = last_ok_names - self.names
+        names = sorted(missing)
+        if missing and needs_full_update:
+            return (
+                f"the slot needs a full update (after a failed one, a restarted or sleeping "
+                f"engine), but update {self.update_id} misses {len(names)} of the "
+                f"{len(last_ok_names)} tensor names the last successful update loaded: "
+                f"{some_names(names)}; publish every tensor")
+        if missing and policy == "refuse":
+            return (
+                f"update {self.update_id} leaves out {len(names)} tensor names the slot's last "
+                f"successful update loaded: {some_names(names)} (vLLM would keep their old "
+                "values; omitted_names = \"refuse\")")
         return ""

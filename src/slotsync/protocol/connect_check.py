@@ -55,7 +55,8 @@ def check_endpoint(endpoint: str, *, timeout_s: float = 1.0) -> None:
     is refused, since neither the daemon nor ZeroMQ can use it.
 
     The probe never sends a byte: it connects and closes, which the daemon tolerates (its
-    own ``_claim_ipc_path`` does the same at start, to tell a live daemon from a stale file).
+    own ``runtime_dir.claim_ipc_path`` does the same at start, to tell a live daemon from a
+    stale file).
 
     ``tcp://`` (and any other transport) is not checked: it returns at once. There is no
     file to stat and no permission to read there; an address that refuses or a host that is

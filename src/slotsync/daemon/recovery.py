@@ -1,0 +1,123 @@
+"""Recovering an engine a previous daemon left mid-update, and what the durable record says of
+a slot (design.md I4): I/O-free rules.
+
+* ``mid_update_state``: what the durable record (``mid_update_record.py``) holds for a slot:
+  ``in_flight`` for the whole update (from its begin until it ended), ``failed`` after a failed
+  update until a full update succeeds, ``out_of_step`` while the engine's executor replies are
+  out of step (vLLM gh-58242), else nothing.
+* ``after_failure``: what a failed update leaves behind follows from its phase
+  (``update.Phase``): once ``/start_weight_update`` was sent (and may have reached a worker)
+  the engine stays paused and needs a full update; if it had only paused an engine whose
+  weights were intact, the engine is checked (``/is_paused``) once the update's calls returned
+  and resumed if paused (I9).
+* ``restore``: a new daemon reads the record and keeps each engine named there paused and
+  marked as needing a full update; the next round first ends any half-open session (finish,
+  tolerating the 500) unless the probe finds the engine serving (``probe.check_sleep``).
+"""
+
+from __future__ import annotations
+
+from slotsync.daemon.engine_session import WORKER_FAILED, EngineSession, start_reached_none
+from slotsync.daemon.update import Update
+
+RESTARTED_DURING_UPDATE = "the daemon restarted during this update"
+"""The failure recorded for the update a previous daemon left (``SlotCoordinator._failed``)."""
+
+
+def mid_update_state(current: Update | None, failed: tuple[int, str] | None,
+                     next_update_id: int, engine: EngineSession) -> tuple[str, int, str] | None:
+    """``(state, update_id, weight_version)`` if the engine may hold half-loaded weights:
+    ``"in_flight"`` from the update's begin until it ended (resume returned),
+    ``"failed"`` after a failed update until a full update succeeds; else None.
+
+    Args:
+        current: the update in flight, or None.
+        failed: ``(update_id, error)`` of the slot's last failed update, or None.
+        next_update_id: the id the slot's next update gets.
+        engine: the slot's engine session.
+
+    The whole update, not just start .. finish: the durable record (the adapter writes it
+    when this changes) is then written while get_world_size and pause run -- it only has
+    to be written before start is sent -- and cleared after the commit's acks went out,
+    not between finish and resume. A daemon killed outside start .. finish leaves an
+    engine that is at worst paused: recovering it as if mid-update is safe."""
+    if current is not None:
+        return ("in_flight", current.update_id, current.weight_version)
+    uid, _ = failed if failed else (next_update_id - 1, "")
+    if engine.out_of_step:
+        return ("out_of_step", uid, "")  # (refused until a new session, also after us)
+    if engine.needs_full_update and (engine.mid_update or engine.paused):
+        return ("failed", uid, "")
+    return None
+
+
+def after_failure(engine: EngineSession, u: Update, failed: tuple[str, str] | None,
+                  size: int) -> tuple[str, bool]:
+    """Update ``engine`` for the failure of update ``u`` on an engine of ``size`` workers;
+    ``failed``: ``(route, error)`` of the engine call that failed it, if one did.
+
+    Returns ``(fate, reconcile)``: the fate for the error message, and whether the engine
+    must be checked with ``/is_paused`` (and resumed) once the update's calls returned."""
+    # a start whose failure shows no worker began a session counts as not sent
+    started = u.start_sent and not (
+        failed is not None and failed[0] == "start_weight_update"
+        and start_reached_none(failed[1], size))
+    reconcile = False
+    if started:
+        engine.needs_full_update = True
+        engine.mid_update = True
+        engine.paused = True
+        # After a finish that reached the workers (some failed it, or it timed out and ran
+        # on), the ones that finished hold no session: start first (a worker still in its
+        # session answers "already active"; then finish and start again). Otherwise the
+        # workers are still in their sessions: finish first. (Either order is right for
+        # one worker; for several, the wrong one fails on worker 0 first, see
+        # replies_suspect.)
+        engine.recover_first = not (
+            size > 1 and failed is not None and failed[0] == "finish_weight_update"
+            and (WORKER_FAILED in failed[1] or "HTTP " not in failed[1]))
+        fate = "the engine stays paused and needs a full update"
+    elif u.pause_sent and u.weights_intact:
+        reconcile = True
+        engine.paused = True  # (may be: the check tells)
+        fate = ("no weight update had started: the engine is resumed if the pause reached "
+                "it")
+    elif u.pause_sent or engine.paused:
+        engine.paused = True
+        fate = ("the engine stays paused and needs a full update"
+                if engine.needs_full_update else "the engine stays paused")
+    else:
+        fate = "the engine was not paused"
+    # The engine may have restarted or been swapped: re-check and re-init next time.
+    engine.initialized = False
+    return fate, reconcile
+
+
+def restore(engine: EngineSession, engine_url: str, state: str) -> None:
+    """The durable record names this engine with ``state`` (``in_flight``, ``failed`` or
+    ``out_of_step``): keep it paused, mid-update and needing a full update; it is initialised
+    again before its next update."""
+    engine.mid_update = True
+    engine.paused = True
+    engine.needs_full_update = True
+    engine.initialized = False
+    engine.restored = state
+    if state == "out_of_step":
+        engine.out_of_step = (
+            f"engine {engine_url}'s executor replies were out of step when the previous "
+            "daemon stopped (vLLM gh-58242): restart the engine; the daemon then "
+            "initialises it and sends a full update")
+
+
+def restored_error(slot: tuple[int, int], update_id: int, weight_version: str,
+                   state: str) -> str:
+    """The slot's ``last_error`` after a restore: which update the previous daemon left, and
+    in which ``state``."""
+    version = f" ({weight_version!r})" if weight_version else ""
+    what = {"in_flight": "in flight", "out_of_step": "failed with the engine's executor "
+            "replies out of step"}.get(state, "failed")
+    return (
+        f"slot [{slot[0]}, {slot[1]}) update {update_id}{version} was {what} when the "
+        "previous daemon stopped; the engine stays paused and needs a full update (the "
+        "next begin checks whether it is paused)"
+    )
