@@ -157,10 +157,15 @@ class Daemon:
         self._signalled.set()
 
     def _take_reload(self) -> None:
-        """Reload if SIGHUP asked for it."""
+        """Reload if SIGHUP asked for it. An unexpected error is reported as asyncio reports
+        one raised by a signal handler, and the daemon goes on serving."""
         if self.reload_requested:
             self.reload_requested = False
-            self.reload()
+            try:
+                self.reload()
+            except Exception as e:  # (a bug: the daemon must keep serving)
+                asyncio.get_running_loop().call_exception_handler(
+                    {"message": "Exception in SIGHUP reload", "exception": e})
 
     async def main_loop(self) -> None:
         """Serve (the intake and timer tasks do the work) until ``should_exit``; reloads when
