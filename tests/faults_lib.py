@@ -1,4 +1,4 @@
-"""A raw wire client for the fault suite's protocol-abuse scenarios (``tests/test_faults.py``).
+"""A raw wire client for the fault suite's protocol-abuse scenarios (``test_faults.py``).
 
 * :class:`WireRank`: a raw ZeroMQ DEALER speaking ``slotsync.protocol.wire`` directly, for
   protocol abuse (two begins, commit before chunks, chunk after commit, stale ids, fuzz).

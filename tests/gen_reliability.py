@@ -8,7 +8,7 @@
     python tests/gen_reliability.py --results r.json        # ... and keep what was run
     python tests/gen_reliability.py --render r.json         # re-render it, running nothing
 
-Runs ``pytest tests/test_faults.py`` once per engine (``SLOTSYNC_TEST_ENGINE``: the reference
+Runs ``pytest tests/faults/test_faults.py`` once per engine (``SLOTSYNC_TEST_ENGINE``: the reference
 engine, and vLLM's own router and worker code; see ``tests/engines.py``) with
 ``SLOTSYNC_RELIABILITY_OUT`` pointing at a temporary JSON file (each scenario appends its row
 there), then writes one markdown table row per scenario, mode and engine, followed by the soak
@@ -44,7 +44,7 @@ def run_suite(extra: list[str], engine: str) -> tuple[list[dict], str, int]:
     os.close(fd)
     os.unlink(path)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/test_faults.py", *extra]
+           "tests/faults/test_faults.py", *extra]
     env = {**os.environ, "SLOTSYNC_RELIABILITY_OUT": path, "SLOTSYNC_TEST_ENGINE": engine}
     print(f"fault suite against the {engine} engine ...", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -87,7 +87,7 @@ def _gpu_sections() -> list[str]:
                 "there): 8 trainer ranks into one 8-GPU engine slot (8 logical GPU UUIDs on "
                 "one H200) whose workers load every update through vLLM 0.32's own "
                 "`IPCWeightTransferEngine.update_weights` (`receive_weights`, "
-                "`PackedBufferImporter`), `tests/test_gpu_vllm_receive.py`:", "", "```",
+                "`PackedBufferImporter`), `tests/gpu/test_gpu_vllm_receive.py`:", "", "```",
                 *keep, "```", ""]
     if soak.exists():
         d = json.loads(soak.read_text())
@@ -115,7 +115,7 @@ def render(rows: list[dict], summaries: dict[str, str], soak: dict | None,
         f" on {now} ({platform.node()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}). Do not edit by hand.",
         "",
-        "Each row is one automated scenario of `tests/test_faults.py` against a real "
+        "Each row is one automated scenario of `tests/faults/test_faults.py` against a real "
         "`slotsyncd`, engine(s) and trainer rank processes (CPU, shared-memory transport), "
         "run once per engine: `reference` is our stand-in (`python -m slotsync.engine`), "
         "`vllm` is vLLM's own code (`python -m slotsync.engine --impl vllm`: vLLM "

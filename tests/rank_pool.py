@@ -1,4 +1,4 @@
-"""Warm trainer-rank processes for the fault suite (``tests/test_faults.py``) and the soak
+"""Warm trainer-rank processes for the fault suite (``tests/faults/test_faults.py``) and the soak
 test (moved from ``tests/faults_lib.py``, issue 16).
 
 :class:`RankPool` keeps processes that each import torch once and then run

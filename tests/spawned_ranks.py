@@ -1,5 +1,5 @@
 """Trainer ranks as freshly spawned processes, each running ``trainer_script.run_rank`` once
-(moved from ``tests/test_integration.py``, issue 16; several test modules use it). The fault
+(moved from ``test_integration.py``, issue 16; several test modules use it). The fault
 suite's warm pool is ``rank_pool.RankPool``."""
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ always ``event`` (its kind) and ``rank``:
   ``{"event": "cuda_left", "round": k, "bytes"}``: GPU memory still allocated beyond the
   round's tensors.
 
-Keys added for the fault-injection suite (``tests/test_faults.py``):
+Keys added for the fault-injection suite (``tests/faults/test_faults.py``):
 
 * ``first_round``: number of the first round (default 1), so that a replacement process for a
   rank publishes the same weight version and tensors as the ranks that kept running;

@@ -6,7 +6,7 @@ Two implementations of ``python -m slotsync.engine`` (``--impl``):
   IPC weight-transfer backend and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``) where vLLM cannot
   run, with vLLM's routes, per-worker state machine, error texts and connection handling
   (``shared/vllm-contract.md``; checked against vLLM's own code by
-  ``tests/test_vllm_engine.py``). One worker process per GPU UUID (real or logical) holds a
+  ``test_vllm_engine.py``). One worker process per GPU UUID (real or logical) holds a
   copy of the weights and maps CUDA IPC handles, or the CPU shared-memory stand-in handles.
 * ``vllm``: vLLM's own router, exception handlers and uvicorn launcher in front of worker
   processes that run vLLM's ``gpu_worker.Worker`` weight-update code; stand-ins only for the

@@ -4,7 +4,7 @@ Routes, bodies, status codes and error shapes follow vLLM 0.32's own router and 
 handlers (``vllm/entrypoints/rl/online/api_router.py``,
 ``vllm/entrypoints/serve/dev/sleep/api_router.py``,
 ``vllm/entrypoints/serve/exception_handling/``), checked against them by
-``tests/test_vllm_engine.py`` (``--impl vllm`` runs that code). Each weight route fans out to
+``test_vllm_engine.py`` (``--impl vllm`` runs that code). Each weight route fans out to
 every worker (vLLM's ``collective_rpc``): every worker runs the call even when another one
 fails, and keeps its own "update active" flag, so a failed chunk can leave the engine split
 exactly as vLLM's would. Worker errors come back as HTTP 500::

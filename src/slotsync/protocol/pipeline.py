@@ -1,8 +1,8 @@
 """A publisher's copy pipeline: which chunk's copy is launched, which chunk is sent and which
 ack is awaited, in what order. No socket here: it sends and waits through a ``Channel``
-(``DaemonWaits`` in a ``Publisher``; a fake in tests/test_pipeline.py).
+(``DaemonWaits`` in a ``Publisher``; a fake in tests/unit/test_pipeline.py).
 
-Rules (each one a test in tests/test_pipeline.py; tests/test_publisher.py pins them end to
+Rules (each one a test in tests/unit/test_pipeline.py; tests/unit/test_publisher.py pins them end to
 end):
 
 * Packed, chunk ``k`` is copied into staging region ``k % regions`` (``session.region_of``)

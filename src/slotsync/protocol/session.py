@@ -2,7 +2,7 @@
 in, ``wire`` messages and decisions out. No socket, clock, GPU or torch here: ``Publisher``
 does the I/O and asks this what a message means and what to send (the h11 pattern).
 
-Rules (each one a test in tests/test_publisher_session.py):
+Rules (each one a test in tests/unit/test_publisher_session.py):
 
 * One update at a time; update ids come from the daemon's ``Registered.next_update_id`` and
   grow by one per update, failed or not (design.md I7).

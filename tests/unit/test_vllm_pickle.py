@@ -147,7 +147,7 @@ def test_no_unpickling_of_producer_input():
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "src" / "slotsync"
+    root = Path(__file__).resolve().parents[2] / "src" / "slotsync"
     for path in [*sorted((root / "daemon").glob("*.py")), root / "protocol" / "wire.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):

@@ -208,7 +208,7 @@ def test_pause_resume(eng: ReferenceEngine) -> None:
 
 def missing_key_400(key: str) -> tuple[int, dict]:
     """vLLM 0.32's answer to a body without its ``Body(embed=True)`` key (pydantic's error as
-    vLLM's validation handler formats it; tests/test_vllm_engine.py checks vLLM's own)."""
+    vLLM's validation handler formats it; test_vllm_engine.py checks vLLM's own)."""
     err = {"type": "missing", "loc": f"body.{key}", "msg": "Field required", "input": "None"}
     return 400, {"error": {"message": f"1 validation error:\n  {err}", "type": "Bad Request",
                            "param": f"body.{key}", "code": 400}}
@@ -575,7 +575,7 @@ def test_worker_pool_matches_queued_answers_to_their_calls() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# behaving like vLLM where the daemon can tell (tests/test_vllm_engine.py checks vLLM's own)
+# behaving like vLLM where the daemon can tell (test_vllm_engine.py checks vLLM's own)
 # --------------------------------------------------------------------------------------------
 
 
@@ -693,7 +693,7 @@ def test_shutdown_texts_are_vllms(eng: ReferenceEngine) -> None:
 
 
 def test_sleep_wake_and_is_sleeping(eng: ReferenceEngine, segs: Segments) -> None:
-    """vLLM 0.32 EngineCore semantics (see tests/test_vllm_engine.py for vLLM's own): sleep
+    """vLLM 0.32 EngineCore semantics (see test_vllm_engine.py for vLLM's own): sleep
     pauses first; is_sleeping = paused or asleep; a partial wake does not resume; level 2
     discards the weights."""
     tensors = sample_tensors(21)

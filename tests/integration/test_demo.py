@@ -92,7 +92,7 @@ def test_verify_reports_a_mismatching_worker():
     (["--staging-mb", "10"], "smaller than the model's largest tensor"),
 ])
 def test_bad_options_are_refused_before_anything_starts(args, text):
-    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-m", "slotsync", "demo", *args], capture_output=True,
                          text=True, cwd=root, timeout=60)
     assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr

@@ -13,7 +13,7 @@ I3 acks after the engine consumed: test_chunk_waits_for_every_rank_and_acks_only
 I4 pause before start, no resume after failure: test_happy_round_order_and_acks,
    test_engine_500_on_chunk_k_..., test_daemon_stop_fails_update_and_leaves_engine_paused;
 I5 deadlines name what is missing: test_*_deadline_*;
-I6 no unpickling, no torch in the daemon: tests/test_vllm_pickle.py;
+I6 no unpickling, no torch in the daemon: tests/unit/test_vllm_pickle.py;
 I7 state keyed by update id: test_late_engine_result_of_failed_update_is_dropped, stale ids;
 I8 version only with a successful finish: test_dtype_mismatch_..., test_engine_500_....
 I9 the daemon's view of the engine is the engine's (issue 14):

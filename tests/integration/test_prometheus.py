@@ -31,7 +31,7 @@ from slotsync.daemon.slot_table import SlotTable
 from slotsync.engine.launcher import free_port
 from slotsync.protocol.wire import PROTOCOL_VERSION, Begin, Register
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROM_DIR = ROOT / "deploy" / "prometheus"
 ALERTS = PROM_DIR / "slotsync-alerts.yml"
 

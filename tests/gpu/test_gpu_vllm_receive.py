@@ -36,7 +36,7 @@ from slotsync.engine.launcher import ReferenceEngine  # noqa: E402
 from slotsync.protocol.wire import logical_gpu_uuid  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RANKS = 8
 ROUNDS = 8
 MODES = {  # name: (packed, staging regions)

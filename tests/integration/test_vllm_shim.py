@@ -31,7 +31,7 @@ from slotsync.engine.vllm_receive import SHIM_ENV, receive_env  # noqa: E402
 from slotsync.protocol.wire import ShmHandle  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
