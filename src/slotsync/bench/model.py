@@ -13,11 +13,11 @@ so the benchmark's chunks are the publisher's chunks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from slotsync.protocol.chunking import cut
-
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+from slotsync.protocol.wire import DTYPE_SIZES
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +30,8 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the tensor's elements."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * DTYPE_BYTES[self.dtype]
+        """Bytes of the tensor's elements (``wire.DTYPE_SIZES``: the wire's own sizes)."""
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)

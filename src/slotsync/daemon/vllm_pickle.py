@@ -18,7 +18,7 @@ Speed (``slotsync bench control`` profiles this path): every global the daemon m
 (tensor and storage classes, ``torch.Size``, dtypes) has a fixed memo slot. A pickle opens with
 a prelude that loads each global it uses once (``GLOBAL`` + ``BINPUT``), and the handles then
 refer to them with a 2-byte ``BINGET`` -- so the unpickler resolves each class once per pickle,
-not 4 times per handle (4x faster ``pickle.loads`` on an 8-rank unpacked chunk, 25% smaller).
+not 4 times per handle (the effect on ``pickle.loads`` and size: BENCHMARKS.md).
 Unpacked, the prelude also builds each rank's GPU UUID and each distinct ``torch.Size`` and
 stride tuple once into further memo slots (``_Memo``), and every handle refers to them: every
 engine worker unpickles the whole list, and this halves its ``pickle.loads`` and shrinks the

@@ -59,7 +59,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 POLL_EVERY = 64
-"""``plan_pack`` calls its ``poll`` once per this many tensors (~0.1 ms of layout)."""
+"""``plan_pack`` calls its ``poll`` once per this many tensors (a short stretch of layout work)."""
 
 SHM_PREFIX = "slotsync-"
 """Every segment this module creates is ``/dev/shm/slotsync-<pid>-r<rank>-<n>``."""
