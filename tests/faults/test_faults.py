@@ -20,6 +20,9 @@ turns it into ``docs/reliability.md``.
 
 Deadlines are small (3 s per wait on ranks, 2.5 s per engine call) so the module stays within a
 few minutes on two cores.
+
+Over ~500 lines on purpose: it holds one thing, the fault suite, one scenario per
+docs/reliability.md row, on the fixtures they share (issue 16).
 """
 
 from __future__ import annotations

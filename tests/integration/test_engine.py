@@ -4,6 +4,9 @@ One 2-worker CPU engine serves the whole module (each worker process imports tor
 engines are expensive on a small machine); ``clean`` brings it back to a known state before
 each test. Handles are the CPU shared-memory stand-in (``ShmHandle``), pickled by the daemon's
 own writer (``slotsync.daemon.vllm_pickle``), keyed by each worker's logical GPU UUID.
+
+Over ~500 lines on purpose: it holds one thing, the reference engine's contract tests, on the
+one module-scoped engine they share (issue 16).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """Operating the daemon: systemd notify protocol, configuration sources, structured logs,
-graceful shutdown, SIGHUP reload of the engine table, single instance, ``slotsync status``."""
+graceful shutdown, SIGHUP reload of the engine table, single instance, ``slotsync status``.
+
+Over ~500 lines on purpose: it holds one thing, the daemon's operations tests (notify, config,
+logs, shutdown, reload), on the daemon fixtures they share (issue 16).
+"""
 
 from __future__ import annotations
 

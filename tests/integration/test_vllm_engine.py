@@ -11,6 +11,9 @@ One 2-worker CPU engine (``--executor-replies all``: every worker's reply of eac
 read, so one test's failures do not shift the next test's answers) serves most tests; a
 second one with vLLM's own reply handling shows what ``MultiprocExecutor`` does after a
 failure.
+
+Over ~500 lines on purpose: it holds one thing, the vLLM-code engine's tests, on the one module-
+scoped engine they share (issue 16).
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ I9 the daemon's view of the engine is the engine's (issue 14):
    executor replies (gh-58242): test_failed_finish_recovers_starting_first_so_replies_stay_in_step,
    test_replies_out_of_step_are_found_and_the_engine_must_be_restarted,
    test_start_that_reached_no_worker_leaves_the_engine_intact.
+
+Over ~500 lines on purpose: it holds one thing, the coordinator's invariant tests, grouped by
+invariant, with the one scripted engine they share (issue 16).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Publisher against a scripted fake daemon (zmq ROUTER in a thread), shm transport."""
+"""Publisher against a scripted fake daemon (zmq ROUTER in a thread), shm transport.
+
+Over ~500 lines on purpose: it holds one thing, the Publisher's behaviour against the one fake
+daemon they share (issue 16).
+"""
 
 from __future__ import annotations
 
