@@ -324,7 +324,7 @@ def _answer_begin(h: Harness) -> None:
 @pytest.mark.parametrize("in_flight", [1, 2])
 def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monkeypatch,
                                                                             in_flight):
-    import slotsync.daemon.coordinator as coordinator
+    import slotsync.daemon.chunk_window as coordinator  # (merge-ahead lives there)
 
     merges: list[int] = []
     merged: dict[int, bytes] = {}  # the update_info JSON text, made at merge time

@@ -16,12 +16,14 @@ actions it returns (``actions.py``):
 * ``SlotEvent(slot, event, fields)``: something an operator should read in the log (an engine
   restarted, found asleep, resumed after a failed update, names an update left out).
 
-Its parts live beside it: the update in flight, its phase table, begin stages, deadlines
-(``Timeouts``, ``Update.wait_in_force``) and omitted-names refusals (``update.py``); what is
-known of the engine (``engine_session.py``); what the begin's probe answers mean
-(``probe.py``); what a failure leaves behind and a previous daemon's durable record
-(``recovery.py``); registration checks (``registration.py``); the ``/status`` entry
-(``status_documents.py``).
+Its parts live beside it: the update in flight, its phase table, begin stages and which
+one goes out next (``update.begin_step``), deadlines (``Timeouts``, ``Update.wait_in_force``)
+and omitted-names refusals (``update.py``); chunk intake, merge-ahead, the in-flight window,
+ordered acks and the commit's counts (``chunk_window.py``); what is known of the engine
+(``engine_session.py``); what the begin's probe answers mean (``probe.py``); what a failure
+leaves behind, the engine check after it (``recovery.engine_check``) and a previous daemon's
+durable record (``recovery.py``); registration checks (``registration.py``); the ``/status``
+entry (``status_documents.py``).
 
 One update (design.md "Flow of one round"); each begin stage runs when the one before it
 returned and its condition holds (``update.BEGIN_STAGES``)::
@@ -68,11 +70,13 @@ paused and ``needs_full_update``; I5 every wait has a deadline; I7 all state key
 id, stale ids refused; I8 the version is recorded only with a successful finish; I9 above.
 
 Why this file is over 500 lines: it holds one thing, the event handlers of one slot's state
-machine (each ``on_*`` event, the begin plan's driver ``_advance``, the engine check after a
-failure, ``_fail`` and ``_complete``), which share the update in flight, the engine session
-and the slot's calls in flight; each rule they apply (probe answers, failure fates, the
-durable record's state, deadlines, registration and chunk checks) lives in the modules named
-above, and what stays here is reading events and building the actions they cause.
+machine (each ``on_*`` event, the driver ``_advance`` that turns the rule modules' answers into
+engine calls, ``_fail`` and ``_complete``), which share the update in flight, the engine
+session and the slot's calls in flight (the update's, the orphans of a failed one and the
+engine check's); each rule they apply (begin stages, the chunk window, probe answers, failure
+fates, the engine check, the durable record's state, deadlines, registration checks) lives in
+the modules named above, and what stays here is reading events and building the actions they
+cause.
 """
 
 from __future__ import annotations
@@ -82,9 +86,8 @@ from typing import Any
 
 import msgspec
 
-from slotsync.daemon import probe, recovery
+from slotsync.daemon import chunk_window, probe, recovery
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
-from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk, merge_chunk
 from slotsync.daemon.engine_session import (
     EngineSession,
     out_of_step_found,
@@ -94,17 +97,15 @@ from slotsync.daemon.registration import (
     RankInfo,
     rank_held,
     unlike_the_slot,
-    uuid_mismatch,
     wrong_protocol_or_slot,
 )
 from slotsync.daemon.update import (
-    BEGIN_STAGES,
-    EXECUTOR_STAGES,
     SENT_EVENTS,
     STAGE_INDEX,
     PhaseEvent,
     Timeouts,
     Update,
+    begin_step,
 )
 from slotsync.protocol import wire
 from slotsync.protocol.wire import Abort, Ack, Begin, Chunk, Commit, Error, Register, Registered
@@ -398,10 +399,9 @@ class SlotCoordinator:
             ]
             return actions + self._advance(now)
         elif route == "update_weights":
-            u.loaded.add(call.index)
-            acks: list[Action] = []
-            while u.next_index in u.loaded:  # acknowledged in index order (I3 per chunk)
-                acks += self._consumed(u, u.next_index)
+            acks: list[Action] = [  # acknowledged in index order (I3 per chunk)
+                Reply(i.identity, Ack(u.update_id, "chunk", idx))
+                for idx in chunk_window.returned(u, call.index) for i in self._by_rank()]
             return acks + self._advance(now)
         elif route == "finish_weight_update":
             u.on(PhaseEvent.FINISHED)
@@ -501,11 +501,6 @@ class SlotCoordinator:
         replies are out of step (``engine_session.out_of_step_found``); the update fails."""
         self.engine.out_of_step = out_of_step_found(self.engine_url, answer)
         return self._fail(now, "engine", self.engine.out_of_step, [])
-
-    def _consumed(self, u: Update, idx: int) -> list[Action]:
-        """Chunk ``idx`` (the next to acknowledge) was loaded: account for it, ack every rank."""
-        u.consume_next()
-        return [Reply(i.identity, Ack(u.update_id, "chunk", idx)) for i in self._by_rank()]
 
     def poll(self, now: float) -> list[Action]:
         """Check deadlines (design.md I5); fails the update naming the missing ranks."""
@@ -654,72 +649,22 @@ class SlotCoordinator:
             return self._not_current(rank, "chunk", f"chunk {msg.index}", msg.update_id)
         # A rank sends chunks right after its begin, without waiting for the begin's ack: they
         # are merged while the engine is paused and started, and go out once it has started.
-        why = u.chunk_out_of_order(rank, msg.index)
+        why = chunk_window.receive(u, rank, msg, now, self.size, chunk_window.MergeFacts(
+            {r: i.gpu_uuid for r, i in self.ranks.items()}, bool(self.packed),
+            self.transport or "cuda", self.engine.world_size or self.size))
         if why:
             return self._fail(now, "chunk", why, [])
-        u.sent_count[rank] = msg.index + 1
-        got = u.pending.setdefault(msg.index, {})
-        got[rank] = msg
-        u.first_arrival.setdefault(msg.index, now)
-        u.last_progress = now
-        if len(got) == self.size:
-            # Merge now, not when its turn comes: with ranks sending ahead, this runs while the
-            # engine still loads an earlier chunk, so the engine never waits for the daemon.
-            u.merged[msg.index] = self._merge(msg.index, got)
         return self._advance(now)
-
-    def _merge(self, idx: int, got: dict[int, Chunk]) -> MergedChunk | ChunkMismatch:
-        """Check and merge one complete chunk; a mismatch is kept and fails the update when
-        the chunk's turn comes (no engine call is ever in flight then)."""
-        try:
-            return merge_chunk(
-                idx,
-                got,
-                {r: self.ranks[r].gpu_uuid for r in got},
-                packed=bool(self.packed),
-                transport=self.transport or "cuda",
-                world_size=self.engine.world_size or self.size,
-            )
-        except ChunkMismatch as e:
-            return e
 
     def _on_commit(self, rank: int, msg: Commit, now: float) -> list[Action]:
         u = self.current
         if u is None or msg.update_id != u.update_id:
             return self._not_current(rank, "commit", "commit", msg.update_id)
-        sent = u.sent_count.get(rank, 0)
-        if msg.num_chunks != sent:
-            return self._fail(
-                now,
-                "commit",
-                f"rank {rank} committed {msg.num_chunks} chunks but sent {sent}",
-                [rank],
-            )
-        if rank in u.committed:
-            return self._rank_error(rank, "commit", f"rank {rank} committed twice", u.update_id)
-        ahead = [(r, n) for r, n in sorted(u.sent_count.items()) if n > msg.num_chunks]
-        if ahead:
-            r0, n0 = ahead[0]
-            return self._fail(now, "commit", f"rank {rank} committed {msg.num_chunks} chunks "
-                              f"but rank {r0} already sent {n0}: {SAME_CHUNKS_RULE}", [])
-        u.committed[rank] = msg.num_chunks
-        u.last_progress = now
-        counts = set(u.committed.values())
-        if counts == {0} and len(u.committed) == self.size:
-            # (the pause waits for a first chunk: the engine was not touched)
-            return self._fail(
-                now, "commit",
-                f"update {u.update_id} has no chunks: every rank of the slot (ranks "
-                f"{sorted(u.committed)}) committed 0 chunks: there is nothing to load", [],
-            )
-        if len(counts) > 1:
-            return self._fail(
-                now,
-                "commit",
-                "ranks committed different chunk counts: "
-                + ", ".join(f"rank {r}: {n}" for r, n in sorted(u.committed.items())),
-                [],
-            )
+        refused = chunk_window.commit(u, rank, msg.num_chunks, self.size, now)
+        if refused is not None and not refused.fails:
+            return self._rank_error(rank, "commit", refused.text, u.update_id)
+        if refused is not None:
+            return self._fail(now, "commit", refused.text, list(refused.missing))
         return self._advance(now)
 
     def _call(self, u: Update, route: str, body: Any = None, index: int = -1,
@@ -750,20 +695,13 @@ class SlotCoordinator:
             return []
         if u.finished:
             return self._call(u, "resume")
-        while len(self._calls) < self.chunks_in_flight:
-            merged = u.merged.get(u.next_send)
-            if merged is None:
-                break
-            if isinstance(merged, ChunkMismatch):
-                if self._calls:
-                    break  # fail once the chunks before it returned: none is left at the engine
-                # I2: the engine never sees an inconsistent chunk.
-                return self._fail(now, "chunk", str(merged), [])  # ranks differ; none missing
-            del u.merged[u.next_send]
+        ready, mismatch = chunk_window.to_send(u, len(self._calls), self.chunks_in_flight)
+        if mismatch is not None:  # I2: the engine never sees an inconsistent chunk
+            return self._fail(now, "chunk", str(mismatch), [])  # ranks differ; none missing
+        for idx, merged in ready:
             # (the JSON text made at merge time, embedded as is by the client's encoder)
             out += self._call(u, "update_weights",
-                              {"update_info": msgspec.Raw(merged.update_info_json)}, u.next_send)
-            u.next_send += 1
+                              {"update_info": msgspec.Raw(merged.update_info_json)}, idx)
         if out or self._calls:
             return out
         if u.all_consumed(self.size):
@@ -771,44 +709,19 @@ class SlotCoordinator:
         return []
 
     def _advance_begin(self, u: Update, now: float) -> list[Action]:
-        """Issue the next begin stage whose condition holds (the table at the top)."""
-        if self._calls or len(self.ranks) < self.size:
-            return []  # a stage in flight; or the slot's last registrations (begin deadline)
-        while u.stage < len(BEGIN_STAGES):
-            st = BEGIN_STAGES[u.stage]
-            if u.stage > 0 and self.engine.out_of_step:
-                # (the probe found no new session, which would have cleared it)
-                return self._fail(now, "begin", self.engine.out_of_step, [])
-            if st.name == "init" and self.engine.initialized:
-                u.stage += 1
-                continue
-            if st.name == "recover" and not (
-                    self.engine.mid_update and (self.engine.recover_first or u.start_retried)):
-                u.stage += 1  # (start first: a start that finds a session ends it, below)
-                continue
-            if st.name in EXECUTOR_STAGES and self.engine.replies_suspect:
-                # the first executor call after a worker's failure checks the replies line up
-                return [self._call(u, "check_replies", {"method": "check_health"})[0]]
-            if st.touches_generation:
-                if len(u.begun) < self.size:
-                    # Generation is paused only once every rank has begun: a rank that never
-                    # comes (or is refused) fails the begin with the engine still serving.
-                    return []
-                if not u.sent_count:
-                    return []  # nothing to load yet (an update of no chunk is refused)
-                if st.name == "pause":
-                    wrong = uuid_mismatch(self.ranks, self.engine.declared_gpu_uuids,
-                                          self.engine.gpu_uuids, self.engine_url)
-                    if wrong:
-                        return self._fail(now, "begin", wrong, [])
-            u.stage += 1
-            out: list[Action] = []
-            for route in st.routes:
-                body = ({"init_info": {"packed": self.packed}}
-                        if route == "init_weight_transfer_engine" else None)
-                out += self._call(u, route, body, needs_record=st.needs_record)
-            return out
-        return []  # start in flight
+        """Issue the next begin stage whose condition holds (``update.begin_step``)."""
+        step = begin_step(u, self.engine, self.ranks, self.size, bool(self._calls),
+                          self.engine_url)
+        if step.fail:
+            return self._fail(now, "begin", step.fail, [])
+        if step.check:  # the first executor call after a worker's failure checks the replies
+            return self._call(u, "check_replies", {"method": "check_health"})
+        out: list[Action] = []
+        for route in step.stage.routes if step.stage else ():
+            body = ({"init_info": {"packed": self.packed}}
+                    if route == "init_weight_transfer_engine" else None)
+            out += self._call(u, route, body, needs_record=step.stage.needs_record)
+        return out
 
     def _before_finish(self, u: Update, now: float) -> list[Action]:
         """Every chunk is loaded and every rank committed: check what the update left out of
@@ -837,32 +750,14 @@ class SlotCoordinator:
 
     def _on_maintenance_result(self, call: EngineCall, ok: bool, result: Any, error: str,
                                now: float) -> list[Action]:
-        uid = call.update_id
-        if call.route == "is_paused":
-            if not ok:
-                self.engine.paused = True  # unknown: say paused (the next begin probes again)
-                self.last_error = (f"{self.last_error}; then /is_paused failed ({error}): the "
-                                   "engine may still be paused")[:4000]
-                return [SlotEvent(self.slot, "engine_state_unknown", {
-                    "engine": self.engine_url, "update_id": uid, "error": error})]
-            paused = bool(result.get("is_paused")) if isinstance(result, dict) else True
-            if not paused:
-                self.engine.paused = False
-                return self._advance(now)
-            return [self._maintenance_call("resume")]
-        # resume
-        if not ok:
-            self.engine.paused = True
-            self.last_error = (f"{self.last_error}; then resuming the engine failed ({error}): "
-                               "it stays paused until the next round")[:4000]
-            return [SlotEvent(self.slot, "engine_resume_failed", {
-                "engine": self.engine_url, "update_id": uid, "error": error})] + self._advance(now)
-        self.engine.paused = False
-        ev = SlotEvent(self.slot, "engine_resumed_after_failure", {
-            "engine": self.engine_url, "update_id": uid,
-            "why": "the failed update had paused the engine but not started a weight update: "
-                   "its weights are intact"}, warning=False)
-        return [ev, *self._advance(now)]
+        step = recovery.engine_check(self.engine, call.route, ok, result, error, self.slot,
+                                     self.engine_url, call.update_id)
+        if step.note:
+            self.last_error = f"{self.last_error}{step.note}"[:4000]
+        out: list[Action] = [*step.events]
+        if step.then:
+            out.append(self._maintenance_call(step.then))
+        return out + self._advance(now) if step.advance else out
 
     def _deadline(self) -> tuple[float, str, str, list[int]] | None:
         """(time, phase, what, missing ranks) of the wait in force, or None."""

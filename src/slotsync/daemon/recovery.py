@@ -10,6 +10,10 @@ a slot (design.md I4): I/O-free rules.
   the engine stays paused and needs a full update; if it had only paused an engine whose
   weights were intact, the engine is checked (``/is_paused``) once the update's calls returned
   and resumed if paused (I9).
+* ``engine_check``: that check's answers. ``/is_paused`` true -> ``/resume``; false -> the
+  engine serves; failed -> the engine may still be paused (say paused: the next begin probes
+  again), and nothing more is sent until the next round. A failed ``/resume`` leaves it
+  paused until the next round. The daemon's view follows the engine's answer, not its guess.
 * ``restore``: a new daemon reads the record and keeps each engine named there paused and
   marked as needing a full update; the next round first ends any half-open session (finish,
   tolerating the 500) unless the probe finds the engine serving (``probe.check_sleep``).
@@ -17,6 +21,10 @@ a slot (design.md I4): I/O-free rules.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+from slotsync.daemon.actions import SlotEvent
 from slotsync.daemon.engine_session import WORKER_FAILED, EngineSession, start_reached_none
 from slotsync.daemon.update import Update
 
@@ -91,6 +99,47 @@ def after_failure(engine: EngineSession, u: Update, failed: tuple[str, str] | No
     # The engine may have restarted or been swapped: re-check and re-init next time.
     engine.initialized = False
     return fate, reconcile
+
+
+@dataclass(frozen=True, slots=True)
+class CheckStep:
+    """What follows an answer of the engine check (``engine_check``): ``events`` to log,
+    ``note`` to append to the slot's ``last_error`` ('' for none), the next check call's route
+    (``then``: ``"resume"``, or '' for none), and whether the slot goes on (``advance``: a
+    waiting update's calls may go out)."""
+
+    events: tuple[SlotEvent, ...] = ()
+    note: str = ""
+    then: str = ""
+    advance: bool = False
+
+
+def engine_check(engine: EngineSession, route: str, ok: bool, result: Any, error: str,
+                 slot: tuple[int, int], engine_url: str | None, update_id: int) -> CheckStep:
+    """The engine check's call ``route`` (``is_paused`` or ``resume``, vLLM 0.32) after failed
+    update ``update_id`` returned: ``ok`` with the parsed JSON ``result``, or not ok with
+    ``error``. Updates ``engine.paused`` (the rules at the top)."""
+    where = {"engine": engine_url, "update_id": update_id}
+    if route == "is_paused":
+        if not ok:
+            engine.paused = True  # unknown: say paused (the next begin probes again)
+            return CheckStep(
+                (SlotEvent(slot, "engine_state_unknown", {**where, "error": error}),),
+                note=f"; then /is_paused failed ({error}): the engine may still be paused")
+        if isinstance(result, dict) and not result.get("is_paused"):
+            engine.paused = False
+            return CheckStep(advance=True)
+        return CheckStep(then="resume")
+    if not ok:
+        engine.paused = True
+        return CheckStep(
+            (SlotEvent(slot, "engine_resume_failed", {**where, "error": error}),),
+            note=f"; then resuming the engine failed ({error}): it stays paused until the "
+                 "next round", advance=True)
+    engine.paused = False
+    return CheckStep((SlotEvent(slot, "engine_resumed_after_failure", {
+        **where, "why": "the failed update had paused the engine but not started a weight "
+                        "update: its weights are intact"}, warning=False),), advance=True)
 
 
 def restore(engine: EngineSession, engine_url: str, state: str) -> None:

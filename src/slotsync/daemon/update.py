@@ -4,7 +4,7 @@ Rules (design.md "Flow of one round"; h11 ``_state.py`` style, the transitions a
 
 * An update's begin runs the stages of ``BEGIN_STAGES`` in order, one stage at a time (a
   stage's calls go out together); a stage runs when the one before it returned and its
-  condition holds (``SlotCoordinator._advance_begin``).
+  condition holds (``begin_step``, which the coordinator's ``_advance`` asks what to send).
 * Its phase only moves forward, along ``TRANSITIONS``::
 
       beginning --pause sent--> pausing --start sent--> starting --start returned--> loading
@@ -17,7 +17,8 @@ Rules (design.md "Flow of one round"; h11 ``_state.py`` style, the transitions a
   ``starting`` on the engine may be mid-update (I4); in ``pausing`` it is paused, or may be.
 * Chunks: chunk k is merged once every rank sent it (possibly ahead of its turn, ``merged``),
   handed to the engine in index order (``next_send``), and acknowledged in index order once
-  it and every chunk before it returned (``loaded`` -> ``next_index``, I3).
+  it and every chunk before it returned (``loaded`` -> ``next_index``, I3); the functions
+  that move them are in ``chunk_window.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk
-from slotsync.daemon.registration import RankInfo
+from slotsync.daemon.engine_session import EngineSession
+from slotsync.daemon.registration import RankInfo, uuid_mismatch
 from slotsync.protocol.wire import Chunk
 
 
@@ -272,3 +274,62 @@ class Update:
                 f"successful update loaded: {some_names(names)} (vLLM would keep their old "
                 "values; omitted_names = \"refuse\")")
         return ""
+
+
+@dataclass(frozen=True, slots=True)
+class BeginStep:
+    """What the begin does next (``begin_step``): send ``stage``'s calls together; or one
+    ``check_replies`` call (``check``); or fail the update with ``fail`` (phase ``begin``); or,
+    with none of them, wait (a stage in flight, a rank to begin or register, no chunk yet)."""
+
+    stage: Stage | None = None
+    check: bool = False
+    fail: str = ""
+
+
+WAIT = BeginStep()
+
+
+def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], size: int,
+               calls_out: bool, engine_url: str | None) -> BeginStep:
+    """The next begin stage of update ``u`` whose condition holds (the rules at the top and
+    ``BEGIN_STAGES``), for a slot of ``size`` ranks of which ``ranks`` registered, on the
+    engine at ``engine_url`` that ``engine`` describes; ``calls_out``: a call of ``u`` is in
+    flight. Moves ``u.stage`` past the stages skipped and the one returned.
+
+    * a stage after the probe fails while the engine's replies are out of step (the probe
+      found no new session, which would have cleared it);
+    * ``init`` is skipped for an initialised engine; ``recover`` unless the engine may be
+      mid-update and must finish first (``recover_first``) or a start met a session;
+    * the first executor stage after a worker's failure (``replies_suspect``) first checks
+      the replies line up (``check_health``);
+    * stages that touch generation wait for every rank's begin (a rank that never comes fails
+      the begin with the engine still serving) and a first chunk (an update of no chunk is
+      refused); the pause fails on ranks' GPU UUIDs unlike the engine's (I2).
+    """
+    if calls_out or len(ranks) < size:
+        return WAIT  # a stage in flight; or the slot's last registrations (begin deadline)
+    while u.stage < len(BEGIN_STAGES):
+        st = BEGIN_STAGES[u.stage]
+        if u.stage > 0 and engine.out_of_step:
+            return BeginStep(fail=engine.out_of_step)
+        if st.name == "init" and engine.initialized:
+            u.stage += 1
+            continue
+        if st.name == "recover" and not (
+                engine.mid_update and (engine.recover_first or u.start_retried)):
+            u.stage += 1  # (start first: a start that finds a session ends it)
+            continue
+        if st.name in EXECUTOR_STAGES and engine.replies_suspect:
+            return BeginStep(check=True)
+        if st.touches_generation:
+            if len(u.begun) < size or not u.sent_count:
+                return WAIT
+            if st.name == "pause":
+                wrong = uuid_mismatch(ranks, engine.declared_gpu_uuids, engine.gpu_uuids,
+                                      engine_url)
+                if wrong:
+                    return BeginStep(fail=wrong)
+        u.stage += 1
+        return BeginStep(stage=st)
+    return WAIT  # start in flight

@@ -1,0 +1,141 @@
+"""The chunk window of one update: intake, merge-ahead, what goes to the engine, which acks are
+due, and the commit's chunk counts (I/O-free functions over ``update.Update``).
+
+Rules (design.md "Flow of one round", I2, I3):
+
+* Intake: a rank sends chunks 0, 1, ... after its begin and before its commit, and no further
+  than another rank's commit (``Update.chunk_out_of_order``, ``aggregation.SAME_CHUNKS_RULE``);
+  chunks may arrive while the begin still runs.
+* Merge-ahead: chunk k is merged the moment every rank of the slot sent it
+  (``aggregation.merge_chunk``), not when its turn comes, so that the engine never waits for
+  the daemon while it loads an earlier chunk. A mismatch is kept in ``Update.merged`` and
+  fails the update when the chunk's turn comes.
+* Window: chunks go to the engine in index order (``Update.next_send``), at most
+  ``chunks_in_flight`` ``/update_weights`` calls at once. A mismatched chunk fails the update
+  only once no call is left at the engine (I2: the engine never sees an inconsistent chunk).
+* Acks: a chunk is acknowledged once it and every chunk before it returned (I3), in index
+  order (``Update.loaded`` -> ``Update.next_index``).
+* Commit: every rank commits the number of chunks it sent, once, no rank sent more, all
+  counts agree, and not all of them are 0 (an update of no chunk never touches the engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk, merge_chunk
+from slotsync.daemon.update import Update
+from slotsync.protocol.wire import Chunk
+
+
+@dataclass(frozen=True, slots=True)
+class MergeFacts:
+    """What a merge needs to know of the slot: each rank's GPU UUID, the packed mode, the
+    transport (``"cuda"`` or ``"shm"``) and the engine's world size."""
+
+    gpu_uuids: Mapping[int, str]
+    packed: bool
+    transport: str
+    world_size: int
+
+
+def merge(idx: int, got: dict[int, Chunk], facts: MergeFacts) -> MergedChunk | ChunkMismatch:
+    """Check and merge chunk ``idx`` that every rank sent (``got``: rank -> chunk); a mismatch
+    is returned, not raised, and kept until the chunk's turn comes."""
+    try:
+        return merge_chunk(idx, got, {r: facts.gpu_uuids[r] for r in got}, packed=facts.packed,
+                           transport=facts.transport, world_size=facts.world_size)
+    except ChunkMismatch as e:
+        return e
+
+
+def receive(u: Update, rank: int, msg: Chunk, now: float, size: int,
+            facts: MergeFacts) -> str:
+    """Take chunk ``msg`` from ``rank`` into update ``u`` of a slot of ``size`` ranks (``now``:
+    monotonic seconds); merge it once every rank sent it. Returns why the chunk breaks the
+    round's order (the update must fail, phase ``chunk``), or '' if it was taken."""
+    why = u.chunk_out_of_order(rank, msg.index)
+    if why:
+        return why
+    u.sent_count[rank] = msg.index + 1
+    got = u.pending.setdefault(msg.index, {})
+    got[rank] = msg
+    u.first_arrival.setdefault(msg.index, now)
+    u.last_progress = now
+    if len(got) == size:
+        u.merged[msg.index] = merge(msg.index, got, facts)
+    return ""
+
+
+def to_send(u: Update, in_flight: int,
+            limit: int) -> tuple[list[tuple[int, MergedChunk]], ChunkMismatch | None]:
+    """The merged chunks to hand to the engine now, in index order, with ``in_flight``
+    ``/update_weights`` calls out and at most ``limit`` at once; they leave ``u.merged`` and
+    ``u.next_send`` moves past them. Returns ``(chunks, mismatch)``: ``mismatch`` is the next
+    chunk's ``ChunkMismatch`` when no call is out and none goes out (the update must fail,
+    phase ``chunk``), else None."""
+    out: list[tuple[int, MergedChunk]] = []
+    while in_flight + len(out) < limit:
+        merged = u.merged.get(u.next_send)
+        if merged is None:
+            break
+        if isinstance(merged, ChunkMismatch):
+            if in_flight or out:
+                break  # fail once the chunks before it returned: none is left at the engine
+            return out, merged
+        del u.merged[u.next_send]
+        out.append((u.next_send, merged))
+        u.next_send += 1
+    return out, None
+
+
+def returned(u: Update, index: int) -> list[int]:
+    """The engine loaded chunk ``index``: the chunks now due for an ack, in index order (each
+    consumed: ``Update.consume_next``). Empty while an earlier chunk is still at the engine."""
+    u.loaded.add(index)
+    acked: list[int] = []
+    while u.next_index in u.loaded:
+        acked.append(u.next_index)
+        u.consume_next()
+    return acked
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRefusal:
+    """Why a rank's commit is refused: ``fails`` the update (with ``missing`` ranks) or only
+    answers that rank (``fails`` False); ``text`` is the error's text."""
+
+    text: str
+    fails: bool = True
+    missing: tuple[int, ...] = ()
+
+
+def commit(u: Update, rank: int, num_chunks: int, size: int,
+           now: float) -> CommitRefusal | None:
+    """Take ``rank``'s commit of ``num_chunks`` chunks into update ``u`` of a slot of ``size``
+    ranks (``now``: monotonic seconds). Returns why it is refused (the rules at the top), or
+    None if it was taken."""
+    sent = u.sent_count.get(rank, 0)
+    if num_chunks != sent:
+        return CommitRefusal(f"rank {rank} committed {num_chunks} chunks but sent {sent}",
+                             missing=(rank,))
+    if rank in u.committed:
+        return CommitRefusal(f"rank {rank} committed twice", fails=False)
+    ahead = [(r, n) for r, n in sorted(u.sent_count.items()) if n > num_chunks]
+    if ahead:
+        r0, n0 = ahead[0]
+        return CommitRefusal(f"rank {rank} committed {num_chunks} chunks but rank {r0} "
+                             f"already sent {n0}: {SAME_CHUNKS_RULE}")
+    u.committed[rank] = num_chunks
+    u.last_progress = now
+    counts = set(u.committed.values())
+    if counts == {0} and len(u.committed) == size:
+        # (the pause waits for a first chunk: the engine was not touched)
+        return CommitRefusal(
+            f"update {u.update_id} has no chunks: every rank of the slot (ranks "
+            f"{sorted(u.committed)}) committed 0 chunks: there is nothing to load")
+    if len(counts) > 1:
+        return CommitRefusal("ranks committed different chunk counts: " + ", ".join(
+            f"rank {r}: {n}" for r, n in sorted(u.committed.items())))
+    return None
