@@ -324,11 +324,11 @@ def _answer_begin(h: Harness) -> None:
 @pytest.mark.parametrize("in_flight", [1, 2])
 def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monkeypatch,
                                                                             in_flight):
-    import slotsync.daemon.chunk_window as coordinator  # (merge-ahead lives there)
+    import slotsync.daemon.chunk_window as chunk_window  # (merge-ahead lives there)
 
     merges: list[int] = []
     merged: dict[int, bytes] = {}  # the update_info JSON text, made at merge time
-    real = coordinator.merge_chunk
+    real = chunk_window.merge_chunk
 
     def traced(idx, *a, **k):
         m = real(idx, *a, **k)
@@ -336,7 +336,7 @@ def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monk
         merged[idx] = m.update_info_json
         return m
 
-    monkeypatch.setattr(coordinator, "merge_chunk", traced)
+    monkeypatch.setattr(chunk_window, "merge_chunk", traced)
     h = Harness(packed=False, chunks_in_flight=in_flight)
     h.register_all()
     h.begin()

@@ -10,6 +10,7 @@ import glob
 import itertools
 import logging
 import os
+import re
 import threading
 import time
 import warnings
@@ -412,6 +413,15 @@ def test_publisher_argument_checks(endpoint: str) -> None:
             Publisher(endpoint, bad_rank, (0, 2), ENGINE, transport="shm")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout_s must be positive and finite, got inf"):
         Publisher(endpoint, 0, (0, 2), ENGINE, transport="shm", timeout_s=float("inf"))
+    # Refused at once, not after timeout_s at register(): the daemon serves only ipc://.
+    for bad_endpoint in ("tcp://127.0.0.1:5555", "ipc://relative.sock", "/run/x.sock"):
+        with pytest.raises(ValueError, match=f"endpoint '{re.escape(bad_endpoint)}' must be "
+                                             "ipc:///absolute/path"):
+            Publisher(bad_endpoint, 0, (0, 2), ENGINE, transport="shm")
+    with pytest.raises(ValueError, match="engine_url 'ftp://x' must be http://host:port"):
+        Publisher(endpoint, 0, (0, 2), "ftp://x", transport="shm")
+    with pytest.raises(TypeError, match="engine_url must be a str, got NoneType"):
+        Publisher(endpoint, 0, (0, 2), None, transport="shm")  # type: ignore[arg-type]
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a CUDA build of torch and a visible GPU"):
             Publisher(endpoint, 0, (0, 2), ENGINE, transport="cuda")
@@ -815,7 +825,7 @@ def test_publish_refuses_empty_and_bad_items_before_touching_the_engine(
             pub.publish([("w", w), ("w", w)], weight_version="v")
         with pytest.raises(ValueError, match="must have 1 to 1024 characters"):
             pub.publish([("", w), ("w", w)], weight_version="v")
-        with pytest.raises(ValueError, match="dtype torch.complex64 is not supported"):
+        with pytest.raises(ValueError, match="tensor 'c': dtype torch.complex64 is not supported"):
             pub.publish([("w", w), ("c", torch.zeros(2, dtype=torch.complex64))], "v")
         with pytest.raises(ValueError, match="'m' is on the meta device"):
             pub.publish([("w", w), ("m", torch.zeros(2, device="meta"))], weight_version="v")
@@ -909,7 +919,16 @@ def test_failed_update_gives_back_the_exports_the_engine_never_acknowledged(
         else:
             with pytest.raises(SlotsyncError, match="engine failed"):
                 pub.publish(_many_tensors(6), weight_version="v")
-    sent = {m.index: m.handles[0].ref_counter_offset for m in daemon.of_type(wire.Chunk)}
+
+    def sent_exports() -> dict[int, int]:
+        return {m.index: m.handles[0].ref_counter_offset for m in daemon.of_type(wire.Chunk)}
+
+    # The fake daemon's thread may still be reading chunks the publisher sent before it saw
+    # the failure (a loaded machine): wait until it read every one the publisher gave back.
+    deadline = time.monotonic() + 10
+    while not set(released) <= set(sent_exports().values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sent = sent_exports()
     if fail_at is None:
         assert len(sent) == 6 and released == []
     else:

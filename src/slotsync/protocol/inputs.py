@@ -23,15 +23,34 @@ MAX_STAGING_BUFFERS = 8
 """Packed: the most staging regions per rank."""
 
 
-def check_publisher_args(rank: int, slot: EngineSlot, gpu_uuid: str | None, packed: bool,
-                         staging_bytes: int, staging_buffers: int, timeout_s: float,
-                         liveness_s: float) -> None:
+def check_publisher_args(endpoint: str, engine_url: str, rank: int, slot: EngineSlot,
+                         gpu_uuid: str | None, packed: bool, staging_bytes: int,
+                         staging_buffers: int, timeout_s: float, liveness_s: float) -> None:
     """``Publisher``'s arguments, checked in one place (see its Args).
+
+    ``endpoint`` must be ``ipc:///absolute/path``: slotsyncd binds nothing else (its
+    ``socket`` option, ``daemon/config.py``), so any other endpoint would only time out.
+    ``engine_url`` is checked as the daemon checks ``Register.engine_url``
+    (``wire.check_engine_url``), here rather than at ``register()``.
 
     Raises:
         TypeError: an argument of the wrong type (names it and what was given).
-        ValueError: ``rank`` not in ``slot``, or a value out of range.
+        ValueError: ``rank`` not in ``slot``, an endpoint or engine URL slotsync cannot use,
+            or a value out of range.
     """
+    for arg, text in (("endpoint", endpoint), ("engine_url", engine_url)):
+        if not isinstance(text, str):
+            raise TypeError(f"{arg} must be a str, got {type(text).__name__} {text!r}")
+    if not endpoint.startswith("ipc:///"):
+        raise ValueError(
+            f"endpoint {endpoint!r} must be ipc:///absolute/path/to/slotsyncd.sock (the "
+            "'ready endpoint=' slotsyncd prints): the daemon serves only node-local ipc:// "
+            "sockets, since CUDA IPC handles mean nothing on another host"
+        )
+    try:
+        wire.check_engine_url(engine_url)
+    except ValueError as e:
+        raise ValueError(f"engine_url {e}") from None
     for arg, value in (("rank", rank), ("staging_bytes", staging_bytes),
                        ("staging_buffers", staging_buffers)):
         if not isinstance(value, int) or isinstance(value, bool):
@@ -134,7 +153,10 @@ def _refuse(name: str, t: torch.Tensor, n: int, seen: set[str], limit: int,
             f"tensor name {name[:80]!r} must have 1 to {wire.MAX_NAME_CHARS} "
             f"characters (it has {len(name)})"
         )
-    dtype_name(t.dtype)  # raises ValueError naming the allowed dtypes (memoized)
+    try:
+        dtype_name(t.dtype)  # memoized; its ValueError names the allowed dtypes
+    except ValueError as e:
+        raise ValueError(f"tensor {name!r}: {e}") from None
     if t.is_meta:
         raise ValueError(f"tensor {name!r} is on the meta device: it has no data")
     check_fits(name, n, limit, packed)

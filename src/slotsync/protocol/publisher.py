@@ -4,7 +4,7 @@ One ``Publisher`` per trainer rank. It speaks the conversation of ``slotsync.pro
 over a ZeroMQ DEALER socket connected to the node daemon's ROUTER endpoint (one frame per
 message, no empty delimiter frame)::
 
-    pub = Publisher("ipc:///run/slotsync/daemon.sock", rank, topology.slot_of(rank),
+    pub = Publisher("ipc:///run/slotsync/slotsyncd.sock", rank, topology.slot_of(rank),
                     "http://127.0.0.1:8000")
     pub.register()                            # once
     for step in ...:
@@ -227,8 +227,8 @@ class Publisher:
         liveness_s: float = 10.0,
     ) -> None:
         self.slot = slot if isinstance(slot, EngineSlot) else EngineSlot(*slot)
-        inputs.check_publisher_args(rank, self.slot, gpu_uuid, packed, staging_bytes,
-                                    staging_buffers, timeout_s, liveness_s)
+        inputs.check_publisher_args(endpoint, engine_url, rank, self.slot, gpu_uuid, packed,
+                                    staging_bytes, staging_buffers, timeout_s, liveness_s)
         self.endpoint = endpoint
         self.rank = rank
         self.engine_url = engine_url
