@@ -61,3 +61,8 @@ def test_wheel_installs_and_runs(tmp_path):
         run = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
                              text=True, env=env, cwd=ROOT)
         assert run.returncode == 0 and flag in run.stdout, (module, run.stderr[-500:])
+    # ... and the console scripts pip wrote for that install (``slotsync --help``).
+    for script, flag in (("slotsync", "demo"), ("slotsyncd", "--chunk-timeout-s")):
+        run = subprocess.run([str(target / "bin" / script), "--help"], capture_output=True,
+                             text=True, env=env, cwd=ROOT)
+        assert run.returncode == 0 and flag in run.stdout, (script, run.stderr[-500:])
