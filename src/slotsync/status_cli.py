@@ -143,7 +143,11 @@ def main_from_args(args: argparse.Namespace) -> int:
         status = fetch_status(args.url, args.timeout_s)
     except (OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
-        print(f"slotsync status: cannot read {args.url}/status: {reason}", file=sys.stderr)
+        hint = (" (is slotsyncd running, and is this its status port? --url or "
+                "$SLOTSYNC_STATUS_URL name another)"
+                if isinstance(reason, ConnectionRefusedError | TimeoutError) else "")
+        print(f"slotsync status: cannot read {args.url}/status: {reason}{hint}",
+              file=sys.stderr)
         return 2
     problem = check_status_document(status)
     if problem:

@@ -12,6 +12,8 @@ one module-scoped engine they share (issue 16).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -753,3 +755,18 @@ def test_restart_forgets_version_and_pause_one_worker_bare_assert(tmp_path: Path
         status, body = one.request("POST", "/update_weights",
                                    {"update_info": packed_info({"w": torch.ones(2)}, by_uuid)})
         assert (status, err_message(body)) == (500, "Call to collective_rpc method failed:")
+
+
+@pytest.mark.parametrize("impl", ["reference", "vllm"])
+def test_a_missing_model_file_is_a_usage_error_before_any_worker_starts(tmp_path, impl) -> None:
+    """``--model`` naming no file: exit 2 with the path, not a worker's traceback later."""
+    missing = tmp_path / "nope.safetensors"
+    run = subprocess.run([sys.executable, "-m", "slotsync.engine", "--impl", impl,
+                          "--workers", "1", "--model", str(missing)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-800:]
+    assert f"--model {missing}: no such file" in run.stderr
+    assert "Traceback" not in run.stderr
+    run = subprocess.run([sys.executable, "-m", "slotsync.engine", "--workers", "1",
+                          "--model", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and f"--model {tmp_path}: not a file" in run.stderr

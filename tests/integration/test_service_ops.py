@@ -329,6 +329,7 @@ def test_status_cli_table_json_and_exit_codes(tmp_path):
         url = d.status_url
     gone = _status_cli("--url", url)
     assert gone.returncode == 2 and "cannot read" in gone.stderr
+    assert "is slotsyncd running" in gone.stderr  # (connection refused: say what to check)
 
 
 @pytest.mark.slow

@@ -166,6 +166,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error("--impl vllm needs --model (vLLM always serves a model)")
         if args.discard or args.receive != "reference":
             parser.error("--discard and --receive are reference-engine options")
+    if args.model is not None and not os.path.isfile(args.model):
+        # (before any worker starts: a worker would only fail later, in a traceback)
+        parser.error(f"--model {args.model}: no such file" if not os.path.exists(args.model)
+                     else f"--model {args.model}: not a file")
     specs = build_specs(args)
     if args.impl == "vllm":
         _main_vllm(args, specs)
