@@ -159,12 +159,18 @@ class ReferenceEngine:
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                 stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
             )  # fmt: skip
+        try:
+            self._wait_ready()
+        except BaseException:  # Ctrl-C / SIGTERM while waiting too: leave nothing running
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             rc = self.proc.poll()
             if rc is not None:
                 tail = self.log_tail()
-                self.stop()
                 raise EngineStartError(
                     f"{self.impl} engine exited with code {rc} during startup; output "
                     f"tail:\n{tail}"
@@ -177,7 +183,6 @@ class ReferenceEngine:
                 pass
             if time.monotonic() > deadline:
                 tail = self.log_tail()
-                self.stop()
                 raise EngineStartError(
                     f"{self.impl} engine did not answer {self.url}/get_world_size within "
                     f"{self.startup_timeout_s:.0f} s; output tail:\n{tail}"

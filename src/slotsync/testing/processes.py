@@ -77,6 +77,15 @@ class DaemonProcess:
                                      preexec_fn=die_with_parent)
         self.endpoint = ""
         self.status_port = 0
+        try:
+            self._wait_ready(startup_timeout_s)
+        except BaseException:  # Ctrl-C / SIGTERM while waiting too: leave nothing running
+            self.stop()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+            raise
+
+    def _wait_ready(self, startup_timeout_s: float) -> None:
         deadline = time.monotonic() + startup_timeout_s
         assert self.proc.stdout is not None
         while True:
@@ -92,7 +101,6 @@ class DaemonProcess:
                 self.status_port = int(fields["status_port"])
                 break
             if not line or time.monotonic() > deadline:
-                self.stop()
                 raise DaemonStartError(f"slotsyncd did not start: {self.log_tail()}")
 
     @property
