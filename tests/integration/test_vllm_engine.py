@@ -609,6 +609,7 @@ def test_impl_vllm_refuses_without_model_or_vllm(tmp_path: Path) -> None:
     (fake / "__init__.py").write_text("raise ImportError('no vllm here')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")])}
+    (tmp_path / "m.safetensors").write_bytes(b"")  # (a file: --model is checked first)
     out = subprocess.run([*cmd, "--model", str(tmp_path / "m.safetensors")],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 2, out.stderr[-2000:]
