@@ -120,3 +120,14 @@ def _for_lack_of_vllm(longrepr: object) -> bool:
     reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else longrepr
     text = str(reason)
     return "import 'vllm" in text or "module named 'vllm" in text
+
+
+@pytest.fixture
+def segs() -> Iterator[Any]:
+    """Shared-memory segments a test writes tensors into (``shm_payloads.Segments``), closed
+    and unlinked at teardown. (``test_vllm_engine.py`` overrides it with its own kind.)"""
+    from shm_payloads import Segments
+
+    s = Segments()
+    yield s
+    s.close()

@@ -17,15 +17,19 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from shm_payloads import (
+    Segments,
+    bytes_of,
+    packed_info,
+    sample_tensors,
+    unpacked_info,
+)
 
-from slotsync.daemon.vllm_pickle import b64, pickle_packed, pickle_unpacked
 from slotsync.engine.checksum import tensor_checksum
 from slotsync.engine.launcher import EngineStartError, ReferenceEngine
 from slotsync.protocol.wire import ShmHandle, logical_gpu_uuid
@@ -37,70 +41,6 @@ FINISH_NO_START = "finish_weight_update called without a matching start_weight_u
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _bytes_of(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).split(".")[-1]
-
-
-class Segments:
-    """Shared-memory segments created by a test (closed and unlinked at teardown)."""
-
-    def __init__(self) -> None:
-        self.segs: list[shared_memory.SharedMemory] = []
-
-    def put(self, data: bytes, size: int | None = None) -> shared_memory.SharedMemory:
-        shm = shared_memory.SharedMemory(create=True, size=max(1, size or len(data)))
-        shm.buf[: len(data)] = data
-        self.segs.append(shm)
-        return shm
-
-    def close(self) -> None:
-        for s in self.segs:
-            s.close()
-            s.unlink()
-
-
-@pytest.fixture
-def segs() -> Iterator[Segments]:
-    s = Segments()
-    yield s
-    s.close()
-
-
-def unpacked_info(
-    tensors: dict[str, torch.Tensor], uuids: list[str], segs: Segments
-) -> dict[str, Any]:
-    """update_info for an unpacked chunk: one segment per (tensor, worker)."""
-    by_rank: list[list[ShmHandle]] = [[] for _ in uuids]
-    for t in tensors.values():
-        data = _bytes_of(t)
-        for handles in by_rank:
-            handles.append(ShmHandle(segment=segs.put(data).name, offset=0, nbytes=len(data)))
-    dtype_names = [_dtype_name(t) for t in tensors.values()]
-    shapes = [list(t.shape) for t in tensors.values()]
-    return {
-        "names": list(tensors),
-        "dtype_names": dtype_names,
-        "shapes": shapes,
-        "ipc_handles_pickled": b64(pickle_unpacked(uuids, by_rank, dtype_names=dtype_names,
-                                                   shapes=shapes)),
-    }
-
-
-def packed_info(tensors: dict[str, torch.Tensor], by_uuid: dict[str, ShmHandle]) -> dict[str, Any]:
-    """update_info for a packed chunk whose buffer handles are ``by_uuid``."""
-    return {
-        "names": list(tensors),
-        "dtype_names": [_dtype_name(t) for t in tensors.values()],
-        "shapes": [list(t.shape) for t in tensors.values()],
-        "tensor_sizes": [t.numel() * t.element_size() for t in tensors.values()],
-        "ipc_handles_pickled": b64(pickle_packed(by_uuid)),
-    }
 
 
 def stats(eng: ReferenceEngine) -> dict[str, Any]:
@@ -117,20 +57,6 @@ def checksums(eng: ReferenceEngine) -> dict[str, dict[str, str]]:
     status, body = eng.request("POST", "/weight_checker", {"action": "checksum"})
     assert status == 200, body
     return body["checksums"]
-
-
-def sample_tensors(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    # (in this order every tensor's byte offset in a packed chunk is a multiple of its
-    # element size, as vLLM's packed consumer needs: test_packed_offsets_must_be_aligned)
-    up = torch.randn(4, 3, generator=g)
-    norm = torch.randn(5, generator=g).to(torch.bfloat16)
-    embed = torch.randint(-100, 100, (2, 2, 2), generator=g).to(torch.int32)
-    return {
-        "model.layers.0.mlp.up_proj.weight": up,
-        "model.embed_tokens.weight": embed,
-        "model.norm.weight": norm,
-    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,7 +215,7 @@ def test_packed_shm_update_reuses_buffer(eng: ReferenceEngine, segs: Segments) -
     assert eng.request("POST", "/start_weight_update")[0] == 200
     before = {w["index"]: w["update_count"] for w in stats(eng)["workers"]}
     for chunk in chunks:
-        data = b"".join(_bytes_of(t) for t in chunk.values())
+        data = b"".join(bytes_of(t) for t in chunk.values())
         for shm in bufs.values():
             shm.buf[: len(data)] = data
         by_uuid = {u: ShmHandle(segment=shm.name, offset=0, nbytes=cap) for u, shm in bufs.items()}
@@ -320,7 +246,7 @@ def test_packed_chunk_seen_before_is_loaded_from_its_plan(eng: ReferenceEngine, 
 
     def one_round(seed: int, info_of=packed_info) -> tuple[int, Any]:
         tensors = sample_tensors(seed)
-        data = b"".join(_bytes_of(t) for t in tensors.values())
+        data = b"".join(bytes_of(t) for t in tensors.values())
         for shm in bufs.values():
             shm.buf[: len(data)] = data
         assert eng.request("POST", "/start_weight_update")[0] == 200
@@ -526,7 +452,7 @@ def test_update_weights_sent_together_each_load_and_answer_their_own(
     chunks = [{f"layer.{k}.w": torch.full((64, 64), float(k))} for k in range(6)]
     infos = []
     for chunk in chunks:
-        data = b"".join(_bytes_of(t) for t in chunk.values())
+        data = b"".join(bytes_of(t) for t in chunk.values())
         by_uuid = {u: ShmHandle(segment=segs.put(data).name, offset=0, nbytes=len(data))
                    for u in eng.gpu_uuids}
         infos.append(packed_info(chunk, by_uuid))
@@ -633,7 +559,7 @@ def test_payload_of_the_other_shape_fails_with_a_bare_assert(eng: ReferenceEngin
     """vLLM 0.32 ipc_engine.receive_weights: ``tensor_sizes`` is checked first when packed,
     then a bare ``assert isinstance(ipc_handles, dict / list)`` (empty message)."""
     tensors = {"w": torch.ones(4)}
-    data = _bytes_of(tensors["w"])
+    data = bytes_of(tensors["w"])
     by_uuid = {u: ShmHandle(segment=segs.put(data).name, offset=0, nbytes=len(data))
                for u in eng.gpu_uuids}
     wrap = ("Call to collective_rpc method failed: Worker failed with error '{}', please "
@@ -662,7 +588,7 @@ def test_packed_offsets_must_be_aligned(eng: ReferenceEngine, segs: Segments) ->
     whose byte offset is not a multiple of its element size fails with torch's message."""
     eng.request("POST", "/init_weight_transfer_engine", {"init_info": {"packed": True}})
     tensors = {"a": torch.ones(5, dtype=torch.bfloat16), "b": torch.ones(2, dtype=torch.int32)}
-    data = b"".join(_bytes_of(t) for t in tensors.values())
+    data = b"".join(bytes_of(t) for t in tensors.values())
     by_uuid = {u: ShmHandle(segment=segs.put(data).name, offset=0, nbytes=len(data))
                for u in eng.gpu_uuids}
     assert eng.request("POST", "/start_weight_update")[0] == 200
@@ -749,7 +675,7 @@ def test_restart_forgets_version_and_pause_one_worker_bare_assert(tmp_path: Path
         one.start()  # the same port, a new process
         assert one.request("GET", "/weight_info") == (200, {"weight_version": "default"})
         assert one.request("GET", "/is_paused") == (200, {"is_paused": False})
-        data = _bytes_of(torch.ones(2))
+        data = bytes_of(torch.ones(2))
         by_uuid = {one.gpu_uuids[0]: ShmHandle(segs.put(data).name, 0, len(data))}
         assert one.request("POST", "/start_weight_update")[0] == 200
         status, body = one.request("POST", "/update_weights",

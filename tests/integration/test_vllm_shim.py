@@ -14,7 +14,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("the shim is built from an installed vllm", allow_module_level=True)
 torch = pytest.importorskip("torch")
 
-from test_engine import Segments, packed_info, sample_tensors, unpacked_info  # noqa: E402
+from shm_payloads import Segments, packed_info, sample_tensors, unpacked_info  # noqa: E402
 
 from slotsync.engine.checksum import tensor_checksum  # noqa: E402
 from slotsync.engine.launcher import ReferenceEngine  # noqa: E402
@@ -42,13 +41,6 @@ def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert out.returncode == 0, out.stderr
     assert "checked:" in out.stdout
     return dest
-
-
-@pytest.fixture
-def segs() -> Iterator[Segments]:
-    s = Segments()
-    yield s
-    s.close()
 
 
 def test_shim_holds_vllms_files_unchanged(shim: Path) -> None:
