@@ -56,7 +56,8 @@ MAX_MESSAGE_BYTES_DEFAULT = 64 * 1024 * 1024
 
 DtypeName = Literal[
     "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-    "float8_e4m3fnuz", "float8_e5m2fnuz", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "int64",
+    "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
 ]
 """Torch dtype names as vLLM's ``dtype_names`` spells them (``str(t.dtype).split(".")[-1]``);
 as a ``Literal``, msgspec checks the allow-list while decoding."""
@@ -71,10 +72,15 @@ DTYPE_SIZES: dict[str, int] = {
     "float8_e5m2": 1,
     "float8_e4m3fnuz": 1,
     "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,  # MX block scales (DeepSeek-V4 refits send them: verl)
+    "float4_e2m1fn_x2": 1,  # two fp4 values per byte (NVFP4/MXFP4 weights)
     "int64": 8,
     "int32": 4,
     "int16": 2,
     "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
     "uint8": 1,
     "bool": 1,
 }

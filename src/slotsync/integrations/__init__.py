@@ -1,0 +1,9 @@
+"""Adapters that let trainers publish through slotsync without writing their own loop.
+
+* ``slotsync.integrations.vllm``: slotsync as a registered vLLM weight-transfer backend
+  (``SlotsyncTrainerInitInfo``; vLLM 0.32-0.33 ``vllm/distributed/weight_transfer/``).
+* ``slotsync.integrations.fsdp``: a ``WeightSource`` over an FSDP2 module whose parameters the
+  publisher gathers straight into its staging regions.
+
+Recipes for RL frameworks are in docs/integrations/.
+"""
