@@ -7,6 +7,7 @@ Invariants (design.md) and the tests that hold them:
 I1 one update per engine, one start + one finish: test_happy_round_order_and_acks,
    test_second_update_refused_while_one_in_flight_and_stale_id;
 I2 complete and consistent chunks only: test_chunk_waits_for_every_rank_...,
+   test_ranks_whose_manifests_differ_are_refused_before_the_pause,
    test_mismatch_found_ahead_fails_only_when_no_engine_call_is_in_flight,
    test_dtype_mismatch_rejected_before_engine_sees_it, test_world_size_mismatch_...;
 I3 acks after the engine consumed: test_chunk_waits_for_every_rank_and_acks_only_after_...;
@@ -511,6 +512,31 @@ def test_dtype_mismatch_rejected_before_engine_sees_it():
     assert h.engine.paused and "resume" not in h.engine.calls
     assert h.coord.state is SlotState.FAILED and h.coord.engine.needs_full_update
     assert h.coord.last_version is None  # I8
+
+
+def test_ranks_whose_manifests_differ_are_refused_before_the_pause():
+    """Issue 17: ranks that will send different tensors (their begins' manifests differ) are
+    refused before the engine is touched beyond the probes; the same manifests pass."""
+    h = Harness()
+    h.register_all()
+    h.send(0, Begin(0, "v", manifest="2:" + "a" * 32))
+    h.send(1, Begin(0, "v", manifest="3:" + "b" * 32))
+    assert "pause" not in h.engine.calls and not h.engine.paused
+    for r in range(2):
+        err = h.last(r)
+        assert isinstance(err, Error) and err.phase == "begin", err
+        assert "rank 1" in err.message and "3 tensors" in err.message, err.message
+        assert "rank 0 2 tensors" in err.message and "same tensors" in err.message
+    assert not h.coord.engine.needs_full_update  # the engine's weights were never touched
+    # the next update, with agreeing manifests (and one rank without: not compared), goes on
+    h.send(0, Begin(1, "v1", manifest="2:" + "a" * 32))
+    h.send(1, Begin(1, "v1"))
+    for r in range(2):
+        h.send(r, chunk(1, 0, r))
+    assert "pause" in h.engine.calls
+    for r in range(2):
+        h.send(r, Commit(1, 1))
+    assert h.coord.last_version == "v1"
 
 
 def test_engine_500_on_chunk_k_every_rank_gets_error_engine_not_resumed():

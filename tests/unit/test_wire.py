@@ -284,3 +284,16 @@ def test_register_refuses_engine_urls_that_are_not_http_or_unix(url):
                                   "engine_url": url, "packed": True, "transport": "cuda"})
     with pytest.raises(ProtocolError):
         decode_to_daemon(bad)
+
+
+def test_begin_manifest_is_optional_and_left_out_when_empty():
+    """Issue 17: a Begin without a manifest encodes as before (a daemon that predates the
+    field decodes it), and one with a manifest round-trips."""
+    plain = Begin(3, "v1")
+    assert b"manifest" not in encode(plain)
+    assert msgspec.msgpack.decode(encode(plain)) == {"type": "begin", "update_id": 3,
+                                                      "weight_version": "v1"}
+    with_manifest = Begin(3, "v1", manifest="2:" + "ab" * 16)
+    assert decode_to_daemon(encode(with_manifest)) == with_manifest
+    with pytest.raises(ProtocolError, match=r"\$\.manifest"):
+        decode_to_daemon(encode(Begin(3, "v1", manifest="x" * 81)))

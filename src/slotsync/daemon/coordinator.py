@@ -88,6 +88,7 @@ import msgspec
 
 from slotsync.daemon import chunk_window, probe, recovery
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
+from slotsync.daemon.aggregation import SAME_CHUNKS_RULE
 from slotsync.daemon.engine_session import (
     EngineSession,
     out_of_step_found,
@@ -108,6 +109,7 @@ from slotsync.daemon.update import (
     begin_step,
 )
 from slotsync.protocol import wire
+from slotsync.protocol.manifest import describe
 from slotsync.protocol.wire import Abort, Ack, Begin, Chunk, Commit, Error, Register, Registered
 
 OMITTED_NAMES_POLICIES = ("warn", "refuse")
@@ -617,6 +619,18 @@ class SlotCoordinator:
                 return self._rank_error(
                     rank, "begin", f"rank {rank} began update {u.update_id} twice", u.update_id
                 )
+            if msg.manifest and u.manifest and msg.manifest != u.manifest:
+                # I2 before the pause: every begin arrives before the pause goes out
+                return self._fail(
+                    now,
+                    "begin",
+                    f"rank {rank} begins update {u.update_id} to send "
+                    f"{describe(msg.manifest)}, rank {u.manifest_rank} "
+                    f"{describe(u.manifest)}: {SAME_CHUNKS_RULE}",
+                    [],
+                )
+            if msg.manifest and not u.manifest:
+                u.manifest, u.manifest_rank = msg.manifest, rank
             u.begun.add(rank)
             u.last_progress = now
             if u.engine_started:
@@ -639,7 +653,8 @@ class SlotCoordinator:
                 msg.update_id,
             )
         u = Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now,
-                    weights_intact=not self.engine.needs_full_update)
+                    weights_intact=not self.engine.needs_full_update,
+                    manifest=msg.manifest, manifest_rank=rank)
         self.current = u  # its begin stages (the table at the top) run from _advance
         return self._advance(now)  # (a gone rank gets gone_s to come back: _deadline)
 

@@ -150,6 +150,9 @@ class Update:
     start_retried: bool = False  # start met an unrecorded session once and was retried
     # the engine was sleeping, or paused by someone else, at the begin: leave it paused
     found_asleep: bool = False
+    # the first tensor manifest a rank began with ("": none yet; wire.Begin.manifest)
+    manifest: str = ""
+    manifest_rank: int = -1
 
     def on(self, event: PhaseEvent) -> None:
         """Move the phase along ``TRANSITIONS``.

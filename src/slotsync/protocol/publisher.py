@@ -68,9 +68,10 @@ from slotsync.protocol.chunk_export import ChunkExporter
 from slotsync.protocol.chunking import MessageBound, cut
 from slotsync.protocol.connect_check import check_endpoint
 from slotsync.protocol.errors import SlotsyncError
-from slotsync.protocol.export import gpu_uuid_of
+from slotsync.protocol.export import dtype_name, gpu_uuid_of
 from slotsync.protocol.inputs import MAX_STAGING_BUFFERS, check_version
 from slotsync.protocol.link import DaemonLink
+from slotsync.protocol.manifest import manifest_of
 from slotsync.protocol.pipeline import ChunkPipeline
 from slotsync.protocol.session import (
     MAX_UNACKED_CHUNKS,
@@ -343,7 +344,7 @@ class Publisher:
         return reply
 
     @_one_thread
-    def begin(self, weight_version: str) -> int:
+    def begin(self, weight_version: str, manifest: str | None = None) -> int:
         """Open the next update: send its ``Begin`` (registering first if ``register`` was not
         called) and return. The daemon pauses and starts the engine once every rank of the
         slot has begun and the first chunk arrived (an update with no chunk never touches the
@@ -352,6 +353,8 @@ class Publisher:
 
         Args:
             weight_version: given to ``/finish_weight_update`` on success (I8).
+            manifest: ``manifest.manifest_of`` the tensors this update will send, if known:
+                the daemon refuses ranks whose manifests differ before the pause.
 
         Returns:
             The update id.
@@ -362,9 +365,9 @@ class Publisher:
             SlotsyncError, SlotsyncTimeout: as ``register``.
         """
         check_version(weight_version)
-        return self._send_begin(weight_version)
+        return self._send_begin(weight_version, manifest or "")
 
-    def _send_begin(self, weight_version: str) -> int:
+    def _send_begin(self, weight_version: str, manifest: str = "") -> int:
         """Open the next update and send its ``Begin``, without waiting for the ack
         (``_await_begin``, called before any wait for a chunk's ack, and by ``commit``)."""
         self._check_usable()
@@ -375,7 +378,7 @@ class Publisher:
             # (never registered, or the daemon went away since: register with the one that
             # listens now, or say why none does)
             self.register()
-        begin = self._session.begin(weight_version)
+        begin = self._session.begin(weight_version, manifest)
         self._send(begin)
         return begin.update_id
 
@@ -502,6 +505,8 @@ class Publisher:
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
         weight_version: str,
+        *,
+        manifest: str | None = None,
     ) -> PublishStats:
         """One whole update: begin, chunks of at most ``staging_bytes`` in iteration order,
         commit. Chunking is deterministic (``chunking.cut``), so ranks that iterate the same
@@ -512,6 +517,9 @@ class Publisher:
             named_tensors: ``(name, tensor)`` pairs, consumed lazily (a generator is fine), or
                 a mapping such as ``model.state_dict()``.
             weight_version: recorded by the engine on success.
+            manifest: ``manifest.manifest_of`` the tensors an iterator will yield, if known
+                (a list or mapping gets its own): the daemon refuses the slot's ranks whose
+                manifests differ before the engine is paused.
 
         Raises:
             ValueError: no tensors at all, a tensor larger than ``staging_bytes`` (names the
@@ -542,6 +550,8 @@ class Publisher:
                 if self.registered is None:
                     self.register()  # (to learn the daemon's max_message_bytes)
                 self._check_message_sizes(items)
+                if manifest is None:
+                    manifest = manifest_of((n, dtype_name(t.dtype), t.shape) for n, t, _ in items)
             checked = iter(items)
         # Nothing to send must not pause the engine (e.g. a generator already consumed).
         first = next(checked, None)
@@ -558,7 +568,7 @@ class Publisher:
             # The first chunks are copied, exported and sent while the daemon pauses and
             # starts the engine: it holds them until the start returned (no wait for the
             # begin's ack here; the first wait for a chunk's ack awaits it first).
-            self._send_begin(weight_version)
+            self._send_begin(weight_version, manifest or "")
             for chunk in cut(itertools.chain((first,), checked), _size_of, self.staging_bytes):
                 self._pipeline.send_chunk([(name, t) for name, t, _ in chunk], ahead,
                                           [n for *_, n in chunk], pipelined=True)

@@ -147,6 +147,7 @@ class PublisherSession:
         self.unacked: deque[int] = deque()  # chunk indices sent, ack not yet taken
         self.early_acks: set[int] = set()  # chunk acks read while sending or waiting
         self.begin_version: str | None = None  # weight version of a Begin not yet acked
+        self.begin_manifest = ""  # its tensor manifest ("": none)
         self.begin_acked = False  # its Ack(begin) was read while doing something else
         self.begin_refused: wire.Error | None = None  # ... or a "not registered" for it
         self.begin_resent = False  # the begin went out again (a second refusal ends it)
@@ -188,8 +189,9 @@ class PublisherSession:
             raise RuntimeError("no update is open; call begin() first")
         return self.update_id
 
-    def begin(self, weight_version: str) -> wire.Begin:
-        """Open the next update; returns its ``Begin`` to send.
+    def begin(self, weight_version: str, manifest: str = "") -> wire.Begin:
+        """Open the next update; returns its ``Begin`` to send (``manifest``: see
+        ``manifest.manifest_of``; "" for none).
 
         Raises:
             RuntimeError: an update is open.
@@ -201,7 +203,8 @@ class PublisherSession:
         self.unacked.clear()
         self.early_acks.clear()
         self.begin_version = weight_version
-        return wire.Begin(update_id=uid, weight_version=weight_version)
+        self.begin_manifest = manifest
+        return wire.Begin(update_id=uid, weight_version=weight_version, manifest=manifest)
 
     def add_chunk(self, nbytes: int) -> int:
         """Count the next chunk (``nbytes`` of tensors); returns its index."""
@@ -271,7 +274,8 @@ class PublisherSession:
         uid = self.update_id = self.next_id
         self.begin_resent = True
         self.begin_refused = None
-        return (wire.Begin(update_id=uid, weight_version=version),
+        return (wire.Begin(update_id=uid, weight_version=version,
+                           manifest=self.begin_manifest),
                 [chunk_message(uid, c) for c in self.sent_before_ack])
 
     def end(self) -> set[int]:

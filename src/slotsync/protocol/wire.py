@@ -14,7 +14,7 @@ Conversation of one rank (design.md "Flow of one round")::
 
     rank -> daemon                          daemon -> rank
     Register(protocol_version, rank, ...)   Registered | Error(phase="register")
-    Begin(update_id, weight_version)        Ack(phase="begin")  once the engine's update started
+    Begin(update_id, weight_version, ...)   Ack(phase="begin")  once the engine's update started
     Chunk(update_id, index, ...) x N        Ack(phase="chunk", index) once the engine consumed it
     Commit(update_id, num_chunks)           Ack(phase="commit") once finish + resume returned
     Abort(update_id, reason)                (the slot's update fails; every rank gets an Error)
@@ -266,12 +266,19 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
             raise ValueError(f"slot_size {self.slot_size} is implausibly large")
 
 
-class Begin(msgspec.Struct, tag="begin", forbid_unknown_fields=True):
+class Begin(msgspec.Struct, tag="begin", forbid_unknown_fields=True, omit_defaults=True):
     """Start of one update (one round) for the rank's slot. ``weight_version`` is the string
-    given to vLLM's ``/finish_weight_update`` on success (recorded only then, I8)."""
+    given to vLLM's ``/finish_weight_update`` on success (recorded only then, I8).
+
+    ``manifest`` (optional, "" for none; ``manifest.manifest_of``): the tensor count and a
+    digest of the names, dtypes and shapes the rank will send, in order. The daemon compares
+    the manifests of a slot's ranks as their begins arrive -- all of them before the pause --
+    so ranks that would send different tensors are refused before the engine is paused
+    (design.md I2). Omitted from the message when empty."""
 
     update_id: NonNeg
     weight_version: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_VERSION_CHARS)]
+    manifest: Annotated[str, msgspec.Meta(max_length=80)] = ""
 
 
 class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True):
