@@ -2,9 +2,11 @@
 what they hold during an update (``ExportLedger``).
 
 Packed: one ``StagingBuffer`` of ``regions`` regions, created on first use and allocated per
-update (CUDA) or kept for the publisher's life (shm). Unpacked: CUDA tensors exported as they
-are (a contiguous copy on the rank's device where needed), or one shared-memory segment per
-chunk with the tensors back to back; both are kept until the commit's ack (design.md I3).
+update (CUDA) or kept for the publisher's life (shm); a tensor larger than a region goes as a
+packed chunk of its own that exports its own memory (``oversize``). Unpacked: CUDA tensors
+exported as they are (a contiguous copy on the rank's device where needed), or one
+shared-memory segment per chunk with the tensors back to back; both are kept until the
+commit's ack (design.md I3).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from slotsync.protocol.export import (
     dtype_name,
     nbytes_of,
     pack_into,
+    raw_bytes,
 )
 from slotsync.protocol.export_ledger import ExportLedger
 from slotsync.protocol.staging import CudaStagingBuffer, ShmStagingBuffer, StagingBuffer
@@ -114,6 +117,47 @@ class ChunkExporter:
             handles.append(seg.handle(off, n))
             off += n
         return layout, handles
+
+    def oversize(self, index: int, name: str, t: torch.Tensor) -> tuple[PackedLayout, wire.Handle]:
+        """Packed chunk ``index`` of one tensor larger than a staging region (issue 17): its
+        layout and one handle covering exactly the tensor's bytes, in vLLM's packed layout
+        (a flat uint8 buffer: vLLM 0.33 ``packed_tensor.packed_ipc_consumer`` slices
+        ``packed[:sum(tensor_sizes)]`` and views each piece as its dtype).
+
+        * CUDA: the tensor's own memory, no staging copy: ``export.raw_bytes(t)`` (a flat
+          uint8 view; a copy only if ``t`` is not contiguous, or is on another device, which
+          is first copied to the rank's GPU), exported with ``cuda_ipc_handle`` once the
+          device's queued work is done (the engine reads it from another process).
+        * shm: a segment of its own holding the tensor's bytes (CPU memory cannot be exported
+          in place: one copy).
+
+        Either is held in the ledger until the chunk's ack or the update's end
+        (``ExportLedger.hold``). The staging buffer must then hand out a fresh export for
+        its next chunk (``StagingBuffer.after_oversize``; the pipeline calls it).
+
+        Raises:
+            ValueError: an unsupported dtype.
+            OSError: the segment cannot be created (shm; e.g. ``/dev/shm`` too small).
+        """
+        name_of_dtype = dtype_name(t.dtype)
+        shape = [int(d) for d in t.shape]
+        if self.transport == "cuda":
+            src = t if t.device == self.device else t.detach().to(self.device)
+            raw = raw_bytes(src)
+            torch.cuda.synchronize(self.device)
+            n = raw.numel()
+            handle: wire.Handle = cuda_ipc_handle(raw)
+            self.ledger.hold(index, raw)
+        else:
+            raw = raw_bytes(t)
+            n = raw.numel()
+            seg = ShmSegment(n, rank=self.rank)
+            self.ledger.hold(index, seg)  # (unlinked by the ledger, also if the copy fails)
+            assert seg.tensor is not None
+            seg.tensor.copy_(raw)
+            del raw
+            handle = seg.handle(0, n)
+        return PackedLayout([name], [name_of_dtype], [shape], [n]), handle
 
     def end_update(self, succeeded: bool, acked_early: set[int]) -> None:
         """The update ended: settle the ledger (``ExportLedger.end``), drop the staging

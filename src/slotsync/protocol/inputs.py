@@ -2,8 +2,9 @@
 version.
 
 The rules come from the wire (``wire.MAX_NAME_CHARS``, ``wire.MAX_VERSION_CHARS``,
-``wire.DTYPE_SIZES``: what the daemon decodes) and from the staging memory (a tensor must fit
-in ``staging_bytes``). No I/O here.
+``wire.DTYPE_SIZES``: what the daemon decodes). A tensor may have any size: one larger than
+``staging_bytes`` goes as a chunk of its own (packed: exporting its own memory,
+``ChunkExporter.oversize``; issue 17). No I/O here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from slotsync.protocol import wire
 from slotsync.protocol.export import DTYPE_NAME_MEMO, dtype_name
 from slotsync.protocol.topology import EngineSlot
 
-__all__ = ["MAX_STAGING_BUFFERS", "check_fits", "check_item", "check_publisher_args",
+__all__ = ["MAX_STAGING_BUFFERS", "check_item", "check_publisher_args",
            "check_version", "checked", "resolve_transport"]
 
 MAX_STAGING_BUFFERS = 8
@@ -92,27 +93,11 @@ def check_version(weight_version: object) -> None:
                          f"(it has {len(weight_version)})")
 
 
-def check_fits(name: str, n: int, limit: int, packed: bool) -> None:
-    """A tensor ``name`` of ``n`` bytes fits a staging region (packed) or the chunk limit
-    (unpacked) of ``limit`` bytes.
-
-    Raises:
-        ValueError: names the tensor and both sizes.
-    """
-    if n > limit:
-        what = "the staging buffer" if packed else "the chunk limit (staging_bytes)"
-        raise ValueError(
-            f"tensor {name!r} is {n} bytes, larger than {what} of "
-            f"{limit} bytes (raise staging_bytes)"
-        )
-
-
-def checked(items: Iterable[object], limit: int,
-            packed: bool) -> Iterator[tuple[str, torch.Tensor, int]]:
+def checked(items: Iterable[object]) -> Iterator[tuple[str, torch.Tensor, int]]:
     """``(name, tensor, bytes)`` per item, lazily, after the checks ``publish`` documents:
     a (str, Tensor) pair, a name not seen before, of 1 to ``wire.MAX_NAME_CHARS``
-    characters, a dtype of ``wire.DTYPE_SIZES``, not on the meta device, at most ``limit``
-    bytes.
+    characters, a dtype of ``wire.DTYPE_SIZES``, not on the meta device. No size limit: a
+    tensor larger than ``staging_bytes`` is a chunk of its own (``chunking.cut``).
 
     One test per check on the way through (this runs once per tensor and round); what
     fails is told by ``_refuse``.
@@ -133,14 +118,13 @@ def checked(items: Iterable[object], limit: int,
             name, t = check_item(item)
         n = t.nbytes if t.layout is strided else -1  # (sparse: _refuse says so)
         if (n < 0 or name in seen or not 0 < len(name) <= max_chars
-                or t.dtype not in known or t.is_meta or n > limit):
-            _refuse(name, t, n, seen, limit, packed)  # raises, or remembers a new dtype
+                or t.dtype not in known or t.is_meta):
+            _refuse(name, t, seen)  # raises, or remembers a new dtype
         seen.add(name)
         yield name, t, n
 
 
-def _refuse(name: str, t: torch.Tensor, n: int, seen: set[str], limit: int,
-            packed: bool) -> None:
+def _refuse(name: str, t: torch.Tensor, seen: set[str]) -> None:
     """Raise the ValueError saying which of ``checked``'s checks ``(name, t)`` fails;
     returns when none does (a dtype seen for the first time)."""
     if t.layout is not torch.strided:
@@ -159,7 +143,6 @@ def _refuse(name: str, t: torch.Tensor, n: int, seen: set[str], limit: int,
         raise ValueError(f"tensor {name!r}: {e}") from None
     if t.is_meta:
         raise ValueError(f"tensor {name!r} is on the meta device: it has no data")
-    check_fits(name, n, limit, packed)
 
 
 def check_item(item: object) -> tuple[str, torch.Tensor]:

@@ -17,6 +17,12 @@ end):
   back to back; otherwise chunk ``k`` is sent first and then the ack awaited (the engine must
   not wait for chunk ``k`` while the publisher waits for an ack).
 * Not pipelined (``send_chunk``): lay out, copy, send at once.
+* Packed, a chunk of one tensor larger than a staging region (``chunking.cut`` gives such a
+  tensor a chunk of its own) uses no region: the pending chunk is sent first, then at most
+  ``unacked_before_copy`` chunks are left unacknowledged, and it goes out with an export of
+  its own (``ChunkExporter.oversize``: the tensor's own memory on CUDA, its own segment on
+  shm), held until its ack; the staging buffer's next chunk carries a fresh export
+  (``StagingBuffer.after_oversize``, the rule in ``staging.CudaStagingBuffer``).
 * Unpacked: export, then wait until at most ``max_unacked`` chunks are unacknowledged, send.
 * Acks are taken oldest first; the begin's ack is settled before any chunk's ack is awaited.
 """
@@ -32,7 +38,7 @@ import torch
 
 from slotsync.protocol import wire
 from slotsync.protocol.chunk_export import ChunkExporter
-from slotsync.protocol.export import PackedLayout
+from slotsync.protocol.export import PackedLayout, nbytes_of
 from slotsync.protocol.session import (
     Awaited,
     PublisherSession,
@@ -113,6 +119,9 @@ class ChunkPipeline:
         t0 = time.perf_counter()
         if self.packed:
             staging = self.exporter.staging()
+            if len(items) == 1 and (nbytes_of(items[0][1]) if sizes is None
+                                    else sizes[0]) > staging.capacity:
+                return self._send_oversize(index, items[0], max_unacked)
             region = region_of(index, staging.regions)
             # CPU: overlaps the engine's load of earlier chunks and the pending chunk's copy
             plan = staging.plan(items, region, sizes,
@@ -149,6 +158,26 @@ class ChunkPipeline:
         self.wait_unacked(max_unacked)
         s.add_chunk(sum(layout.tensor_sizes))
         self._send_chunk_message(s.require_open(), index, layout, handles)
+        return index
+
+    def _send_oversize(self, index: int, item: tuple[str, torch.Tensor],
+                       max_unacked: int) -> int:
+        """Packed chunk ``index`` of one tensor larger than a staging region: send the
+        pending chunk, wait until at most ``unacked_before_copy`` chunks are unacknowledged
+        (bounds the memory held), export the tensor's own bytes and send them; the staging
+        buffer's next chunk gets a fresh export. Returns ``index``."""
+        s = self.session
+        staging = self.exporter.staging()
+        self.send_pending()
+        self.wait_unacked(unacked_before_copy(max_unacked, staging.regions))
+        if s.begin_refused is not None:
+            self.await_begin()
+        t0 = time.perf_counter()
+        layout, handle = self.exporter.oversize(index, *item)
+        s.add_chunk(layout.tensor_sizes[0])
+        self.export_s += time.perf_counter() - t0
+        self._send_chunk_message(s.require_open(), index, layout, [handle])
+        staging.after_oversize()
         return index
 
     def send_if_copied(self) -> None:

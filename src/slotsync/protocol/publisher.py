@@ -190,7 +190,9 @@ class Publisher:
             physical GPU, tests). Default: the device's real UUID on cuda,
             ``wire.logical_gpu_uuid(rank - slot.start)`` on shm.
         staging_bytes: packed: the size of each staging region; unpacked: the most bytes per
-            chunk. ``publish`` cuts chunks of at most this many bytes. Allocated per update.
+            chunk. ``publish`` cuts chunks of at most this many bytes; a larger tensor is a
+            chunk of its own (packed: its own memory is exported, no staging copy). Allocated
+            per update.
         staging_buffers: packed: staging regions, 1 to ``MAX_STAGING_BUFFERS`` (GPU memory
             used: ``staging_buffers * staging_bytes`` during an update). With n > 1, up to
             n - 1 chunks wait at the daemon and engine while the next one is filled. Small
@@ -522,9 +524,9 @@ class Publisher:
                 manifests differ before the engine is paused.
 
         Raises:
-            ValueError: no tensors at all, a tensor larger than ``staging_bytes`` (names the
-                tensor and both sizes), a name that repeats, is empty or over 1,024
-                characters, an unsupported dtype, a meta or sparse tensor, a chunk whose
+            ValueError: no tensors at all (any size goes: a tensor larger than
+                ``staging_bytes`` is a chunk of its own), a name that repeats, is empty or
+                over 1,024 characters, an unsupported dtype, a meta or sparse tensor, a chunk whose
                 message would exceed the daemon's ``max_message_bytes``, or a
                 ``weight_version`` of 0 or over 256 characters. A list or mapping is checked
                 whole before the engine is paused; an iterator as it is consumed.
@@ -541,7 +543,7 @@ class Publisher:
         whole = isinstance(named_tensors, Sequence | Mapping)
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
-        checked = inputs.checked(named_tensors, self.staging_bytes, self.packed)
+        checked = inputs.checked(named_tensors)
         if whole:
             # A list or mapping is checked whole before begin, so that bad input never
             # pauses the engine: each tensor, then each chunk's message size.

@@ -115,6 +115,11 @@ class StagingBuffer(ABC):
     def handle(self, region: int = 0) -> Handle:
         """The handle to send for the chunk just filled into region ``region``."""
 
+    def after_oversize(self) -> None:  # noqa: B027 - optional hook
+        """A chunk with an export of its own (a tensor larger than a region, issue 17) was
+        just sent: the next chunk from this buffer must carry a fresh export (CUDA, one
+        region: see ``CudaStagingBuffer``). Shared memory is not reference-counted: no-op."""
+
     def end_update(self) -> None:  # noqa: B027 - optional hook
         """The update ended: drop what was exported for it (CUDA: the exports)."""
 
@@ -166,6 +171,26 @@ class CudaStagingBuffer(StagingBuffer):
       holds the block, so torch's consumer finds the storage in its cache: no new mapping, and
       the new export's count is released at once. The first export is released when the
       mapping is dropped at finish. One mapping per update, every export balanced.
+
+    Oversize chunks (a tensor larger than a region goes as a chunk of its own that exports the
+    tensor's own memory, ``ChunkExporter.oversize``) come between staging chunks, and the
+    importer has one slot: the oversize export's args replace the staging entry, dropping
+    (releasing) its mapping. The rule, for any number of regions: **the first staging chunk
+    after an oversize chunk carries an export made after that oversize chunk**
+    (``after_oversize``).
+
+    * ``regions=1``: without the rule the next chunk would send the update's one export again;
+      its args differ from the oversize entry's, so the importer rebuilds that export a second
+      time and later releases it again -- two releases for one ``reduce_tensor``, the count
+      driven below zero and the staging block never reclaimable. With it, ``after_oversize``
+      forgets the export and the next ``handle`` makes a new one: each export is rebuilt once
+      and released once (the first when the oversize entry replaced it, the new one when the
+      next entry or finish replaces it).
+    * ``regions>=2``: every staging chunk carries a fresh export already, so the rule holds by
+      construction. After the oversize entry dropped the staging mapping, no storage of the
+      block is left in torch's consumer cache, so the next export maps the block anew and its
+      count is released when its own entry is dropped; the dropped mapping had released the
+      first export's count. Still balanced; ``after_oversize`` does nothing more.
 
     ``end_update`` drops the exports *and* the storage: torch keeps each export's bookkeeping
     (an interprocess event and a ref-counter entry) until the storage dies, so exporting one
@@ -236,6 +261,9 @@ class CudaStagingBuffer(StagingBuffer):
             return self._export
         self.exports += 1
         return cuda_ipc_handle(self.region(region))
+
+    def after_oversize(self) -> None:
+        self._export = None  # regions=1: the next handle is a fresh export (see the class)
 
     def end_update(self) -> None:
         self._export = None
