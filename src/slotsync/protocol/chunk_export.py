@@ -21,6 +21,7 @@ from slotsync.protocol.export import (
     ShmSegment,
     cuda_ipc_handle,
     dtype_name,
+    materialize,
     nbytes_of,
     pack_into,
     raw_bytes,
@@ -94,7 +95,7 @@ class ChunkExporter:
         if self.transport == "cuda":
             layout = PackedLayout([], [], [], [])
             for name, t in items:
-                e = t.detach()
+                e = materialize(t).detach()  # a DTensor: its full tensor (issue 17)
                 if e.device != self.device:
                     e = e.to(self.device)
                 e = e.contiguous()

@@ -14,6 +14,10 @@ back to back from offset 0, with ``tensor_sizes[i]`` giving tensor ``i``'s bytes
 staging memory they pack into is ``slotsync.protocol.staging`` (its names still import from
 here).
 
+A source may be a DTensor (an FSDP2 parameter, ``torch.distributed.fsdp.fully_shard``): the
+chunk then takes ``plan_sharded``'s path, where each FSDP2 shard is all-gathered straight into
+the region (``gather_shard``) instead of ``full_tensor()`` followed by a copy.
+
 This module imports torch; the daemon never imports it (design.md I6).
 """
 
@@ -23,6 +27,7 @@ import errno
 import itertools
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 from typing import NamedTuple
@@ -42,6 +47,7 @@ from slotsync.protocol.wire import (
 
 __all__ = [
     "PackPlan",
+    "PackStep",
     "PackedLayout",
     "ShmSegment",
     "copy_width",
@@ -49,6 +55,8 @@ __all__ = [
     "dtype_name",
     "gpu_uuid_of",
     "handle_from_reduce_args",
+    "is_dtensor",
+    "materialize",
     "nbytes_of",
     "pack_into",
     "plan_pack",
@@ -192,11 +200,53 @@ def gpu_uuid_of(device: torch.device | int | str | None = None) -> str:
     return normalize_gpu_uuid(str(torch.cuda.get_device_properties(index).uuid))
 
 
+def dtensor_type() -> type | None:
+    """torch's ``DTensor`` class once ``torch.distributed.tensor`` is imported, else None (then
+    no DTensor can exist, and this module never imports torch.distributed for a plain tensor)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return None if mod is None else getattr(mod, "DTensor", None)
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter is one)."""
+    cls = dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def materialize(t: torch.Tensor) -> torch.Tensor:
+    """A full local tensor of ``t``'s global value (same dtype and global shape) for a DTensor,
+    else ``t`` itself. As vLLM 0.32's ``materialize_full_tensor`` (``weight_transfer/base.py``),
+    but only for DTensors.
+
+    A DTensor is gathered over its mesh (a collective: every rank of the mesh must call it for
+    the same tensors in the same order): an FSDP2 ``Shard(0)`` one by ``gather_shard`` into a
+    fresh buffer (uint8, so also the dtypes Gloo's own ``full_tensor()`` refuses, e.g.
+    ``float8_e4m3fn``), a replicated one is its local tensor, any other ``full_tensor()``.
+    """
+    if not is_dtensor(t):
+        return t
+    with torch.no_grad():
+        kind = shard_kind(t)
+        if kind == "local":
+            return t.to_local()  # type: ignore[attr-defined]
+        if kind == "full":
+            return t.full_tensor()  # type: ignore[attr-defined]
+        world = t.device_mesh.size()  # type: ignore[attr-defined]
+        dim0 = t.shape[0]
+        nbytes = nbytes_of(t)
+        span = world * -(-dim0 // world) * (nbytes // dim0) if dim0 else 0
+        local = t.to_local()  # type: ignore[attr-defined]
+        buf = torch.empty(span, dtype=torch.uint8, device=local.device)
+        gather_shard(t, buf, 0)
+        return buf[:nbytes].view(t.dtype).view(t.shape)
+
+
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as a flat uint8 tensor (vLLM packed layout:
     ``t.contiguous().view(-1).view(torch.uint8)``); bool and bfloat16 reinterpret bit-exactly.
-    Shape ``(t.numel() * t.element_size(),)``."""
-    flat = t.detach().contiguous().view(-1)
+    Shape ``(t.numel() * t.element_size(),)``. A DTensor is materialized first
+    (``materialize``: its global bytes, a collective)."""
+    flat = materialize(t).detach().contiguous().view(-1)
     if flat.dtype == torch.uint8:
         return flat
     return flat.view(torch.uint8)
@@ -217,6 +267,25 @@ class PackedLayout(NamedTuple):
     tensor_sizes: list[int]
 
 
+class PackStep(NamedTuple):
+    """One step of a chunk that holds DTensors (``plan_sharded``), run in chunk order.
+
+    ``kind``: ``"copy"`` (a run of plain tensors: ``sources`` are their flat views in the
+    copy dtype, copied into ``dst``, the run's bytes of the buffer in that dtype), or, for one
+    DTensor (``sources == (dtensor,)``, ``dst`` its ``nbytes`` bytes of the buffer, uint8):
+    ``"gather"`` (placements ``(Shard(0),)`` on a 1-D mesh: ``gather_shard``), ``"local"``
+    (``(Replicate(),)``: a copy of the local tensor) or ``"full"`` (any other placement:
+    ``full_tensor()`` then a copy). ``buf`` is the whole uint8 buffer, ``offset`` the step's
+    first byte in it."""
+
+    kind: str
+    offset: int
+    nbytes: int
+    dst: torch.Tensor
+    sources: tuple[torch.Tensor, ...]
+    buf: torch.Tensor
+
+
 class PackPlan(NamedTuple):
     """A packed chunk ready to copy: its ``layout``, ``total`` bytes, ``dst`` (bytes
     ``[0, total)`` of the buffer, viewed as the copy dtype; None for an empty chunk) and the
@@ -224,7 +293,10 @@ class PackPlan(NamedTuple):
 
     With ``table`` (CUDA with Triton, see ``gather``), ``srcs`` are the tensors themselves,
     held so they outlive the copy, and one kernel copies them by address; ``largest`` is the
-    longest source in bytes."""
+    longest source in bytes.
+
+    With ``steps`` (a chunk holding DTensors, ``plan_sharded``), ``srcs`` is empty and
+    ``run_pack`` runs the steps in order instead; ``dst`` is uint8."""
 
     layout: PackedLayout
     total: int
@@ -232,6 +304,7 @@ class PackPlan(NamedTuple):
     srcs: list[torch.Tensor]
     table: torch.Tensor | None = None
     largest: int = 0
+    steps: list[PackStep] | None = None
 
 
 # Widest integer type a byte copy can move per element. The batched copy kernels move one
@@ -271,7 +344,14 @@ def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
     ``sizes`` (each tensor's bytes) may be passed when the caller already computed them.
     ``poll`` is called every ``POLL_EVERY`` tensors (the publisher sends the previous chunk
     from there as soon as its copy is done, instead of after this whole layout).
+
+    A chunk that holds a DTensor is planned by ``plan_sharded`` (collectives at ``run_pack``).
     """
+    dt_cls = dtensor_type()
+    if dt_cls is not None and any(issubclass(c, dt_cls)
+                                  for c in set(map(type, (t for _, t in named_tensors)))):
+        # never the gather table or torch.cat below: they read a DTensor's local memory
+        return plan_sharded(buf, named_tensors, sizes, poll)
     layout = PackedLayout([n for n, _ in named_tensors], [], [], [])
     dtype_names, shapes = layout.dtype_names, layout.shapes
     # Attribute reads only, in comprehensions over blocks of POLL_EVERY tensors: on the
@@ -330,18 +410,222 @@ def run_pack(plan: PackPlan) -> None:
     before handing out a handle."""
     if plan.dst is None:
         return
+    if plan.steps is not None:
+        for step in plan.steps:
+            run_step(step)
+        return
     if plan.table is not None:
         gather.gather_into(plan.dst, plan.table, plan.largest)
         return
-    dev = plan.dst.device
-    if all(x.device == dev for x in plan.srcs):
+    _copy_into(plan.dst, plan.srcs)
+
+
+def _copy_into(dst: torch.Tensor, srcs: Sequence[torch.Tensor]) -> None:
+    """Copy flat ``srcs`` back to back into flat ``dst`` (same dtype, ``dst`` exactly as long
+    as all of them)."""
+    dev = dst.device
+    if all(x.device == dev for x in srcs):
         # One concatenation into the buffer: a few batched kernel launches and no view of the
         # buffer per tensor (with thousands of tensors per chunk, per-tensor work dominates).
-        torch.cat(plan.srcs, out=plan.dst)
+        torch.cat(list(srcs), out=dst)
     else:  # sources on another device: one copy each
-        pieces = plan.dst.split([s.numel() for s in plan.srcs])
-        for d, src in zip(pieces, plan.srcs, strict=True):
+        pieces = dst.split([s.numel() for s in srcs])
+        for d, src in zip(pieces, srcs, strict=True):
             d.copy_(src)
+
+
+# --------------------------------------------------------------------------------------------
+# DTensor sources (FSDP2): gathered straight into the buffer
+# --------------------------------------------------------------------------------------------
+#
+# Collective order, and why it cannot deadlock. Each "gather" / "full" step is a collective
+# over the DTensor's mesh, so every rank of an FSDP group must run the same steps in the same
+# order. They do: a step is chosen from global facts only (placements, mesh, global shape and
+# dtype: the same on every rank), the sources iterate the same names in the same order on
+# every rank (``FSDP2Source.iter_sharded``: ``named_parameters()``), and the publisher runs
+# the chunks' copies in chunk order (``pipeline.ChunkPipeline``) and each chunk's steps in
+# tensor order. The sequence of collectives is then the sequence of sharded tensors, whatever
+# the chunk boundaries (even with different ``staging_bytes`` per rank).
+#
+# Waiting for a free region cannot close a cycle with a gather: before a rank waits for the
+# ack that frees the region of chunk j, it has sent every earlier chunk
+# (``ChunkPipeline.send_chunk`` sends the pending chunk first), unless the region was already
+# free (``queue_first``: then it does not wait at all). The ack it waits for is of chunk
+# ``j - regions``, and an ack needs only the chunks up to it from every rank of the rank's own
+# engine slot, the engine's load and the daemon: never a rank's progress on chunk j or later.
+# So the ranks blocked furthest behind always get their acks and reach the gather, whether the
+# FSDP group's ranks sit in one engine slot or in several (each slot's acks depend only on its
+# own ranks' earlier chunks). A rank that fails mid-update (an error, an abort) leaves its
+# peers in the collective until the process group's own timeout, as any collective does.
+
+
+def shard_kind(t: torch.Tensor) -> str:
+    """How ``plan_sharded`` copies DTensor ``t``: ``"gather"`` for placements ``(Shard(0),)``
+    on a 1-D mesh (FSDP2's default, ``fully_shard``) of a tensor with at least one dimension,
+    ``"local"`` for ``(Replicate(),)`` on a 1-D mesh, else ``"full"`` (``Shard(1)``, a 2-D
+    HSDP mesh, ``Partial``, a strided shard: ``full_tensor()`` then a copy -- correct, but a
+    temporary of the whole tensor and one copy more)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = t.placements  # type: ignore[attr-defined]
+    if t.device_mesh.ndim == 1 and len(placements) == 1:  # type: ignore[attr-defined]
+        (p,) = placements
+        if type(p) is Shard and p.dim == 0 and t.dim() >= 1:
+            return "gather"
+        if type(p) is Replicate:
+            return "local"
+    return "full"
+
+
+@torch.no_grad()
+def plan_sharded(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor]],
+                 sizes: Sequence[int] | None = None,
+                 poll: Callable[[], None] | None = None) -> PackPlan:
+    """``plan_pack`` for a chunk that holds DTensors (mixed with plain tensors or not): the
+    same layout (vLLM packed: each tensor's GLOBAL bytes back to back from offset 0; a
+    DTensor's dtype and shape are its global ones), as ``PackStep``s that ``run_pack`` runs in
+    order: each run of plain tensors is one ``torch.cat`` (``"copy"``), each DTensor one step
+    of ``shard_kind``. Plain-tensor-only chunks keep ``plan_pack``'s fast paths (the gather
+    table of ``gather``, one ``torch.cat``); no DTensor reaches them.
+
+    Nothing is copied here and no collective runs (``run_pack`` does).
+
+    Raises:
+        ValueError: as ``plan_pack`` (a buffer too small, an unsupported dtype).
+    """
+    layout = PackedLayout([n for n, _ in named_tensors], [], [], [])
+    dt_cls = dtensor_type()
+    tensors = [t for _, t in named_tensors]
+    for lo in range(0, len(tensors), POLL_EVERY):
+        if poll is not None and lo:
+            poll()
+        part = tensors[lo : lo + POLL_EVERY]
+        layout.dtype_names.extend(DTYPE_NAME_MEMO.get(t.dtype) or dtype_name(t.dtype)
+                                  for t in part)
+        layout.shapes.extend(list(t.shape) for t in part)
+    layout.tensor_sizes.extend([nbytes_of(t) for t in tensors] if sizes is None else sizes)
+    total = sum(layout.tensor_sizes)
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < total:
+        raise ValueError(
+            f"pack_into needs a flat uint8 buffer of at least {total} bytes, got "
+            f"{buf.dtype} of shape {tuple(buf.shape)}"
+        )
+    steps: list[PackStep] = []
+    run: list[torch.Tensor] = []
+    run_at = run_bytes = 0
+
+    def flush() -> None:
+        if not run:
+            return
+        flats = [(f if f.is_contiguous() else f.contiguous()).view(-1) for f in run]
+        w, wide = copy_width([f.numel() * f.element_size() for f in flats],
+                             [buf.data_ptr() + run_at, *(f.data_ptr() for f in flats)])
+        try:
+            srcs = tuple(as_width(f, wide) for f in flats)
+        except RuntimeError:  # a storage whose base is not aligned: plain bytes
+            wide = torch.uint8
+            srcs = tuple(as_width(f, wide) for f in flats)
+        dst = buf[run_at : run_at + run_bytes].view(wide)
+        steps.append(PackStep("copy", run_at, run_bytes, dst, srcs, buf))
+        run.clear()
+
+    offset = 0
+    for t, n in zip(tensors, layout.tensor_sizes, strict=True):
+        if dt_cls is not None and isinstance(t, dt_cls):
+            flush()
+            if n:
+                steps.append(PackStep(shard_kind(t), offset, n, buf[offset : offset + n],
+                                      (t,), buf))
+        elif n:
+            if not run:
+                run_at, run_bytes = offset, 0
+            run.append(t.detach())
+            run_bytes += n
+        offset += n
+    flush()
+    if not steps:
+        return PackPlan(layout, total, None, [])
+    return PackPlan(layout, total, buf[:total], [], steps=steps)
+
+
+def run_step(step: PackStep) -> None:
+    """Run one ``PackStep`` (see its kinds). ``"gather"`` and ``"full"`` are collectives over
+    the DTensor's mesh."""
+    if step.kind == "copy":
+        _copy_into(step.dst, step.sources)
+        return
+    (t,) = step.sources
+    if step.kind == "gather":
+        gather_shard(t, step.buf, step.offset)
+    elif step.kind == "local":
+        step.dst.copy_(raw_bytes(t.to_local()))  # type: ignore[attr-defined]
+    else:
+        step.dst.copy_(raw_bytes(t.full_tensor()))  # type: ignore[attr-defined]
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: object) -> None:
+    import torch.distributed as dist
+
+    # torch 2.13 names it all_gather_single (all_gather_into_tensor warns); earlier: the old name
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+@torch.no_grad()
+def gather_shard(t: torch.Tensor, buf: torch.Tensor, offset: int) -> None:
+    """All-gather DTensor ``t`` (placements ``(Shard(0),)`` on a 1-D mesh, ``shard_kind``
+    ``"gather"``) straight into bytes ``[offset, offset + t.nbytes)`` of flat uint8 ``buf``:
+    one collective over the mesh's group, ``all_gather_into_tensor`` of uint8 views (any
+    dtype, bf16, fp8 and bool included, over Gloo too; and no alignment needed, which vLLM's
+    packed layout does not give), no ``full_tensor()`` temporary, no second copy.
+
+    FSDP2 shards dim 0 with ``torch.chunk`` semantics (``fully_shard``; DTensor's ``Shard``
+    too): each of the mesh's ``W`` ranks holds ``ceil(dim0 / W)`` rows but the last ones fewer
+    or none. Each rank pads its shard to ``ceil(dim0 / W)`` rows; the gather writes the real
+    rows first, in rank order, and the pad after them: ``W * ceil(dim0 / W) - dim0`` rows
+    past the tensor's end, which land in the bytes of the tensors after it in the chunk (the
+    caller writes those afterwards: ``run_pack`` runs a chunk's steps in order) or in unused
+    bytes of ``buf``. Where that tail would run past ``buf`` (or the shard sits on another
+    device than ``buf``) it gathers into a temporary and copies the tensor's bytes.
+
+    On CUDA the collective is queued as copies are (``async_op=False``: the current stream
+    waits for it), so the staging buffer's event recorded after ``run_pack``
+    (``CudaStagingBuffer.launch``, ``ready``/``copied``) covers it.
+
+    Raises:
+        ValueError: the local shard does not have the rows ``torch.chunk`` gives this rank
+            (the DTensor is not FSDP2's even-or-chunked layout).
+    """
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    world = mesh.size()
+    dim0 = t.shape[0]
+    nbytes = nbytes_of(t)
+    if nbytes == 0:
+        return
+    rows = -(-dim0 // world)
+    row_bytes = nbytes // dim0
+    local = t.to_local().detach()  # type: ignore[attr-defined]
+    me = mesh.get_local_rank()
+    want = max(0, min(rows, dim0 - me * rows))
+    if local.shape[0] != want:
+        raise ValueError(
+            f"DTensor of global shape {tuple(t.shape)} has {local.shape[0]} rows on mesh rank "
+            f"{me} of {world}, but torch.chunk gives it {want}: not an FSDP2 Shard(0) layout")
+    flat = raw_bytes(local)
+    shard = rows * row_bytes
+    if flat.numel() != shard:  # uneven: pad to the common shard size
+        padded = torch.empty(shard, dtype=torch.uint8, device=flat.device)
+        padded[: flat.numel()].copy_(flat)
+        padded[flat.numel():].zero_()
+        flat = padded
+    span = world * shard
+    group = mesh.get_group()
+    if flat.device == buf.device and offset + span <= buf.numel():
+        _all_gather(buf[offset : offset + span], flat, group)
+    else:
+        tmp = torch.empty(span, dtype=torch.uint8, device=flat.device)
+        _all_gather(tmp, flat, group)
+        buf[offset : offset + nbytes].copy_(tmp[:nbytes])
 
 
 def pack_into(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> PackedLayout:
