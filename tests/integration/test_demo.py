@@ -25,9 +25,12 @@ def test_demo_runs_and_verifies(mode):
 
 
 @pytest.mark.vllm
-def test_demo_against_vllms_own_engine_code():
+@pytest.mark.parametrize("backend", ["publisher", "vllm-api"])
+def test_demo_against_vllms_own_engine_code(backend):
     """``slotsync demo --engine vllm``: the same rounds into vLLM's own router, worker state
-    machine and IPC receive code (``python -m slotsync.engine --impl vllm``)."""
+    machine and IPC receive code (``python -m slotsync.engine --impl vllm``); with
+    ``--backend vllm-api`` the ranks send through vLLM's own trainer API
+    (``WeightTransferTrainerFactory`` with ``SlotsyncTrainerInitInfo``, issue 17 F)."""
     from engines import vllm_importable
 
     why = vllm_importable()
@@ -35,10 +38,12 @@ def test_demo_against_vllms_own_engine_code():
         pytest.skip(f"vllm cannot be imported: {why}")
     out = subprocess.run(
         [sys.executable, "-m", "slotsync", "demo", "--ranks", "2", "--rounds", "2",
-         "--device", "cpu", "--engine", "vllm"], capture_output=True, text=True, timeout=600,
+         "--device", "cpu", "--engine", "vllm", "--backend", backend], capture_output=True,
+        text=True, timeout=600,
     )
     _check_ok(out)
     assert "vLLM's own engine code" in out.stdout
+    assert ("vLLM's trainer API" in out.stdout) == (backend == "vllm-api"), out.stdout
 
 
 def test_demo_with_several_engine_slots():
