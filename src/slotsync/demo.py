@@ -496,26 +496,6 @@ def _check_model(path: Path) -> str | None:
     return None
 
 
-_ST_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
-             "I16": 2, "U16": 2, "U8": 1, "I8": 1, "BOOL": 1}
-
-
-def _largest_tensor(path: Path) -> tuple[str, int]:
-    """``(name, bytes)`` of the model file's largest tensor (from its header, no data read)."""
-    from safetensors import safe_open
-
-    best = ("", 0)
-    with safe_open(str(path), framework="pt") as f:
-        for k in f.keys():
-            sl = f.get_slice(k)
-            n = _ST_BYTES.get(sl.get_dtype(), 8)
-            for d in sl.get_shape():
-                n *= d
-            if n > best[1]:
-                best = (k, n)
-    return best
-
-
 def main_from_args(args: argparse.Namespace) -> int:
     def fail(text: str) -> int:
         print(f"slotsync demo: {text}", file=sys.stderr)
@@ -543,11 +523,6 @@ def main_from_args(args: argparse.Namespace) -> int:
     problem = _check_model(model)
     if problem:
         return fail(problem)
-    name, biggest = _largest_tensor(model)
-    if biggest > args.staging_mb * 1024 * 1024:
-        need = -(-biggest // (1 << 20))
-        return fail(f"--staging-mb {args.staging_mb:g} is smaller than the model's largest "
-                    f"tensor {name!r} ({biggest} bytes): use --staging-mb {need} or more")
     if not args.skip_memory_check:  # before anything starts (--ranks 32 once ate 18 GB)
         problem = memory_problem(args.ranks, args.gpus_per_engine, model.stat().st_size,
                                  mem_available())
