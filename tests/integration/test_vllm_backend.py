@@ -75,20 +75,32 @@ def daemon() -> Iterator[DaemonProcess]:
         yield d
 
 
-def _rank(rank: int, endpoint: str, url: str, port: int, q: Any) -> None:
-    """One trainer process: a Gloo world of four, trainer groups of two, then vLLM's factory
-    with the slotsync init info; two rounds (one with a version, one without)."""
+def _rank(rank: int, endpoint: str, url: str, port: int, source_kind: str, q: Any) -> None:
+    """One trainer process: a Gloo world of four, trainer groups of two (with ``fsdp2``: the
+    model ``fully_shard``-ed over its group, an FSDP2Source), then vLLM's factory with the
+    slotsync init info; two rounds (one with a version, one without)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORKERS)
     try:
-        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # e.g. FSDP groups of 2
-        assert groups  # (every rank creates every group; slotsync uses none of them)
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
+        m = model(7)
+        if source_kind == "fsdp2":
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+
+            from slotsync.integrations.fsdp import FSDP2Source
+
+            fully_shard(m, mesh=DeviceMesh.from_group(groups[rank // 2], "cpu"))
+            assert any(type(p).__name__ == "DTensor" for p in m.parameters())
+            source: Any = FSDP2Source(m)
+        else:
+            source = ModuleSource(m)
         engine = WeightTransferTrainerFactory.trainer_init(
             SlotsyncTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=16384,
                                     staging_buffers=2, endpoint=endpoint, topology=TOPOLOGY),
-            client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model(7)))
+            client=HTTPVLLMWeightSyncClient(url), source=source)
         stats = engine.send_weights(weight_version="step-7")
         unversioned = engine.send_weights()  # default version: "1"
         engine.shutdown()
@@ -99,13 +111,16 @@ def _rank(rank: int, endpoint: str, url: str, port: int, q: Any) -> None:
         dist.destroy_process_group()
 
 
-def test_one_line_change_through_vllms_factory_lands_in_every_worker(engine, daemon):
+@pytest.mark.parametrize("source_kind", ["module", "fsdp2"])
+def test_one_line_change_through_vllms_factory_lands_in_every_worker(engine, daemon,
+                                                                    source_kind):
     """Acceptance: SlotsyncTrainerInitInfo through vLLM's own trainer_init and send_weights;
-    the engine's checksums (every worker) and weight version match."""
+    the engine's checksums (every worker) and weight version match. ``fsdp2``: each trainer
+    group of two is an FSDP2 mesh, whose shards the publisher gathers into staging."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank, args=(r, daemon.endpoint, engine.url, port, q))
+    procs = [ctx.Process(target=_rank, args=(r, daemon.endpoint, engine.url, port, source_kind, q))
              for r in range(WORKERS)]
     for p in procs:
         p.start()
