@@ -132,3 +132,16 @@ def test_bench_refuses_bad_arguments_before_starting_anything(args, want):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and want in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("name", "prog"), [("oversize", "slotsync.bench.oversize"),
+                                            ("fsdp-gather", "slotsync.bench.fsdp_gather")])
+def test_bench_forwards_to_the_issue_17_benchmarks(name, prog):
+    """``slotsync bench oversize`` / ``fsdp-gather`` hand their options to the module's own
+    command line (its --help, and its refusal of a bad option)."""
+    out = subprocess.run([sys.executable, "-m", "slotsync", "bench", name, "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and f"python -m {prog}" in out.stdout, out.stdout + out.stderr
+    bad = subprocess.run([sys.executable, "-m", "slotsync", "bench", name, "--no-such-flag"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--no-such-flag" in bad.stderr, bad.stderr

@@ -169,14 +169,15 @@ def test_four_fsdp_ranks_one_slot_one_region():
 
 
 def test_fsdp_gather_bench_prints_both_modes_and_same_bytes():
-    """``python -m slotsync.bench.fsdp_gather`` (tiny sizes): both modes' figures, the ratio
-    line, and the check that both left the same bytes in staging."""
+    """``slotsync bench fsdp-gather`` (``python -m slotsync.bench.fsdp_gather``; tiny sizes):
+    both modes' figures, the ratio line, and the check that both left the same bytes in
+    staging."""
     import subprocess
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "slotsync.bench.fsdp_gather", "--ranks", "2", "--total-mb", "2",
-         "--tensor-mb", "0.5", "--staging-mb", "1", "--rounds", "1"],
+        [sys.executable, "-m", "slotsync", "bench", "fsdp-gather", "--ranks", "2",
+         "--total-mb", "2", "--tensor-mb", "0.5", "--staging-mb", "1", "--rounds", "1"],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout

@@ -54,7 +54,8 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``control`` and ``gpu`` subcommands to ``p`` (``slotsync bench``)."""
+    """Add the ``control``, ``gpu``, ``oversize`` and ``fsdp-gather`` subcommands to ``p``
+    (``slotsync bench``); the last two forward their options to their module's ``main``."""
     sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
     c = sub.add_parser("control", help="control plane on CPU: slotsync vs in-trainer baseline",
                        description=__doc__)
@@ -122,7 +123,21 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--report", default="", metavar="FILE",
                    help="also rewrite this command's section of FILE (e.g. BENCHMARKS.md); "
                         "default: print only")
+    for name, module, text in _FORWARDED:
+        f = sub.add_parser(name, help=text, add_help=False, prefix_chars="\0")
+        f.add_argument("forwarded", nargs=argparse.REMAINDER,
+                       help=f"the options of python -m {module} (see its --help)")
     return p
+
+
+_FORWARDED = (
+    ("oversize", "slotsync.bench.oversize",
+     "a packed round with a tensor over staging_bytes as its own chunk vs a staging that fits "
+     "it (GPU; --device cpu: dry run)"),
+    ("fsdp-gather", "slotsync.bench.fsdp_gather",
+     "FSDP2 shards gathered straight into staging vs full_tensor() + copy (CPU, Gloo)"),
+)
+"""Benchmarks whose own command line ``slotsync bench NAME ...`` forwards to."""
 
 
 def main_from_args(args: argparse.Namespace) -> int:
@@ -148,7 +163,13 @@ def main_from_args(args: argparse.Namespace) -> int:
         return control_main(args)
     if args.bench_command == "gpu":
         return gpu_main(args)
-    print("usage: slotsync bench {control,gpu} ...  (see --help)", file=sys.stderr)
+    for name, module, _ in _FORWARDED:
+        if args.bench_command == name:
+            import importlib
+
+            return importlib.import_module(module).main(args.forwarded)
+    print("usage: slotsync bench {control,gpu,oversize,fsdp-gather} ...  (see --help)",
+          file=sys.stderr)
     return 2
 
 

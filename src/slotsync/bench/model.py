@@ -98,8 +98,8 @@ def chunk_specs(
     """Greedy in-order chunks of at most ``staging_bytes`` bytes (as ``Publisher.publish``).
 
     With ``allow_oversize`` a tensor larger than ``staging_bytes`` travels alone in its own
-    chunk (what slime's and vime's bucketing do; Qwen3-30B-A3B's embeddings and lm_head are
-    593.5 MiB each, over a 512 MiB bucket). ``Publisher`` itself refuses such a tensor.
+    chunk (what slime's and vime's bucketing do, and ``Publisher`` since issue 17;
+    Qwen3-30B-A3B's embeddings and lm_head are 593.5 MiB each, over a 512 MiB bucket).
 
     Raises:
         ValueError: a tensor is larger than ``staging_bytes`` and ``allow_oversize`` is off.
