@@ -30,6 +30,7 @@ I9 the daemon's view of the engine is the engine's (issue 14):
    test_engine_found_sleeping_needs_a_full_update_and_is_left_paused (defect 7), and vLLM's
    executor replies (gh-58242): test_failed_finish_recovers_starting_first_so_replies_stay_in_step,
    test_replies_out_of_step_are_found_and_the_engine_must_be_restarted,
+   test_engine_restarted_before_the_daemon_clears_a_recorded_out_of_step,
    test_start_that_reached_no_worker_leaves_the_engine_intact.
 
 Over ~500 lines on purpose: it holds one thing, the coordinator's invariant tests, grouped by
@@ -1482,6 +1483,27 @@ def test_replies_out_of_step_survive_a_daemon_restart_until_the_engine_restarts(
     h2.round(4, n_chunks=1)
     assert h2.coord.last_version == "v4" and h2.engine.unread() == [0, 0]
     assert h2.coord.mid_update_state() is None
+
+
+def test_engine_restarted_before_the_daemon_clears_a_recorded_out_of_step():
+    """The engine was restarted while the daemon was down, after the previous daemon recorded
+    its replies out of step: it serves at the first begin, so it is a new process and the full
+    update goes through (before, the record's out-of-step refusal stayed until the engine was
+    restarted a second time; fresh-user trial of issue 17)."""
+    h = _multiproc_harness()
+    h.round(0, n_chunks=1)
+    h.engine.fail[("update_weights", 1)] = {0: "boom", 1: "boom"}
+    h.round(1, n_chunks=1)
+    h.engine.fail.clear()
+    h.round(2, n_chunks=1)
+    assert h.coord.mid_update_state()[0] == "out_of_step"
+    h.engine.restart()  # restarted while no daemon ran
+    h2 = _multiproc_harness()
+    h2.engine = h.engine
+    h2.coord.restore_mid_update(URL, 2, "", "out_of_step")
+    h2.round(3, n_chunks=1)
+    assert not [m for m in h2.replies[0] if isinstance(m, Error)], h2.replies[0]
+    assert h2.coord.last_version == "v3" and h2.coord.mid_update_state() is None
 
 
 # ---------------------------------------------------------------- liveness and slot lifecycle

@@ -93,10 +93,17 @@ def check_sleep(engine: EngineSession, slot: tuple[int, int], engine_url: str, u
             # gh-58242). The next update stays a full one.
             engine.paused = False
             engine.mid_update = False
-            return [SlotEvent(slot, "engine_serving_after_restart", {
+            serving = [SlotEvent(slot, "engine_serving_after_restart", {
                 "engine": engine_url, "update_id": u.update_id,
                 "record": restored, "needs_full_update": engine.needs_full_update},
                 warning=False)]
+            if engine.out_of_step:
+                # the previous daemon left it paused with its replies out of step; serving
+                # now, it was restarted (as below for this daemon's own pause)
+                return serving + new_session(
+                    engine, slot, engine_url, u, "the engine the previous daemon left paused "
+                    "with its executor replies out of step serves again: restarted")
+            return serving
         if engine.paused:
             engine.paused = False
             if was_asleep:  # left paused for vLLM's full /wake_up, which resumed it
