@@ -178,6 +178,8 @@ def test_sources_that_cannot_be_published_are_refused_at_init():
         _init(0, _NoIteration())
     with pytest.raises(TypeError, match=r"has no metadata\(\)"):
         _init(0, object())
+    with pytest.raises(TypeError, match=r"a module \(SafetensorsModel\).*ModuleSource\(model\)"):
+        _init(0, model(1))
     with pytest.raises(ValueError, match=r"holds only some parameters"):
         _init(0, _PartOfTheModel(model(1)))
 

@@ -162,6 +162,10 @@ def _stream_of(source: object) -> Callable[[], Iterator[tuple[str, Any]]]:
         raise ValueError("slotsync trainer weight transfer requires a WeightSource "
                          "(e.g. vllm.distributed.weight_transfer.ModuleSource(model))")
     kind = type(source).__name__
+    if isinstance(source, torch.nn.Module):
+        raise TypeError(f"the weight source is a module ({kind}), not a WeightSource: pass "
+                        "vllm.distributed.weight_transfer.ModuleSource(model), or "
+                        "slotsync.integrations.fsdp.FSDP2Source(model) for an FSDP2 model")
     if not callable(getattr(source, "metadata", None)):
         raise TypeError(f"the weight source {kind} has no metadata(): a WeightSource must "
                         "declare its (name, dtype, shape) list (vLLM WeightSource.metadata)")
