@@ -1111,6 +1111,27 @@ def test_engine_restarted_between_rounds_is_initialised_again_and_needs_a_full_u
     assert h.coord.last_version == "v2" and not h.engine.paused
 
 
+def test_engine_restarted_with_another_model_takes_its_full_update():
+    """An engine restarted with another model (no tensor name in common with the last update
+    the daemon loaded): the update that loads every chunk finishes, logged as
+    engine_model_changed, and its names are the ones the next full update must cover. Without
+    a restart, or with names in common, a partial update is still refused (above)."""
+    h = EventLog()
+    h.register_all()
+    _send_round(h, 0, [("a", "b"), ("c",)])
+    h.engine.restart()
+    _send_round(h, 1, [("x", "y")])
+    assert isinstance(h.last(0), Ack) and h.last(0).phase == "commit", h.last(0)
+    assert [e.event for e in h.events] == ["engine_session_new", "engine_model_changed"]
+    assert h.coord.last_version == "v1" and not h.engine.paused
+    assert h.coord.engine.last_ok_names == {"x", "y"}
+    h.engine.restart()
+    _send_round(h, 2, [("x",)])  # restarted again, a name in common: still a full update
+    err = h.last(0)
+    assert isinstance(err, Error) and "needs a full update" in err.message, err
+    assert "misses 1 of the 2" in err.message and h.engine.paused
+
+
 def test_connection_lost_since_the_last_round_counts_as_a_possible_restart():
     """A refused or reset connection since the last round: the engine is initialised again;
     the weight version the daemon finished proves it is the same process (no full update);

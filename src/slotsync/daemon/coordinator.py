@@ -741,11 +741,20 @@ class SlotCoordinator:
     def _before_finish(self, u: Update, now: float) -> list[Action]:
         """Every chunk is loaded and every rank committed: check what the update left out of
         the slot's last successful update, then finish (I4)."""
-        refusal = u.omitted_refusal(self.engine.last_ok_names, self.engine.needs_full_update,
-                                    self.omitted_names)
+        last = self.engine.last_ok_names
+        if u.new_session and last and not last & u.names:
+            # A restarted engine loaded every chunk of an update that shares no name with
+            # the last one the daemon loaded: vLLM's load_weights raises on a name its model
+            # lacks, so this engine holds another model; the old names say nothing about it
+            # (else the full update it needs could never succeed: fresh-user trial, issue 17).
+            return [SlotEvent(self.slot, "engine_model_changed", {
+                "engine": self.engine_url, "update_id": u.update_id,
+                "tensors": len(u.names), "last_tensors": len(last)}),
+                *self._call(u, "finish_weight_update", {"weight_version": u.weight_version})]
+        refusal = u.omitted_refusal(last, self.engine.needs_full_update, self.omitted_names)
         if refusal:
             return self._fail(now, "commit", refusal, [])
-        u.omitted = sorted(self.engine.last_ok_names - u.names)
+        u.omitted = sorted(last - u.names)
         return self._call(u, "finish_weight_update", {"weight_version": u.weight_version})
 
     def _maintain(self, now: float) -> list[Action]:

@@ -45,6 +45,7 @@ def new_session(engine: EngineSession, slot: tuple[int, int], engine_url: str, u
     world size again (the probe did, in this stage) and require a full update (it serves
     the weights of its own checkpoint, not the last ones the daemon loaded)."""
     engine.new_process()
+    u.new_session = True
     if engine.last_ok_names:
         engine.needs_full_update = True
         u.weights_intact = False

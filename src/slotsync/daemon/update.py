@@ -150,6 +150,8 @@ class Update:
     start_retried: bool = False  # start met an unrecorded session once and was retried
     # the engine was sleeping, or paused by someone else, at the begin: leave it paused
     found_asleep: bool = False
+    # this begin found a new engine session (probe.new_session: a restarted engine)
+    new_session: bool = False
     # the first tensor manifest a rank began with ("": none yet; wire.Begin.manifest)
     manifest: str = ""
     manifest_rank: int = -1
