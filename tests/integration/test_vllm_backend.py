@@ -272,3 +272,31 @@ def test_importing_the_backend_again_is_harmless():
     backend.register()
     cls = WeightTransferTrainerFactory._registry["slotsync"]()
     assert cls.__name__ == "SlotsyncTrainerWeightTransferEngine"
+
+
+def test_the_source_is_read_the_way_its_vllm_version_offers():
+    """iter_sharded() (FSDP2Source) before iter_full() (vLLM 0.33's WeightSource) before
+    __iter__ (vLLM 0.32's): each source publishes through the first it has."""
+    from slotsync.integrations.vllm import _stream_of
+
+    pairs = [("a", torch.ones(2))]
+
+    class V033:  # vLLM 0.33 style: iter_full, no __iter__
+        def metadata(self) -> list:
+            return []
+
+        def iter_full(self):
+            return iter(pairs)
+
+    class Sharded(V033):
+        def iter_sharded(self):
+            return iter(pairs[:0])
+
+        def __iter__(self):
+            raise AssertionError("not this one")
+
+    assert list(_stream_of(V033())()) == pairs
+    assert list(_stream_of(Sharded())()) == []
+    src = ModuleSource(model(1))
+    assert [n for n, _ in _stream_of(src)()] == [m.name for m in src.metadata()]
+    assert sorted(m.name for m in src.metadata()) == sorted(n for n, _ in make_tensors(1))
