@@ -180,8 +180,17 @@ def test_sources_that_cannot_be_published_are_refused_at_init():
         _init(0, object())
     with pytest.raises(TypeError, match=r"a module \(SafetensorsModel\).*ModuleSource\(model\)"):
         _init(0, model(1))
-    with pytest.raises(ValueError, match=r"holds only some parameters"):
+    with pytest.raises(ValueError, match=r"holds only some parameters.*held_names"):
         _init(0, _PartOfTheModel(model(1)))
+
+    class _Owns(ModuleSource):  # vLLM 0.33's form: owned_names(rank)
+        def owned_names(self, rank: int) -> list[str]:
+            return [m.name for m in self.metadata()][rank:]
+
+    with pytest.raises(ValueError, match=r"owned_names\(2\) lacks 2 of its 6 names"):
+        _init(2, _Owns(model(1)))
+    _check = __import__("slotsync.integrations.vllm", fromlist=["_check_ownership"])
+    _check._check_ownership(_Owns(model(1)), 0)  # owns every name: fine
 
 
 def test_rank_outside_every_slot_and_missing_daemon_are_named(tmp_path):

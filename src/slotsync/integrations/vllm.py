@@ -179,18 +179,29 @@ def _stream_of(source: object) -> Callable[[], Iterator[tuple[str, Any]]]:
                     "no __iter__ (vLLM 0.32) and no iter_sharded(): nothing to publish")
 
 
-def _check_ownership(source: object) -> None:
-    """Refuse a source whose ranks hold only part of the model (vLLM's ``held_names``).
+def _check_ownership(source: object, rank: int) -> None:
+    """Refuse a source whose ranks hold only part of the model: vLLM 0.32's ``held_names()``
+    not None, or vLLM 0.33's ``owned_names(rank)`` short of the ``metadata()`` names.
 
     Raises:
-        ValueError: ``held_names()`` names a subset.
+        ValueError: the rank holds a subset (names the method and how many it lacks).
     """
     held = getattr(source, "held_names", None)
+    partial = ""
     if callable(held) and held() is not None:
+        partial = "held_names() is not None"
+    owned = getattr(source, "owned_names", None)
+    if not partial and callable(owned):
+        names = {m.name for m in source.metadata()}  # type: ignore[attr-defined]
+        mine = owned(rank)
+        lacking = names - set(mine) if mine is not None else set()
+        if lacking:
+            partial = f"owned_names({rank}) lacks {len(lacking)} of its {len(names)} names"
+    if partial:
         raise ValueError(
             f"the weight source {type(source).__name__} holds only some parameters on this "
-            "rank (held_names() is not None): slotsync needs every rank of an engine slot to "
-            "send every tensor (gather pipeline/expert shards first)")
+            f"rank ({partial}): slotsync needs every rank of an engine slot to send every "
+            "tensor (gather pipeline/expert shards first)")
 
 
 class _Meta:
@@ -262,7 +273,7 @@ class SlotsyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[SlotsyncTr
             raise TypeError(f"init_info must be a SlotsyncTrainerInitInfo, got "
                             f"{type(init_info).__name__}")
         _stream_of(source)
-        _check_ownership(source)
+        _check_ownership(source, init_info.rank)
         slot = resolve_slot(init_info)
         engine_url = init_info.engine_url or getattr(client, "base_url", None)
         if not engine_url:
