@@ -74,20 +74,24 @@ def test_rank_that_never_sends_chunk_k_gets_deadline_error_naming_it(fresh_engin
 
 
 def test_dtype_differs_on_one_rank_rejected_before_engine_sees_it(fresh_engine):
+    """The ranks' begin manifests differ (issue 17): refused before the pause, every rank's
+    error naming the first tensor where the lists part -- its own name, dtype and shape --
+    and the engine never paused (before: found at the chunk, the engine left paused)."""
     before = fresh_engine.request("GET", "/_slotsync/stats")[1]
     with DaemonProcess() as d:
         ev = run_ranks(d, fresh_engine.url, False,
                        [{"rounds": 1}, {"rounds": 1,
                                         "dtype_of": {"layers.0.mlp.up.weight": "float16"}}])
-        for r in range(2):
+        for r, dtype in ((0, "float32"), (1, "float16")):
             (e,) = rounds(ev, r)
-            assert e["status"] == "error" and e["phase"] == "chunk", e
-            assert "dtype_names" in e["message"] and "layers.0.mlp.up.weight" in e["message"]
+            assert e["status"] == "error" and e["phase"] == "begin", e
+            assert "from tensor #1 on" in e["message"], e["message"]
+            assert f"this rank's tensor #1 is 'layers.0.mlp.up.weight' ({dtype}, shape " \
+                "[128, 64])" in e["message"], e["message"]
         stats = fresh_engine.request("GET", "/_slotsync/stats")[1]
-        # the mismatching chunk never reached the engine
-        assert stats["route_counts"].get("update_weights", 0) == before["route_counts"].get(
-            "update_weights", 0)
-        assert stats["paused"] is True
+        for route in ("pause", "start_weight_update", "update_weights"):
+            assert stats["route_counts"].get(route, 0) == before["route_counts"].get(route, 0)
+        assert stats["paused"] is False
 
 
 def test_engine_500_on_chunk_k_reaches_every_rank_and_next_round_recovers(fresh_engine):

@@ -517,20 +517,27 @@ def test_dtype_mismatch_rejected_before_engine_sees_it():
 
 def test_ranks_whose_manifests_differ_are_refused_before_the_pause():
     """Issue 17: ranks that will send different tensors (their begins' manifests differ) are
-    refused before the engine is touched beyond the probes; the same manifests pass."""
+    refused before the engine is touched beyond the probes, naming the first tensor position
+    where the lists part; the same manifests pass."""
+    from slotsync.protocol.manifest import manifest_of
+
+    ours = [("a", "float32", (2, 2)), ("b", "float32", (2, 2))]
+    theirs = [("a", "float32", (2, 2)), ("b", "float16", (2, 2)), ("c", "bool", (1,))]
     h = Harness()
     h.register_all()
-    h.send(0, Begin(0, "v", manifest="2:" + "a" * 32))
-    h.send(1, Begin(0, "v", manifest="3:" + "b" * 32))
+    h.send(0, Begin(0, "v", manifest=manifest_of(ours)))
+    h.send(1, Begin(0, "v", manifest=manifest_of(theirs)))
     assert "pause" not in h.engine.calls and not h.engine.paused
     for r in range(2):
         err = h.last(r)
         assert isinstance(err, Error) and err.phase == "begin", err
-        assert "rank 1" in err.message and "3 tensors" in err.message, err.message
-        assert "rank 0 2 tensors" in err.message and "same tensors" in err.message
+        assert err.tensor_index == 1, err
+        assert "rank 1 begins update 0 with tensors that differ from rank 0's from tensor #1"\
+            in err.message and "rank 1 sends 3 tensors, rank 0 2" in err.message, err.message
+        assert "same tensors" in err.message
     assert not h.coord.engine.needs_full_update  # the engine's weights were never touched
     # the next update, with agreeing manifests (and one rank without: not compared), goes on
-    h.send(0, Begin(1, "v1", manifest="2:" + "a" * 32))
+    h.send(0, Begin(1, "v1", manifest=manifest_of(ours)))
     h.send(1, Begin(1, "v1"))
     for r in range(2):
         h.send(r, chunk(1, 0, r))

@@ -109,7 +109,7 @@ from slotsync.daemon.update import (
     begin_step,
 )
 from slotsync.protocol import wire
-from slotsync.protocol.manifest import describe
+from slotsync.protocol.manifest import DIGEST_BYTES, first_difference
 from slotsync.protocol.wire import Abort, Ack, Begin, Chunk, Commit, Error, Register, Registered
 
 OMITTED_NAMES_POLICIES = ("warn", "refuse")
@@ -621,14 +621,7 @@ class SlotCoordinator:
                 )
             if msg.manifest and u.manifest and msg.manifest != u.manifest:
                 # I2 before the pause: every begin arrives before the pause goes out
-                return self._fail(
-                    now,
-                    "begin",
-                    f"rank {rank} begins update {u.update_id} to send "
-                    f"{describe(msg.manifest)}, rank {u.manifest_rank} "
-                    f"{describe(u.manifest)}: {SAME_CHUNKS_RULE}",
-                    [],
-                )
+                return self._manifest_mismatch(u, rank, msg.manifest, now)
             if msg.manifest and not u.manifest:
                 u.manifest, u.manifest_rank = msg.manifest, rank
             u.begun.add(rank)
@@ -657,6 +650,23 @@ class SlotCoordinator:
                     manifest=msg.manifest, manifest_rank=rank)
         self.current = u  # its begin stages (the table at the top) run from _advance
         return self._advance(now)  # (a gone rank gets gone_s to come back: _deadline)
+
+    def _manifest_mismatch(self, u: Update, rank: int, manifest: bytes,
+                           now: float) -> list[Action]:
+        """Fail the update (before the pause): ``rank``'s begin manifest differs from the
+        first one; the Error names the first tensor position where they part
+        (``Error.tensor_index``: each publisher names its own tensor there)."""
+        at = first_difference(manifest, u.manifest)
+        n, n0 = len(manifest) // DIGEST_BYTES, len(u.manifest) // DIGEST_BYTES
+        out = self._fail(
+            now, "begin",
+            f"rank {rank} begins update {u.update_id} with tensors that differ from rank "
+            f"{u.manifest_rank}'s from tensor #{at} on, in send order (rank {rank} sends {n} "
+            f"tensors, rank {u.manifest_rank} {n0}): {SAME_CHUNKS_RULE}", [])
+        for a in out:
+            if isinstance(a, Reply) and isinstance(a.msg, Error):
+                a.msg.tensor_index = at
+        return out
 
     def _on_chunk(self, rank: int, msg: Chunk, now: float) -> list[Action]:
         u = self.current

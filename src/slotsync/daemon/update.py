@@ -152,8 +152,8 @@ class Update:
     found_asleep: bool = False
     # this begin found a new engine session (probe.new_session: a restarted engine)
     new_session: bool = False
-    # the first tensor manifest a rank began with ("": none yet; wire.Begin.manifest)
-    manifest: str = ""
+    # the first tensor manifest a rank began with (empty: none yet; wire.Begin.manifest)
+    manifest: bytes = b""
     manifest_rank: int = -1
 
     def on(self, event: PhaseEvent) -> None:

@@ -51,7 +51,6 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from slotsync.protocol.export import dtype_name
-from slotsync.protocol.manifest import manifest_of
 from slotsync.protocol.publisher import (
     DEFAULT_STAGING_BUFFERS,
     DEFAULT_STAGING_BYTES,
@@ -205,12 +204,12 @@ def _check_ownership(source: object, rank: int) -> None:
 
 
 class _Meta:
-    """One round's ``metadata()``: its manifest and the per-element check of iteration."""
+    """One round's ``metadata()``: the update's ``(name, dtype, shape)`` list (the begin's
+    manifest) and the per-element check of iteration."""
 
     def __init__(self, metadata: Sequence[Any]) -> None:
         self.entries = [(m.name, dtype_name(m.dtype), tuple(int(d) for d in m.shape))
                         for m in metadata]
-        self.manifest = manifest_of(self.entries)
 
     def checked(self, items: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """``items`` as they come, each checked against the metadata at its position.
@@ -312,7 +311,7 @@ class SlotsyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[SlotsyncTr
         version = weight_version if weight_version is not None else str(next(self._rounds))
         meta = _Meta(self.source.metadata())  # type: ignore[union-attr]
         return self.publisher.publish(meta.checked(self._stream()), version,
-                                      manifest=meta.manifest)
+                                      manifest=meta.entries)
 
     def shutdown(self) -> None:
         """Close the publisher (aborting an open update; idempotent)."""

@@ -60,6 +60,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
+import msgspec
 import torch
 import zmq
 
@@ -128,6 +129,20 @@ def _release(link: DaemonLink, exporter: ChunkExporter) -> None:
     """Finalizer: free everything a publisher owns (runs from close(), GC or atexit)."""
     exporter.close()
     link.close()
+
+
+Manifest = Sequence[tuple[str, "torch.dtype | str", Sequence[int]]]
+"""An update's tensors, ``(name, dtype, shape)`` in send order (``Publisher.publish``)."""
+
+
+def _entries(manifest: Manifest) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``manifest`` with vLLM's dtype names and int shapes (``manifest.manifest_of``'s input).
+
+    Raises:
+        ValueError: an unsupported dtype.
+    """
+    return [(name, dt if isinstance(dt, str) else dtype_name(dt), tuple(int(d) for d in shape))
+            for name, dt, shape in manifest]
 
 
 def _size_of(item: tuple[str, torch.Tensor, int]) -> int:
@@ -251,6 +266,8 @@ class Publisher:
         self._session = PublisherSession(rank, self.slot)  # the update state machine
         # held by the thread inside publish / begin / send_chunk / commit (see _one_thread)
         self._busy = threading.RLock()
+        # the open update's (name, dtype, shape) list, if its begin sent a manifest
+        self._begin_entries: list[tuple[str, str, tuple[int, ...]]] | None = None
         self._last_commit: wire.Ack | None = None  # the last update's Ack(commit)
         self._exporter = ChunkExporter(self.transport, self.device, rank, staging_bytes,
                                        staging_buffers)  # staging memory, exports
@@ -346,7 +363,7 @@ class Publisher:
         return reply
 
     @_one_thread
-    def begin(self, weight_version: str, manifest: str | None = None) -> int:
+    def begin(self, weight_version: str, manifest: Manifest | None = None) -> int:
         """Open the next update: send its ``Begin`` (registering first if ``register`` was not
         called) and return. The daemon pauses and starts the engine once every rank of the
         slot has begun and the first chunk arrived (an update with no chunk never touches the
@@ -355,8 +372,10 @@ class Publisher:
 
         Args:
             weight_version: given to ``/finish_weight_update`` on success (I8).
-            manifest: ``manifest.manifest_of`` the tensors this update will send, if known:
-                the daemon refuses ranks whose manifests differ before the pause.
+            manifest: the ``(name, dtype, shape)`` of every tensor this update will send, in
+                order, if known (dtype: a ``torch.dtype`` or vLLM's name): sent as the begin's
+                manifest, so that the daemon refuses the slot's ranks whose lists differ
+                before the pause, naming the first tensor where they part.
 
         Returns:
             The update id.
@@ -367,9 +386,9 @@ class Publisher:
             SlotsyncError, SlotsyncTimeout: as ``register``.
         """
         check_version(weight_version)
-        return self._send_begin(weight_version, manifest or "")
+        return self._send_begin(weight_version, manifest)
 
-    def _send_begin(self, weight_version: str, manifest: str = "") -> int:
+    def _send_begin(self, weight_version: str, manifest: Manifest | None = None) -> int:
         """Open the next update and send its ``Begin``, without waiting for the ack
         (``_await_begin``, called before any wait for a chunk's ack, and by ``commit``)."""
         self._check_usable()
@@ -380,7 +399,9 @@ class Publisher:
             # (never registered, or the daemon went away since: register with the one that
             # listens now, or say why none does)
             self.register()
-        begin = self._session.begin(weight_version, manifest)
+        entries = _entries(manifest) if manifest is not None else None
+        self._begin_entries = entries
+        begin = self._session.begin(weight_version, manifest_of(entries) if entries else b"")
         self._send(begin)
         return begin.update_id
 
@@ -508,7 +529,7 @@ class Publisher:
         named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
         weight_version: str,
         *,
-        manifest: str | None = None,
+        manifest: Manifest | None = None,
     ) -> PublishStats:
         """One whole update: begin, chunks of at most ``staging_bytes`` in iteration order,
         commit. Chunking is deterministic (``chunking.cut``), so ranks that iterate the same
@@ -519,9 +540,10 @@ class Publisher:
             named_tensors: ``(name, tensor)`` pairs, consumed lazily (a generator is fine), or
                 a mapping such as ``model.state_dict()``.
             weight_version: recorded by the engine on success.
-            manifest: ``manifest.manifest_of`` the tensors an iterator will yield, if known
-                (a list or mapping gets its own): the daemon refuses the slot's ranks whose
-                manifests differ before the engine is paused.
+            manifest: the ``(name, dtype, shape)`` of every tensor an iterator will yield, in
+                order, if known (a list or mapping gets its own): the daemon refuses the
+                slot's ranks whose lists differ before the engine is paused, and the error
+                names this rank's tensor where they part.
 
         Raises:
             ValueError: no tensors at all (any size goes: a tensor larger than
@@ -553,7 +575,7 @@ class Publisher:
                     self.register()  # (to learn the daemon's max_message_bytes)
                 self._check_message_sizes(items)
                 if manifest is None:
-                    manifest = manifest_of((n, dtype_name(t.dtype), t.shape) for n, t, _ in items)
+                    manifest = [(n, t.dtype, t.shape) for n, t, _ in items]
             checked = iter(items)
         # Nothing to send must not pause the engine (e.g. a generator already consumed).
         first = next(checked, None)
@@ -570,7 +592,7 @@ class Publisher:
             # The first chunks are copied, exported and sent while the daemon pauses and
             # starts the engine: it holds them until the start returned (no wait for the
             # begin's ack here; the first wait for a chunk's ack awaits it first).
-            self._send_begin(weight_version, manifest or "")
+            self._send_begin(weight_version, manifest)
             for chunk in cut(itertools.chain((first,), checked), _size_of, self.staging_bytes):
                 self._pipeline.send_chunk([(name, t) for name, t, _ in chunk], ahead,
                                           [n for *_, n in chunk], pipelined=True)
@@ -653,6 +675,13 @@ class Publisher:
             self.abort(f"the daemon refused a message: {err.phase}: {err.message}")
         elif action is ErrorAction.END:
             self._end_update()
+        entries = self._begin_entries
+        if err.tensor_index >= 0 and entries is not None:  # the begins' manifests part there
+            i = err.tensor_index
+            mine = (f"this rank's tensor #{i} is {entries[i][0]!r} ({entries[i][1]}, shape "
+                    f"{list(entries[i][2])})" if i < len(entries)
+                    else f"this rank sends only {len(entries)} tensors")
+            err = msgspec.structs.replace(err, message=f"{err.message}; {mine}")
         return to_exception(err)
 
     def _send(self, msg: wire.ToDaemon | wire.OutgoingChunk) -> None:

@@ -147,7 +147,7 @@ class PublisherSession:
         self.unacked: deque[int] = deque()  # chunk indices sent, ack not yet taken
         self.early_acks: set[int] = set()  # chunk acks read while sending or waiting
         self.begin_version: str | None = None  # weight version of a Begin not yet acked
-        self.begin_manifest = ""  # its tensor manifest ("": none)
+        self.begin_manifest = b""  # its tensor manifest (empty: none)
         self.begin_acked = False  # its Ack(begin) was read while doing something else
         self.begin_refused: wire.Error | None = None  # ... or a "not registered" for it
         self.begin_resent = False  # the begin went out again (a second refusal ends it)
@@ -189,9 +189,9 @@ class PublisherSession:
             raise RuntimeError("no update is open; call begin() first")
         return self.update_id
 
-    def begin(self, weight_version: str, manifest: str = "") -> wire.Begin:
+    def begin(self, weight_version: str, manifest: bytes = b"") -> wire.Begin:
         """Open the next update; returns its ``Begin`` to send (``manifest``: see
-        ``manifest.manifest_of``; "" for none).
+        ``manifest.manifest_of``; empty for none).
 
         Raises:
             RuntimeError: an update is open.

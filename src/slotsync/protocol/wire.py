@@ -270,15 +270,20 @@ class Begin(msgspec.Struct, tag="begin", forbid_unknown_fields=True, omit_defaul
     """Start of one update (one round) for the rank's slot. ``weight_version`` is the string
     given to vLLM's ``/finish_weight_update`` on success (recorded only then, I8).
 
-    ``manifest`` (optional, "" for none; ``manifest.manifest_of``): the tensor count and a
-    digest of the names, dtypes and shapes the rank will send, in order. The daemon compares
-    the manifests of a slot's ranks as their begins arrive -- all of them before the pause --
-    so ranks that would send different tensors are refused before the engine is paused
-    (design.md I2). Omitted from the message when empty."""
+    ``manifest`` (optional, empty for none; ``manifest.manifest_of``): a digest of each
+    tensor's name, dtype and shape the rank will send, in order, ``manifest.DIGEST_BYTES``
+    each. The daemon compares the manifests of a slot's ranks as their begins arrive -- all
+    of them before the pause -- so ranks that would send different tensors are refused before
+    the engine is paused (design.md I2), naming the first position where they part
+    (``Error.tensor_index``). Omitted from the message when empty."""
 
     update_id: NonNeg
     weight_version: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_VERSION_CHARS)]
-    manifest: Annotated[str, msgspec.Meta(max_length=80)] = ""
+    manifest: bytes = b""
+
+    def __post_init__(self) -> None:
+        if len(self.manifest) % 4:
+            raise ValueError(f"manifest has {len(self.manifest)} bytes, not a multiple of 4")
 
 
 class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True):
@@ -492,6 +497,8 @@ class Error(msgspec.Struct, tag="error"):
     missing_ranks: list[int] = []
     fatal: bool = True
     code: str = ""  # machine-readable reason where a peer acts on it: "not_registered"
+    # ranks' begin manifests part at this tensor position (send order; -1: not that error)
+    tensor_index: int = -1
 
 
 NOT_REGISTERED = "not_registered"
