@@ -310,3 +310,57 @@ def test_the_source_is_read_the_way_its_vllm_version_offers():
     src = ModuleSource(model(1))
     assert [n for n, _ in _stream_of(src)()] == [m.name for m in src.metadata()]
     assert sorted(m.name for m in src.metadata()) == sorted(n for n, _ in make_tensors(1))
+
+
+def _publish_by_two_ranks(daemon: DaemonProcess, url: str, named: list, version: str) -> None:
+    """Ranks 0 and 1 of slot (0, 2), in threads, publish ``named`` once; raises the first
+    rank's error."""
+    from slotsync.testing.ranks import rank_publisher
+
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            with rank_publisher(daemon.endpoint, r, (0, 2), url, packed=True,
+                                timeout_s=120.0) as pub:
+                pub.register()
+                pub.publish(named, version)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    if errors:
+        raise errors[0]
+
+
+def test_engine_restarted_with_another_model_takes_the_next_update(daemon):
+    """An engine restarted at the same URL with another model (fresh-user trial of issue 17):
+    vLLM's own load_weights took every tensor of the new model's first update, so the daemon
+    counts it as the full update the restart needs (engine_model_changed) instead of failing
+    it at commit against the old model's names and leaving the engine paused for good."""
+    import time
+
+    from engines import port_free
+
+    old = make_tensors(0)
+    new = [(f"other.{n}", t) for n, t in make_tensors(6)]
+    eng = start_engine(2, impl_name="vllm", named=old)
+    port = eng.port
+    with eng:
+        _publish_by_two_ranks(daemon, eng.url, make_tensors(1), "old-1")
+        assert engine_stats(eng)["weight_version"] == "old-1"
+    deadline = time.monotonic() + 10
+    while not port_free(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with start_engine(2, impl_name="vllm", named=new, port=port) as eng2:
+        _publish_by_two_ranks(daemon, eng2.url, new, "new-1")
+        stats = engine_stats(eng2)
+        assert stats["weight_version"] == "new-1" and not stats["paused"], stats
+        want = {n: tensor_checksum(t) for n, t in new}
+        for worker, got in engine_checksums(eng2).items():
+            assert {n: got.get(n) for n in want} == want, worker
+        assert "engine_model_changed" in daemon.log_tail(), daemon.log_tail()
