@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engines import start_engine  # noqa: E402
+from engines import start_engine, vllm_importable  # noqa: E402
 from state_readers import engine_checksums  # noqa: E402
 
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
@@ -56,6 +56,9 @@ def every_dtype(seed: int, leave_out: set[str] = frozenset()) -> list[tuple[str,
 def engine(request: pytest.FixtureRequest):
     if request.param == "vllm":
         request.applymarker(pytest.mark.vllm)
+        why = vllm_importable()
+        if why:
+            pytest.skip(f"vllm cannot be imported: {why}")
     leave_out = NOT_ON_VLLM_CODE_ENGINE if request.param == "vllm" else set()
     with start_engine(workers=1, named=every_dtype(0, leave_out),
                       impl_name=request.param) as eng:
