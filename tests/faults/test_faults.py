@@ -303,7 +303,10 @@ def test_rank_killed_around_chunk_k(rec, pool, eng, eng_b, daemon, packed, when)
     e0 = run.rounds(0)[0]
     if e0["phase"] == "rank_gone":
         assert e0["missing_ranks"] == [1], e0
-        assert f"rank 1 (pid {run.pid(1)} on" in e0["message"] and "exited" in e0["message"], e0
+        assert f"rank 1 (pid {run.pid(1)} on" in e0["message"], e0
+        # the daemon sees the pidfd or the closed connection first, whichever it reads first
+        # (under load the connection can win: once in a README test run on 2 cores)
+        assert "exited" in e0["message"] or "its connection closed" in e0["message"], e0
     row.rank_errors = describe_errors(run, 1, [0, 1])
     row.detect_s = detect
     row.other_slot = assert_slot_b_ok(run, eng_b, 1)
