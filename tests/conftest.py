@@ -6,7 +6,8 @@ fixtures several test modules use (issue 16: each module defined its own copy).
 * ``engine_box``: an :class:`engines.EngineBox` of the engine under test (``--engine``), two
   workers, one per module; ``fresh_engine``: that box brought back to a clean state (faults
   cleared, no update open, resumed) before and after each test;
-* ``receive``: the GPU tests' workers' receive path, once ``reference`` and once ``vllm``.
+* ``receive``: the GPU tests' workers' receive path, once ``reference`` and once ``vllm``;
+* ``exporters``: ``ChunkExporter``s a unit test made, closed after it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ from typing import Any
 
 import pytest
 from engines import ENGINE_ENV, IMPLS, EngineBox, vllm_importable
+
+
+@pytest.fixture
+def exporters() -> Iterator[Any]:
+    """``ChunkExporter``s a test makes (append them), closed after it: their staging memory
+    and shared-memory segments (tests/unit/test_pipeline.py, test_oversize_chunks.py)."""
+    made: list[Any] = []
+    yield made
+    for e in made:
+        e.close()
 
 
 @pytest.fixture(scope="module")

@@ -189,8 +189,9 @@ def test_sources_that_cannot_be_published_are_refused_at_init():
 
     with pytest.raises(ValueError, match=r"owned_names\(2\) lacks 2 of its 6 names"):
         _init(2, _Owns(model(1)))
-    _check = __import__("slotsync.integrations.vllm", fromlist=["_check_ownership"])
-    _check._check_ownership(_Owns(model(1)), 0)  # owns every name: fine
+    from slotsync.integrations.vllm import _check_ownership
+
+    _check_ownership(_Owns(model(1)), 0)  # owns every name: fine
 
 
 def test_rank_outside_every_slot_and_missing_daemon_are_named(tmp_path):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import itertools
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -51,14 +50,6 @@ class Channel:
     def wait(self, awaited: Awaited) -> wire.FromDaemon:
         assert self.ack, "this test's daemon never acknowledges"
         return wire.Ack(update_id=NEXT, phase="chunk", index=awaited.index)
-
-
-@pytest.fixture
-def exporters() -> Iterator[list[ChunkExporter]]:
-    made: list[ChunkExporter] = []
-    yield made
-    for e in made:
-        e.close()
 
 
 def _pipeline(exporters: list[ChunkExporter], regions: int, channel: Channel,

@@ -4,7 +4,6 @@ order of copies, sends and ack waits breaks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -45,14 +44,6 @@ class FakeChannel:
         assert awaited.phase == "chunk" and awaited.update_id == NEXT
         self.events.append(("wait", awaited.index))
         return wire.Ack(update_id=NEXT, phase="chunk", index=awaited.index)
-
-
-@pytest.fixture
-def exporters() -> Iterator[list[ChunkExporter]]:
-    made: list[ChunkExporter] = []
-    yield made
-    for e in made:
-        e.close()
 
 
 def _pipeline(exporters: list[ChunkExporter], packed: bool, regions: int, prompt: bool,
