@@ -210,12 +210,17 @@ def test_ranks_that_disagree_on_names_are_refused_before_the_pause(engine, daemo
     an error naming the begin, and the engine was never paused (it still serves)."""
     errors: dict[int, BaseException | None] = {}
     before = engine_stats(engine)["weight_version"]
+    # Every rank registers before any begins: the daemon fails the update at the first begin
+    # that differs, and a rank that registered only after that would begin the next update,
+    # then fail there when the first ranks leave ("rank 0 is gone"; seen once in CI).
+    registered = threading.Barrier(WORKERS, timeout=120)
 
     def rank(r: int) -> None:
         try:
             eng = _init(r, ModuleSource(model(3, extra=r == 3)), endpoint=daemon.endpoint,
                         url=engine.url, timeout_s=60.0)
             try:
+                registered.wait()
                 eng.send_weights(weight_version="v-disagree")
             finally:
                 eng.shutdown()
@@ -231,7 +236,8 @@ def test_ranks_that_disagree_on_names_are_refused_before_the_pause(engine, daemo
     assert len(errors) == WORKERS, errors
     for r, e in errors.items():
         assert isinstance(e, SlotsyncError), (r, e, daemon.log_tail())
-        assert "failed in begin" in str(e) and "same tensors" in str(e), str(e)
+        assert "failed in begin" in str(e) and "same tensors" in str(e), (r, errors,
+                                                                           daemon.log_tail())
         assert "this rank's tensor #" in str(e) or "this rank sends only 6" in str(e), str(e)
     assert "layers.1.extra.weight" in str(errors[3]), str(errors[3])  # names its own tensor
     calls = slot_status(daemon, (0, WORKERS))["engine_calls"]
