@@ -66,6 +66,10 @@ def render_table(status: dict) -> str:
         version = s.get("last_version") or "-"
         if cur:
             version = f"{version} -> {cur['weight_version']}"
+        if s.get("draft_weight_version") or s.get("draft_needs_full_update"):
+            # issue 18: the draft model's version, and whether it needs a full update
+            version += f" (draft {s.get('draft_weight_version') or '-'}" + (
+                ", needs full update)" if s.get("draft_needs_full_update") else ")")
         err = s.get("last_error") or "-"
         ranks = f"{len(s.get('ranks_registered', []))}/{s['ranks_expected']}"
         gone = sum(not r.get("alive", True) for r in s.get("ranks", []))
@@ -82,7 +86,8 @@ def render_table(status: dict) -> str:
         err = e.get("last_error") or "-"
         rows.append([
             f"[{e['slot'][0]},{e['slot'][1]})", e.get("engine_url") or "-", "released",
-            "failed" if e.get("needs_full_update") else "released",
+            "failed" if e.get("needs_full_update") or e.get("draft_needs_full_update")
+            else "released",
             "paused" if e.get("engine_paused") else "serving", "-", "-",
             err if len(err) <= 80 else err[:77] + "...",
         ])

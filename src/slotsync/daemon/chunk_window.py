@@ -55,7 +55,7 @@ def receive(u: Update, rank: int, msg: Chunk, now: float, size: int,
     """Take chunk ``msg`` from ``rank`` into update ``u`` of a slot of ``size`` ranks (``now``:
     monotonic seconds); merge it once every rank sent it. Returns why the chunk breaks the
     round's order (the update must fail, phase ``chunk``), or '' if it was taken."""
-    why = u.chunk_out_of_order(rank, msg.index)
+    why = u.chunk_out_of_order(rank, msg.index) or draft_out_of_order(u, rank, msg)
     if why:
         return why
     u.sent_count[rank] = msg.index + 1
@@ -68,15 +68,47 @@ def receive(u: Update, rank: int, msg: Chunk, now: float, size: int,
     return ""
 
 
-def to_send(u: Update, in_flight: int,
-            limit: int) -> tuple[list[tuple[int, MergedChunk]], ChunkMismatch | None]:
+def draft_out_of_order(u: Update, rank: int, msg: Chunk) -> str:
+    """Why chunk ``msg`` from ``rank`` breaks the draft rule (issue 18): draft chunks only in
+    a round whose begin declared a draft part, after at least one main chunk, and after every
+    main chunk, at the same index on every rank; '' if it keeps it. Sets ``u.draft_from`` at
+    the first draft chunk."""
+    idx = msg.index
+    if msg.draft and not u.draft:
+        return (f"rank {rank} sent chunk {idx} as a draft chunk, but update {u.update_id} "
+                "declared no draft part (Begin.draft)")
+    if u.draft_from is None:
+        if not msg.draft:
+            return ""
+        if idx == 0:
+            return (f"rank {rank} sent chunk 0 as a draft chunk: the draft part comes after "
+                    "at least one main chunk")
+        main_after = sorted(i for i, got in u.pending.items() if i > idx
+                            and any(not c.draft for c in got.values()))
+        if main_after:
+            return (f"rank {rank} began the draft part at chunk {idx}, but chunk "
+                    f"{main_after[0]} was sent as a main chunk: a main chunk after a draft "
+                    "one (draft chunks come after every main chunk)")
+        u.draft_from = idx
+        return ""
+    if msg.draft != (idx >= u.draft_from):
+        what = "a draft" if msg.draft else "a main"
+        return (f"rank {rank} sent chunk {idx} as {what} chunk, but the draft part begins "
+                f"at chunk {u.draft_from}: {SAME_CHUNKS_RULE} (draft chunks come after every "
+                "main chunk)")
+    return ""
+
+
+def to_send(u: Update, in_flight: int, limit: int, until: int | None = None,
+            ) -> tuple[list[tuple[int, MergedChunk]], ChunkMismatch | None]:
     """The merged chunks to hand to the engine now, in index order, with ``in_flight``
-    ``/update_weights`` calls out and at most ``limit`` at once; they leave ``u.merged`` and
-    ``u.next_send`` moves past them. Returns ``(chunks, mismatch)``: ``mismatch`` is the next
-    chunk's ``ChunkMismatch`` when no call is out and none goes out (the update must fail,
-    phase ``chunk``), else None."""
+    ``/update_weights`` calls out and at most ``limit`` at once, none from index ``until`` on
+    (``Update.sendable_until``: a draft chunk waits for the draft session); they leave
+    ``u.merged`` and ``u.next_send`` moves past them. Returns ``(chunks, mismatch)``:
+    ``mismatch`` is the next chunk's ``ChunkMismatch`` when no call is out and none goes
+    out (the update must fail, phase ``chunk``), else None."""
     out: list[tuple[int, MergedChunk]] = []
-    while in_flight + len(out) < limit:
+    while in_flight + len(out) < limit and (until is None or u.next_send < until):
         merged = u.merged.get(u.next_send)
         if merged is None:
             break

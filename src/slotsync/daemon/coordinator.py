@@ -47,6 +47,10 @@ returned and its condition holds (``update.BEGIN_STAGES``)::
     Commit from every rank (same count, all chunks consumed) ─► finish(version) ─► resume
       ─► Ack(commit) to every rank
 
+    A round with a draft part (``Begin.draft``, issue 18): once every main chunk was loaded
+    ─► finish(version) ─► start_draft_weight_update ─► draft chunks ─► update_weights ...
+    ─► (every Commit) finish (no version) ─► resume; the engine stays paused in between
+
 The probe decides what the daemon knows of the engine (design.md I9): a weight version other
 than the one it last saw, or a refused/reset connection since (``on_connection_lost``) with no
 version of its own to recognise, is a new engine session (restarted at the same URL): it is
@@ -103,6 +107,7 @@ from slotsync.daemon.registration import (
 from slotsync.daemon.update import (
     SENT_EVENTS,
     STAGE_INDEX,
+    Phase,
     PhaseEvent,
     Timeouts,
     Update,
@@ -209,7 +214,8 @@ class SlotCoordinator:
             return SlotState.UPDATING
         if self._reconcile or self._maintenance:
             return SlotState.RECOVERING
-        if self.engine.needs_full_update:  # before "registering": the engine is paused anyway
+        if self.engine.needs_full_update or self.engine.draft.needs_full_update:
+            # (before "registering": the engine is paused anyway)
             return SlotState.FAILED
         if len(self.ranks) < self.size:
             return SlotState.REGISTERING
@@ -412,9 +418,23 @@ class SlotCoordinator:
             self.engine.last_ok_names = frozenset(u.names)
             self.last_version = u.weight_version  # I8: recorded only with a successful finish
             self.engine.version = u.weight_version  # what the engine reports from now on
+            if u.draft:
+                return out + self._advance(now)  # the draft session next, still paused
             if u.found_asleep:
                 # vLLM resumes a sleeping engine itself once fully awake; one that someone
                 # else paused is theirs to resume.
+                return self._complete(now)
+        elif route == "start_draft_weight_update":
+            u.on(PhaseEvent.DRAFT_STARTED)
+            self.engine.mid_update = True
+        elif route == "finish_draft_weight_update":
+            u.on(PhaseEvent.DRAFT_FINISHED)
+            self.engine.mid_update = False
+            d = self.engine.draft
+            d.needs_full_update, d.why = False, ""
+            d.last_ok_names = frozenset(u.draft_names)
+            d.version = u.weight_version  # (I8, for the draft target)
+            if u.found_asleep:
                 return self._complete(now)
         elif route == "resume":
             self.engine.paused = False
@@ -619,6 +639,13 @@ class SlotCoordinator:
                 return self._rank_error(
                     rank, "begin", f"rank {rank} began update {u.update_id} twice", u.update_id
                 )
+            if msg.draft != u.draft:  # (before the pause: every begin arrives before it)
+                has = ("with", "without") if msg.draft else ("without", "with")
+                return self._fail(
+                    now, "begin",
+                    f"rank {rank} begins update {u.update_id} {has[0]} a draft part, ranks "
+                    f"{sorted(u.begun)} {has[1]} one: every rank of the slot must declare the "
+                    "same draft part (Publisher.publish(..., draft=...))", [])
             if msg.manifest and u.manifest and msg.manifest != u.manifest:
                 # I2 before the pause: every begin arrives before the pause goes out
                 return self._manifest_mismatch(u, rank, msg.manifest, now)
@@ -646,8 +673,9 @@ class SlotCoordinator:
                 msg.update_id,
             )
         u = Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now,
-                    weights_intact=not self.engine.needs_full_update,
-                    manifest=msg.manifest, manifest_rank=rank)
+                    weights_intact=not (self.engine.needs_full_update
+                                        or self.engine.draft.needs_full_update),
+                    manifest=msg.manifest, manifest_rank=rank, draft=msg.draft)
         self.current = u  # its begin stages (the table at the top) run from _advance
         return self._advance(now)  # (a gone rank gets gone_s to come back: _deadline)
 
@@ -720,7 +748,8 @@ class SlotCoordinator:
             return []
         if u.finished:
             return self._call(u, "resume")
-        ready, mismatch = chunk_window.to_send(u, len(self._calls), self.chunks_in_flight)
+        ready, mismatch = chunk_window.to_send(u, len(self._calls), self.chunks_in_flight,
+                                               u.sendable_until())
         if mismatch is not None:  # I2: the engine never sees an inconsistent chunk
             return self._fail(now, "chunk", str(mismatch), [])  # ranks differ; none missing
         for idx, merged in ready:
@@ -729,8 +758,34 @@ class SlotCoordinator:
                               {"update_info": msgspec.Raw(merged.update_info_json)}, idx)
         if out or self._calls:
             return out
+        if u.draft:
+            return self._advance_draft(u, now)
         if u.all_consumed(self.size):
             return self._before_finish(u, now)
+        return []
+
+    def _advance_draft(self, u: Update, now: float) -> list[Action]:
+        """A round with a draft part, no call out (issue 18): the main finish once every main
+        chunk was loaded, then the draft start, then (every chunk loaded and committed) the
+        draft finish."""
+        if u.phase is Phase.LOADING:
+            if u.draft_from is not None and u.next_index == u.draft_from:
+                return self._before_finish(u, now)  # the main session's finish(version)
+            if u.all_consumed(self.size):
+                return self._fail(
+                    now, "commit", f"update {u.update_id} declared a draft part "
+                    "(Begin.draft) but every rank committed without a draft chunk", [])
+            return []
+        if u.phase is Phase.MAIN_FINISHED:
+            return self._call(u, "start_draft_weight_update", needs_record=True)
+        if u.phase is Phase.DRAFT_LOADING and u.all_consumed(self.size):
+            refusal = u.omitted_refusal(self.engine.draft.last_ok_names,
+                                        self.engine.draft.needs_full_update,
+                                        self.omitted_names, draft=True)
+            if refusal:
+                return self._fail(now, "commit", refusal, [])
+            # no weight_version: vLLM's engine has one, the main finish set it
+            return self._call(u, "finish_draft_weight_update")
         return []
 
     def _advance_begin(self, u: Update, now: float) -> list[Action]:
@@ -817,6 +872,8 @@ class SlotCoordinator:
         self.next_update_id = max(self.next_update_id, u.update_id + 1)
         failed, self._failed_call = self._failed_call, None
         fate, reconcile = recovery.after_failure(self.engine, u, failed, self.size)
+        if u.draft and u.main_finished and phase in ("engine", "chunk", "commit"):
+            phase = "draft"  # (issue 18: a failure in the draft session names it)
         if reconcile:
             self._reconcile = True  # after the orphans: /is_paused, then resume
         message = (f"slot [{self.start}, {self.end}) update {u.update_id} failed in {phase}: "

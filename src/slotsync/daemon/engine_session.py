@@ -7,18 +7,41 @@ taken over by the next slot that registers the same engine (``SlotCoordinator.ad
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 EXECUTOR_ROUTES = frozenset({
     "init_weight_transfer_engine", "pause", "finish_recover", "start_weight_update",
     "update_weights", "finish_weight_update", "check_replies",
+    "start_draft_weight_update", "finish_draft_weight_update",
 })
 """Engine calls that reach the workers through vLLM's executor."""
 
 WORKER_FAILED = "Worker failed with error"
 """vLLM's MultiprocExecutor (engines of several workers) wraps a worker's error in this text
 (vLLM 0.32 ``v1/executor/multiproc_executor.py`` ``collective_rpc``)."""
+
+
+@dataclass
+class DraftTarget:
+    """What the daemon knows of the engine's speculative-decoding draft model (issue 18),
+    tracked apart from the main model: ``needs_full_update`` (its session failed, or the
+    engine restarted or slept after the daemon had loaded it; ``why`` says which),
+    ``last_ok_names`` (the draft tensor names of the last successful draft session) and
+    ``version`` (the weight version of the round whose draft part last landed; vLLM itself
+    keeps one version per engine, the main one)."""
+
+    needs_full_update: bool = False
+    last_ok_names: frozenset[str] = field(default_factory=frozenset)
+    version: str | None = None
+    why: str = ""
+
+    def stale(self, why: str) -> None:
+        """The engine's draft model no longer holds what the daemon loaded (``why``): if it
+        ever loaded one, the next round must carry the draft in full."""
+        if self.last_ok_names:
+            self.needs_full_update, self.why = True, why
 
 
 @dataclass
@@ -51,6 +74,9 @@ class EngineSession:
     GPU UUIDs of the engine's workers where they can be known: ``declared_gpu_uuids`` (the
     engine table's) or ``gpu_uuids`` (the engine's own report, the reference engine's
     ``/get_world_size``); ``world_size`` as ``/get_world_size`` reported it.
+
+    ``draft``: the draft model's own target (``DraftTarget``, issue 18); the fields above
+    are the main model's.
     """
 
     initialized: bool = False
@@ -68,6 +94,7 @@ class EngineSession:
     declared_gpu_uuids: tuple[str, ...] | None = None
     gpu_uuids: tuple[str, ...] | None = None
     world_size: int | None = None
+    draft: DraftTarget = field(default_factory=DraftTarget)
 
     def take_over(self, old: EngineSession) -> None:
         """Take what a released slot knew of the same engine (paused, mid-update, out of step,
@@ -77,6 +104,7 @@ class EngineSession:
                      "session_suspect", "asleep", "replies_suspect", "out_of_step",
                      "recover_first", "restored", "gpu_uuids"):
             setattr(self, name, getattr(old, name))
+        self.draft = dataclasses.replace(old.draft)
         self.initialized = False
 
     def forget(self) -> None:
@@ -84,6 +112,7 @@ class EngineSession:
         is initialised before its first update."""
         self.initialized = self.mid_update = self.paused = self.asleep = False
         self.version, self.gpu_uuids, self.last_ok_names = None, None, frozenset()
+        self.draft = DraftTarget()
 
     def new_process(self) -> None:
         """The engine is a process this daemon did not initialise (restarted at its URL): no

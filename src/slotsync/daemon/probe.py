@@ -49,6 +49,7 @@ def new_session(engine: EngineSession, slot: tuple[int, int], engine_url: str, u
     if engine.last_ok_names:
         engine.needs_full_update = True
         u.weights_intact = False
+    engine.draft.stale("a new engine session: it serves its checkpoint's draft model")
     return [SlotEvent(slot, "engine_session_new", {
         "engine": engine_url, "update_id": u.update_id, "why": why,
         "full_update_needed": engine.needs_full_update})]
@@ -128,6 +129,7 @@ def check_sleep(engine: EngineSession, slot: tuple[int, int], engine_url: str, u
     u.found_asleep = True
     u.weights_intact = False
     engine.needs_full_update = True
+    engine.draft.stale("the engine was found sleeping")
     engine.paused = True
     return [SlotEvent(slot, "engine_found_sleeping", {
         "engine": engine_url, "update_id": u.update_id,

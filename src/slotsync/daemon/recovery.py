@@ -54,7 +54,8 @@ def mid_update_state(current: Update | None, failed: tuple[int, str] | None,
     uid, _ = failed if failed else (next_update_id - 1, "")
     if engine.out_of_step:
         return ("out_of_step", uid, "")  # (refused until a new session, also after us)
-    if engine.needs_full_update and (engine.mid_update or engine.paused):
+    if ((engine.needs_full_update or engine.draft.needs_full_update)
+            and (engine.mid_update or engine.paused)):
         return ("failed", uid, "")
     return None
 
@@ -65,7 +66,12 @@ def after_failure(engine: EngineSession, u: Update, failed: tuple[str, str] | No
     ``failed``: ``(route, error)`` of the engine call that failed it, if one did.
 
     Returns ``(fate, reconcile)``: the fate for the error message, and whether the engine
-    must be checked with ``/is_paused`` (and resumed) once the update's calls returned."""
+    must be checked with ``/is_paused`` (and resumed) once the update's calls returned.
+
+    A round with a draft part that failed after its main session finished leaves the main
+    model recorded and only the draft needing a full update (``after_draft_failure``)."""
+    if u.draft and u.main_finished:
+        return after_draft_failure(engine, u, failed, size)
     # a start whose failure shows no worker began a session counts as not sent
     started = u.start_sent and not (
         failed is not None and failed[0] == "start_weight_update"
@@ -99,6 +105,42 @@ def after_failure(engine: EngineSession, u: Update, failed: tuple[str, str] | No
     # The engine may have restarted or been swapped: re-check and re-init next time.
     engine.initialized = False
     return fate, reconcile
+
+
+NO_DRAFT_MODEL = ("no draft model is configured", "no draft model config is configured",
+                  "does not support draft model weight updates")
+"""vLLM 0.32's refusals of ``/start_draft_weight_update`` by an engine that has no draft
+model, or a transfer backend without draft updates (``gpu_worker.py``
+``_set_draft_weight_update_target``, ``_start_weight_update``): raised before any worker's
+session opens."""
+
+
+def after_draft_failure(engine: EngineSession, u: Update, failed: tuple[str, str] | None,
+                        size: int) -> tuple[str, bool]:
+    """``after_failure`` for a round whose main session finished (issue 18): the main
+    weights and version are recorded (not flagged again); the engine stays paused and its
+    draft model needs a full update -- unless the draft start was refused because the engine
+    has no draft model (``NO_DRAFT_MODEL``): then nothing is half-loaded and the engine is
+    checked and resumed like one whose weights are intact. Returns ``(fate, reconcile)``."""
+    engine.initialized = False
+    engine.paused = True
+    route, error = failed if failed is not None else ("", "")
+    if (route == "start_draft_weight_update" and "HTTP " in error
+            and any(t in error for t in NO_DRAFT_MODEL)):
+        return (f"the engine has no draft model to update; the main weights (version "
+                f"{u.weight_version!r}) are loaded"
+                + ("" if u.found_asleep else ": the engine is resumed if paused"),
+                not u.found_asleep)
+    engine.draft.needs_full_update = True
+    engine.draft.why = f"update {u.update_id}'s draft session failed"
+    if u.draft_start_sent and not (route == "start_draft_weight_update"
+                                   and start_reached_none(error, size)):
+        engine.mid_update = True
+        engine.recover_first = not (
+            size > 1 and route == "finish_draft_weight_update"
+            and (WORKER_FAILED in error or "HTTP " not in error))
+    return (f"the engine stays paused and its draft model needs a full update; the main "
+            f"weights (version {u.weight_version!r}) are loaded", False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,8 @@ def slot_status(c: SlotCoordinator, now: float | None = None) -> dict[str, Any]:
             "ranks_committed": sorted(u.committed),
             "engine_call_in_flight": calls[0].route if calls else None,
             "engine_calls_in_flight": len(calls),
+            "draft": u.draft,  # issue 18: the round has a draft part; its first chunk
+            "draft_from": u.draft_from,
         }
     return {
         "slot": [c.start, c.end],
@@ -57,6 +59,11 @@ def slot_status(c: SlotCoordinator, now: float | None = None) -> dict[str, Any]:
         "engine_weight_version": c.engine.version,
         "engine_gpu_uuids": list(c.engine.declared_gpu_uuids or c.engine.gpu_uuids or []),
         "last_update_names": len(c.engine.last_ok_names),
+        # issue 18: the draft model, tracked apart from the main one
+        "draft_weight_version": c.engine.draft.version,
+        "draft_needs_full_update": c.engine.draft.needs_full_update,
+        "last_update_draft_names": len(c.engine.draft.last_ok_names),
+        "needs_full_update_targets": full_update_targets(c),
         "next_update_id": c.next_update_id,
         "current_update": cur,
         "last_version": c.last_version,
@@ -67,6 +74,13 @@ def slot_status(c: SlotCoordinator, now: float | None = None) -> dict[str, Any]:
         "updates_failed": c.updates_failed,
         "engine_calls": dict(c.engine_calls),
     }
+
+
+def full_update_targets(c: SlotCoordinator) -> list[str]:
+    """Which of the slot's engine's models the next round must carry in full: ``"main"``,
+    ``"draft"`` (issue 18), both or none."""
+    return [name for name, flag in (("main", c.engine.needs_full_update),
+                                    ("draft", c.engine.draft.needs_full_update)) if flag]
 
 
 def daemon_status(table: SlotTable, version: str, endpoint: str, started_at: float,
@@ -82,7 +96,9 @@ def daemon_status(table: SlotTable, version: str, endpoint: str, started_at: flo
         # engines of released slots that a later job must update fully (by engine URL)
         "released_engines": [
             {"engine_url": url, "slot": list(c.slot), "engine_paused": c.engine.paused,
-             "needs_full_update": c.engine.needs_full_update, "last_error": c.last_error}
+             "needs_full_update": c.engine.needs_full_update,
+             "draft_needs_full_update": c.engine.draft.needs_full_update,
+             "last_error": c.last_error}
             for url, c in sorted(table.released.items())],
     }
 

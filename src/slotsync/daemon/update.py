@@ -13,6 +13,16 @@ Rules (design.md "Flow of one round"; h11 ``_state.py`` style, the transitions a
   ``starting --start sent--> starting``: a start that met a session nobody recorded ends it
   (``finish_recover``) and is sent once more (``start_retried``). An event a phase has no row
   for is a bug in the coordinator: ``Update.on`` raises ``PhaseError``.
+
+  A round with a draft-model part (``wire.Begin.draft``, issue 18) moves along
+  ``DRAFT_TRANSITIONS``: the main session's finish (with the weight version) ends in
+  ``main_finished``; then vLLM's ``/start_draft_weight_update``, the draft chunks, and a
+  second ``/finish_weight_update`` (no version: vLLM's engine has one weight version, set by
+  the main finish) lead to ``finishing`` / ``finished`` and the resume::
+
+      loading --finish sent--> main_finishing --finish returned--> main_finished
+        --draft start sent--> draft_starting --draft start returned--> draft_loading
+        --draft finish sent--> finishing --draft finish returned--> finished
 * What a failure leaves behind follows from the phase (``recovery.after_failure``): from
   ``starting`` on the engine may be mid-update (I4); in ``pausing`` it is paused, or may be.
 * Chunks: chunk k is merged once every rank sent it (possibly ahead of its turn, ``merged``),
@@ -85,8 +95,13 @@ class Phase(IntEnum):
     PAUSING = 1  # /pause sent: the engine is paused, or may be
     STARTING = 2  # /start_weight_update sent: the engine may be mid-update
     LOADING = 3  # start returned: chunks go to the engine
-    FINISHING = 4  # /finish_weight_update sent
-    FINISHED = 5  # finish returned: resume (unless the engine was found asleep)
+    # (a round with a draft part, issue 18:)
+    MAIN_FINISHING = 4  # the main session's /finish_weight_update sent
+    MAIN_FINISHED = 5  # it returned: the main weights and version are recorded
+    DRAFT_STARTING = 6  # /start_draft_weight_update sent: the engine may be mid-update
+    DRAFT_LOADING = 7  # it returned: draft chunks go to the engine
+    FINISHING = 8  # the last /finish_weight_update sent
+    FINISHED = 9  # it returned: resume (unless the engine was found asleep)
 
 
 class PhaseEvent(IntEnum):
@@ -97,6 +112,10 @@ class PhaseEvent(IntEnum):
     STARTED = 2
     FINISH_SENT = 3
     FINISHED = 4
+    DRAFT_START_SENT = 5
+    DRAFT_STARTED = 6
+    DRAFT_FINISH_SENT = 7
+    DRAFT_FINISHED = 8
 
 
 TRANSITIONS: dict[Phase, dict[PhaseEvent, Phase]] = {
@@ -108,10 +127,24 @@ TRANSITIONS: dict[Phase, dict[PhaseEvent, Phase]] = {
     Phase.FINISHED: {},
 }
 
+DRAFT_TRANSITIONS: dict[Phase, dict[PhaseEvent, Phase]] = {
+    **{p: TRANSITIONS[p] for p in (Phase.BEGINNING, Phase.PAUSING, Phase.STARTING)},
+    Phase.LOADING: {PhaseEvent.FINISH_SENT: Phase.MAIN_FINISHING},
+    Phase.MAIN_FINISHING: {PhaseEvent.FINISHED: Phase.MAIN_FINISHED},
+    Phase.MAIN_FINISHED: {PhaseEvent.DRAFT_START_SENT: Phase.DRAFT_STARTING},
+    Phase.DRAFT_STARTING: {PhaseEvent.DRAFT_STARTED: Phase.DRAFT_LOADING},
+    Phase.DRAFT_LOADING: {PhaseEvent.DRAFT_FINISH_SENT: Phase.FINISHING},
+    Phase.FINISHING: {PhaseEvent.DRAFT_FINISHED: Phase.FINISHED},
+    Phase.FINISHED: {},
+}
+"""The phases of a round with a draft-model part (issue 18; the rules at the top)."""
+
 SENT_EVENTS: dict[str, PhaseEvent] = {
     "pause": PhaseEvent.PAUSE_SENT,
     "start_weight_update": PhaseEvent.START_SENT,
     "finish_weight_update": PhaseEvent.FINISH_SENT,
+    "start_draft_weight_update": PhaseEvent.DRAFT_START_SENT,
+    "finish_draft_weight_update": PhaseEvent.DRAFT_FINISH_SENT,
 }
 """Engine calls whose sending moves the phase."""
 
@@ -155,14 +188,20 @@ class Update:
     # the first tensor manifest a rank began with (empty: none yet; wire.Begin.manifest)
     manifest: bytes = b""
     manifest_rank: int = -1
+    # issue 18: the round has a draft-model part (every rank's Begin.draft); the index of its
+    # first draft chunk once a rank sent one; the draft names loaded in this update
+    draft: bool = False
+    draft_from: int | None = None
+    draft_names: set[str] = field(default_factory=set)
 
     def on(self, event: PhaseEvent) -> None:
-        """Move the phase along ``TRANSITIONS``.
+        """Move the phase along ``TRANSITIONS`` (``DRAFT_TRANSITIONS`` for a round with a
+        draft part).
 
         Raises:
             PhaseError: the phase has no transition for ``event``.
         """
-        nxt = TRANSITIONS[self.phase].get(event)
+        nxt = (DRAFT_TRANSITIONS if self.draft else TRANSITIONS)[self.phase].get(event)
         if nxt is None:
             raise PhaseError(f"update {self.update_id}: {event.name} in phase {self.phase.name}")
         self.phase = nxt
@@ -182,7 +221,29 @@ class Update:
 
     @property
     def finishing(self) -> bool:
+        """The update's last ``/finish_weight_update`` was sent (the draft one, in a round
+        with a draft part)."""
         return self.phase >= Phase.FINISHING
+
+    @property
+    def main_finished(self) -> bool:
+        """The main session's finish returned: its weights and version are recorded."""
+        return self.phase >= (Phase.MAIN_FINISHED if self.draft else Phase.FINISHED)
+
+    @property
+    def draft_start_sent(self) -> bool:
+        """``/start_draft_weight_update`` was sent: the draft may be half-loaded."""
+        return self.draft and self.phase >= Phase.DRAFT_STARTING
+
+    def sendable_until(self) -> int | None:
+        """The first chunk index that must not go to the engine yet (None: no bound): in a
+        round with a draft part, the draft chunks wait for the draft session, and nothing
+        goes out between the main finish and the draft start's return."""
+        if not self.draft or self.phase is Phase.DRAFT_LOADING:
+            return None
+        if self.phase > Phase.LOADING:
+            return self.next_send
+        return self.draft_from
 
     @property
     def finished(self) -> bool:
@@ -195,7 +256,8 @@ class Update:
         idx = self.next_index
         self.loaded.discard(idx)
         loaded = next(iter(self.pending[idx].values()))
-        self.names.update(loaded.names)  # against last_ok_names before the finish
+        # against last_ok_names (the draft's: EngineSession.draft) before the finish
+        (self.draft_names if loaded.draft else self.names).update(loaded.names)
         del self.pending[idx]
         self.first_arrival.pop(idx, None)
         self.next_index += 1
@@ -260,22 +322,25 @@ class Update:
         )
 
     def omitted_refusal(self, last_ok_names: frozenset[str], needs_full_update: bool,
-                        policy: str) -> str:
+                        policy: str, draft: bool = False) -> str:
         """Why this update, all loaded and committed, must not finish for what it leaves out
         of ``last_ok_names`` (the slot's last successful update's tensor names): the engine
         needs a full update (I4: finishing would resume half-loaded weights), or ``policy``
-        (``Config.omitted_names``) is ``"refuse"``; '' if it may finish."""
-        missing = last_ok_names - self.names
+        (``Config.omitted_names``) is ``"refuse"``; '' if it may finish. ``draft``: the
+        same for the draft session (``draft_names`` against the draft's last names)."""
+        missing = last_ok_names - (self.draft_names if draft else self.names)
         names = sorted(missing)
+        who, kind = ("the slot's draft model", "draft ") if draft else ("the slot", "")
         if missing and needs_full_update:
             return (
-                f"the slot needs a full update (after a failed one, a restarted or sleeping "
+                f"{who} needs a full update (after a failed one, a restarted or sleeping "
                 f"engine), but update {self.update_id} misses {len(names)} of the "
-                f"{len(last_ok_names)} tensor names the last successful update loaded: "
+                f"{len(last_ok_names)} {kind}tensor names the last successful update loaded: "
                 f"{some_names(names)}; publish every tensor")
         if missing and policy == "refuse":
             return (
-                f"update {self.update_id} leaves out {len(names)} tensor names the slot's last "
+                f"update {self.update_id} leaves out {len(names)} {kind}tensor names the "
+                "slot's last "
                 f"successful update loaded: {some_names(names)} (vLLM would keep their old "
                 "values; omitted_names = \"refuse\")")
         return ""
@@ -335,6 +400,26 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
                                       engine_url)
                 if wrong:
                     return BeginStep(fail=wrong)
+                wrong = draft_refusal(u, engine)
+                if wrong:
+                    return BeginStep(fail=wrong)
         u.stage += 1
         return BeginStep(stage=st)
     return WAIT  # start in flight
+
+
+def draft_refusal(u: Update, engine: EngineSession) -> str:
+    """Why update ``u`` must not pause the engine for its draft part (issue 18), or '':
+    a round without a draft part while the engine's draft model needs a full update (a
+    failed draft session, a restarted or sleeping engine whose draft the daemon had loaded):
+    vLLM would resume on a draft model that is half-loaded or stale, so the round must carry
+    the draft model in full."""
+    # TODO(issue 18, lead): refuse a draft round here, before the pause, where the engine's
+    # vLLM lacks draft updates: `vllm_versions.feature_missing(version, "draft")` (0.26+).
+    if engine.draft.needs_full_update and not u.draft:
+        why = engine.draft.why or "a failed draft session"
+        return (f"the engine's draft model needs a full update ({why}), but update "
+                f"{u.update_id} has no draft part: "
+                "publish the draft model's tensors in full with this round "
+                "(Publisher.publish(..., draft=...))")
+    return ""

@@ -34,6 +34,10 @@ ROUTES: dict[str, tuple[str, str]] = {
     "update_weights": ("POST", "/update_weights"),
     "finish_weight_update": ("POST", "/finish_weight_update"),
     "finish_recover": ("POST", "/finish_weight_update"),
+    # issue 18: a round's draft-model session (vLLM 0.26+ api_router.py), ended by a finish
+    # without weight_version (the main finish set the engine's one version)
+    "start_draft_weight_update": ("POST", "/start_draft_weight_update"),
+    "finish_draft_weight_update": ("POST", "/finish_weight_update"),
     "resume": ("POST", "/resume"),
     "is_paused": ("GET", "/is_paused"),
     "is_sleeping": ("GET", "/is_sleeping"),

@@ -208,7 +208,7 @@ class ChunkPipeline:
     def _send_chunk_message(self, uid: int, index: int, layout: PackedLayout,
                             handles: list[wire.Handle]) -> None:
         t0 = time.perf_counter()
-        sent = SentChunk(index, *layout, handles)
+        sent = SentChunk(index, *layout, handles, self.session.chunk_is_draft(index))
         chunk = self.session.chunk_message(sent)
         self.export_s += time.perf_counter() - t0
         self.channel.send(chunk)

@@ -56,7 +56,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -363,7 +363,8 @@ class Publisher:
         return reply
 
     @_one_thread
-    def begin(self, weight_version: str, manifest: Manifest | None = None) -> int:
+    def begin(self, weight_version: str, manifest: Manifest | None = None, *,
+              draft: bool = False) -> int:
         """Open the next update: send its ``Begin`` (registering first if ``register`` was not
         called) and return. The daemon pauses and starts the engine once every rank of the
         slot has begun and the first chunk arrived (an update with no chunk never touches the
@@ -376,6 +377,11 @@ class Publisher:
                 order, if known (dtype: a ``torch.dtype`` or vLLM's name): sent as the begin's
                 manifest, so that the daemon refuses the slot's ranks whose lists differ
                 before the pause, naming the first tensor where they part.
+            draft: the update has a speculative-decoding draft-model part (issue 18): after
+                the main chunks, ``send_chunk(..., draft=True)`` sends the draft model's; the
+                daemon loads them in a second session (vLLM's ``/start_draft_weight_update``)
+                once the main one finished, and resumes the engine after both. Every rank of
+                the slot must pass the same value.
 
         Returns:
             The update id.
@@ -386,9 +392,10 @@ class Publisher:
             SlotsyncError, SlotsyncTimeout: as ``register``.
         """
         check_version(weight_version)
-        return self._send_begin(weight_version, manifest)
+        return self._send_begin(weight_version, manifest, draft)
 
-    def _send_begin(self, weight_version: str, manifest: Manifest | None = None) -> int:
+    def _send_begin(self, weight_version: str, manifest: Manifest | None = None,
+                    draft: bool = False) -> int:
         """Open the next update and send its ``Begin``, without waiting for the ack
         (``_await_begin``, called before any wait for a chunk's ack, and by ``commit``)."""
         self._check_usable()
@@ -401,7 +408,8 @@ class Publisher:
             self.register()
         entries = _entries(manifest) if manifest is not None else None
         self._begin_entries = entries
-        begin = self._session.begin(weight_version, manifest_of(entries) if entries else b"")
+        begin = self._session.begin(weight_version, manifest_of(entries) if entries else b"",
+                                    draft)
         self._send(begin)
         return begin.update_id
 
@@ -445,7 +453,8 @@ class Publisher:
                   weight_version)
 
     @_one_thread
-    def send_chunk(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def send_chunk(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                   draft: bool = False) -> None:
         """Export one chunk and wait until the engine consumed it (``Ack(chunk, index)``).
 
         Packed: the tensors are copied into a staging region (vLLM packed layout) and sent
@@ -457,15 +466,19 @@ class Publisher:
         Args:
             named_tensors: ``(name, tensor)`` pairs in checkpoint (Hugging Face) names; any
                 shape, dtypes of ``wire.DTYPE_SIZES``.
+            draft: the chunk belongs to the draft-model part (``begin(..., draft=True)``);
+                draft chunks come after every main chunk.
 
         Raises:
             RuntimeError: no update is open.
-            ValueError: no tensors, duplicate names, unsupported dtype, or (packed) more bytes
-                than the staging buffer holds.
+            ValueError: no tensors, duplicate names, unsupported dtype, (packed) more bytes
+                than the staging buffer holds, or a draft / main chunk out of the rule above
+                (``PublisherSession.next_chunk_part``; nothing is sent).
             SlotsyncError, SlotsyncTimeout: the chunk failed or was not acknowledged in time.
         """
         self._check_usable()
         self._session.require_open()
+        self._session.next_chunk_part(draft)
         self._pipeline.send_chunk(list(named_tensors), max_unacked=0)
         self._pipeline.wait_unacked(0)
 
@@ -483,6 +496,11 @@ class Publisher:
         self._check_usable()
         s = self._session
         s.require_open()
+        if s.has_draft and s.draft_from is None:
+            uid = s.update_id
+            self.abort("the update declared a draft part but sent no draft chunk")
+            raise ValueError(f"update {uid} declared a draft part (begin(..., draft=True)) "
+                             "but sent no draft chunk: aborted (send_chunk(..., draft=True))")
         self._pipeline.send_pending()
         if s.num_chunks:
             self._await_begin()  # (the begin's ack comes once a chunk arrived: none did here,
@@ -530,6 +548,7 @@ class Publisher:
         weight_version: str,
         *,
         manifest: Manifest | None = None,
+        draft: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor] | None = None,
     ) -> PublishStats:
         """One whole update: begin, chunks of at most ``staging_bytes`` in iteration order,
         commit. Chunking is deterministic (``chunking.cut``), so ranks that iterate the same
@@ -544,12 +563,19 @@ class Publisher:
                 order, if known (a list or mapping gets its own): the daemon refuses the
                 slot's ranks whose lists differ before the engine is paused, and the error
                 names this rank's tensor where they part.
+            draft: the speculative-decoding draft model's tensors, in the forms
+                ``named_tensors`` takes (issue 18), or None for a round without a draft
+                part. They are cut into chunks of their own, sent after every main chunk,
+                and loaded in a second session (vLLM's ``/start_draft_weight_update``) once
+                the main one finished with ``weight_version``; the engine resumes after
+                both. A list or mapping is checked whole before the pause, like
+                ``named_tensors``; its entries extend the begin's manifest.
 
         Raises:
-            ValueError: no tensors at all (any size goes: a tensor larger than
-                ``staging_bytes`` is a chunk of its own), a name that repeats, is empty or
-                over 1,024 characters, an unsupported dtype, a meta or sparse tensor, a chunk whose
-                message would exceed the daemon's ``max_message_bytes``, or a
+            ValueError: no tensors at all, or an empty ``draft`` (any size goes: a tensor
+                larger than ``staging_bytes`` is a chunk of its own), a name that repeats, is
+                empty or over 1,024 characters, an unsupported dtype, a meta or sparse tensor,
+                a chunk whose message would exceed the daemon's ``max_message_bytes``, or a
                 ``weight_version`` of 0 or over 256 characters. A list or mapping is checked
                 whole before the engine is paused; an iterator as it is consumed.
             TypeError: an item is not a ``(str, torch.Tensor)`` pair, or ``weight_version``
@@ -577,6 +603,7 @@ class Publisher:
                 if manifest is None:
                     manifest = [(n, t.dtype, t.shape) for n, t, _ in items]
             checked = iter(items)
+        draft_checked, manifest = self._draft_input(draft, manifest)
         # Nothing to send must not pause the engine (e.g. a generator already consumed).
         first = next(checked, None)
         if first is None:
@@ -592,10 +619,12 @@ class Publisher:
             # The first chunks are copied, exported and sent while the daemon pauses and
             # starts the engine: it holds them until the start returned (no wait for the
             # begin's ack here; the first wait for a chunk's ack awaits it first).
-            self._send_begin(weight_version, manifest)
+            self._send_begin(weight_version, manifest, draft_checked is not None)
             for chunk in cut(itertools.chain((first,), checked), _size_of, self.staging_bytes):
                 self._pipeline.send_chunk([(name, t) for name, t, _ in chunk], ahead,
                                           [n for *_, n in chunk], pipelined=True)
+            if draft_checked is not None:
+                self._send_draft_part(draft_checked, ahead)
             chunks, nbytes = self._session.num_chunks, self._session.bytes
             self.commit()
         except BaseException as e:
@@ -613,6 +642,55 @@ class Publisher:
             omitted_count=ack.omitted_count if ack else 0,
             engine_resumed=ack.resumed if ack else True,
         )
+
+    def _draft_input(
+        self,
+        draft: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor] | None,
+        manifest: Manifest | None,
+    ) -> tuple[Iterator[tuple[str, torch.Tensor, int]] | None, Manifest | None]:
+        """``publish``'s draft part, checked like ``named_tensors`` (a list or mapping whole,
+        before the begin), and the begin's manifest extended by its entries (where both are
+        known in advance; else the manifest covers the main part only). None: no draft.
+
+        Raises:
+            ValueError, TypeError: as ``publish`` for ``named_tensors`` (an empty list or
+                mapping: no draft tensors).
+        """
+        if draft is None:
+            return None, manifest
+        whole = isinstance(draft, Sequence | Mapping)
+        if isinstance(draft, Mapping):
+            draft = draft.items()
+        checked = inputs.checked(draft)
+        if not whole:
+            return checked, manifest
+        items = list(checked)
+        if not items:
+            raise ValueError("publish got an empty draft: pass None for a round without a "
+                             "draft part")
+        if self.registered is None:
+            self.register()
+        self._check_message_sizes(items)
+        if manifest is not None:
+            manifest = [*_entries(manifest), *_entries(
+                [(n, t.dtype, t.shape) for n, t, _ in items])]
+        return iter(items), manifest
+
+    def _send_draft_part(self, checked: Iterator[tuple[str, torch.Tensor, int]],
+                         ahead: int) -> None:
+        """Cut and send the draft part's chunks after every main chunk (``publish``).
+
+        Raises:
+            ValueError: no draft tensors (an iterator already consumed).
+        """
+        first = next(checked, None)
+        if first is None:
+            raise ValueError("publish got no draft tensors (was the iterator already "
+                             "consumed?)")
+        self._session.next_chunk_part(True)
+        for chunk in cut(itertools.chain((first,), checked), _size_of, self.staging_bytes):
+            self._pipeline.send_chunk([(name, t) for name, t, _ in chunk], ahead,
+                                      [n for *_, n in chunk], pipelined=True)
 
     def _check_message_sizes(self, items: list[tuple[str, torch.Tensor, int]]) -> None:
         """Refuse, before the begin, a chunk whose message would exceed the daemon's

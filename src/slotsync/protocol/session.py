@@ -106,6 +106,7 @@ class SentChunk(NamedTuple):
     shapes: list[list[int]]
     tensor_sizes: list[int]
     handles: list[wire.Handle]
+    draft: bool = False  # a chunk of the round's draft-model part (issue 18)
 
 
 def region_of(index: int, regions: int) -> int:
@@ -125,7 +126,7 @@ def chunk_message(uid: int, c: SentChunk) -> wire.OutgoingChunk:
     it on decode)."""
     return wire.OutgoingChunk(update_id=uid, index=c.index, names=c.names,
                               dtype_names=c.dtype_names, shapes=c.shapes,
-                              tensor_sizes=c.tensor_sizes, handles=c.handles)
+                              tensor_sizes=c.tensor_sizes, handles=c.handles, draft=c.draft)
 
 
 class PublisherSession:
@@ -148,6 +149,8 @@ class PublisherSession:
         self.early_acks: set[int] = set()  # chunk acks read while sending or waiting
         self.begin_version: str | None = None  # weight version of a Begin not yet acked
         self.begin_manifest = b""  # its tensor manifest (empty: none)
+        self.has_draft = False  # the open update declared a draft-model part (issue 18)
+        self.draft_from: int | None = None  # index of its first draft chunk, once sent
         self.begin_acked = False  # its Ack(begin) was read while doing something else
         self.begin_refused: wire.Error | None = None  # ... or a "not registered" for it
         self.begin_resent = False  # the begin went out again (a second refusal ends it)
@@ -189,9 +192,11 @@ class PublisherSession:
             raise RuntimeError("no update is open; call begin() first")
         return self.update_id
 
-    def begin(self, weight_version: str, manifest: bytes = b"") -> wire.Begin:
+    def begin(self, weight_version: str, manifest: bytes = b"",
+              draft: bool = False) -> wire.Begin:
         """Open the next update; returns its ``Begin`` to send (``manifest``: see
-        ``manifest.manifest_of``; empty for none).
+        ``manifest.manifest_of``; empty for none; ``draft``: the update has a draft-model
+        part, ``wire.Begin.draft``).
 
         Raises:
             RuntimeError: an update is open.
@@ -204,7 +209,37 @@ class PublisherSession:
         self.early_acks.clear()
         self.begin_version = weight_version
         self.begin_manifest = manifest
-        return wire.Begin(update_id=uid, weight_version=weight_version, manifest=manifest)
+        self.has_draft, self.draft_from = draft, None
+        return wire.Begin(update_id=uid, weight_version=weight_version, manifest=manifest,
+                          draft=draft)
+
+    def next_chunk_part(self, draft: bool) -> None:
+        """The next chunk belongs to the draft-model part (``draft``) or the main one; call
+        before it is counted (``add_chunk``). Rule (issue 18): draft chunks come after every
+        main chunk, and only in an update whose begin declared a draft part.
+
+        Raises:
+            RuntimeError: no update is open.
+            ValueError: a draft chunk in an update that declared no draft part, a draft
+                part before any main chunk, or a main chunk after a draft chunk.
+        """
+        uid = self.require_open()
+        if draft and not self.has_draft:
+            raise ValueError(f"update {uid} declared no draft part (begin(..., draft=True)): "
+                             "a draft chunk cannot be sent in it")
+        if draft and self.draft_from is None:
+            if self.num_chunks == 0:
+                raise ValueError(f"update {uid}: the draft part needs at least one main chunk "
+                                 "before it (draft chunks come after every main chunk)")
+            self.draft_from = self.num_chunks
+        elif not draft and self.draft_from is not None:
+            raise ValueError(
+                f"update {uid}: a main chunk after the draft part began (chunk "
+                f"{self.draft_from}): draft chunks come after every main chunk")
+
+    def chunk_is_draft(self, index: int) -> bool:
+        """Whether chunk ``index`` of the open update belongs to its draft-model part."""
+        return self.draft_from is not None and index >= self.draft_from
 
     def add_chunk(self, nbytes: int) -> int:
         """Count the next chunk (``nbytes`` of tensors); returns its index."""
@@ -275,7 +310,7 @@ class PublisherSession:
         self.begin_resent = True
         self.begin_refused = None
         return (wire.Begin(update_id=uid, weight_version=version,
-                           manifest=self.begin_manifest),
+                           manifest=self.begin_manifest, draft=self.has_draft),
                 [chunk_message(uid, c) for c in self.sent_before_ack])
 
     def end(self) -> set[int]:

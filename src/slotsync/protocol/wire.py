@@ -275,24 +275,34 @@ class Begin(msgspec.Struct, tag="begin", forbid_unknown_fields=True, omit_defaul
     each. The daemon compares the manifests of a slot's ranks as their begins arrive -- all
     of them before the pause -- so ranks that would send different tensors are refused before
     the engine is paused (design.md I2), naming the first position where they part
-    (``Error.tensor_index``). Omitted from the message when empty."""
+    (``Error.tensor_index``). Omitted from the message when empty.
+
+    ``draft`` (issue 18): the round has a draft-model part -- chunks with ``Chunk.draft``
+    after every main chunk, loaded in a second session (vLLM's
+    ``/start_draft_weight_update``) once the main one finished. Every rank of a slot must
+    agree on it (else the update is refused before the pause, naming the ranks). Omitted
+    from the message when False, so a round without a draft part is encoded as before."""
 
     update_id: NonNeg
     weight_version: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_VERSION_CHARS)]
     manifest: bytes = b""
+    draft: bool = False
 
     def __post_init__(self) -> None:
         if len(self.manifest) % 4:
             raise ValueError(f"manifest has {len(self.manifest)} bytes, not a multiple of 4")
 
 
-class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True):
+class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True, omit_defaults=True):
     """One chunk of one rank: metadata for ``names`` and the handle(s) to the rank's copy.
 
     Packed: ``handles`` holds one handle to a uint8 buffer with the tensors back to back from
     the handle's start; ``tensor_sizes[i]`` is tensor i's bytes (vLLM packed layout).
     Unpacked: ``handles[i]`` is tensor i's own handle. ``tensor_sizes`` is sent in both modes
     so that the daemon can check that ranks agree.
+
+    ``draft`` (issue 18): the chunk belongs to the round's draft-model part (its ``Begin``
+    declared one); draft chunks come after every main chunk. Omitted when False.
     """
 
     update_id: NonNeg
@@ -302,6 +312,7 @@ class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True):
     shapes: list[Dims]
     tensor_sizes: list[NonNeg]
     handles: list[Handle]
+    draft: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -362,6 +373,7 @@ class _ChunkWithRawLists(msgspec.Struct, tag="chunk", forbid_unknown_fields=True
     shapes: msgspec.Raw
     tensor_sizes: msgspec.Raw
     handles: list[Handle]
+    draft: bool = False
 
     def key(self) -> tuple[bytes, bytes, bytes, bytes]:
         return (bytes(self.names), bytes(self.dtype_names), bytes(self.shapes),
@@ -399,6 +411,7 @@ class ChunkMetaCache:
         self.hits += 1
         chunk = copy.copy(seen[0])  # (no __post_init__: its lists passed it already)
         chunk.update_id, chunk.index, chunk.handles = msg.update_id, msg.index, msg.handles
+        chunk.draft = msg.draft
         return chunk
 
     def remember(self, msg: _ChunkWithRawLists, chunk: Chunk) -> None:
@@ -408,7 +421,7 @@ class ChunkMetaCache:
         self._chunks[msg.key()] = (copy.copy(chunk), sum(chunk.tensor_sizes))
 
 
-class OutgoingChunk(msgspec.Struct, tag="chunk"):
+class OutgoingChunk(msgspec.Struct, tag="chunk", omit_defaults=True):
     """A ``Chunk`` as a publisher builds it from a layout it made itself: the same fields,
     encoded to the same bytes, without ``Chunk.__post_init__``'s checks (their cost: BENCHMARKS.md).
     The daemon decodes it as a ``Chunk``, checks
@@ -421,6 +434,7 @@ class OutgoingChunk(msgspec.Struct, tag="chunk"):
     shapes: list[list[int]]
     tensor_sizes: list[int]
     handles: list[Handle]
+    draft: bool = False
 
 
 class Commit(msgspec.Struct, tag="commit", forbid_unknown_fields=True):
