@@ -48,13 +48,20 @@ Keys added for issue 14's scenarios:
 * ``raise_after``: ``(round, n[, delay_s])``: the round's iterator raises ``ValueError``
   after ``n`` tensors (bad input found mid-publish: the publisher aborts the update), after
   sleeping ``delay_s`` seconds.
+
+Key added for issue 18's draft sessions:
+
+* ``draft``: ``publish`` each round with ``make_draft_tensors(k)`` as its draft part.
 """
 
 from __future__ import annotations
 
 import time
 
-from slotsync.testing.tensors import make_tensors  # (moved there, issue 16; re-exported)
+from slotsync.testing.tensors import (  # (moved there, issue 16; re-exported)
+    make_draft_tensors,
+    make_tensors,
+)
 
 __all__ = ["error_round", "event", "make_tensors", "ok_round", "run_rank"]
 
@@ -156,7 +163,8 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
                         items = _raising(items, *bad[1:])
                     # (after the list above replaced the last round's: its tensors are gone)
                     before = torch.cuda.memory_allocated() if cuda else 0
-                    st = pub.publish(items, f"v{k}")
+                    draft = make_draft_tensors(k) if script.get("draft") else None
+                    st = pub.publish(items, f"v{k}", draft=draft)
                     # (the round's tensors must not outlive it: the next round's then take
                     # the same addresses, as a trainer's parameters keep theirs)
                     del items

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cpu, the real device UUID on cuda",
     )
     p.add_argument("--model", default=None, help="safetensors file loaded on every worker")
+    p.add_argument("--draft-model", default=None,
+                   help="safetensors file of a speculative-decoding draft model on every "
+                   "worker (issue 18: /start_draft_weight_update loads into it); default none")
     p.add_argument(
         "--discard",
         action="store_true",
@@ -139,7 +142,7 @@ def build_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         devices = [f"cuda:{i}" for i in idx]
     return [
         WorkerSpec(i, devices[i], uuids[i], args.model, discard=args.discard,
-                   receive=args.receive)
+                   receive=args.receive, draft_model_path=args.draft_model)
         for i in range(n)
     ]
 
@@ -166,10 +169,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error("--impl vllm needs --model (vLLM always serves a model)")
         if args.discard or args.receive != "reference":
             parser.error("--discard and --receive are reference-engine options")
-    if args.model is not None and not os.path.isfile(args.model):
-        # (before any worker starts: a worker would only fail later, in a traceback)
-        parser.error(f"--model {args.model}: no such file" if not os.path.exists(args.model)
-                     else f"--model {args.model}: not a file")
+    for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
+        if path is not None and not os.path.isfile(path):
+            # (before any worker starts: a worker would only fail later, in a traceback)
+            parser.error(f"{flag} {path}: no such file" if not os.path.exists(path)
+                         else f"{flag} {path}: not a file")
+    if args.draft_model is not None and args.receive != "reference":
+        parser.error("--draft-model needs --receive reference (the draft model's loads use "
+                     "the reference receive path)")
     specs = build_specs(args)
     if args.impl == "vllm":
         _main_vllm(args, specs)
@@ -234,8 +241,8 @@ def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
     from slotsync.engine.pool import WorkerPool
     from slotsync.engine.vllm_worker import VllmWorkerSpec, vllm_worker_main
 
-    vspecs = [VllmWorkerSpec(s.index, s.device, s.gpu_uuid, str(args.model), len(specs))
-              for s in specs]
+    vspecs = [VllmWorkerSpec(s.index, s.device, s.gpu_uuid, str(args.model), len(specs),
+                             args.draft_model) for s in specs]
     try:
         pool = WorkerPool(vspecs, startup_timeout_s=args.startup_timeout,
                           target=vllm_worker_main)

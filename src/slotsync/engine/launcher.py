@@ -54,6 +54,8 @@ class ReferenceEngine:
         receive: reference engine: ``"reference"`` or ``"vllm"`` (``--receive``).
         executor_replies: ``impl="vllm"``: ``"vllm"`` or ``"all"`` (``--executor-replies``);
             None: the engine's default.
+        draft_model: safetensors file of a speculative-decoding draft model on every worker
+            (``--draft-model``, issue 18), or None (no draft model).
 
     The engine starts in the constructor unless ``start=False``; :meth:`stop` (also run by
     the context manager) terminates it, then kills it after a grace period.
@@ -76,6 +78,7 @@ class ReferenceEngine:
         impl: str = "reference",
         receive: str = "reference",
         executor_replies: str | None = None,
+        draft_model: str | os.PathLike[str] | None = None,
     ) -> None:
         if impl not in ("reference", "vllm"):
             raise ValueError(f"impl must be 'reference' or 'vllm', not {impl!r}")
@@ -91,6 +94,7 @@ class ReferenceEngine:
         self._gpu_uuids = [normalize_gpu_uuid(u) for u in gpu_uuids] if gpu_uuids else None
         self._cuda_devices = list(cuda_devices) if cuda_devices is not None else None
         self._model = str(model) if model is not None else None
+        self._draft_model = str(draft_model) if draft_model is not None else None
         self._env = env or {}
         self._owns_log = log_path is None
         if log_path is None:
@@ -135,6 +139,8 @@ class ReferenceEngine:
             cmd += ["--cuda-devices", ",".join(str(i) for i in self._cuda_devices)]
         if self._model is not None:
             cmd += ["--model", self._model]
+        if self._draft_model is not None:
+            cmd += ["--draft-model", self._draft_model]
         if self.discard:
             cmd += ["--discard"]
         return cmd

@@ -114,6 +114,7 @@ class EngineApp:
         r = self.app.router
         r.add_post("/init_weight_transfer_engine", self.init_weight_transfer_engine)
         r.add_post("/start_weight_update", self.start_weight_update)
+        r.add_post("/start_draft_weight_update", self.start_draft_weight_update)
         r.add_post("/update_weights", self.update_weights)
         r.add_post("/finish_weight_update", self.finish_weight_update)
         r.add_post("/shutdown_weight_transfer_engine", self.shutdown_weight_transfer_engine)
@@ -250,6 +251,15 @@ class EngineApp:
         if isinstance(got, web.Response):
             return got
         return web.json_response({"message": "Weight update started"})
+
+    async def start_draft_weight_update(self, request: web.Request) -> web.Response:
+        """``POST /start_draft_weight_update`` (body ignored; issue 18): vLLM 0.32
+        ``api_router.py``'s route -> ``collective_rpc("start_draft_weight_update")``; a
+        worker's refusal (a session active, no draft model) is the same 500 as a start's."""
+        got = await self._read_then_fanout(request, "start_draft_weight_update")
+        if isinstance(got, web.Response):
+            return got
+        return web.json_response({"message": "Draft weight update started"})
 
     async def update_weights(self, request: web.Request) -> web.Response:
         """``POST /update_weights`` ``{"update_info": {...}}`` or a list of them indexed by

@@ -16,10 +16,24 @@ methods read, and calls vLLM's own methods on it, so vLLM's per-worker state mac
                               ``Worker.load_model``)
 ``_weight_update_active``,    ``False`` (as ``Worker.__init__``)
 ``_weight_update_is_draft``
-``model_runner``              ``model``, ``get_model()``, ``get_draft_model()`` (None),
-                              ``reset_lora_state()`` (no LoRA: nothing to reset),
-                              ``reset_mm_cache()`` / ``reset_encoder_cache()`` (no caches)
+``model_runner``              ``model``, ``get_model()``, ``get_draft_model()`` (the draft
+                              model of ``--draft-model``, else None), ``reset_lora_state()``
+                              (no LoRA: nothing to reset), ``reset_mm_cache()`` /
+                              ``reset_encoder_cache()`` (no caches)
+``speculative_config``        with ``--draft-model``: ``draft_model_config`` (a stand-in
+                              naming the file, ``dtype`` None: the config the draft session's
+                              ``finalize_layerwise_reload`` gets), else None (as
+                              ``WorkerBase.__init__``)
 ============================  ===================================================================
+
+Draft sessions (issue 18) run vLLM's own code: ``Worker.start_draft_weight_update`` ->
+``_start_weight_update(is_draft=True)`` -> ``_set_draft_weight_update_target`` (the IPC
+engine's ``set_weight_update_target(draft, draft_model_config)``), the same
+``update_weights`` into the draft model, and ``finish_weight_update``
+(``reset_weight_update_target``; no LoRA reset for a draft session). Without a draft model it
+fails as vLLM does ("Draft model weight update requested, but no draft model is
+configured."). vLLM's ``compute_weight_checksums`` covers the main model only; the draft
+model's digests (vLLM's ``compute_tensor_digests``, the same prefix) are in ``stats``.
 
 vLLM code that runs for real here: ``Worker.init_weight_transfer_engine``,
 ``start_weight_update``, ``update_weights``, ``finish_weight_update``,
@@ -80,6 +94,8 @@ class VllmWorkerSpec:
         gpu_uuid: torch-format GPU UUID to answer to, or None on CUDA for the real one.
         model_path: safetensors file the model is built from.
         world_size: the engine's number of workers (``tensor_parallel_size``).
+        draft_model_path: safetensors file of the speculative-decoding draft model, or None
+            (no draft model, as an engine without ``--speculative-config``).
     """
 
     index: int
@@ -87,12 +103,16 @@ class VllmWorkerSpec:
     gpu_uuid: str | None
     model_path: str
     world_size: int
+    draft_model_path: str | None = None
 
 
 # Method -> the weight-transfer-engine attribute that raises an injected fault.
 _FAULT_HOOKS = {
     "init_weight_transfer_engine": "parse_init_info",
     "start_weight_update": "start_weight_update",
+    # (vLLM's _start_weight_update calls the engine's start hook for a draft session too,
+    # after _set_draft_weight_update_target)
+    "start_draft_weight_update": "start_weight_update",
     "update_weights": "receive_weights",
     "finish_weight_update": "finish_weight_update",
     "shutdown_weight_transfer_engine": "shutdown",
@@ -141,11 +161,13 @@ class VllmWorkerHost:
         gpu_worker.get_pcp_group = lambda: one
 
         self.model = load_model(spec.model_path, self.device)
+        self.draft = (None if spec.draft_model_path is None
+                      else load_model(spec.draft_model_path, self.device))
         vllm_config = VllmConfig(
             parallel_config=ParallelConfig(tensor_parallel_size=spec.world_size),
             weight_transfer_config=WeightTransferConfig(backend="ipc"),
         )
-        model = self.model
+        model, draft = self.model, self.draft
         w = object.__new__(gpu_worker.Worker)
         w.vllm_config = vllm_config
         w.parallel_config = vllm_config.parallel_config
@@ -154,11 +176,13 @@ class VllmWorkerHost:
         w.model_runner = types.SimpleNamespace(
             model=model,
             get_model=lambda: model,
-            get_draft_model=lambda: None,
+            get_draft_model=lambda: draft,
             reset_lora_state=lambda: None,
             reset_mm_cache=lambda: None,
             reset_encoder_cache=lambda: None,
         )
+        w.speculative_config = None if draft is None else types.SimpleNamespace(
+            draft_model_config=types.SimpleNamespace(model=spec.draft_model_path, dtype=None))
         w._weight_update_active = False
         w._weight_update_is_draft = False
         w.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
@@ -168,7 +192,8 @@ class VllmWorkerHost:
         self._fault: str | None = None
         self._install_fault_hooks()
         self.counts = {k: 0 for k in ("init_count", "start_count", "finish_count",
-                                      "update_count", "shutdown_count")}
+                                      "update_count", "shutdown_count",
+                                      "draft_start_count")}
         self.sleep_level = 0
 
     # -- fault injection ----------------------------------------------------------------
@@ -214,6 +239,13 @@ class VllmWorkerHost:
         with self._injected("start_weight_update", inject):
             self.worker.start_weight_update()
         self.counts["start_count"] += 1
+
+    def start_draft_weight_update(self, inject: str | None = None) -> None:
+        """vLLM's ``Worker.start_draft_weight_update()`` (issue 18): the session's updates
+        load into the draft model; without one, vLLM's error."""
+        with self._injected("start_draft_weight_update", inject):
+            self.worker.start_draft_weight_update()
+        self.counts["draft_start_count"] += 1
 
     def update_weights(self, update_info: Any, inject: str | None = None) -> None:
         """vLLM's ``Worker.update_weights(update_info)`` (a dict, or a list indexed by global
@@ -261,6 +293,19 @@ class VllmWorkerHost:
         with self._injected("reset_encoder_cache", inject):
             self.worker.model_runner.reset_encoder_cache()
 
+    def _draft_stats(self) -> dict[str, Any]:
+        """``stats``' draft-model part (issue 18): ``has_draft``, ``draft_session`` (the
+        active session targets it), ``draft_num_weights``, ``draft_checksums``."""
+        if self.draft is None:
+            return {"has_draft": False}
+        return {
+            "has_draft": True,
+            "draft_session": bool(self.worker._weight_update_active
+                                  and self.worker._weight_update_is_draft),
+            "draft_num_weights": len(list(self.draft.parameters())),
+            "draft_checksums": _draft_digests(self),
+        }
+
     # -- stand-ins ----------------------------------------------------------------------
 
     def sleep(self, level: int = 1, inject: str | None = None) -> None:
@@ -271,6 +316,8 @@ class VllmWorkerHost:
                 with torch.no_grad():
                     for p in self.model.parameters():
                         _fill_discarded(p)
+                    for p in self.draft.parameters() if self.draft is not None else ():
+                        _fill_discarded(p)  # (the draft model's weights go too)
             self.sleep_level = level
 
     def wake_up(self, tags: list[str] | None = None, inject: str | None = None) -> None:
@@ -285,6 +332,7 @@ class VllmWorkerHost:
         params = list(self.model.parameters())
         engine = self.worker.weight_transfer_engine
         return {
+            **self._draft_stats(),
             "index": self.index,
             "gpu_uuid": self.gpu_uuid,
             "device": str(self.device),
@@ -295,6 +343,18 @@ class VllmWorkerHost:
             "num_weights": len(params),
             "sleep_level": self.sleep_level,
         }
+
+
+def _draft_digests(host: VllmWorkerHost) -> dict[str, str] | str:
+    """The draft model's digests as vLLM's ``compute_weight_checksums`` would write them
+    (``compute_tensor_digests``, this worker's prefix), or the error text (meta tensors)."""
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    try:
+        prefix = host.worker._weight_checksum_prefix()
+        return {prefix + n: d for n, d in compute_tensor_digests(host.draft).items()}
+    except Exception as e:  # noqa: BLE001 -- reported, as /weight_checker would fail
+        return f"{type(e).__name__}: {e}"
 
 
 def _call(host: VllmWorkerHost, method: str, kwargs: dict[str, Any]) -> Any:

@@ -18,6 +18,15 @@ no pipe or process (``slotsync.engine.worker`` serves it over the pool's pipe). 
 and the receive path are its :class:`~slotsync.engine.weight_loader.WeightLoader`; the
 payload rules are ``slotsync.engine.payload``'s.
 
+A draft model (``WorkerSpec.draft_model_path``, issue 18) has its own weights
+(``draft_loader``): ``start_draft_weight_update`` opens the one session a worker may hold
+(vLLM 0.32 ``Worker._start_weight_update(is_draft=True)``: "already active" as for the main
+start; without a draft model ``NO_DRAFT_MSG``, raised before the session opens), its updates
+load into the draft model, and ``finish_weight_update`` ends it. Between a draft start and
+its finish only the draft is unservable (vLLM's layerwise reload targets the draft model);
+``checksums`` covers the main model only, as vLLM's ``compute_weight_checksums`` does;
+``draft_checksums`` (``/_slotsync/stats``) covers the draft.
+
 Every call takes an optional ``inject="<message>"``: the call then fails with
 ``RuntimeError(message)`` after its precondition checks, at the point where a real load
 failure would happen (test-only fault injection).
@@ -44,6 +53,8 @@ UPDATE_INACTIVE_MSG = "start_weight_update must be called before update_weights.
 FINISH_INACTIVE_MSG = "finish_weight_update called without a matching start_weight_update."
 SHUTDOWN_ACTIVE_MSG = "Cannot release a trainer connection during a weight update"
 """vLLM 0.32 ``Worker.shutdown_weight_transfer_engine``'s refusal during an update."""
+NO_DRAFT_MSG = "Draft model weight update requested, but no draft model is configured."
+"""vLLM 0.32 ``Worker._set_draft_weight_update_target``'s refusal (no draft model)."""
 NOT_SERVABLE_MSG = "Cannot copy out of meta tensor; no data!"
 """What vLLM's ``/weight_checker`` reports between start and a successful finish: its
 ``compute_tensor_digests`` reads the parameters layerwise reload put on the meta device
@@ -76,6 +87,7 @@ class WorkerSpec:
     model_path: str | None
     discard: bool = False
     receive: str = "reference"
+    draft_model_path: str | None = None  # the draft model's safetensors file (issue 18)
 
 
 # The session rules (vLLM 0.33 ``gpu_worker.py``). A call needs this worker's session active
@@ -114,6 +126,18 @@ class WorkerState:
             gather.warm_up(self.device, scatter=True)
         self.loader = WeightLoader(self.index, self.device, self.gpu_uuid, weights,
                                    strict=spec.model_path is not None, discard=spec.discard)
+        self.main_loader = self.loader
+        self.draft_loader: WeightLoader | None = None
+        if spec.draft_model_path is not None:
+            from safetensors.torch import load_file
+
+            self.draft_loader = WeightLoader(
+                self.index, self.device, self.gpu_uuid,
+                load_file(spec.draft_model_path, device=str(self.device)), strict=True,
+                discard=spec.discard)
+        self.draft_session = False  # the active session targets the draft model
+        self.draft_servable = True
+        self.draft_start_count = 0
         self.packed = False
         self.active = False
         self.servable = True
@@ -169,6 +193,26 @@ class WorkerState:
         self._after("start_weight_update")
         self.start_count += 1
 
+    def start_draft_weight_update(self, inject: str | None = None) -> None:
+        """vLLM's ``start_draft_weight_update``: open a session whose updates load into the
+        draft model; fails if a session is active, or (``NO_DRAFT_MSG``) without a draft
+        model, before the session opens."""
+        needs_active, message = _REQUIRES["start_weight_update"]
+        if self.active != needs_active:
+            raise RuntimeError(message)
+        if self.draft_loader is None:
+            raise RuntimeError(NO_DRAFT_MSG)
+        if inject:
+            raise RuntimeError(inject)
+        self.active, self.draft_session, self.draft_servable = True, True, False
+        self.loader = self.draft_loader  # (vLLM: set_weight_update_target(draft, ...))
+        self.draft_start_count += 1
+
+    def _end_target(self) -> None:
+        """The session ended: updates go to the main model again (vLLM
+        ``reset_weight_update_target``)."""
+        self.loader, self.draft_session = self.main_loader, False
+
     def update_weights(self, update_info: Any = None, inject: str | None = None,
                        update_info_json: bytes | None = None,
                        missing_rank: bool = False) -> int:
@@ -201,6 +245,7 @@ class WorkerState:
         except BaseException:
             self.active = False
             self.loader.end_session()  # (vLLM's importer, --receive vllm, is kept, as in vLLM)
+            self._end_target()
             raise
         self.update_count += 1
         self.bytes_loaded += n
@@ -210,9 +255,13 @@ class WorkerState:
     def finish_weight_update(self, inject: str | None = None) -> None:
         """Close the session; fails without an active one. Weights are servable again."""
         self._require("finish_weight_update", inject)
-        self._after("finish_weight_update")
+        if self.draft_session:
+            self.active, self.draft_servable = False, True  # (the main model was untouched)
+        else:
+            self._after("finish_weight_update")
         self.finish_count += 1
         self.loader.end_session()  # vLLM: finish_weight_update closes the packed importer
+        self._end_target()
         if self.receiver is not None:
             self.receiver.end_session()
 
@@ -228,7 +277,8 @@ class WorkerState:
         if inject:
             raise RuntimeError(inject)
         if level >= 2:
-            for t in self.loader.weights.values():
+            drafts = self.draft_loader.weights.values() if self.draft_loader else ()
+            for t in [*self.main_loader.weights.values(), *drafts]:
                 if t.numel():
                     t.reshape(-1).view(torch.uint8).fill_(0xFF)
         self.sleep_level = level
@@ -263,7 +313,17 @@ class WorkerState:
             raise RuntimeError(NOT_SERVABLE_MSG)
         if inject:
             raise RuntimeError(inject)
-        return {k: tensor_checksum(self.loader.weights[k]) for k in sorted(self.loader.weights)}
+        w = self.main_loader.weights
+        return {k: tensor_checksum(w[k]) for k in sorted(w)}
+
+    def draft_checksums(self) -> dict[str, str] | str:
+        """The draft model's ``{name: tensor_checksum}``, or ``NOT_SERVABLE_MSG`` between a
+        draft start and its finish (or after a failed draft session)."""
+        if not self.draft_servable:
+            return NOT_SERVABLE_MSG
+        assert self.draft_loader is not None
+        w = self.draft_loader.weights
+        return {k: tensor_checksum(w[k]) for k in sorted(w)}
 
     def stats(self, inject: str | None = None) -> dict[str, Any]:
         """Counters for ``GET /_slotsync/stats`` (bytes_loaded in bytes, counts in calls)."""
@@ -286,7 +346,12 @@ class WorkerState:
             "planned_chunks": self.loader.planned_chunks,
             "planned_from_text": self.loader.planned_from_text,
             "scattered_chunks": self.loader.scattered_chunks,
-            "num_weights": len(self.loader.weights),
+            "num_weights": len(self.main_loader.weights),
+            **({"has_draft": False} if self.draft_loader is None else {
+                "has_draft": True, "draft_session": self.draft_session,
+                "draft_start_count": self.draft_start_count,
+                "draft_num_weights": len(self.draft_loader.weights),
+                "draft_checksums": self.draft_checksums()}),
             "sleep_level": self.sleep_level,
             "receive": "vllm" if self.receiver is not None else "reference",
             "vllm_file": None if self.receiver is None else self.receiver.vllm_file,
@@ -307,12 +372,17 @@ class WorkerState:
     def wait_copies(self, keep: int = 0) -> None:
         """Wait for deferred copies, oldest first, until ``keep`` are left (their chunks'
         answers may go out then: the producer reuses its buffer after it)."""
+        other = self.draft_loader if self.loader is self.main_loader else self.main_loader
+        if other is not None and other.copies_pending:
+            # (a session that ended -- a failed draft update -- may have left one)
+            self.load_seconds += other.wait_copies(0)
         self.load_seconds += self.loader.wait_copies(keep)
 
     @property
     def copies_pending(self) -> int:
-        """Deferred copies not yet waited for."""
-        return self.loader.copies_pending
+        """Deferred copies not yet waited for (of both models' loaders)."""
+        drafts = self.draft_loader.copies_pending if self.draft_loader is not None else 0
+        return self.main_loader.copies_pending + drafts
 
 
 def worker_device(device: str, gpu_uuid: str | None) -> tuple[torch.device, str]:

@@ -20,3 +20,15 @@ def make_tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
         ("layers.1.mask", torch.rand(32, generator=g) > 0.5),
         ("lm_head.weight", torch.randn(100, 64, generator=g)),
     ]
+
+
+def make_draft_tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Round ``seed``'s speculative-decoding draft model (issue 18), on the CPU: three float32
+    tensors, 98,304 bytes. Two share a name (and shape) with ``make_tensors``' main model but
+    hold other values, so that checksums tell which model a chunk landed in."""
+    g = torch.Generator().manual_seed(10_000 + seed)
+    return [
+        ("layers.0.mlp.up.weight", torch.randn(128, 64, generator=g)),
+        ("fc.weight", torch.randn(64, 128, generator=g)),
+        ("lm_head.weight", torch.randn(128, 64, generator=g)),
+    ]
