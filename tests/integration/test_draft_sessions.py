@@ -142,3 +142,25 @@ def test_a_main_chunk_after_a_draft_chunk_is_refused_by_the_publisher(engine, da
         pub.abort("test")
     # (the session rule alone: the engine is never touched)
     assert engine_stats(engine)["paused"] is False
+
+
+@pytest.mark.parametrize("impl_name", IMPLS)
+def test_engine_without_a_draft_model_is_refused_before_the_pause(impl_name, daemon):
+    """The daemon asks the workers' ``supports_draft_weight_updates()`` (vLLM's own method on
+    the vLLM-code engine, through its dev-mode ``/collective_rpc``) before the pause."""
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    with start_engine(2, impl_name=impl_name, model=model_file(make_tensors(0))) as eng:
+        res = publish_on_every_rank(daemon, eng.url, [
+            {"named_tensors": make_tensors(5), "weight_version": "step-5",
+             "draft": make_draft_tensors(5)},
+            {"named_tensors": make_tensors(6), "weight_version": "step-6"}])
+        for r in range(2):
+            e = res[r][0]
+            assert isinstance(e, SlotsyncError) and e.phase == "begin", e
+            assert "cannot load a draft model" in e.message, e
+            assert "answered ['False', 'False']" in e.message, e
+            assert not isinstance(res[r][1], Exception), res[r][1]  # the next round lands
+        s = slot_status(daemon)
+        assert s["engine_calls"]["pause"] == 1 and "start_draft_weight_update" not in (
+            s["engine_calls"])
+        assert all(sums == want(make_tensors(6)) for sums in engine_checksums(eng).values())

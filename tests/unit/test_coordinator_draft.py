@@ -29,10 +29,17 @@ class DraftEngine(ScriptedEngine):
     """``ScriptedEngine`` with vLLM's draft routes; ``has_draft``: a draft model is set up."""
 
     has_draft: bool = True
+    says_draft: bool | None = None  # what supports_draft_weight_updates answers (has_draft)
     draft_sessions: int = 0
 
     def answer(self, call: EngineCall) -> tuple[bool, object, str]:
         r = call.route
+        if r == "draft_support":  # /collective_rpc: vLLM's router writes str(result)
+            assert call.body == {"method": "supports_draft_weight_updates"}
+            self.calls.append(r)
+            self.bodies.append(call.body)
+            says = self.has_draft if self.says_draft is None else self.says_draft
+            return True, {"results": [str(says)] * self.world_size}, ""
         if r not in ("start_draft_weight_update", "finish_draft_weight_update"):
             return super().answer(call)
         self.calls.append(r)
@@ -94,7 +101,7 @@ def test_draft_session_runs_after_the_main_finish_and_resume_waits_for_both():
     draft_round(h, 0)
     assert h.engine.calls == [
         "get_world_size", "weight_info", "is_sleeping", "init_weight_transfer_engine",
-        "pause", "start_weight_update", "update_weights", "update_weights",
+        "draft_support", "pause", "start_weight_update", "update_weights", "update_weights",
         "finish_weight_update", "start_draft_weight_update", "update_weights",
         "finish_draft_weight_update", "resume"]
     finish = h.engine.bodies[h.engine.calls.index("finish_weight_update")]
@@ -229,12 +236,34 @@ def test_recovery_round_must_carry_every_draft_name():
     assert h.engine.calls.count("finish_draft_weight_update") == 1 and h.engine.paused
 
 
-def test_engine_without_a_draft_model_is_resumed_and_nothing_is_flagged():
-    """vLLM refuses the draft start before any worker's session opens: the main weights are
-    loaded and recorded, nothing is half-loaded, so the engine is checked and resumed (I9)
-    and the ranks are told why."""
+def test_engine_without_a_draft_model_is_refused_before_the_pause():
+    """Before the pause, a round with a draft part asks the workers'
+    ``supports_draft_weight_updates()`` (once per engine process): an engine without a draft
+    model is named and never paused; a round without the draft part then goes through."""
     h = harness()
     h.engine.has_draft = False
+    draft_round(h, 0)
+    for r in range(2):
+        err = errors(h, r)[0]
+        assert err.phase == "begin" and "cannot load a draft model" in err.message
+        assert "supports_draft_weight_updates() answered ['False', 'False']" in err.message
+    assert "pause" not in h.engine.calls and not h.engine.paused
+    h.round(1)
+    assert h.ended[-1].outcome == "success"
+    h.engine.has_draft = True
+    draft_round(h, 2)
+    draft_round(h, 3)
+    assert h.ended[-1].outcome == "success"
+    assert h.engine.calls.count("draft_support") == 2  # (asked again only after a refusal)
+
+
+def test_draft_start_refused_for_want_of_a_draft_model_resumes_the_engine():
+    """Should vLLM still refuse the draft start for want of a draft model (its check said
+    yes), it refused before any worker's session opened: the main weights are loaded and
+    recorded, nothing is half-loaded, so the engine is checked and resumed (I9) and the ranks
+    are told why."""
+    h = harness()
+    h.engine.has_draft, h.engine.says_draft = False, True
     draft_round(h, 0)
     for r in range(2):
         err = errors(h, r)[0]

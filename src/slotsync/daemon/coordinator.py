@@ -396,6 +396,11 @@ class SlotCoordinator:
             out += probe.check_sleep(self.engine, self.slot, self.engine_url, u, result)
         elif route == "init_weight_transfer_engine":
             self.engine.initialized = True
+        elif route == "draft_support":
+            why = probe.draft_unsupported(result, self.size, self.engine_url, u.update_id)
+            if why:  # (before the pause: the engine still serves)
+                return self._fail(now, "begin", why, [])
+            self.engine.draft.supported = True
         elif route == "pause":
             self.engine.paused = True
         elif route == "start_weight_update":
@@ -799,7 +804,9 @@ class SlotCoordinator:
         out: list[Action] = []
         for route in step.stage.routes if step.stage else ():
             body = ({"init_info": {"packed": self.packed}}
-                    if route == "init_weight_transfer_engine" else None)
+                    if route == "init_weight_transfer_engine" else
+                    {"method": "supports_draft_weight_updates"} if route == "draft_support"
+                    else None)
             out += self._call(u, route, body, needs_record=step.stage.needs_record)
         return out
 

@@ -14,7 +14,7 @@ from typing import Any
 EXECUTOR_ROUTES = frozenset({
     "init_weight_transfer_engine", "pause", "finish_recover", "start_weight_update",
     "update_weights", "finish_weight_update", "check_replies",
-    "start_draft_weight_update", "finish_draft_weight_update",
+    "start_draft_weight_update", "finish_draft_weight_update", "draft_support",
 })
 """Engine calls that reach the workers through vLLM's executor."""
 
@@ -30,12 +30,14 @@ class DraftTarget:
     engine restarted or slept after the daemon had loaded it; ``why`` says which),
     ``last_ok_names`` (the draft tensor names of the last successful draft session) and
     ``version`` (the weight version of the round whose draft part last landed; vLLM itself
-    keeps one version per engine, the main one)."""
+    keeps one version per engine, the main one). ``supported``: this engine process's
+    workers answered ``supports_draft_weight_updates()`` true (asked once per process)."""
 
     needs_full_update: bool = False
     last_ok_names: frozenset[str] = field(default_factory=frozenset)
     version: str | None = None
     why: str = ""
+    supported: bool | None = None  # every worker said it can load a draft (None: not asked)
 
     def stale(self, why: str) -> None:
         """The engine's draft model no longer holds what the daemon loaded (``why``): if it
@@ -119,6 +121,7 @@ class EngineSession:
         half-open session, its replies line up, and it is initialised again."""
         self.initialized = self.mid_update = self.replies_suspect = False
         self.out_of_step, self.recover_first = None, True
+        self.draft.supported = None
 
     def note_reply_trouble(self, route: str, error: str, size: int) -> None:
         """A failed call that may have left a later worker's reply queued (vLLM's

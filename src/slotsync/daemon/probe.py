@@ -136,3 +136,21 @@ def check_sleep(engine: EngineSession, slot: tuple[int, int], engine_url: str, u
         "why": "vLLM /is_sleeping is true (asleep, or paused by someone else): a level-2 "
                "sleep discards the weights, so this update must be a full one, and the "
                "engine is left paused at the end (vLLM resumes it at its full /wake_up)"})]
+
+
+def draft_unsupported(result: Any, size: int, engine_url: str | None, update_id: int) -> str:
+    """Why the engine cannot take update ``update_id``'s draft part, from its workers'
+    ``supports_draft_weight_updates()`` (vLLM 0.32 ``gpu_worker.py``: a weight-transfer
+    backend with draft updates, ``model_runner.get_draft_model()`` not None and a
+    ``speculative_config.draft_model_config``) through ``/collective_rpc``
+    (``{"results": [one per worker]}``, ``size`` workers: vLLM's dev-mode router writes a
+    result that is not None, a dict or a list as ``str(result)``, so ``"True"``); '' if every
+    worker can."""
+    results = result.get("results") if isinstance(result, dict) else None
+    if isinstance(results, list) and len(results) == size and all(
+            r is True or r == "True" for r in results):
+        return ""
+    return (f"engine {engine_url} cannot load a draft model: its workers' "
+            f"supports_draft_weight_updates() answered {results!r} (vLLM needs a draft model "
+            "in --speculative-config and a weight-transfer backend with draft updates), but "
+            f"update {update_id} has a draft part; publish without draft=... for this engine")

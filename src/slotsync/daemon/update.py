@@ -77,12 +77,15 @@ class Stage:
 BEGIN_STAGES: tuple[Stage, ...] = (
     Stage("probe", ("get_world_size", "weight_info", "is_sleeping"), False),
     Stage("init", ("init_weight_transfer_engine",), False),
+    # issue 18: a round with a draft part asks, while the engine still serves, whether its
+    # workers can load a draft model (vLLM 0.32 Worker.supports_draft_weight_updates)
+    Stage("draft", ("draft_support",), False),
     Stage("pause", ("pause",), True),
     Stage("recover", ("finish_recover",), True),
     Stage("start", ("start_weight_update",), True, needs_record=True),
 )
 STAGE_INDEX = {st.name: i for i, st in enumerate(BEGIN_STAGES)}
-EXECUTOR_STAGES = frozenset({"init", "pause", "recover", "start"})
+EXECUTOR_STAGES = frozenset({"init", "draft", "pause", "recover", "start"})
 """Begin stages whose calls reach every worker through vLLM's executor (the probes are answered
 by the API server or the engine core; vLLM 0.32's ``EngineCoreProc.pause_scheduler`` calls
 ``collective_rpc("synchronize_device")`` and resets the workers' caches)."""
@@ -384,6 +387,9 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
         if u.stage > 0 and engine.out_of_step:
             return BeginStep(fail=engine.out_of_step)
         if st.name == "init" and engine.initialized:
+            u.stage += 1
+            continue
+        if st.name == "draft" and (not u.draft or engine.draft.supported):
             u.stage += 1
             continue
         if st.name == "recover" and not (

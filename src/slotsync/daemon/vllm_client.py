@@ -38,6 +38,9 @@ ROUTES: dict[str, tuple[str, str]] = {
     # without weight_version (the main finish set the engine's one version)
     "start_draft_weight_update": ("POST", "/start_draft_weight_update"),
     "finish_draft_weight_update": ("POST", "/finish_weight_update"),
+    # ... and, before the pause, whether the engine can load one at all: dev-mode
+    # /collective_rpc with {"method": "supports_draft_weight_updates"} (gpu_worker.py)
+    "draft_support": ("POST", "/collective_rpc"),
     "resume": ("POST", "/resume"),
     "is_paused": ("GET", "/is_paused"),
     "is_sleeping": ("GET", "/is_sleeping"),

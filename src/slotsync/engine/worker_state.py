@@ -294,7 +294,8 @@ class WorkerState:
     def rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
             inject: str | None = None) -> Any:
         """``POST /collective_rpc``'s worker part: the vLLM ``Worker`` methods this worker
-        has (``check_health``: healthy while it runs, vLLM 0.32 ``gpu_worker.py``).
+        has (``check_health``: healthy while it runs; ``supports_draft_weight_updates``:
+        whether a draft model is set up; vLLM 0.32 ``gpu_worker.py``).
 
         Raises:
             AttributeError: another name, with vLLM's ``getattr(worker, method)`` text.
@@ -303,6 +304,8 @@ class WorkerState:
             raise RuntimeError(inject)
         if method == "check_health":
             return None
+        if method == "supports_draft_weight_updates":  # (issue 18: a draft model is set up)
+            return self.draft_loader is not None
         raise AttributeError(f"'Worker' object has no attribute '{method}'")
 
     # -- reference-engine extras -----------------------------------------------------------
