@@ -22,7 +22,9 @@ class SlotsyncError(Exception):
 
     Attributes:
         phase: the step that failed: ``register``, ``begin``, ``chunk``, ``commit``,
-            ``abort``, ``engine`` (from the daemon) or ``protocol`` (bad reply).
+            ``abort``, ``engine``, ``draft`` (a failure after the main session of a round
+            with a draft part finished: only the draft needs a full update; issue 18) (from
+            the daemon) or ``protocol`` (bad reply).
         message: the daemon's own text.
         slot: the engine slot ``(start, end)``, or ``None`` if the daemon did not know it.
         update_id: the failed update's id, or ``None`` (e.g. registration).
