@@ -287,3 +287,14 @@ def test_restarted_engine_needs_its_draft_in_full_once_the_daemon_had_loaded_one
     assert not h.engine.paused  # refused before the pause
     draft_round(h, 2)
     assert h.ended[-1].outcome == "success" and h.coord.engine.draft.version == "v2"
+
+
+def test_slotsync_status_shows_the_draft_version_and_that_it_needs_a_full_update():
+    from slotsync.status_cli import render_table
+
+    h = harness()
+    draft_round(h, 0)
+    h.engine.fail[("update_weights", 5)] = "HTTP 500: injected draft update fault"
+    draft_round(h, 1)
+    table = render_table({"slots": [h.coord.status()]})
+    assert "v1 (draft v0, needs full update)" in table, table

@@ -167,3 +167,31 @@ def test_message_bound_names_the_chunk_over_the_cap() -> None:
     bound.check(items, limit=1000, cap=10**6)
     with pytest.raises(ValueError, match="chunk 0 of this update"):
         bound.check(items, limit=1000, cap=2000)
+
+
+def test_draft_chunks_come_after_every_main_chunk() -> None:
+    """Issue 18: the draft part is declared at the begin, follows at least one main chunk,
+    and no main chunk follows it; each chunk's message carries its part; a re-sent begin keeps
+    the declaration."""
+    s = _session()
+    begin = s.begin("v", draft=True)
+    assert begin.draft is True
+    with pytest.raises(ValueError, match="needs at least one main chunk"):
+        s.next_chunk_part(True)
+    s.next_chunk_part(False)
+    c0 = _chunk(s)
+    s.next_chunk_part(True)
+    c1 = ps.SentChunk(s.add_chunk(4), ["d"], ["float32"], [[1]], [4], [],
+                      s.chunk_is_draft(1))
+    assert [s.chunk_is_draft(c.index) for c in (c0, c1)] == [False, True]
+    assert s.chunk_message(c1).draft is True and s.chunk_message(c0).draft is False
+    s.next_chunk_part(True)  # (more draft chunks)
+    with pytest.raises(ValueError, match="a main chunk after the draft part began"):
+        s.next_chunk_part(False)
+    s.update_id = None
+    s.registration(_registered())
+    assert s.rebegin()[0].draft is True
+    s.end()
+    s.begin("w")
+    with pytest.raises(ValueError, match="declared no draft part"):
+        s.next_chunk_part(True)

@@ -300,3 +300,21 @@ def test_begin_manifest_is_optional_and_left_out_when_empty():
                                   "manifest": b"\x01\x02\x03"})
     with pytest.raises(ProtocolError, match="manifest has 3 bytes"):
         decode_to_daemon(bad)
+
+
+def test_draft_flags_are_omitted_when_false_and_kept_through_the_chunk_cache():
+    """Issue 18: ``Begin.draft`` / ``Chunk.draft`` leave a round without a draft part encoded
+    as before; a draft chunk whose lists the cache holds (the same names as a main chunk's)
+    keeps its flag."""
+    lists = dict(names=["a"], dtype_names=["float32"], shapes=[[2]], tensor_sizes=[8])
+    main = Chunk(1, 0, **lists, handles=[ShmHandle("s", 0, 8)])
+    assert b"draft" not in encode(main) and b"draft" not in encode(Begin(1, "v"))
+    out = OutgoingChunk(1, 0, handles=[ShmHandle("s", 0, 8)], **lists)
+    assert encode(out) == encode(main)
+    draft = Chunk(1, 1, **lists, handles=[ShmHandle("s", 0, 8)], draft=True)
+    assert decode_to_daemon(encode(Begin(1, "v", draft=True))).draft is True
+    cache = ChunkMetaCache()
+    assert decode_to_daemon(encode(main), cache=cache).draft is False
+    got = decode_to_daemon(encode(draft), cache=cache)
+    assert cache.hits == 1 and got.draft is True
+    assert decode_to_daemon(encode(main), cache=cache).draft is False
