@@ -192,7 +192,9 @@ class VllmEngineClient:
         await self.collective_rpc("start_weight_update", _route="start_weight_update")
 
     async def start_draft_weight_update(self) -> None:
-        """``AsyncLLM.start_draft_weight_update`` (no draft model here: vLLM's error)."""
+        """``AsyncLLM.start_draft_weight_update``: ``collective_rpc`` of vLLM's
+        ``Worker.start_draft_weight_update`` (the worker's draft model is
+        ``--draft-model``'s; without one, vLLM's error)."""
         await self.collective_rpc("start_draft_weight_update",
                                   _route="start_draft_weight_update")
 

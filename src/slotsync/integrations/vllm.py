@@ -31,6 +31,12 @@ staging regions), ``iter_full()`` (vLLM 0.33), ``iter(source)`` (vLLM 0.32). Its
 ``metadata()`` gives the update's manifest (``protocol.manifest``), so ranks that would send
 different tensors are refused before the engine is paused, and iteration is checked against it
 element by element (vLLM's rule: "must agree with iteration element for element").
+
+Speculative-decoding draft models (issue 18): vLLM 0.32's trainer API has no way to send them
+(``TrainerWeightTransferEngine.send_weights`` takes one source; ``HTTPVLLMWeightSyncClient``
+and ``RayVLLMWeightSyncClient`` have no ``start_draft_weight_update``), so this backend sends
+the main model only; a round with a draft part goes through ``Publisher.publish(...,
+draft=...)`` (docs/publisher.md, "Draft models").
 """
 
 from __future__ import annotations
