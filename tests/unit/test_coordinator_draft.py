@@ -162,6 +162,17 @@ def test_a_main_chunk_after_a_draft_chunk_is_a_clear_error():
     err = errors(h, 0)[-1]
     assert "rank 0 sent chunk 2 as a main chunk, but the draft part begins at chunk 1" in (
         err.message)
+    # ranks that part at the same index: rank 1's chunk 1 is a main one, rank 0's a draft
+    h1 = harness()
+    for r in range(2):
+        h1.send(r, Begin(0, "v0", draft=True))
+        h1.send(r, chunk(0, 0, r, names=MAIN))
+    h1.send(1, chunk(0, 1, 1, names=DRAFT))
+    h1.send(0, dchunk(0, 1, 0))
+    err = errors(h1, 0)[-1]
+    assert "rank 0 began the draft part at chunk 1, but rank 1 sent chunk 1 as a main" in (
+        err.message)
+    assert h1.engine.calls.count("update_weights") == 1  # chunk 1 never reached the engine
     # a draft chunk in a round that declared none, and a draft part with no main chunk
     h2 = harness()
     h2.begin(0)

@@ -83,12 +83,13 @@ def draft_out_of_order(u: Update, rank: int, msg: Chunk) -> str:
         if idx == 0:
             return (f"rank {rank} sent chunk 0 as a draft chunk: the draft part comes after "
                     "at least one main chunk")
-        main_after = sorted(i for i, got in u.pending.items() if i > idx
-                            and any(not c.draft for c in got.values()))
+        main_after = sorted((i, r) for i, got in u.pending.items() if i >= idx
+                            for r, c in got.items() if not c.draft)
         if main_after:
-            return (f"rank {rank} began the draft part at chunk {idx}, but chunk "
-                    f"{main_after[0]} was sent as a main chunk: a main chunk after a draft "
-                    "one (draft chunks come after every main chunk)")
+            i, r = main_after[0]
+            return (f"rank {rank} began the draft part at chunk {idx}, but rank {r} sent "
+                    f"chunk {i} as a main chunk: {SAME_CHUNKS_RULE} (draft chunks come after "
+                    "every main chunk)")
         u.draft_from = idx
         return ""
     if msg.draft != (idx >= u.draft_from):
