@@ -50,9 +50,11 @@ Test-only control routes (not part of vLLM), under ``/_slotsync/``:
     int}, "faults": [fault, ...], "workers": [{"index", "gpu_uuid", "device", "active",
     "servable", "packed", "init_count", "start_count", "finish_count", "update_count",
     "bytes_loaded", "load_seconds", "sync_seconds", "packed_maps", "num_weights",
-    "sleep_level", "receive"}, ...]}`` (``load_seconds``: seconds inside ``update_weights``;
-    ``sync_seconds``: of those, waiting for the device's copies; ``packed_maps``: packed
-    buffers mapped anew rather than found mapped).
+    "sleep_level", "receive", "has_draft"}, ...]}``; with ``--draft-model`` each worker adds
+    ``"draft_session", "draft_start_count", "draft_num_weights", "draft_checksums": {name:
+    sha256 hex} | "<why not servable>"`` (issue 18) (``load_seconds``: seconds inside
+    ``update_weights``; ``sync_seconds``: of those, waiting for the device's copies;
+    ``packed_maps``: packed buffers mapped anew rather than found mapped).
 
 ``POST /_slotsync/fault``
     ``{"route": "<route name without '/'>", "after": k, "status": 500, "workers": [i, ...] |
