@@ -34,6 +34,8 @@ returned and its condition holds (``update.BEGIN_STAGES``)::
     init     init_weight_transfer_engine(packed)          the engine is not initialised: the
                                                           slot's first update, after a failure,
                                                           or the probe found a new session
+    draft    draft_support (/collective_rpc               a round with a draft part, once per
+             supports_draft_weight_updates)               engine process (issue 18)
     pause    pause(keep)                                  every rank began, a chunk arrived (an
                                                           update with no chunk never touches the
                                                           engine), the GPU UUIDs match (I2)
