@@ -148,6 +148,7 @@ class PublisherSession:
         self.early_acks: set[int] = set()  # chunk acks read while sending or waiting
         self.begin_version: str | None = None  # weight version of a Begin not yet acked
         self.begin_manifest = b""  # its tensor manifest (empty: none)
+        self.begin_rank_local: dict = {}  # its rank-local fields (wire.Begin; empty: none)
         self.begin_acked = False  # its Ack(begin) was read while doing something else
         self.begin_refused: wire.Error | None = None  # ... or a "not registered" for it
         self.begin_resent = False  # the begin went out again (a second refusal ends it)
@@ -189,9 +190,12 @@ class PublisherSession:
             raise RuntimeError("no update is open; call begin() first")
         return self.update_id
 
-    def begin(self, weight_version: str, manifest: bytes = b"") -> wire.Begin:
+    def begin(self, weight_version: str, manifest: bytes = b"",
+              rank_local: dict | None = None) -> wire.Begin:
         """Open the next update; returns its ``Begin`` to send (``manifest``: see
-        ``manifest.manifest_of``; empty for none).
+        ``manifest.manifest_of``; empty for none; ``rank_local``: the ``wire.Begin`` fields
+        of rank-local mode, ``rank_local``, ``worker_rank``, ``names``, ``dtype_names`` and
+        ``shapes``, or None outside it).
 
         Raises:
             RuntimeError: an update is open.
@@ -204,7 +208,9 @@ class PublisherSession:
         self.early_acks.clear()
         self.begin_version = weight_version
         self.begin_manifest = manifest
-        return wire.Begin(update_id=uid, weight_version=weight_version, manifest=manifest)
+        self.begin_rank_local = rank_local or {}
+        return wire.Begin(update_id=uid, weight_version=weight_version, manifest=manifest,
+                          **self.begin_rank_local)
 
     def add_chunk(self, nbytes: int) -> int:
         """Count the next chunk (``nbytes`` of tensors); returns its index."""
@@ -275,7 +281,7 @@ class PublisherSession:
         self.begin_resent = True
         self.begin_refused = None
         return (wire.Begin(update_id=uid, weight_version=version,
-                           manifest=self.begin_manifest),
+                           manifest=self.begin_manifest, **self.begin_rank_local),
                 [chunk_message(uid, c) for c in self.sent_before_ack])
 
     def end(self) -> set[int]:
