@@ -232,3 +232,65 @@ def test_rank_local_without_a_worker_table_is_refused_naming_the_setting(engine,
 def test_rank_that_never_begins_is_named_before_the_pause(engine, tmp_path):
     texts = _fault(engine, tmp_path, UUIDS, ranks=range(3), args=["--begin-timeout-s", "3"])
     assert all("failed in begin" in t and "missing ranks [3]" in t for t in texts[:-1]), texts
+
+
+@pytest.mark.vllm
+def test_a_source_holding_part_of_the_model_publishes_rank_locally_through_vllms_factory(
+        engine, tmp_path):
+    """vLLM 0.32's ``held_names()`` through vLLM's own ``WeightTransferTrainerFactory``:
+    every rank's ``ModuleSource`` holds the whole model, ``held_names`` says which names are
+    its own (shared + its experts); ``send_weights`` publishes only those, rank-locally
+    (before issue 18 such a source was refused at ``trainer_init``)."""
+    if engine.impl != "vllm":
+        pytest.skip("vLLM's trainer factory drives the vLLM-code engine here")
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
+
+    from slotsync.engine.vllm_model import SafetensorsModel
+    from slotsync.integrations.vllm import SlotsyncTrainerInitInfo
+
+    class EpSource(ModuleSource):
+        def __init__(self, worker: int) -> None:
+            super().__init__(SafetensorsModel(full_model(11)))
+            self.worker = worker
+
+        def held_names(self) -> list[str]:
+            return [n for n, _ in rank_tensors(self.worker, 11)]
+
+    errors: dict[int, BaseException | None] = {}
+    sent: dict[int, int] = {}
+    with daemon_with(tmp_path, UUIDS, engine.url) as d:
+        barrier = threading.Barrier(WORKERS, timeout=120)
+
+        def rank(r: int) -> None:
+            try:
+                eng = WeightTransferTrainerFactory.trainer_init(
+                    SlotsyncTrainerInitInfo(rank=r, packed=True, endpoint=d.endpoint,
+                                            slot=(0, WORKERS), timeout_s=60.0),
+                    client=HTTPVLLMWeightSyncClient(engine.url), source=EpSource(r))
+                try:
+                    barrier.wait()
+                    sent[r] = eng.send_weights(weight_version="ep-factory").bytes
+                finally:
+                    eng.shutdown()
+                errors[r] = None
+            except BaseException as e:  # noqa: BLE001 - checked below
+                errors[r] = e
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORKERS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert errors == dict.fromkeys(range(WORKERS)), (errors, d.log_tail())
+    m = full_model(11)
+    assert sent == {w: sum(t.nbytes for _, t in rank_tensors(w, 11)) for w in range(WORKERS)}
+    sums = engine_checksums(engine)
+    for w in range(WORKERS):
+        for e in EXPERTS_OF[w]:
+            assert sums[f"tp{w}"][expert(e)] == tensor_checksum(m[expert(e)])
+        assert sums[f"tp{w}"][SHARED[0]] == tensor_checksum(m[SHARED[0]])
+    assert engine_stats(engine)["weight_version"] == "ep-factory"
