@@ -15,9 +15,10 @@ start, and it still serves its old weights), with a message naming what is wrong
 worker table, a rank's GPU UUID not in the table, a worker without an entry, a shared tensor
 that disagrees, no worker table at all, a rank that never begins.
 
-Every test runs on both engines; the reference engine's round is expected to fail until it
-learns the list form (another part of issue 18): ``xfail(strict=False)`` there. It reports its
-workers' GPU UUIDs itself, so its misordered table is refused as unlike that report.
+Every test runs on both engines (the reference engine already takes the list form,
+``engine/server.py`` ``update_weights``, empty entries included; both start from the
+checkpoint, so a worker keeps what it is not sent). The reference engine reports its workers'
+GPU UUIDs itself, so its misordered table is refused as unlike that report.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engines import start_engine, vllm_importable  # noqa: E402
+from engines import model_file, start_engine, vllm_importable  # noqa: E402
 from state_readers import engine_checksums, engine_stats  # noqa: E402
 
 from slotsync.engine.checksum import tensor_checksum  # noqa: E402
@@ -75,7 +76,6 @@ def rank_tensors(worker: int, seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 IMPLS = [pytest.param("vllm", marks=pytest.mark.vllm), "reference"]
-NEEDS_LIST_FORM = pytest.mark.xfail(strict=False, reason="needs the reference engine's list form")
 
 
 @pytest.fixture(scope="module", params=IMPLS)
@@ -85,7 +85,9 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Any]:
         if why:
             pytest.skip(f"vLLM's code cannot be imported: {why}")
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    eng = start_engine(WORKERS, named=list(full_model(0).items()), impl_name=request.param)
+    # (both engines start from the checkpoint: a worker keeps what it is not sent)
+    eng = start_engine(WORKERS, impl_name=request.param,
+                       model=model_file(list(full_model(0).items())))
     with eng:
         yield eng
 
@@ -137,11 +139,9 @@ def publish_all(daemon: DaemonProcess, url: str, seed: int, version: str, *,
     return errors
 
 
-def test_each_worker_gets_its_own_experts_and_every_shared_tensor(engine, tmp_path, request):
+def test_each_worker_gets_its_own_experts_and_every_shared_tensor(engine, tmp_path):
     """Acceptance: per-worker checksums equal exactly what each worker should hold; one start
     and one finish; ranks sent different chunk counts (4, 3, 3, 3)."""
-    if engine.impl == "reference":
-        request.applymarker(NEEDS_LIST_FORM)
     before = engine_stats(engine)["route_counts"]
     with daemon_with(tmp_path, UUIDS, engine.url) as d:
         errors = publish_all(d, engine.url, seed=5, version="ep-1")
