@@ -248,3 +248,19 @@ def test_publisher_rank_local_arguments():
         _rank_local_args(6, slot, False, 1)
     with pytest.raises(ValueError, match=r"in \[0, 4\)"):
         _rank_local_args(6, slot, True, 4)
+
+
+def test_a_whole_qwen3_30b_a3b_declaration_is_a_small_begin_frame():
+    """The rank-local begin declares the rank's tensors in clear: even all 18,867 tensors of
+    Qwen3-30B-A3B (EP8 ranks declare ~2,700) make a frame of about 1.2 MB, far below the
+    daemon's 64 MiB default cap, and it decodes."""
+    from slotsync.bench.ep import worker_specs
+    from slotsync.bench.model import qwen3_moe_specs
+
+    specs = qwen3_moe_specs()
+    for part, limit in ((specs, 1_300_000), (worker_specs(specs, 128, 8, 0), 200_000)):
+        b = Begin(0, "v", rank_local=True, worker_rank=0, names=[s.name for s in part],
+                  dtype_names=[s.dtype for s in part], shapes=[list(s.shape) for s in part])
+        frame = msgspec.msgpack.encode(b)
+        assert len(frame) < limit < wire.MAX_MESSAGE_BYTES_DEFAULT
+        assert wire.decode_to_daemon(frame).names == b.names
