@@ -139,19 +139,23 @@ def publish_all(daemon: DaemonProcess, url: str, seed: int, version: str, *,
     return errors
 
 
-def test_each_worker_gets_its_own_experts_and_every_shared_tensor(engine, tmp_path):
+@pytest.mark.parametrize("packed", [True, False])
+def test_each_worker_gets_its_own_experts_and_every_shared_tensor(engine, tmp_path, packed):
     """Acceptance: per-worker checksums equal exactly what each worker should hold; one start
-    and one finish; ranks sent different chunk counts (4, 3, 3, 3)."""
+    and one finish; ranks sent different chunk counts (4, 3, 3, 3), so the short ranks' last
+    entry is empty (packed: their last buffer's handle, unpacked: ``ipc_handles`` [])."""
     before = engine_stats(engine)["route_counts"]
+    seed = 5 if packed else 6
     with daemon_with(tmp_path, UUIDS, engine.url) as d:
-        errors = publish_all(d, engine.url, seed=5, version="ep-1")
+        errors = publish_all(d, engine.url, seed=seed, version="ep-1",
+                             overrides=dict.fromkeys(range(WORKERS), {"packed": packed}))
         assert all(e is None for e in errors.values()), (errors, d.log_tail())
     assert CHUNKS == {0: 4, 1: 3, 2: 3, 3: 3}  # rank 0 longer: the others send empty entries
     after = engine_stats(engine)["route_counts"]
     assert after.get("start_weight_update", 0) - before.get("start_weight_update", 0) == 1
     assert after.get("finish_weight_update", 0) - before.get("finish_weight_update", 0) == 1
     old = {n: tensor_checksum(t) for n, t in full_model(0).items()}
-    new = {n: tensor_checksum(t) for n, t in full_model(5).items()}
+    new = {n: tensor_checksum(t) for n, t in full_model(seed).items()}
     sums = engine_checksums(engine)
     assert len(sums) == WORKERS
     # (vLLM keys a worker by its TP rank, the reference engine by its GPU UUID)

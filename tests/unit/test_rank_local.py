@@ -233,6 +233,9 @@ def test_begin_wire_fields_omitted_outside_rank_local_mode_and_checked_inside():
         lbegin(0, 0, ["a", "a"])
     with pytest.raises(ValueError, match="declares no tensor"):
         lbegin(0, 0, [])
+    with pytest.raises(ValueError, match="its manifest must be empty"):
+        Begin(0, "v", manifest=b"abcd", rank_local=True, worker_rank=0, names=["a"],
+              dtype_names=["float32"], shapes=[[1]])
 
 
 def test_empty_unpacked_entry_is_the_pickle_of_an_empty_list():
@@ -264,3 +267,17 @@ def test_a_whole_qwen3_30b_a3b_declaration_is_a_small_begin_frame():
         frame = msgspec.msgpack.encode(b)
         assert len(frame) < limit < wire.MAX_MESSAGE_BYTES_DEFAULT
         assert wire.decode_to_daemon(frame).names == b.names
+
+
+def test_rank_local_publisher_refuses_an_iterator_without_a_manifest_before_sending():
+    """The begin must declare the rank's tensors: an iterator without ``manifest=`` is
+    refused before anything is allocated or sent (no daemon is needed to see it)."""
+    import torch
+
+    from slotsync.protocol.publisher import Publisher
+
+    with Publisher("ipc:///nonexistent/slotsyncd.sock", 0, (0, 1), "http://127.0.0.1:1",
+                   transport="shm", rank_local=True) as pub:
+        with pytest.raises(ValueError, match="rank-local mode declares the update's tensors"):
+            pub.publish(iter([("a", torch.zeros(2))]), "v")
+        assert pub.update_id is None

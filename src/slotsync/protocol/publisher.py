@@ -623,6 +623,11 @@ class Publisher:
                 if manifest is None:
                     manifest = [(n, t.dtype, t.shape) for n, t, _ in items]
             checked = iter(items)
+        if self.rank_local and manifest is None:
+            raise ValueError(
+                f"rank {self.rank}: rank-local mode declares the update's tensors in its "
+                "begin: publish a list or mapping, or pass manifest= (name, dtype, shape) "
+                "for an iterator")
         # Nothing to send must not pause the engine (e.g. a generator already consumed).
         first = next(checked, None)
         if first is None:

@@ -299,6 +299,9 @@ class Begin(msgspec.Struct, tag="begin", forbid_unknown_fields=True, omit_defaul
                 raise ValueError("worker_rank and the tensor list (names, dtype_names, "
                                  "shapes) belong to rank-local mode (rank_local=true)")
             return
+        if self.manifest:
+            raise ValueError("a rank-local begin declares its tensors in names, dtype_names "
+                             "and shapes: its manifest must be empty")
         if self.worker_rank < 0:
             raise ValueError(f"rank-local begin: worker_rank must be >= 0, got "
                              f"{self.worker_rank}")
