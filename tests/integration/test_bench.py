@@ -135,7 +135,8 @@ def test_bench_refuses_bad_arguments_before_starting_anything(args, want):
 
 
 @pytest.mark.parametrize(("name", "prog"), [("oversize", "slotsync.bench.oversize"),
-                                            ("fsdp-gather", "slotsync.bench.fsdp_gather")])
+                                            ("fsdp-gather", "slotsync.bench.fsdp_gather"),
+                                            ("ep", "slotsync.bench.ep")])
 def test_bench_forwards_to_the_issue_17_benchmarks(name, prog):
     """``slotsync bench oversize`` / ``fsdp-gather`` hand their options to the module's own
     command line (its --help, and its refusal of a bad option)."""
@@ -145,3 +146,28 @@ def test_bench_forwards_to_the_issue_17_benchmarks(name, prog):
     bad = subprocess.run([sys.executable, "-m", "slotsync", "bench", name, "--no-such-flag"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--no-such-flag" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("engine", ["reference", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_bench_ep_dry_run_on_cpu(engine):
+    """``slotsync bench ep`` (issue 18 F) on CPU at toy sizes, EP2: both modes run in one
+    invocation; rank-local copies and delivers exactly each worker's share (the shared
+    tensors and half the experts) where today's mode sends the whole model, and every
+    worker's own names hold its rank's tensors afterwards."""
+    import json
+
+    from slotsync.bench.ep import TINY, worker_specs
+
+    out = subprocess.run([sys.executable, "-m", "slotsync", "bench", "ep", "--device", "cpu",
+                          "--tiny", "--ranks", "2", "--rounds", "1", "--warmup", "1",
+                          "--staging-mb", "1", "--engine", engine, "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    fig = json.loads(out.stdout.strip().splitlines()[-1])
+    specs = qwen3_moe_specs(TINY)
+    share = sum(s.nbytes for s in worker_specs(specs, TINY.experts, 2, 0))
+    today, local = fig["modes"]["today"], fig["modes"]["rank-local"]
+    assert today["staging_bytes_per_rank"] == today["bytes_per_worker"] == fig["model_bytes"]
+    assert local["staging_bytes_per_rank"] == local["bytes_per_worker"] == share
+    assert fig["ratios_rank_local_over_today"]["bytes_per_worker"] == share / fig["model_bytes"]
+    assert "checksums after the rank-local rounds: 72/72" in out.stdout, out.stdout

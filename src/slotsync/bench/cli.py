@@ -136,6 +136,9 @@ _FORWARDED = (
      "it (GPU; --device cpu: dry run)"),
     ("fsdp-gather", "slotsync.bench.fsdp_gather",
      "FSDP2 shards gathered straight into staging vs full_tensor() + copy (CPU, Gloo)"),
+    ("ep", "slotsync.bench.ep",
+     "an EP round in rank-local mode vs every expert to every worker (GPU; --device cpu "
+     "--tiny: dry run)"),
 )
 """Benchmarks whose own command line ``slotsync bench NAME ...`` forwards to."""
 
@@ -168,7 +171,7 @@ def main_from_args(args: argparse.Namespace) -> int:
             import importlib
 
             return importlib.import_module(module).main(args.forwarded)
-    print("usage: slotsync bench {control,gpu,oversize,fsdp-gather} ...  (see --help)",
+    print("usage: slotsync bench {control,gpu,oversize,fsdp-gather,ep} ...  (see --help)",
           file=sys.stderr)
     return 2
 

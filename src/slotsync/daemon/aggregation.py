@@ -51,7 +51,7 @@ class MergedChunk:
     sends it as ``msgspec.Raw``)."""
 
     index: int
-    update_info: dict
+    update_info: dict | list  # a list: rank-local mode, one entry per worker (rank_local.py)
     num_tensors: int
     nbytes: int
     update_info_json: bytes = b""

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk, merge_chunk
+from slotsync.daemon.rank_local import chunk_refusal, merge_rank_local
 from slotsync.daemon.update import Update
 from slotsync.protocol.wire import Chunk
 
@@ -40,10 +41,16 @@ class MergeFacts:
     world_size: int
 
 
-def merge(idx: int, got: dict[int, Chunk], facts: MergeFacts) -> MergedChunk | ChunkMismatch:
+def merge(idx: int, got: dict[int, Chunk], facts: MergeFacts,
+          u: Update | None = None) -> MergedChunk | ChunkMismatch:
     """Check and merge chunk ``idx`` that every rank sent (``got``: rank -> chunk); a mismatch
-    is returned, not raised, and kept until the chunk's turn comes."""
+    is returned, not raised, and kept until the chunk's turn comes. A rank-local update
+    ``u`` gets the list form (``rank_local.merge_rank_local``)."""
     try:
+        if u is not None and u.rank_local:
+            return merge_rank_local(idx, got, u.worker_of, facts.gpu_uuids, u.fill_handles,
+                                    packed=facts.packed, transport=facts.transport,
+                                    world_size=facts.world_size)
         return merge_chunk(idx, got, {r: facts.gpu_uuids[r] for r in got}, packed=facts.packed,
                            transport=facts.transport, world_size=facts.world_size)
     except ChunkMismatch as e:
@@ -58,13 +65,21 @@ def receive(u: Update, rank: int, msg: Chunk, now: float, size: int,
     why = u.chunk_out_of_order(rank, msg.index) or draft_out_of_order(u, rank, msg)
     if why:
         return why
+    if u.mode_of.get(rank):  # rank-local: the rank's next declared tensors
+        at = u.tensors_sent.get(rank, 0)
+        why = chunk_refusal(u.declared[rank], at, rank, msg)
+        if why:
+            return why
+        u.tensors_sent[rank] = at + len(msg.names)
+        if facts.packed:
+            u.fill_handles[rank] = msg.handles[0]
     u.sent_count[rank] = msg.index + 1
     got = u.pending.setdefault(msg.index, {})
     got[rank] = msg
     u.first_arrival.setdefault(msg.index, now)
     u.last_progress = now
-    if len(got) == size:
-        u.merged[msg.index] = merge(msg.index, got, facts)
+    if _complete(u, msg.index, size):
+        u.merged[msg.index] = merge(msg.index, got, facts, u)
     return ""
 
 
@@ -98,6 +113,25 @@ def draft_out_of_order(u: Update, rank: int, msg: Chunk) -> str:
                 f"at chunk {u.draft_from}: {SAME_CHUNKS_RULE} (draft chunks come after every "
                 "main chunk)")
     return ""
+
+
+def _complete(u: Update, idx: int, size: int) -> bool:
+    """Every rank sent chunk ``idx``; rank-local: or committed fewer chunks."""
+    got = u.pending.get(idx, {})
+    if not u.rank_local:
+        return len(got) == size
+    short = sum(1 for r, n in u.committed.items() if n <= idx and r not in got)
+    return len(got) + short == size
+
+
+def merge_completed(u: Update, size: int, facts: MergeFacts) -> None:
+    """Rank-local: after a commit, merge the chunks it completed (the committing rank sent
+    fewer chunks than others: they get its empty entry)."""
+    if not u.rank_local:
+        return
+    for idx in sorted(u.pending):
+        if idx >= u.next_send and idx not in u.merged and _complete(u, idx, size):
+            u.merged[idx] = merge(idx, u.pending[idx], facts, u)
 
 
 def to_send(u: Update, in_flight: int, limit: int, until: int | None = None,
@@ -155,8 +189,13 @@ def commit(u: Update, rank: int, num_chunks: int, size: int,
                              missing=(rank,))
     if rank in u.committed:
         return CommitRefusal(f"rank {rank} committed twice", fails=False)
+    if u.rank_local:  # each rank its own chunk count, but all it declared
+        declared, sent_t = len(u.declared[rank][0]), u.tensors_sent.get(rank, 0)
+        if sent_t != declared:
+            return CommitRefusal(f"rank {rank} committed after sending {sent_t} of the "
+                                 f"{declared} tensors its begin declared", missing=(rank,))
     ahead = [(r, n) for r, n in sorted(u.sent_count.items()) if n > num_chunks]
-    if ahead:
+    if ahead and not u.rank_local:
         r0, n0 = ahead[0]
         return CommitRefusal(f"rank {rank} committed {num_chunks} chunks but rank {r0} "
                              f"already sent {n0}: {SAME_CHUNKS_RULE}")
@@ -168,7 +207,7 @@ def commit(u: Update, rank: int, num_chunks: int, size: int,
         return CommitRefusal(
             f"update {u.update_id} has no chunks: every rank of the slot (ranks "
             f"{sorted(u.committed)}) committed 0 chunks: there is nothing to load")
-    if len(counts) > 1:
+    if len(counts) > 1 and not u.rank_local:
         return CommitRefusal("ranks committed different chunk counts: " + ", ".join(
             f"rank {r}: {n}" for r, n in sorted(u.committed.items())))
     return None

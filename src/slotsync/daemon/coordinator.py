@@ -92,7 +92,7 @@ from typing import Any
 
 import msgspec
 
-from slotsync.daemon import chunk_window, probe, recovery
+from slotsync.daemon import chunk_window, probe, rank_local, recovery
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
 from slotsync.daemon.aggregation import SAME_CHUNKS_RULE
 from slotsync.daemon.engine_session import (
@@ -416,7 +416,8 @@ class SlotCoordinator:
         elif route == "update_weights":
             acks: list[Action] = [  # acknowledged in index order (I3 per chunk)
                 Reply(i.identity, Ack(u.update_id, "chunk", idx))
-                for idx in chunk_window.returned(u, call.index) for i in self._by_rank()]
+                for idx in chunk_window.returned(u, call.index) for i in self._by_rank()
+                if u.sent_count.get(i.rank, 0) > idx]  # (rank-local: the ranks that sent it)
             return acks + self._advance(now)
         elif route == "finish_weight_update":
             u.on(PhaseEvent.FINISHED)
@@ -653,6 +654,9 @@ class SlotCoordinator:
                     f"rank {rank} begins update {u.update_id} {has[0]} a draft part, ranks "
                     f"{sorted(u.begun)} {has[1]} one: every rank of the slot must declare the "
                     "same draft part (Publisher.publish(..., draft=...))", [])
+            why = rank_local.take_begin(u.mode_of, u.declared, u.worker_of, rank, msg)
+            if why:  # (before the pause, which waits for every begin)
+                return self._fail(now, "begin", why, [])
             if msg.manifest and u.manifest and msg.manifest != u.manifest:
                 # I2 before the pause: every begin arrives before the pause goes out
                 return self._manifest_mismatch(u, rank, msg.manifest, now)
@@ -683,6 +687,7 @@ class SlotCoordinator:
                     weights_intact=not (self.engine.needs_full_update
                                         or self.engine.draft.needs_full_update),
                     manifest=msg.manifest, manifest_rank=rank, draft=msg.draft)
+        rank_local.take_begin(u.mode_of, u.declared, u.worker_of, rank, msg)  # (first: agrees)
         self.current = u  # its begin stages (the table at the top) run from _advance
         return self._advance(now)  # (a gone rank gets gone_s to come back: _deadline)
 
@@ -709,12 +714,15 @@ class SlotCoordinator:
             return self._not_current(rank, "chunk", f"chunk {msg.index}", msg.update_id)
         # A rank sends chunks right after its begin, without waiting for the begin's ack: they
         # are merged while the engine is paused and started, and go out once it has started.
-        why = chunk_window.receive(u, rank, msg, now, self.size, chunk_window.MergeFacts(
-            {r: i.gpu_uuid for r, i in self.ranks.items()}, bool(self.packed),
-            self.transport or "cuda", self.engine.world_size or self.size))
+        why = chunk_window.receive(u, rank, msg, now, self.size, self._merge_facts())
         if why:
             return self._fail(now, "chunk", why, [])
         return self._advance(now)
+
+    def _merge_facts(self) -> chunk_window.MergeFacts:
+        return chunk_window.MergeFacts(
+            {r: i.gpu_uuid for r, i in self.ranks.items()}, bool(self.packed),
+            self.transport or "cuda", self.engine.world_size or self.size)
 
     def _on_commit(self, rank: int, msg: Commit, now: float) -> list[Action]:
         u = self.current
@@ -725,6 +733,7 @@ class SlotCoordinator:
             return self._rank_error(rank, "commit", refused.text, u.update_id)
         if refused is not None:
             return self._fail(now, "commit", refused.text, list(refused.missing))
+        chunk_window.merge_completed(u, self.size, self._merge_facts())  # (rank-local)
         return self._advance(now)
 
     def _call(self, u: Update, route: str, body: Any = None, index: int = -1,

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from slotsync.daemon import rank_local
 from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk
 from slotsync.daemon.engine_session import EngineSession
 from slotsync.daemon.registration import RankInfo, uuid_mismatch
@@ -196,6 +197,18 @@ class Update:
     draft: bool = False
     draft_from: int | None = None
     draft_names: set[str] = field(default_factory=set)
+    # rank-local mode (daemon/rank_local.py): each begun rank's mode, declared tensors,
+    # worker index, tensors sent so far and last chunk's handle (an empty packed entry's)
+    mode_of: dict[int, bool] = field(default_factory=dict)
+    declared: dict[int, tuple] = field(default_factory=dict)
+    worker_of: dict[int, int] = field(default_factory=dict)
+    tensors_sent: dict[int, int] = field(default_factory=dict)
+    fill_handles: dict = field(default_factory=dict)
+
+    @property
+    def rank_local(self) -> bool:
+        """Every rank begun so far began in rank-local mode (``rank_local.take_begin``)."""
+        return bool(self.mode_of) and all(self.mode_of.values())
 
     def on(self, event: PhaseEvent) -> None:
         """Move the phase along ``TRANSITIONS`` (``DRAFT_TRANSITIONS`` for a round with a
@@ -260,7 +273,11 @@ class Update:
         self.loaded.discard(idx)
         loaded = next(iter(self.pending[idx].values()))
         # against last_ok_names (the draft's: EngineSession.draft) before the finish
-        (self.draft_names if loaded.draft else self.names).update(loaded.names)
+        target = self.draft_names if loaded.draft else self.names
+        target.update(loaded.names)
+        if self.rank_local:  # (each rank its own names)
+            for c in self.pending[idx].values():
+                target.update(c.names)
         del self.pending[idx]
         self.first_arrival.pop(idx, None)
         self.next_index += 1
@@ -270,7 +287,7 @@ class Update:
     def all_consumed(self, size: int) -> bool:
         """Every one of ``size`` ranks committed and every committed chunk was consumed."""
         return (len(self.committed) == size and not self.pending
-                and self.next_index == next(iter(self.committed.values())))
+                and self.next_index == max(self.committed.values()))
 
     def chunk_out_of_order(self, rank: int, index: int) -> str:
         """Why chunk ``index`` from ``rank`` breaks the round's order (design.md "Flow of one
@@ -282,7 +299,7 @@ class Update:
             return f"rank {rank} sent chunk {index} after commit"
         expect = self.sent_count.get(rank, 0)
         done = [(r, n) for r, n in sorted(self.committed.items()) if n <= index]
-        if done:
+        if done and not self.rank_local:  # (rank-local: ranks send their own chunk counts)
             r0, n0 = done[0]
             return (f"rank {rank} sent chunk {index} but rank {r0} committed {n0} chunks: "
                     f"{SAME_CHUNKS_RULE}")
@@ -307,7 +324,8 @@ class Update:
             return (self.first_begin_at + timeouts.begin_s, "begin", "begin", not_begun)
         if self.pending:
             idx = min(self.pending)
-            missing = sorted(all_ranks - set(self.pending[idx]))
+            missing = sorted(all_ranks - set(self.pending[idx])
+                             - {r for r, n in self.committed.items() if n <= idx})
             if missing:
                 return (
                     # (a chunk sent during the begin waits from the engine's start on)
@@ -402,8 +420,9 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
             if len(u.begun) < size or not u.sent_count:
                 return WAIT
             if st.name == "pause":
-                wrong = uuid_mismatch(ranks, engine.declared_gpu_uuids, engine.gpu_uuids,
-                                      engine_url)
+                wrong = (rank_local.begin_refusal(u, ranks, engine, engine_url)
+                         or uuid_mismatch(ranks, engine.declared_gpu_uuids, engine.gpu_uuids,
+                                          engine_url))
                 if wrong:
                     return BeginStep(fail=wrong)
                 wrong = draft_refusal(u, engine)

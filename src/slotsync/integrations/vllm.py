@@ -37,6 +37,12 @@ Speculative-decoding draft models (issue 18): vLLM 0.32's trainer API has no way
 and ``RayVLLMWeightSyncClient`` have no ``start_draft_weight_update``), so this backend sends
 the main model only; a round with a draft part goes through ``Publisher.publish(...,
 draft=...)`` (docs/publisher.md, "Draft models").
+A source whose rank holds only part of the model (expert or pipeline parallelism: vLLM 0.32's
+``held_names()`` not None, vLLM 0.33's ``owned_names(rank)`` short of ``metadata``) runs in
+rank-local mode (``Publisher(rank_local=True)``, docs/rank-local.md): the rank publishes only
+the names it holds, in metadata order, for engine worker ``worker_rank``; the daemon sends
+each worker its own rank's tensors (vLLM's list-form ``update_info``) and needs the engine
+table's ``gpu_uuids`` for the worker order.
 """
 
 from __future__ import annotations
@@ -105,6 +111,9 @@ class SlotsyncTrainerInitInfo(TrainerInitInfo):
         gpu_uuid: the GPU UUID to announce (default: the device's).
         timeout_s: bound on each wait for the daemon, seconds (``Publisher.timeout_s``).
         liveness_s: a daemon silent this long counts as gone, seconds.
+        worker_rank: for a source that holds part of the model (rank-local mode): the global
+            engine worker index this rank feeds (``Publisher.worker_rank``; default
+            ``rank - slot start``).
 
     Raises:
         TypeError: ``rank`` missing (vLLM's dataclass).
@@ -123,6 +132,7 @@ class SlotsyncTrainerInitInfo(TrainerInitInfo):
     gpu_uuid: str | None = None
     timeout_s: float = 360.0
     liveness_s: float = 10.0
+    worker_rank: int | None = None  # rank-local sources: the engine worker fed (Publisher)
 
 
 def resolve_slot(info: SlotsyncTrainerInitInfo,
@@ -184,38 +194,63 @@ def _stream_of(source: object) -> Callable[[], Iterator[tuple[str, Any]]]:
                     "no __iter__ (vLLM 0.32) and no iter_sharded(): nothing to publish")
 
 
-def _check_ownership(source: object, rank: int) -> None:
-    """Refuse a source whose ranks hold only part of the model: vLLM 0.32's ``held_names()``
-    not None, or vLLM 0.33's ``owned_names(rank)`` short of the ``metadata()`` names.
+def _metadata(source: object) -> Sequence[Any]:
+    """``source.metadata``: a method in vLLM 0.32, a ``cached_property`` in 0.33."""
+    m = source.metadata  # type: ignore[attr-defined]
+    return m() if callable(m) else m
+
+
+def _held_names(source: object, rank: int) -> frozenset[str] | None:
+    """The names this rank holds when it holds only part of the model (vLLM 0.32's
+    ``held_names()`` not None, or vLLM 0.33's ``owned_names(rank)`` short of the
+    ``metadata`` names); None when it holds every name (then every rank sends the whole
+    model).
 
     Raises:
-        ValueError: the rank holds a subset (names the method and how many it lacks).
+        ValueError: the rank holds none of the model's names (it has nothing to send).
     """
     held = getattr(source, "held_names", None)
-    partial = ""
+    mine: frozenset[str] | None = None
     if callable(held) and held() is not None:
-        partial = "held_names() is not None"
+        mine = frozenset(held())
     owned = getattr(source, "owned_names", None)
-    if not partial and callable(owned):
-        names = {m.name for m in source.metadata()}  # type: ignore[attr-defined]
-        mine = owned(rank)
-        lacking = names - set(mine) if mine is not None else set()
-        if lacking:
-            partial = f"owned_names({rank}) lacks {len(lacking)} of its {len(names)} names"
-    if partial:
-        raise ValueError(
-            f"the weight source {type(source).__name__} holds only some parameters on this "
-            f"rank ({partial}): slotsync needs every rank of an engine slot to send every "
-            "tensor (gather pipeline/expert shards first)")
+    if mine is None and callable(owned):
+        names = {m.name for m in _metadata(source)}
+        got = owned(rank)
+        if got is not None and names - set(got):
+            mine = frozenset(got)
+    if mine is not None and not mine:
+        raise ValueError(f"the weight source {type(source).__name__} holds no parameter on "
+                         f"rank {rank}: nothing to publish (held_names/owned_names is empty)")
+    return mine
+
+
+def _check_ownership(source: object, rank: int) -> bool:
+    """Whether ``source`` holds only part of the model on ``rank`` (rank-local mode:
+    ``_held_names``). Kept under its old name (tests import it).
+
+    Raises:
+        ValueError: as ``_held_names``.
+    """
+    return _held_names(source, rank) is not None
 
 
 class _Meta:
     """One round's ``metadata()``: the update's ``(name, dtype, shape)`` list (the begin's
     manifest) and the per-element check of iteration."""
 
-    def __init__(self, metadata: Sequence[Any]) -> None:
+    def __init__(self, metadata: Sequence[Any], held: frozenset[str] | None = None) -> None:
+        self.held = held  # rank-local: the names this rank holds (None: all)
         self.entries = [(m.name, dtype_name(m.dtype), tuple(int(d) for d in m.shape))
-                        for m in metadata]
+                        for m in metadata if held is None or m.name in held]
+
+    def mine(self, items: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """``items`` without the names this rank does not hold (vLLM 0.32's iteration yields
+        ``(name, None)`` for them, 0.33's ``iter_full`` only owned names)."""
+        held = self.held
+        for name, t in items:
+            if held is None or name in held:
+                yield name, t
 
     def checked(self, items: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """``items`` as they come, each checked against the metadata at its position.
@@ -268,7 +303,7 @@ class SlotsyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[SlotsyncTr
         Raises:
             TypeError: ``init_info`` is not a ``SlotsyncTrainerInitInfo``, or a source as
                 ``_stream_of`` says.
-            ValueError: no source; a source that holds part of the model; no engine URL;
+            ValueError: no source; a source that holds no parameter on this rank; no engine URL;
                 bad publisher arguments (``Publisher``).
             TopologyError: the rank lies in no engine slot.
             SlotsyncError: no daemon listens at the endpoint (names the socket and why), or
@@ -278,7 +313,7 @@ class SlotsyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[SlotsyncTr
             raise TypeError(f"init_info must be a SlotsyncTrainerInitInfo, got "
                             f"{type(init_info).__name__}")
         _stream_of(source)
-        _check_ownership(source, init_info.rank)
+        held = _held_names(source, init_info.rank)
         slot = resolve_slot(init_info)
         engine_url = init_info.engine_url or getattr(client, "base_url", None)
         if not engine_url:
@@ -290,7 +325,8 @@ class SlotsyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[SlotsyncTr
             device=init_info.device, gpu_uuid=init_info.gpu_uuid,
             staging_bytes=init_info.packed_buffer_size_bytes,
             staging_buffers=init_info.staging_buffers, timeout_s=init_info.timeout_s,
-            liveness_s=init_info.liveness_s)
+            liveness_s=init_info.liveness_s, rank_local=held is not None,
+            worker_rank=init_info.worker_rank if held is not None else None)
         try:
             publisher.register()
         except BaseException:
@@ -315,8 +351,9 @@ class SlotsyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[SlotsyncTr
                 engine is left as ``docs/guarantees.md`` describes).
         """
         version = weight_version if weight_version is not None else str(next(self._rounds))
-        meta = _Meta(self.source.metadata())  # type: ignore[union-attr]
-        return self.publisher.publish(meta.checked(self._stream()), version,
+        held = _held_names(self.source, self.publisher.rank)
+        meta = _Meta(_metadata(self.source), held)
+        return self.publisher.publish(meta.checked(meta.mine(self._stream())), version,
                                       manifest=meta.entries)
 
     def shutdown(self) -> None:

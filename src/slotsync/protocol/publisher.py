@@ -145,6 +145,25 @@ def _entries(manifest: Manifest) -> list[tuple[str, str, tuple[int, ...]]]:
             for name, dt, shape in manifest]
 
 
+def _rank_local_args(rank: int, slot: EngineSlot, rank_local: bool,
+                     worker_rank: int | None) -> tuple[bool, int]:
+    """``(rank_local, worker_rank)`` checked; ``worker_rank`` defaults to ``rank - slot.start``
+    in rank-local mode and is -1 outside it (``wire.Begin``).
+
+    Raises:
+        ValueError: ``worker_rank`` without ``rank_local``, or outside ``[0, slot.count)``.
+    """
+    if not rank_local:
+        if worker_rank is not None:
+            raise ValueError(f"worker_rank={worker_rank} needs rank_local=True")
+        return False, -1
+    w = rank - slot.start if worker_rank is None else worker_rank
+    if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < slot.count:
+        raise ValueError(f"worker_rank must be an int in [0, {slot.count}) (the engine's "
+                         f"workers), got {worker_rank!r}")
+    return True, w
+
+
 def _size_of(item: tuple[str, torch.Tensor, int]) -> int:
     return item[2]
 
@@ -223,9 +242,21 @@ class Publisher:
             ``SlotsyncError(code="daemon_gone")`` naming the daemon and why, instead of
             waiting ``timeout_s``. Registration checks the socket first and names a missing,
             stale or unreadable one within a second (``connect_check``).
+        rank_local: rank-local mode (expert parallelism, docs/rank-local.md): this rank
+            publishes only the tensors its engine worker holds (its experts and the shared
+            tensors); other ranks of the slot send other names. Every update's tensor list
+            must be known at its begin (a list or mapping, or ``manifest=``): the begin
+            declares it, and the daemon checks it against the other ranks' before the pause.
+            Every rank of the slot must use the same mode. The daemon sends vLLM the list
+            form of ``update_info`` (vLLM 0.29+), one entry per worker, in the order of the
+            engine table's ``gpu_uuids`` (required in this mode).
+        worker_rank: rank-local mode: the global engine worker index this rank's payload is
+            for (vLLM 0.32 ``gpu_worker.py`` ``update_weights``: ``data_parallel_index *
+            world_size + rank``); default ``rank - slot.start``.
 
     Raises:
-        ValueError: ``rank`` is not in ``slot``, or ``transport``/``device`` disagree.
+        ValueError: ``rank`` is not in ``slot``, ``transport``/``device`` disagree, or
+            ``worker_rank`` is given outside rank-local mode or is outside ``[0, slot.count)``.
     """
 
     def __init__(
@@ -243,8 +274,12 @@ class Publisher:
         staging_buffers: int = DEFAULT_STAGING_BUFFERS,
         timeout_s: float = 360.0,
         liveness_s: float = 10.0,
+        rank_local: bool = False,
+        worker_rank: int | None = None,
     ) -> None:
         self.slot = slot if isinstance(slot, EngineSlot) else EngineSlot(*slot)
+        self.rank_local, self.worker_rank = _rank_local_args(rank, self.slot, rank_local,
+                                                             worker_rank)
         inputs.check_publisher_args(endpoint, engine_url, rank, self.slot, gpu_uuid, packed,
                                     staging_bytes, staging_buffers, timeout_s, liveness_s)
         self.endpoint = endpoint
@@ -407,9 +442,26 @@ class Publisher:
             # listens now, or say why none does)
             self.register()
         entries = _entries(manifest) if manifest is not None else None
+        extra = None
+        if self.rank_local and draft:
+            # (a draft part's names are not in the rank-local begin's declared tensors; the
+            # two were built apart and no test covers them together: refuse, not guess)
+            raise ValueError(f"rank {self.rank}: a draft part (draft=) is not supported in "
+                             "rank-local mode yet: publish the draft model from a publisher "
+                             "without rank_local=True")
+        if self.rank_local:
+            if not entries:
+                raise ValueError(
+                    f"rank {self.rank}: rank-local mode declares the update's tensors in its "
+                    "begin: publish a list or mapping, or pass manifest= (name, dtype, shape) "
+                    "for an iterator")
+            extra = {"rank_local": True, "worker_rank": self.worker_rank,
+                     "names": [e[0] for e in entries], "dtype_names": [e[1] for e in entries],
+                     "shapes": [list(e[2]) for e in entries]}
         self._begin_entries = entries
-        begin = self._session.begin(weight_version, manifest_of(entries) if entries else b"",
-                                    draft)
+        begin = self._session.begin(
+            weight_version, manifest_of(entries) if entries and not extra else b"", extra,
+            draft=draft)
         self._send(begin)
         return begin.update_id
 
@@ -603,6 +655,11 @@ class Publisher:
                 if manifest is None:
                     manifest = [(n, t.dtype, t.shape) for n, t, _ in items]
             checked = iter(items)
+        if self.rank_local and manifest is None:
+            raise ValueError(
+                f"rank {self.rank}: rank-local mode declares the update's tensors in its "
+                "begin: publish a list or mapping, or pass manifest= (name, dtype, shape) "
+                "for an iterator")
         draft_checked, manifest = self._draft_input(draft, manifest)
         # Nothing to send must not pause the engine (e.g. a generator already consumed).
         first = next(checked, None)

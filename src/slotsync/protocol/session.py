@@ -151,6 +151,7 @@ class PublisherSession:
         self.begin_manifest = b""  # its tensor manifest (empty: none)
         self.has_draft = False  # the open update declared a draft-model part (issue 18)
         self.draft_from: int | None = None  # index of its first draft chunk, once sent
+        self.begin_rank_local: dict = {}  # its rank-local fields (wire.Begin; empty: none)
         self.begin_acked = False  # its Ack(begin) was read while doing something else
         self.begin_refused: wire.Error | None = None  # ... or a "not registered" for it
         self.begin_resent = False  # the begin went out again (a second refusal ends it)
@@ -193,10 +194,12 @@ class PublisherSession:
         return self.update_id
 
     def begin(self, weight_version: str, manifest: bytes = b"",
-              draft: bool = False) -> wire.Begin:
+              rank_local: dict | None = None, draft: bool = False) -> wire.Begin:
         """Open the next update; returns its ``Begin`` to send (``manifest``: see
-        ``manifest.manifest_of``; empty for none; ``draft``: the update has a draft-model
-        part, ``wire.Begin.draft``).
+        ``manifest.manifest_of``; empty for none; ``rank_local``: the ``wire.Begin`` fields
+        of rank-local mode, ``rank_local``, ``worker_rank``, ``names``, ``dtype_names`` and
+        ``shapes``, or None outside it; ``draft``: the update has a draft-model part,
+        ``wire.Begin.draft``).
 
         Raises:
             RuntimeError: an update is open.
@@ -210,8 +213,9 @@ class PublisherSession:
         self.begin_version = weight_version
         self.begin_manifest = manifest
         self.has_draft, self.draft_from = draft, None
+        self.begin_rank_local = rank_local or {}
         return wire.Begin(update_id=uid, weight_version=weight_version, manifest=manifest,
-                          draft=draft)
+                          draft=draft, **self.begin_rank_local)
 
     def next_chunk_part(self, draft: bool) -> None:
         """The next chunk belongs to the draft-model part (``draft``) or the main one; call
@@ -310,7 +314,8 @@ class PublisherSession:
         self.begin_resent = True
         self.begin_refused = None
         return (wire.Begin(update_id=uid, weight_version=version,
-                           manifest=self.begin_manifest, draft=self.has_draft),
+                           manifest=self.begin_manifest, draft=self.has_draft,
+                           **self.begin_rank_local),
                 [chunk_message(uid, c) for c in self.sent_before_ack])
 
     def end(self) -> set[int]:

@@ -287,10 +287,40 @@ class Begin(msgspec.Struct, tag="begin", forbid_unknown_fields=True, omit_defaul
     weight_version: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_VERSION_CHARS)]
     manifest: bytes = b""
     draft: bool = False
+    # Rank-local mode (issue 18, docs/rank-local.md): this rank sends its own tensors (its
+    # experts and the shared ones) for engine worker ``worker_rank`` (global worker index,
+    # vLLM's ``dp_index * TP * PP + rank``) and declares them here in clear, in send order,
+    # so that the daemon checks, before the pause, that a name several ranks send agrees in
+    # dtype and shape. All omitted (and the wire unchanged) outside rank-local mode.
+    rank_local: bool = False
+    worker_rank: int = -1
+    names: Annotated[list[Name], msgspec.Meta(max_length=1_000_000)] = []
+    dtype_names: list[DtypeName] = []
+    shapes: list[Dims] = []
 
     def __post_init__(self) -> None:
         if len(self.manifest) % 4:
             raise ValueError(f"manifest has {len(self.manifest)} bytes, not a multiple of 4")
+        if not self.rank_local:
+            if self.worker_rank != -1 or self.names or self.dtype_names or self.shapes:
+                raise ValueError("worker_rank and the tensor list (names, dtype_names, "
+                                 "shapes) belong to rank-local mode (rank_local=true)")
+            return
+        if self.manifest:
+            raise ValueError("a rank-local begin declares its tensors in names, dtype_names "
+                             "and shapes: its manifest must be empty")
+        if self.worker_rank < 0:
+            raise ValueError(f"rank-local begin: worker_rank must be >= 0, got "
+                             f"{self.worker_rank}")
+        n = len(self.names)
+        if not n:
+            raise ValueError("rank-local begin declares no tensor (names is empty)")
+        for field in ("dtype_names", "shapes"):
+            if len(getattr(self, field)) != n:
+                raise ValueError(f"rank-local begin: {field} has {len(getattr(self, field))} "
+                                 f"entries, names has {n}")
+        if len(set(self.names)) != n:
+            raise ValueError("rank-local begin: a tensor name repeats in names")
 
 
 class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True, omit_defaults=True):
