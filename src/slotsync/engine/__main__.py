@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve on this Unix socket path instead of TCP (like `vllm serve --uds`); "
                    "clients use the URL unix:///PATH")
     p.add_argument("--workers", type=int, default=1, help="worker processes = world size")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="DP replicas behind this one API server, like `vllm serve "
+                   "--data-parallel-size D` (default 1): --workers counts all of them (D x "
+                   "TP); worker i is TP rank i %% TP of replica i // TP, the index of a "
+                   "list-form update_info")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--cuda-devices",
@@ -106,6 +111,10 @@ def build_specs(args: argparse.Namespace) -> list[WorkerSpec]:
     n = args.workers
     if n < 1:
         raise SystemExit("--workers must be >= 1")
+    dp = getattr(args, "data_parallel_size", 1)
+    if dp < 1 or n % dp:
+        raise SystemExit(f"--workers {n} is not a multiple of --data-parallel-size {dp} "
+                         "(every DP replica has the same number of workers)")
     uuids: list[str | None]
     if args.gpu_uuids is not None:
         if len(args.gpu_uuids) != n:
@@ -182,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from slotsync.engine.server import EngineApp, WorkerPool
 
-    pool = WorkerPool(specs, startup_timeout_s=args.startup_timeout)
+    pool = WorkerPool(specs, startup_timeout_s=args.startup_timeout,
+                      data_parallel_size=args.data_parallel_size)
     engine = EngineApp(pool)
     for w in pool.workers:
         print(
@@ -234,11 +244,13 @@ def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
     from slotsync.engine.pool import WorkerPool
     from slotsync.engine.vllm_worker import VllmWorkerSpec, vllm_worker_main
 
-    vspecs = [VllmWorkerSpec(s.index, s.device, s.gpu_uuid, str(args.model), len(specs))
+    dp = args.data_parallel_size
+    vspecs = [VllmWorkerSpec(s.index, s.device, s.gpu_uuid, str(args.model), len(specs) // dp,
+                             dp)
               for s in specs]
     try:
         pool = WorkerPool(vspecs, startup_timeout_s=args.startup_timeout,
-                          target=vllm_worker_main)
+                          target=vllm_worker_main, data_parallel_size=dp)
     except BaseException:
         importer.join()
         if failed:  # the workers failed for the same reason: say it as an import error

@@ -54,6 +54,8 @@ class ReferenceEngine:
         receive: reference engine: ``"reference"`` or ``"vllm"`` (``--receive``).
         executor_replies: ``impl="vllm"``: ``"vllm"`` or ``"all"`` (``--executor-replies``);
             None: the engine's default.
+        data_parallel_size: DP replicas (``--data-parallel-size``); ``workers`` counts all
+            of them (D x TP) and must be a multiple of it.
 
     The engine starts in the constructor unless ``start=False``; :meth:`stop` (also run by
     the context manager) terminates it, then kills it after a grace period.
@@ -76,10 +78,12 @@ class ReferenceEngine:
         impl: str = "reference",
         receive: str = "reference",
         executor_replies: str | None = None,
+        data_parallel_size: int = 1,
     ) -> None:
         if impl not in ("reference", "vllm"):
             raise ValueError(f"impl must be 'reference' or 'vllm', not {impl!r}")
         self.workers = workers
+        self.data_parallel_size = data_parallel_size
         self.discard = discard
         self.impl = impl
         self.receive = receive
@@ -129,6 +133,8 @@ class ReferenceEngine:
             cmd += ["--receive", self.receive]
         if self.executor_replies is not None:
             cmd += ["--executor-replies", self.executor_replies]
+        if self.data_parallel_size != 1:
+            cmd += ["--data-parallel-size", str(self.data_parallel_size)]
         if self._gpu_uuids is not None:
             cmd += ["--gpu-uuids", ",".join(self._gpu_uuids)]
         if self._cuda_devices is not None:
