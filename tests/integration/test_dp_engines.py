@@ -261,3 +261,27 @@ def test_daemon_round_lands_on_every_dp_worker(dp_engine: Any, packed: bool) -> 
     assert [{n: s[n] for n in want} for s in got] == [want] * WORKERS
     assert eng.request("GET", "/weight_info")[1] == {"weight_version": "v1"}
     assert eng.request("GET", "/is_paused")[1] == {"is_paused": False}
+
+
+def test_round_after_a_worker_failure_on_a_dp_engine(dp_engine: Any) -> None:
+    """Worker 3 (replica 1, TP rank 1) fails chunk 0 of a round: the ranks are told, the
+    engine stays paused. The next round's first executor call is the daemon's check_health
+    (``check_replies``), which the DP engine answers with replica 0's two results for a slot
+    of four: in step (``replies_in_step``), so the round goes through as a full update."""
+    eng = dp_engine
+    rpc_before = engine_stats(eng)["route_counts"].get("collective_rpc", 0)
+    status, body = post(eng, "/_slotsync/fault", {"route": "update_weights", "workers": [3],
+                                                  "message": "boom on worker 3"})
+    assert status == 200, body
+    with DaemonProcess() as d:
+        ev = run_ranks(d, eng.url, True, [{"rounds": 1}] * WORKERS)
+        failed = rounds(ev, 0)
+        assert failed[0]["status"] == "error" and "boom on worker 3" in failed[0]["message"], ev
+        ev = run_ranks(d, eng.url, True, [{"rounds": 1, "first_round": 2}] * WORKERS)
+        for r in range(WORKERS):
+            assert [e["status"] for e in rounds(ev, r)] == ["ok"], (ev, d.log_tail())
+    # the check_health went out (POST /collective_rpc) and passed
+    assert engine_stats(eng)["route_counts"].get("collective_rpc", 0) > rpc_before
+    want = {n: tensor_checksum(t) for n, t in make_tensors(2)}
+    assert [{n: s[n] for n in want} for s in sums_in_worker_order(eng)] == [want] * WORKERS
+    assert eng.request("GET", "/weight_info")[1] == {"weight_version": "v2"}
