@@ -285,3 +285,80 @@ def test_round_after_a_worker_failure_on_a_dp_engine(dp_engine: Any) -> None:
     want = {n: tensor_checksum(t) for n, t in make_tensors(2)}
     assert [{n: s[n] for n in want} for s in sums_in_worker_order(eng)] == [want] * WORKERS
     assert eng.request("GET", "/weight_info")[1] == {"weight_version": "v2"}
+
+
+EXPERTS_PER_WORKER = 2
+
+
+def shared_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """What every worker of an expert-parallel engine holds (embedding, norm)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"embed.weight": torch.randn(16, 8, generator=g),
+            "norm.weight": torch.randn(8, generator=g).to(torch.bfloat16)}
+
+
+def expert_tensors(worker: int, seed: int) -> dict[str, torch.Tensor]:
+    """Worker ``worker``'s own experts (``experts.<e>.w``, ``e`` = 2 * worker, 2 * worker + 1)."""
+    g = torch.Generator().manual_seed(seed * 100 + worker)
+    return {f"experts.{e}.w": torch.randn(8, 4, generator=g)
+            for e in range(worker * EXPERTS_PER_WORKER, (worker + 1) * EXPERTS_PER_WORKER)}
+
+
+@pytest.fixture(scope="module", params=IMPLS)
+def ep_engine(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A DP=2 x TP=2 engine whose worker ``i`` holds only the shared weights and its own two
+    experts (``--worker-models``), as the workers of an expert-parallel engine do."""
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    named = [list({**shared_tensors(0), **expert_tensors(i, 0)}.items())
+             for i in range(WORKERS)]
+    kw: dict[str, Any] = {"executor_replies": "all"} if request.param == "vllm" else {}
+    with start_engine(WORKERS, impl_name=request.param, data_parallel_size=DP,
+                      worker_named=named, **kw) as eng:
+        yield eng
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_each_ep_worker_keeps_only_its_names(ep_engine: Any, shm: Segments,
+                                             packed: bool) -> None:
+    """A rank-local round: entry ``i`` carries the shared weights (the same for every worker)
+    and worker ``i``'s experts only. Every worker's checksums then list exactly its own
+    names, each with the value its entry sent: the routing, proven per worker."""
+    eng = _settle(ep_engine)
+    uuids = eng.gpu_uuids
+    shared = shared_tensors(5)
+    own = [{**shared, **expert_tensors(i, 5)} for i in range(WORKERS)]
+    assert post(eng, "/init_weight_transfer_engine", {"init_info": {"packed": packed}})[0] == 200
+    assert post(eng, "/start_weight_update")[0] == 200
+    status, body = post(eng, "/update_weights", {
+        "update_info": [entry(own[i], uuids[i], shm, packed) for i in range(WORKERS)]})
+    assert status == 200, body
+    assert post(eng, "/finish_weight_update", {"weight_version": "ep"})[0] == 200
+    got = sums_in_worker_order(eng)
+    for i in range(WORKERS):
+        assert got[i] == {n: tensor_checksum(t) for n, t in own[i].items()}, f"worker {i}"
+    assert [w["num_weights"] for w in engine_stats(eng)["workers"]] == \
+        [2 + EXPERTS_PER_WORKER] * WORKERS
+
+
+def test_cli_refuses_a_dp_layout_or_worker_models_that_do_not_fit(tmp_path: Any,
+                                                                  capsys: Any) -> None:
+    """Before any worker starts: workers not a multiple of ``--data-parallel-size``, a
+    ``--worker-models`` list of the wrong length or with a missing file, or both model
+    options."""
+    from slotsync.engine.__main__ import main
+
+    m = str(model_file(make_tensors(0)))
+    cases = [
+        (["--workers", "3", "--data-parallel-size", "2"],
+         "--workers 3 is not a multiple of --data-parallel-size 2"),
+        (["--workers", "2", "--worker-models", m], "--worker-models has 1 entries, --workers is 2"),
+        (["--workers", "2", "--worker-models", f"{m},{tmp_path}/none.safetensors"],
+         "none.safetensors: no such file"),
+        (["--workers", "1", "--model", m, "--worker-models", m],
+         "--model and --worker-models exclude each other"),
+    ]
+    for argv, want in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        text = f"{e.value.code} {capsys.readouterr().err}"
+        assert want in text, (argv, text)

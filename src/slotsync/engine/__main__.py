@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         "cpu, the real device UUID on cuda",
     )
     p.add_argument("--model", default=None, help="safetensors file loaded on every worker")
+    p.add_argument("--worker-models", type=_csv, default=None,
+                   help="one safetensors file per worker, comma-separated, instead of --model: "
+                   "worker i holds only the tensors of file i, as a worker of an "
+                   "expert-parallel engine holds only its own experts (plus the shared "
+                   "weights)")
     p.add_argument(
         "--discard",
         action="store_true",
@@ -146,9 +151,12 @@ def build_specs(args: argparse.Namespace) -> list[WorkerSpec]:
                 raise SystemExit("--device cuda but no CUDA device is visible")
             idx = list(range(n)) if count >= n else [0] * n
         devices = [f"cuda:{i}" for i in idx]
+    models = getattr(args, "worker_models", None)
+    if models is not None and len(models) != n:
+        raise SystemExit(f"--worker-models has {len(models)} entries, --workers is {n}")
     return [
-        WorkerSpec(i, devices[i], uuids[i], args.model, discard=args.discard,
-                   receive=args.receive)
+        WorkerSpec(i, devices[i], uuids[i], models[i] if models else args.model,
+                   discard=args.discard, receive=args.receive)
         for i in range(n)
     ]
 
@@ -170,15 +178,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Start the workers, then serve HTTP until SIGINT/SIGTERM."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.model is not None and args.worker_models is not None:
+        parser.error("--model and --worker-models exclude each other")
     if args.impl == "vllm":
-        if args.model is None:
-            parser.error("--impl vllm needs --model (vLLM always serves a model)")
+        if args.model is None and args.worker_models is None:
+            parser.error("--impl vllm needs --model or --worker-models (vLLM always serves a "
+                         "model)")
         if args.discard or args.receive != "reference":
             parser.error("--discard and --receive are reference-engine options")
-    if args.model is not None and not os.path.isfile(args.model):
-        # (before any worker starts: a worker would only fail later, in a traceback)
-        parser.error(f"--model {args.model}: no such file" if not os.path.exists(args.model)
-                     else f"--model {args.model}: not a file")
+    for opt, path in [("--model", args.model), *(("--worker-models", m)
+                                                 for m in args.worker_models or ())]:
+        if path is not None and not os.path.isfile(path):
+            # (before any worker starts: a worker would only fail later, in a traceback)
+            parser.error(f"{opt} {path}: no such file" if not os.path.exists(path)
+                         else f"{opt} {path}: not a file")
     specs = build_specs(args)
     if args.impl == "vllm":
         _main_vllm(args, specs)
@@ -245,7 +258,7 @@ def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
     from slotsync.engine.vllm_worker import VllmWorkerSpec, vllm_worker_main
 
     dp = args.data_parallel_size
-    vspecs = [VllmWorkerSpec(s.index, s.device, s.gpu_uuid, str(args.model), len(specs) // dp,
+    vspecs = [VllmWorkerSpec(s.index, s.device, s.gpu_uuid, str(s.model_path), len(specs) // dp,
                              dp)
               for s in specs]
     try:
