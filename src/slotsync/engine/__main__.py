@@ -20,6 +20,7 @@ Example::
 
     python -m slotsync.engine --port 8000 --workers 4 --device cpu
     python -m slotsync.engine --impl vllm --workers 2 --model m.safetensors
+    python -m slotsync.engine --impl vllm --workers 4 --data-parallel-size 2 --model m.safetensors
     python -m slotsync.engine --port 8000 --workers 2 --device cuda --cuda-devices 0,0 \\
         --gpu-uuids $(python -c 'from slotsync.protocol.wire import logical_gpu_uuid as u; \\
         print(u(0) + "," + u(1))')
