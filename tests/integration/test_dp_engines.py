@@ -183,8 +183,8 @@ def test_list_form_lands_on_worker_dp_index_times_tp_plus_rank(dp_engine: Any, s
 @pytest.mark.vllm
 def test_reference_answers_lists_as_vllm(ref_dp: Any, vllm_dp: Any, shm: Segments) -> None:
     """Bad list-form payloads on DP=2 x TP=2: a list too short (vLLM's ``IndexError`` in the
-    worker past its end), an entry with an unknown key or without ``shapes`` (vLLM's
-    ``parse_update_info`` in that worker only), an entry that is not an object and an
+    worker past its end), an entry with an unknown key, without ``shapes`` or without every
+    key (vLLM's ``parse_update_info`` in that worker only), an entry that is not an object and an
     ``update_info`` that is neither (FastAPI's 400 before any worker sees it), packed empty
     entries with and without the worker's handle -- the same status, body and per-worker
     session flags on both engines, step by step."""
@@ -216,6 +216,11 @@ def test_reference_answers_lists_as_vllm(ref_dp: Any, vllm_dp: Any, shm: Segment
         ("no shapes", "/update_weights", {"update_info": no_shapes}),
         ("finish split", "/finish_weight_update", None),
         ("start", "/start_weight_update", None),
+        ("empty entry", "/update_weights", {"update_info": [*good[:3], {}]}),
+        ("finish split", "/finish_weight_update", None),
+        ("start", "/start_weight_update", None),
+        ("only names", "/update_weights", {"update_info": {"names": []}}),
+        ("start", "/start_weight_update", None),
         ("not an object", "/update_weights", {"update_info": [good[0], 5, good[2], None]}),
         ("neither", "/update_weights", {"update_info": "x"}),
         ("a number", "/update_weights", {"update_info": 7}),
@@ -241,6 +246,8 @@ def test_reference_answers_lists_as_vllm(ref_dp: Any, vllm_dp: Any, shm: Segment
     assert by_label["too short"][2] == [True, True, True, False]
     assert "unexpected keyword argument 'bogus'" in by_label["unknown key"][1]["error"][
         "message"]
+    assert "missing 3 required positional arguments: 'names', 'dtype_names', and 'shapes'" \
+        in by_label["empty entry"][1]["error"]["message"]
     assert by_label["not an object"][0] == 400 and by_label["not an object"][2] == [True] * 4
     assert by_label["empty packed"][0] == 200
     assert "IPC handle not found for GPU UUID" in by_label["no handle"][1]["error"]["message"]
