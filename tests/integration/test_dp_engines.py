@@ -224,6 +224,8 @@ def test_reference_answers_lists_as_vllm(ref_dp: Any, vllm_dp: Any, shm: Segment
         ("not an object", "/update_weights", {"update_info": [good[0], 5, good[2], None]}),
         ("neither", "/update_weights", {"update_info": "x"}),
         ("a number", "/update_weights", {"update_info": 7}),
+        ("12 not objects", "/update_weights", {"update_info": [*good, *range(12)]}),
+        ("a long string", "/update_weights", {"update_info": ["y" * 300, *good[1:]]}),
         ("one too many", "/update_weights", {"update_info": [*good, {}]}),
         ("finish", "/finish_weight_update", {"weight_version": "ok"}),
         ("init packed", "/init_weight_transfer_engine", {"init_info": {"packed": True}}),
