@@ -109,6 +109,10 @@ __all__ = ["PAUSE_MODES", "SLEEP_TAGS", "CollectiveRpcError", "EngineApp", "Engi
            "WorkerPool"]
 
 
+RAW_LIST = msgspec.json.Decoder(list[msgspec.Raw])
+"""A list-form ``update_info``'s entries as their JSON texts (not decoded)."""
+
+
 class EngineApp:
     """The aiohttp application over one :class:`WorkerPool`."""
 
@@ -272,7 +276,8 @@ class EngineApp:
 
         One ``update_info`` for every worker travels to them as its JSON text, checked here
         for syntax only: each worker decodes it itself, in parallel, instead of this process
-        decoding it and pickling it again for the workers."""
+        decoding it and pickling it again for the workers; a list's entries travel the same
+        way, each to its own worker."""
         raw = await request.read()
         try:
             top = UPDATE_BODY.decode(raw) if raw.strip() else UpdateBody()
@@ -286,13 +291,16 @@ class EngineApp:
         kwargs: dict[str, Any] | None = {"update_info_json": text}
         per_worker = None
         if not text.startswith(b"{"):  # not an object: a list of them, or vLLM's 400
-            update_info = json.loads(text)
-            refused = update_info_shape(update_info)
-            if refused is not None:
+            entries = RAW_LIST.decode(text) if text.startswith(b"[") else None
+            if entries is None or any(not bytes(e).startswith(b"{") for e in entries):
+                refused = update_info_shape(json.loads(text))
+                assert refused is not None
                 return refused
+            # each worker gets its own entry's JSON text and decodes it itself
             n = self.pool.world_size
-            kwargs, per_worker = None, [{"update_info": update_info[i]} if i < len(update_info)
-                                        else {"missing_rank": True} for i in range(n)]
+            kwargs, per_worker = None, [
+                {"update_info_json": bytes(entries[i])} if i < len(entries)
+                else {"missing_rank": True} for i in range(n)]
         res = await self._fanout("update_weights", "update_weights", kwargs, per_worker)
         if isinstance(res, web.Response):
             return res
