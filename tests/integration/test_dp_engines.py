@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 from engines import model_file, start_engine  # noqa: E402
 from shm_payloads import Segments, bytes_of, packed_info, unpacked_info  # noqa: E402
 from spawned_ranks import rounds, run_ranks  # noqa: E402
-from state_readers import engine_checksums, engine_stats  # noqa: E402
+from state_readers import checksums_in_worker_order, engine_stats  # noqa: E402
 
 from slotsync.engine.checksum import tensor_checksum  # noqa: E402
 from slotsync.protocol.wire import ShmHandle  # noqa: E402
@@ -85,19 +85,11 @@ def shm() -> Iterator[Segments]:
     s.close()
 
 
-def worker_key(i: int) -> str:
-    """Worker ``i``'s key in ``checksums_by_worker`` of vLLM's flat answer."""
-    d, t = divmod(i, TP)
-    return f"tp{t}" if d == 0 else f"dp{d}:pp0:pcp0:tp{t}"
-
-
 def sums_in_worker_order(eng: Any) -> list[dict[str, str]]:
     """Each worker's ``{name: sha256}``, in global worker order, from either engine."""
-    by = engine_checksums(eng)
-    if set(by) == set(eng.gpu_uuids):  # the reference engine keys by GPU UUID
-        return [by[u] for u in eng.gpu_uuids]
-    assert set(by) == {worker_key(i) for i in range(WORKERS)}, sorted(by)
-    return [by[worker_key(i)] for i in range(WORKERS)]
+    got = checksums_in_worker_order(eng)
+    assert len(got) == WORKERS
+    return got
 
 
 def entry(tensors: dict[str, torch.Tensor], uuid: str, shm: Segments, packed: bool) -> dict:
