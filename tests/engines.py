@@ -70,14 +70,22 @@ def model_file(named: list[tuple[str, Any]] | None = None) -> Path:
 
 
 def start_engine(workers: int = 2, *, named: list[tuple[str, Any]] | None = None,
-                 impl_name: str | None = None, **kw: Any):
+                 impl_name: str | None = None,
+                 worker_named: list[list[tuple[str, Any]]] | None = None, **kw: Any):
     """A started engine of the implementation under test (``impl_name`` overrides it), with
-    ``workers`` workers; keyword arguments go to ``ReferenceEngine``. For vLLM's engine the
-    model is ``named`` (default ``make_tensors(0)``) unless ``model=`` is given."""
+    ``workers`` workers; keyword arguments go to ``ReferenceEngine`` (e.g.
+    ``data_parallel_size=2``: ``workers`` = 2 x TP, worker ``i`` is TP rank ``i % TP`` of
+    DP replica ``i // TP``). For vLLM's engine the model is ``named`` (default
+    ``make_tensors(0)``) unless ``model=`` is given. ``worker_named``: one tensor list per
+    worker (``--worker-models``, either engine): worker ``i`` holds only ``worker_named[i]``
+    (an expert-parallel worker's own experts and the shared weights; ``model_file`` caches
+    files by names, dtypes and shapes, so lists differing only in values share one)."""
     from slotsync.engine.launcher import ReferenceEngine
 
     which = impl_name or impl()
-    if which == "vllm":
+    if worker_named is not None:
+        kw["worker_models"] = [model_file(n) for n in worker_named]
+    elif which == "vllm":
         if "model" not in kw:
             kw["model"] = model_file(named)
         kw.setdefault("startup_timeout_s", 300.0)

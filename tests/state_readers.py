@@ -24,6 +24,25 @@ def engine_checksums(engine: Any) -> dict[str, dict[str, str]]:
     return checksums_by_worker(body)
 
 
+def checksums_in_worker_order(engine: Any) -> list[dict[str, str]]:
+    """Each worker's ``{name: sha256}`` in global worker order (``dp_index * TP + tp_rank``,
+    the order of ``--gpu-uuids`` and of a list-form ``update_info``), from either engine,
+    with or without DP: the reference engine keys ``/weight_checker`` by GPU UUID, vLLM by
+    ``dp<d>:pp0:pcp0:tp<t>`` (``checksums_by_worker``: ``tp<t>`` for replica 0).
+
+    Raises:
+        AssertionError: the checksum keys are not exactly the engine's workers.
+    """
+    by = engine_checksums(engine)
+    keys = []
+    for w in engine_stats(engine)["workers"]:
+        d, t = w.get("dp_index", 0), w.get("tp_rank", w["index"])
+        keys.append(w["gpu_uuid"] if w["gpu_uuid"] in by
+                    else f"tp{t}" if d == 0 else f"dp{d}:pp0:pcp0:tp{t}")
+    assert set(by) == set(keys), (sorted(by), keys)
+    return [by[k] for k in keys]
+
+
 def engine_summary(engine: Any) -> str:
     """One line: paused flag, weight version, per-worker active flags (engine split?);
     ``unreachable (<error>)`` when the engine does not answer."""

@@ -146,9 +146,12 @@ def start_reached_none(error: str, size: int) -> bool:
 
 def replies_in_step(result: Any, size: int) -> bool:
     """The ``check_replies`` call (vLLM's ``check_health`` through the executor) got one clean
-    answer per worker (``size``: the engine's workers): ``{"results": [None] * size}``."""
+    answer per worker (``size``: the engine's workers): ``{"results": [None] * size}``, or,
+    from an engine of D data-parallel replicas, ``[None] * (size // D)``: vLLM 0.32's
+    ``DPLBAsyncMPClient`` runs the call on every replica and answers replica 0's results
+    only (``core_client.py`` ``call_utility_async``)."""
     results = result.get("results") if isinstance(result, dict) else None
-    return (isinstance(results, list) and len(results) == size
+    return (isinstance(results, list) and len(results) > 0 and size % len(results) == 0
             and all(r is None for r in results))
 
 

@@ -20,6 +20,7 @@ Example::
 
     python -m slotsync.engine --port 8000 --workers 4 --device cpu
     python -m slotsync.engine --impl vllm --workers 2 --model m.safetensors
+    python -m slotsync.engine --impl vllm --workers 4 --data-parallel-size 2 --model m.safetensors
     python -m slotsync.engine --port 8000 --workers 2 --device cuda --cuda-devices 0,0 \\
         --gpu-uuids $(python -c 'from slotsync.protocol.wire import logical_gpu_uuid as u; \\
         print(u(0) + "," + u(1))')
@@ -69,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve on this Unix socket path instead of TCP (like `vllm serve --uds`); "
                    "clients use the URL unix:///PATH")
     p.add_argument("--workers", type=int, default=1, help="worker processes = world size")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="DP replicas behind this one API server, like `vllm serve "
+                   "--data-parallel-size D` (default 1): --workers counts all of them (D x "
+                   "TP); worker i is TP rank i %% TP of replica i // TP, the index of a "
+                   "list-form update_info")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--cuda-devices",
@@ -88,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", default=None,
                    help="safetensors file of a speculative-decoding draft model on every "
                    "worker (issue 18: /start_draft_weight_update loads into it); default none")
+    p.add_argument("--worker-models", type=_csv, default=None,
+                   help="one safetensors file per worker, comma-separated, instead of --model: "
+                   "worker i holds only the tensors of file i, as a worker of an "
+                   "expert-parallel engine holds only its own experts (plus the shared "
+                   "weights)")
     p.add_argument(
         "--discard",
         action="store_true",
@@ -109,6 +120,10 @@ def build_specs(args: argparse.Namespace) -> list[WorkerSpec]:
     n = args.workers
     if n < 1:
         raise SystemExit("--workers must be >= 1")
+    dp = getattr(args, "data_parallel_size", 1)
+    if dp < 1 or n % dp:
+        raise SystemExit(f"--workers {n} is not a multiple of --data-parallel-size {dp} "
+                         "(every DP replica has the same number of workers)")
     uuids: list[str | None]
     if args.gpu_uuids is not None:
         if len(args.gpu_uuids) != n:
@@ -140,9 +155,13 @@ def build_specs(args: argparse.Namespace) -> list[WorkerSpec]:
                 raise SystemExit("--device cuda but no CUDA device is visible")
             idx = list(range(n)) if count >= n else [0] * n
         devices = [f"cuda:{i}" for i in idx]
+    models = getattr(args, "worker_models", None)
+    if models is not None and len(models) != n:
+        raise SystemExit(f"--worker-models has {len(models)} entries, --workers is {n}")
     return [
-        WorkerSpec(i, devices[i], uuids[i], args.model, discard=args.discard,
-                   receive=args.receive, draft_model_path=args.draft_model)
+        WorkerSpec(i, devices[i], uuids[i], models[i] if models else args.model,
+                   discard=args.discard, receive=args.receive,
+                   draft_model_path=args.draft_model)
         for i in range(n)
     ]
 
@@ -164,16 +183,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Start the workers, then serve HTTP until SIGINT/SIGTERM."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.model is not None and args.worker_models is not None:
+        parser.error("--model and --worker-models exclude each other")
     if args.impl == "vllm":
-        if args.model is None:
-            parser.error("--impl vllm needs --model (vLLM always serves a model)")
+        if args.model is None and args.worker_models is None:
+            parser.error("--impl vllm needs --model or --worker-models (vLLM always serves a "
+                         "model)")
         if args.discard or args.receive != "reference":
             parser.error("--discard and --receive are reference-engine options")
-    for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
+    for opt, path in [("--model", args.model), ("--draft-model", args.draft_model),
+                      *(("--worker-models", m) for m in args.worker_models or ())]:
         if path is not None and not os.path.isfile(path):
             # (before any worker starts: a worker would only fail later, in a traceback)
-            parser.error(f"{flag} {path}: no such file" if not os.path.exists(path)
-                         else f"{flag} {path}: not a file")
+            parser.error(f"{opt} {path}: no such file" if not os.path.exists(path)
+                         else f"{opt} {path}: not a file")
     if args.draft_model is not None and args.receive != "reference":
         parser.error("--draft-model needs --receive reference (the draft model's loads use "
                      "the reference receive path)")
@@ -189,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from slotsync.engine.server import EngineApp, WorkerPool
 
-    pool = WorkerPool(specs, startup_timeout_s=args.startup_timeout)
+    pool = WorkerPool(specs, startup_timeout_s=args.startup_timeout,
+                      data_parallel_size=args.data_parallel_size)
     engine = EngineApp(pool)
     for w in pool.workers:
         print(
@@ -241,11 +265,13 @@ def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
     from slotsync.engine.pool import WorkerPool
     from slotsync.engine.vllm_worker import VllmWorkerSpec, vllm_worker_main
 
-    vspecs = [VllmWorkerSpec(s.index, s.device, s.gpu_uuid, str(args.model), len(specs),
-                             args.draft_model) for s in specs]
+    dp = args.data_parallel_size
+    vspecs = [VllmWorkerSpec(s.index, s.device, s.gpu_uuid, str(s.model_path), len(specs) // dp,
+                             dp, args.draft_model)
+              for s in specs]
     try:
         pool = WorkerPool(vspecs, startup_timeout_s=args.startup_timeout,
-                          target=vllm_worker_main)
+                          target=vllm_worker_main, data_parallel_size=dp)
     except BaseException:
         importer.join()
         if failed:  # the workers failed for the same reason: say it as an import error

@@ -106,6 +106,73 @@ def sleep_level(request: web.Request) -> int | web.Response:
     return level
 
 
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def include_dp(request: web.Request) -> bool | web.Response:
+    """``/get_world_size``'s ``include_dp`` query parameter (default true; vLLM 0.32
+    ``Query(True)`` of type ``bool``: pydantic's lax string-to-bool rules, case-insensitive),
+    or vLLM's 400."""
+    text = request.query.get("include_dp", "true")
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    return query_error("bool_parsing", "include_dp",
+                       "Input should be a valid boolean, unable to interpret input", text)
+
+
+def _error_input(value: Any) -> Any:
+    """A pydantic error's ``input`` as vLLM 0.32 shows it (``handlers/validation.py``
+    ``_summarize_error_input``): a string as is (cut at 200 characters), a container as
+    ``<list of N items>``, anything else its ``str()``."""
+    if isinstance(value, str):
+        return value if len(value) <= 200 else value[:200] + "...[truncated]"
+    if isinstance(value, list | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    return text if len(text) <= 200 else text[:200] + "...[truncated]"
+
+
+def validation_errors(errors: list[dict[str, Any]]) -> web.Response:
+    """vLLM 0.32's 400 for pydantic ``errors`` (``validation_exception_handler``): ``N
+    validation errors:`` then each error dict on its own line (at most 10, then ``...and K
+    more errors``; each cut at 1000 characters), ``param`` the first error's ``loc``."""
+    count = len(errors)
+    label = "error" if count == 1 else "errors"
+    lines = []
+    for err in errors[:10]:
+        text = str({**err, "input": _error_input(err["input"])})
+        lines.append(text if len(text) <= 1000 else text[:1000] + "...[truncated]")
+    message = f"{count} validation {label}:\n" + "".join(f"  {t}\n" for t in lines)
+    if count > 10:
+        message += f"  ...and {count - 10} more {label}\n"
+    return bad_request(message.rstrip(), errors[0]["loc"])
+
+
+def update_info_shape(value: Any) -> web.Response | None:
+    """None when ``update_info`` has the type vLLM 0.32's ``/update_weights`` declares
+    (``WeightTransferUpdatePayload = dict[str, Any] | list[dict[str, Any]]``, ``distributed/
+    weight_transfer/base.py``), else the 400 FastAPI's validation gives before any worker
+    sees the call: for a list with entries that are not objects, the dict branch's error
+    then one per such entry (``body.update_info.<j>``); for another value, the dict and
+    the list branch's errors."""
+    loc = "body.update_info"
+    if isinstance(value, dict):
+        return None
+    dict_type = {"type": "dict_type", "loc": loc, "msg": "Input should be a valid dictionary",
+                 "input": value}
+    if isinstance(value, list):
+        bad = [{"type": "dict_type", "loc": f"{loc}.{j}",
+                "msg": "Input should be a valid dictionary", "input": e}
+               for j, e in enumerate(value) if not isinstance(e, dict)]
+        return validation_errors([dict_type, *bad]) if bad else None
+    return validation_errors([dict_type, {"type": "list_type", "loc": loc,
+                                          "msg": "Input should be a valid list",
+                                          "input": value}])
+
+
 def detail(status: int, text: Any) -> web.Response:
     """The test-only routes' error shape ``{"detail": text}``."""
     return web.json_response({"detail": text}, status=status)

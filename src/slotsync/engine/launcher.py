@@ -56,6 +56,11 @@ class ReferenceEngine:
             None: the engine's default.
         draft_model: safetensors file of a speculative-decoding draft model on every worker
             (``--draft-model``, issue 18), or None (no draft model).
+        data_parallel_size: DP replicas (``--data-parallel-size``); ``workers`` counts all
+            of them (D x TP) and must be a multiple of it.
+        worker_models: one safetensors file per worker (``--worker-models``, instead of
+            ``model``): each worker holds only its file's tensors (an expert-parallel
+            worker's own experts and the shared weights).
 
     The engine starts in the constructor unless ``start=False``; :meth:`stop` (also run by
     the context manager) terminates it, then kills it after a grace period.
@@ -79,10 +84,15 @@ class ReferenceEngine:
         receive: str = "reference",
         executor_replies: str | None = None,
         draft_model: str | os.PathLike[str] | None = None,
+        data_parallel_size: int = 1,
+        worker_models: Sequence[str | os.PathLike[str]] | None = None,
     ) -> None:
         if impl not in ("reference", "vllm"):
             raise ValueError(f"impl must be 'reference' or 'vllm', not {impl!r}")
         self.workers = workers
+        self.data_parallel_size = data_parallel_size
+        self.worker_models = ([str(m) for m in worker_models] if worker_models is not None
+                              else None)
         self.discard = discard
         self.impl = impl
         self.receive = receive
@@ -133,6 +143,10 @@ class ReferenceEngine:
             cmd += ["--receive", self.receive]
         if self.executor_replies is not None:
             cmd += ["--executor-replies", self.executor_replies]
+        if self.data_parallel_size != 1:
+            cmd += ["--data-parallel-size", str(self.data_parallel_size)]
+        if self.worker_models is not None:
+            cmd += ["--worker-models", ",".join(self.worker_models)]
         if self._gpu_uuids is not None:
             cmd += ["--gpu-uuids", ",".join(self._gpu_uuids)]
         if self._cuda_devices is not None:

@@ -176,12 +176,15 @@ def parse_update_info(update_info: Any, packed: bool) -> ParsedUpdate:
     """
     check_dataclass_kwargs(update_info, UPDATE_INFO_KEYS, "update_info",
                             "IPCWeightTransferUpdateInfo")
-    for key in ("names", "dtype_names", "shapes"):
-        if key not in update_info:
-            raise ValueError(
-                "Invalid update_info for IPCWeightTransferEngine: IPCWeightTransferUpdateInfo"
-                f".__init__() missing 1 required positional argument: '{key}'"
-            )
+    absent = [f"'{k}'" for k in ("names", "dtype_names", "shapes") if k not in update_info]
+    if absent:  # Python's text for a call missing these positional arguments, all of them
+        listed = (absent[0] if len(absent) == 1 else f"{absent[0]} and {absent[1]}"
+                  if len(absent) == 2 else f"{', '.join(absent[:-1])}, and {absent[-1]}")
+        plural = "argument" if len(absent) == 1 else "arguments"
+        raise ValueError(
+            "Invalid update_info for IPCWeightTransferEngine: IPCWeightTransferUpdateInfo"
+            f".__init__() missing {len(absent)} required positional {plural}: {listed}"
+        )
     names = update_info["names"]
     dtype_names = update_info["dtype_names"]
     shapes = update_info["shapes"]

@@ -37,7 +37,10 @@ class CollectiveRpcError(Exception):
 
     Attributes:
         errors: ``[(worker index, message)]`` in rank order, failing workers only.
-        world_size: number of workers of the engine.
+        world_size: number of workers of one engine core: the engine's workers, or with
+            ``--data-parallel-size D`` those of one DP replica (TP x PP; each DP replica of
+            one ``vllm serve`` is its own engine core and executor, so vLLM 0.32 wraps a
+            worker's error only when that replica has several workers).
     """
 
     def __init__(self, errors: list[tuple[int, str]], world_size: int) -> None:
@@ -196,7 +199,13 @@ class WorkerPool:
     """
 
     def __init__(self, specs: list[Any], startup_timeout_s: float = 300.0,
-                 target: Callable[..., None] = worker_main) -> None:
+                 target: Callable[..., None] = worker_main,
+                 data_parallel_size: int = 1) -> None:
+        if data_parallel_size < 1 or len(specs) % data_parallel_size:
+            raise ValueError(f"{len(specs)} workers cannot form {data_parallel_size} "
+                             "data-parallel replicas of equal size")
+        self.data_parallel_size = data_parallel_size
+        """DP replicas; worker ``i`` is rank ``i % tp_size`` of replica ``i // tp_size``."""
         ctx = mp.get_context("spawn")
         self.workers = [_WorkerProc(s, ctx, target) for s in specs]
         deadline = time.monotonic() + startup_timeout_s
@@ -212,6 +221,11 @@ class WorkerPool:
     def world_size(self) -> int:
         """Number of workers (= GPU UUIDs every handle dict must hold)."""
         return len(self.workers)
+
+    @property
+    def tp_size(self) -> int:
+        """Workers per DP replica (vLLM's ``parallel_config.world_size``, TP x PP)."""
+        return len(self.workers) // self.data_parallel_size
 
     @property
     def gpu_uuids(self) -> list[str]:
@@ -235,16 +249,17 @@ class WorkerPool:
         results = await asyncio.shield(self._fan_out(method, kwargs, per_worker, inject))
         errors = [(i, str(p)) for i, (ok, p) in enumerate(results) if not ok]
         if errors:
-            raise CollectiveRpcError(errors, self.world_size)
+            raise CollectiveRpcError(errors, self.tp_size)
         return [p for _, p in results]
 
     async def submit(self, method: str, kwargs: Kwargs = None, per_worker: PerWorker = None,
-                     inject: Inject = None) -> list[asyncio.Future]:
+                     inject: Inject = None, only: range | None = None) -> list[asyncio.Future]:
         """Write one call to every worker (same arguments as :meth:`collective_rpc`) and
         return, in rank order, the futures of their answers ``(ok, result or error text)``
         without waiting for them. Shielded like :meth:`collective_rpc`: once started, the
-        call reaches every worker."""
-        return await asyncio.shield(self._submit(method, kwargs, per_worker, inject))
+        call reaches every worker. ``only``: just these workers (one DP replica, global
+        indices; ``inject`` keys are global indices too)."""
+        return await asyncio.shield(self._submit(method, kwargs, per_worker, inject, only))
 
     async def _fan_out(self, method: str, kwargs: Kwargs, per_worker: PerWorker,
                        inject: Inject) -> list[Answer]:
@@ -252,13 +267,14 @@ class WorkerPool:
         return list(await asyncio.gather(*answers))
 
     async def _submit(self, method: str, kwargs: Kwargs, per_worker: PerWorker,
-                      inject: Inject) -> list[asyncio.Future]:
+                      inject: Inject, only: range | None = None) -> list[asyncio.Future]:
         # The same request for every worker: pickle it once, not once per worker (an
         # update_info of thousands of tensors takes a while to pickle).
         shared = (pickle.dumps((method, dict(kwargs or {})), pickle.HIGHEST_PROTOCOL)
                   if per_worker is None else None)
         requests = []
-        for i in range(len(self.workers)):
+        indices = range(len(self.workers)) if only is None else only
+        for i in indices:
             if shared is not None and not (inject and i in inject):
                 requests.append(shared)
                 continue
@@ -266,8 +282,9 @@ class WorkerPool:
             if inject and i in inject:
                 kw["inject"] = inject[i]
             requests.append(pickle.dumps((method, kw), pickle.HIGHEST_PROTOCOL))
+        workers = [self.workers[i] for i in indices]
         async with self._send_lock:
-            return [await w.send(r) for w, r in zip(self.workers, requests, strict=True)]
+            return [await w.send(r) for w, r in zip(workers, requests, strict=True)]
 
     def close(self) -> None:
         """Stop every worker (exit message, then terminate, then kill). The exit messages go

@@ -13,7 +13,8 @@ exactly as vLLM's would. Worker errors come back as HTTP 500::
                "type": "InternalServerError", "param": null, "code": 500}}
 
 with ``<msg>`` wrapped as ``Worker failed with error '<msg>', please check the stack trace
-above for the root cause`` when the engine has more than one worker (the first failing worker
+above for the root cause`` when the engine (with ``--data-parallel-size D``: each DP replica,
+its own engine core and executor in vLLM) has more than one worker (the first failing worker
 in rank order is reported; unlike vLLM's ``MultiprocExecutor``, every worker's reply of each
 call is read, see ``slotsync.engine.vllm_server``). ``/weight_checker``'s worker errors say
 ``Call to compute_weight_checksums method failed``.
@@ -38,8 +39,15 @@ true).
 The engine always accepts ``ipc_handles_pickled``: it stands in for a vLLM server launched with
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, ``VLLM_SERVER_DEV_MODE=1`` and
 ``--weight-transfer-config '{"backend":"ipc"}'``. ``GET /get_world_size`` also answers
-``"gpu_uuids"``: each worker's GPU UUID in rank order (an extension; vLLM does not report
-them).
+``"gpu_uuids"``: each worker's GPU UUID in global order (a test-engine extension; vLLM does not
+report them; the daemon only cross-checks its engine table with it).
+
+Data parallelism (``--data-parallel-size D``, as one ``vllm serve --data-parallel-size D``):
+the ``--workers`` are D replicas of TP; worker ``i`` is TP rank ``i % TP`` of replica ``i //
+TP``. Every route still fans out to every worker (vLLM's ``DPLBAsyncMPClient`` sends each
+utility call to every engine core); ``/get_world_size`` answers D x TP with ``include_dp``
+(default), TP without; ``/collective_rpc`` answers replica 0's TP results only (the client
+returns engine 0's); a list-form ``update_info`` is indexed by the global index.
 
 Test-only control routes (not part of vLLM), under ``/_slotsync/``:
 
@@ -89,16 +97,22 @@ from slotsync.engine.http_shapes import (
     bad_request,
     detail,
     err500,
+    include_dp,
     missing,
     pause_mode,
     read_json,
     read_required,
     sleep_level,
+    update_info_shape,
 )
 from slotsync.engine.pool import CollectiveRpcError, WorkerPool
 
 __all__ = ["PAUSE_MODES", "SLEEP_TAGS", "CollectiveRpcError", "EngineApp", "EngineState",
            "WorkerPool"]
+
+
+RAW_LIST = msgspec.json.Decoder(list[msgspec.Raw])
+"""A list-form ``update_info``'s entries as their JSON texts (not decoded)."""
 
 
 class EngineApp:
@@ -266,12 +280,16 @@ class EngineApp:
     async def update_weights(self, request: web.Request) -> web.Response:
         """``POST /update_weights`` ``{"update_info": {...}}`` or a list of them indexed by
         global worker rank (vLLM 0.32 ``Worker.update_weights``: worker ``i`` takes entry
-        ``i``; a list too short fails on the workers past its end with ``IndexError: list
-        index out of range``, extra entries are ignored).
+        ``data_parallel_index * world_size + rank`` = its global index ``i``; a list too
+        short fails on the workers past its end with ``IndexError: list index out of
+        range``, extra entries are ignored). Each worker parses and loads its own entry
+        only (the same rules as the dict form); an entry with no names loads nothing, as
+        vLLM's IPC engine does with it.
 
         One ``update_info`` for every worker travels to them as its JSON text, checked here
         for syntax only: each worker decodes it itself, in parallel, instead of this process
-        decoding it and pickling it again for the workers."""
+        decoding it and pickling it again for the workers; a list's entries travel the same
+        way, each to its own worker."""
         raw = await request.read()
         try:
             top = UPDATE_BODY.decode(raw) if raw.strip() else UpdateBody()
@@ -284,11 +302,17 @@ class EngineApp:
             return missing("update_info")
         kwargs: dict[str, Any] | None = {"update_info_json": text}
         per_worker = None
-        if text.startswith(b"["):
-            update_info = json.loads(text)
+        if not text.startswith(b"{"):  # not an object: a list of them, or vLLM's 400
+            entries = RAW_LIST.decode(text) if text.startswith(b"[") else None
+            if entries is None or any(not bytes(e).startswith(b"{") for e in entries):
+                refused = update_info_shape(json.loads(text))
+                assert refused is not None
+                return refused
+            # each worker gets its own entry's JSON text and decodes it itself
             n = self.pool.world_size
-            kwargs, per_worker = None, [{"update_info": update_info[i]} if i < len(update_info)
-                                        else {"missing_rank": True} for i in range(n)]
+            kwargs, per_worker = None, [
+                {"update_info_json": bytes(entries[i])} if i < len(entries)
+                else {"missing_rank": True} for i in range(n)]
         res = await self._fanout("update_weights", "update_weights", kwargs, per_worker)
         if isinstance(res, web.Response):
             return res
@@ -335,11 +359,21 @@ class EngineApp:
                                  "Failed to fetch pause status")
 
     async def get_world_size(self, request: web.Request) -> web.Response:
-        """``GET /get_world_size`` -> ``{"world_size": N, "gpu_uuids": [...]}`` (N workers, one
-        DP rank, with or without ``include_dp``; ``gpu_uuids``: each worker's GPU UUID in rank
-        order, an extension vLLM does not have)."""
+        """``GET /get_world_size?include_dp=true|false`` -> ``{"world_size": N, "gpu_uuids":
+        [...]}``: as vLLM 0.32's route, ``parallel_config.world_size_across_dp`` (every
+        worker, D x TP) with ``include_dp`` (the default), ``world_size`` (one DP replica's
+        TP) without; a value pydantic cannot read as a bool is vLLM's 400.
+
+        ``gpu_uuids`` is a test-engine extension vLLM does not have: every worker's GPU UUID
+        in global order (``dp_index * TP + rank``), whatever ``include_dp`` says; the daemon
+        uses it only as a cross-check of its engine table (``daemon/probe.py``
+        ``reported_uuids``)."""
+        dp = include_dp(request)
+        if isinstance(dp, web.Response):
+            return dp
+        size = self.pool.world_size if dp else self.pool.tp_size
         return await self._plain("get_world_size", "collective_rpc",
-                                 lambda: {"world_size": self.pool.world_size,
+                                 lambda: {"world_size": size,
                                           "gpu_uuids": self.pool.gpu_uuids})
 
     async def weight_info(self, request: web.Request) -> web.Response:
@@ -460,8 +494,11 @@ class EngineApp:
             "kwargs": dict(body.get("kwargs", {}))})
         if isinstance(res, web.Response):
             return res
+        # Several DP replicas: vLLM 0.32's DPLBAsyncMPClient runs the call on every engine
+        # core and answers engine 0's results only (``call_utility_async``).
         return web.json_response({"results": [
-            r if r is None or isinstance(r, dict | list) else str(r) for r in res]})
+            r if r is None or isinstance(r, dict | list) else str(r)
+            for r in res[:self.pool.tp_size]]})
 
     # -- test-only control routes ----------------------------------------------------------
 
@@ -476,6 +513,7 @@ class EngineApp:
             {
                 "impl": "reference",
                 "world_size": self.pool.world_size,
+                "data_parallel_size": self.pool.data_parallel_size,
                 "paused": s.paused,
                 "weight_version": s.weight_version,
                 "packed": s.packed,
@@ -487,7 +525,8 @@ class EngineApp:
                 "sleeping_tags": sorted(s.sleeping_tags),
                 "route_counts": s.route_counts,
                 "faults": s.fault_table.as_json(),
-                "workers": workers,
+                "workers": [{**w, "dp_index": w["index"] // self.pool.tp_size,
+                             "tp_rank": w["index"] % self.pool.tp_size} for w in workers],
             }
         )
 

@@ -43,6 +43,13 @@ class VllmEngineClient:
     module docstring). ``vllm_config`` is a real ``VllmConfig`` whose parallel config has
     ``tensor_parallel_size`` = the number of workers (``/get_world_size``).
 
+    With ``pool.data_parallel_size`` D > 1 it stands in for the ``AsyncLLM`` of ``vllm serve
+    --data-parallel-size D``: the parallel config has ``tensor_parallel_size`` = workers / D
+    and ``data_parallel_size`` = D (so vLLM's ``/get_world_size`` answers D x TP with
+    ``include_dp=true``, TP without), and the executor is
+    ``slotsync.engine.vllm_dp.DPExecutorStandIn`` (every call on every DP engine core, as
+    ``DPLBAsyncMPClient``).
+
     Args:
         pool: the worker processes (``slotsync.engine.vllm_worker``).
         replies: see :class:`ExecutorStandIn`.
@@ -53,9 +60,16 @@ class VllmEngineClient:
         from vllm.config.weight_transfer import WeightTransferConfig
 
         self.pool = pool
-        self.executor = ExecutorStandIn(pool, replies)
+        dp = getattr(pool, "data_parallel_size", 1)
+        if dp > 1:
+            from slotsync.engine.vllm_dp import DPExecutorStandIn
+
+            self.executor: Any = DPExecutorStandIn(pool, replies)
+        else:
+            self.executor = ExecutorStandIn(pool, replies)
         self.vllm_config = VllmConfig(
-            parallel_config=ParallelConfig(tensor_parallel_size=pool.world_size),
+            parallel_config=ParallelConfig(tensor_parallel_size=pool.world_size // dp,
+                                           data_parallel_size=dp),
             weight_transfer_config=WeightTransferConfig(backend="ipc"),
         )
         self.faults = FaultTable()
@@ -233,7 +247,7 @@ class VllmEngineClient:
 
         async def work(inject: dict[int, str] | None) -> list[dict[str, str]]:
             return await self.executor.collective_rpc("compute_weight_checksums",
-                                                      inject=inject)
+                                                      inject=inject, every_engine=True)
 
         return await self._utility("weight_checker", "compute_weight_checksums", work)
 
@@ -328,6 +342,7 @@ class VllmEngineClient:
         return {
             "impl": "vllm",
             "world_size": self.pool.world_size,
+            "data_parallel_size": getattr(self.pool, "data_parallel_size", 1),
             "paused": self.pause_state != _UNPAUSED,
             "weight_version": self.weight_version,
             "packed": self.packed,

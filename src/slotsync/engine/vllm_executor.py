@@ -71,8 +71,10 @@ class ExecutorStandIn:
         return bool(self.sleeping_tags)
 
     async def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None,
-                             inject: dict[int, str] | None = None) -> list[Any]:
-        """Run ``method`` on every worker; their results in rank order.
+                             inject: dict[int, str] | None = None,
+                             every_engine: bool = False) -> list[Any]:
+        """Run ``method`` on every worker; their results in rank order. ``every_engine``:
+        no effect (one engine core; ``slotsync.engine.vllm_dp`` has several).
 
         Raises:
             WorkerCallError: one worker, and it failed.

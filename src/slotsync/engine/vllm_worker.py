@@ -8,9 +8,14 @@ methods read, and calls vLLM's own methods on it, so vLLM's per-worker state mac
 ``Worker`` attribute          value
 ============================  ===================================================================
 ``vllm_config``               ``VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=
-                              N), weight_transfer_config=WeightTransferConfig(backend="ipc"))``
+                              TP, data_parallel_size=D), weight_transfer_config=
+                              WeightTransferConfig(backend="ipc"))``, then as an engine core
+                              of a dense model sets it (``core.py`` ``run_engine_core``):
+                              ``data_parallel_index = i // TP``,
+                              ``reconfigure_for_independent_dp_rank()``
 ``parallel_config``           ``vllm_config.parallel_config`` (as ``WorkerBase.__init__``)
-``rank``, ``local_rank``      the worker's index
+``rank``                      ``i % TP`` (the TP rank within its DP replica)
+``local_rank``                the worker's global index ``i``
 ``weight_transfer_engine``    vLLM's ``IPCWeightTransferEngine``, made by
                               ``WeightTransferEngineFactory.create_engine`` (as
                               ``Worker.load_model``)
@@ -50,7 +55,7 @@ Memory vLLM leaves uninitialized shows: the worker turns on torch's deterministi
 ``torch.empty*`` is filled with NaN (floating) or the largest value (integers).
 
 Stood in for: vLLM's distributed groups in ``_weight_checksum_prefix`` (``get_tp_group`` ->
-rank = worker index, ``get_pp_group`` / ``get_pcp_group`` -> rank 0), the CUDA calls of the
+rank = ``i % TP``, ``get_pp_group`` / ``get_pcp_group`` -> rank 0), the CUDA calls of the
 receive path (``slotsync.engine.cuda_standin``), and sleep: ``Worker.sleep`` / ``wake_up``
 need vLLM's CuMem allocator, so :meth:`VllmWorkerHost.sleep` does what it does to the
 weights -- level 1 keeps them (offloaded and restored), level 2 discards them: every weight
@@ -89,13 +94,16 @@ class VllmWorkerSpec:
     """What the parent tells a vLLM-code worker process at spawn.
 
     Attributes:
-        index: worker rank (TP rank) within the engine, 0-based.
+        index: the worker's global index within the engine, 0-based (``dp_index * TP +
+            rank``: the order of ``--gpu-uuids`` and of a list-form ``update_info``).
         device: ``"cpu"`` or ``"cuda:<i>"``.
         gpu_uuid: torch-format GPU UUID to answer to, or None on CUDA for the real one.
         model_path: safetensors file the model is built from.
-        world_size: the engine's number of workers (``tensor_parallel_size``).
+        world_size: workers of one DP replica (``tensor_parallel_size``; vLLM's
+            ``parallel_config.world_size``).
         draft_model_path: safetensors file of the speculative-decoding draft model, or None
             (no draft model, as an engine without ``--speculative-config``).
+        data_parallel_size: DP replicas of the engine (``--data-parallel-size``).
     """
 
     index: int
@@ -103,7 +111,18 @@ class VllmWorkerSpec:
     gpu_uuid: str | None
     model_path: str
     world_size: int
+    data_parallel_size: int = 1
     draft_model_path: str | None = None
+
+    @property
+    def rank(self) -> int:
+        """TP rank within the DP replica (vLLM's ``Worker.rank``)."""
+        return self.index % self.world_size
+
+    @property
+    def dp_index(self) -> int:
+        """DP replica (vLLM's ``parallel_config.data_parallel_index``)."""
+        return self.index // self.world_size
 
 
 # Method -> the weight-transfer-engine attribute that raises an injected fault.
@@ -139,6 +158,7 @@ class VllmWorkerHost:
         from slotsync.engine.worker_state import worker_device
 
         self.index = spec.index
+        self.spec = spec
         self.device, self.gpu_uuid = worker_device(spec.device, spec.gpu_uuid)
         from slotsync.engine import cuda_standin
 
@@ -154,7 +174,7 @@ class VllmWorkerHost:
         cuda_standin.patch_ipc_engine()
         # _weight_checksum_prefix reads the distributed groups' ranks: without vLLM's
         # distributed init, answer this worker's TP rank (and rank 0 of PP / PCP).
-        tp = types.SimpleNamespace(rank_in_group=spec.index)
+        tp = types.SimpleNamespace(rank_in_group=spec.rank)
         one = types.SimpleNamespace(rank_in_group=0)
         gpu_worker.get_tp_group = lambda: tp
         gpu_worker.get_pp_group = lambda: one
@@ -163,15 +183,20 @@ class VllmWorkerHost:
         self.model = load_model(spec.model_path, self.device)
         self.draft = (None if spec.draft_model_path is None
                       else load_model(spec.draft_model_path, self.device))
+        parallel_config = ParallelConfig(tensor_parallel_size=spec.world_size,
+                                         data_parallel_size=spec.data_parallel_size)
+        if spec.data_parallel_size > 1:  # vLLM 0.32 core.py run_engine_core, a dense model
+            parallel_config.data_parallel_index = spec.dp_index
+            parallel_config.reconfigure_for_independent_dp_rank()
         vllm_config = VllmConfig(
-            parallel_config=ParallelConfig(tensor_parallel_size=spec.world_size),
+            parallel_config=parallel_config,
             weight_transfer_config=WeightTransferConfig(backend="ipc"),
         )
         model, draft = self.model, self.draft
         w = object.__new__(gpu_worker.Worker)
         w.vllm_config = vllm_config
         w.parallel_config = vllm_config.parallel_config
-        w.rank = spec.index
+        w.rank = spec.rank
         w.local_rank = spec.index
         w.model_runner = types.SimpleNamespace(
             model=model,
@@ -267,8 +292,9 @@ class VllmWorkerHost:
         self.counts["shutdown_count"] += 1
 
     def compute_weight_checksums(self, inject: str | None = None) -> dict[str, str]:
-        """vLLM's ``Worker.compute_weight_checksums()``: ``{"dp0:pp0:pcp0:tp<i>:<name>":
-        sha256 hex of the raw bytes}``; fails on meta-device parameters."""
+        """vLLM's ``Worker.compute_weight_checksums()``: ``{"dp<d>:pp0:pcp0:tp<t>:<name>":
+        sha256 hex of the raw bytes}`` (``d``, ``t``: this worker's DP replica and TP rank);
+        fails on meta-device parameters."""
         with self._injected("compute_weight_checksums", inject):
             return self.worker.compute_weight_checksums()
 
@@ -334,6 +360,8 @@ class VllmWorkerHost:
         return {
             **self._draft_stats(),
             "index": self.index,
+            "dp_index": self.worker.parallel_config.data_parallel_index,
+            "tp_rank": self.worker.rank,
             "gpu_uuid": self.gpu_uuid,
             "device": str(self.device),
             "active": bool(self.worker._weight_update_active),
