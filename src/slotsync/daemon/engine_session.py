@@ -51,6 +51,11 @@ class EngineSession:
     GPU UUIDs of the engine's workers where they can be known: ``declared_gpu_uuids`` (the
     engine table's) or ``gpu_uuids`` (the engine's own report, the reference engine's
     ``/get_world_size``); ``world_size`` as ``/get_world_size`` reported it.
+
+    Its vLLM version (``vllm_versions.py``): ``vllm_version`` the ``"version"`` text its
+    ``GET /version`` gave (None: not asked yet, or no version came back), asked when the
+    daemon first meets the engine and after a restart is suspected; ``version_refused`` why
+    that version is refused ('' when supported), asked again at every begin while refused.
     """
 
     initialized: bool = False
@@ -68,6 +73,8 @@ class EngineSession:
     declared_gpu_uuids: tuple[str, ...] | None = None
     gpu_uuids: tuple[str, ...] | None = None
     world_size: int | None = None
+    vllm_version: str | None = None
+    version_refused: str = ""
 
     def take_over(self, old: EngineSession) -> None:
         """Take what a released slot knew of the same engine (paused, mid-update, out of step,
@@ -84,6 +91,7 @@ class EngineSession:
         is initialised before its first update."""
         self.initialized = self.mid_update = self.paused = self.asleep = False
         self.version, self.gpu_uuids, self.last_ok_names = None, None, frozenset()
+        self.vllm_version, self.version_refused = None, ""
 
     def new_process(self) -> None:
         """The engine is a process this daemon did not initialise (restarted at its URL): no

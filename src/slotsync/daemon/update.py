@@ -65,7 +65,12 @@ class Stage:
 
 
 BEGIN_STAGES: tuple[Stage, ...] = (
+    # GET /version (vllm_versions.py): when the daemon first meets the engine, while its
+    # version is refused, or after a refused / reset connection (a restart suspected) ...
+    Stage("version", ("version",), False),
     Stage("probe", ("get_world_size", "weight_info", "is_sleeping"), False),
+    # ... and once more when the probe found a new engine session it had not asked
+    Stage("version_again", ("version",), False),
     Stage("init", ("init_weight_transfer_engine",), False),
     Stage("pause", ("pause",), True),
     Stage("recover", ("finish_recover",), True),
@@ -155,6 +160,8 @@ class Update:
     # the first tensor manifest a rank began with (empty: none yet; wire.Begin.manifest)
     manifest: bytes = b""
     manifest_rank: int = -1
+    # GET /version went out in this begin (the version stage, or version_again)
+    version_asked: bool = False
 
     def on(self, event: PhaseEvent) -> None:
         """Move the phase along ``TRANSITIONS``.
@@ -304,6 +311,10 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
 
     * a stage after the probe fails while the engine's replies are out of step (the probe
       found no new session, which would have cleared it);
+    * ``version`` (``GET /version``) runs when the engine's vLLM version is not known, is
+      refused, or a restart is suspected (``session_suspect``); ``version_again`` when the
+      probe found a new session and this begin had not asked (the cached version was the old
+      process's); the answer is checked before the pause (``vllm_versions.check_supported``);
     * ``init`` is skipped for an initialised engine; ``recover`` unless the engine may be
       mid-update and must finish first (``recover_first``) or a start met a session;
     * the first executor stage after a worker's failure (``replies_suspect``) first checks
@@ -316,8 +327,16 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
         return WAIT  # a stage in flight; or the slot's last registrations (begin deadline)
     while u.stage < len(BEGIN_STAGES):
         st = BEGIN_STAGES[u.stage]
-        if u.stage > 0 and engine.out_of_step:
+        if u.stage > STAGE_INDEX["probe"] and engine.out_of_step:
             return BeginStep(fail=engine.out_of_step)
+        if st.name in ("version", "version_again"):
+            if u.version_asked or not (
+                    u.new_session if st.name == "version_again" else
+                    engine.vllm_version is None or engine.version_refused
+                    or engine.session_suspect):
+                u.stage += 1
+                continue
+            u.version_asked = True
         if st.name == "init" and engine.initialized:
             u.stage += 1
             continue
