@@ -54,6 +54,8 @@ class ReferenceEngine:
         receive: reference engine: ``"reference"`` or ``"vllm"`` (``--receive``).
         executor_replies: ``impl="vllm"``: ``"vllm"`` or ``"all"`` (``--executor-replies``);
             None: the engine's default.
+        vllm_version: reference engine: what ``GET /version`` reports (``--vllm-version``);
+            None: its default, ``server.EMULATED_VLLM_VERSION``.
 
     The engine starts in the constructor unless ``start=False``; :meth:`stop` (also run by
     the context manager) terminates it, then kills it after a grace period.
@@ -76,6 +78,7 @@ class ReferenceEngine:
         impl: str = "reference",
         receive: str = "reference",
         executor_replies: str | None = None,
+        vllm_version: str | None = None,
     ) -> None:
         if impl not in ("reference", "vllm"):
             raise ValueError(f"impl must be 'reference' or 'vllm', not {impl!r}")
@@ -84,6 +87,7 @@ class ReferenceEngine:
         self.impl = impl
         self.receive = receive
         self.executor_replies = executor_replies
+        self.vllm_version = vllm_version
         self.device = device
         self.host = host
         self.port = port or free_port(host)
@@ -137,6 +141,8 @@ class ReferenceEngine:
             cmd += ["--model", self._model]
         if self.discard:
             cmd += ["--discard"]
+        if self.vllm_version is not None:
+            cmd += ["--vllm-version", self.vllm_version]
         return cmd
 
     def log_tail(self, n_chars: int = 4000) -> str:
