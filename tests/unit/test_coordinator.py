@@ -76,7 +76,7 @@ URL = "http://engine:8000"
 PROBES = ["get_world_size", "weight_info", "is_sleeping"]  # every begin's first stage (I9)
 # the first begin asks the engine's vLLM version first (vllm_versions.py), later ones do not
 FIRST = ["version", *PROBES]
-BEGIN_ROUTES = frozenset({*PROBES, "init_weight_transfer_engine", "pause", "finish_recover",
+BEGIN_ROUTES = frozenset({*FIRST, "init_weight_transfer_engine", "pause", "finish_recover",
                           "start_weight_update"})
 
 

@@ -251,3 +251,34 @@ def test_engine_table_reload_forgets_the_version() -> None:
     engine = EngineSession(vllm_version="0.32.0", version_refused="x")
     engine.forget()
     assert engine.vllm_version is None and engine.version_refused == ""
+
+
+# -- the engines' and the status command's side ----------------------------------------------
+
+def test_slotsync_status_shows_the_engines_vllm_version() -> None:
+    from slotsync.status_cli import render_table
+
+    base = {"slot": [0, 2], "state": "idle", "ranks_expected": 2, "ranks_registered": [0, 1],
+            "engine_url": "http://e:1"}
+    lines = render_table({"slots": [{**base, "engine_vllm_version": "0.32.0"},
+                                    {**base, "engine_vllm_version": None}]}).splitlines()
+    assert "http://e:1 (vLLM 0.32.0)" in lines[2]
+    assert "vLLM" not in lines[3] and "http://e:1" in lines[3]  # not asked yet
+
+
+def test_engine_flag_poses_as_a_version_on_the_reference_engine_only(tmp_path) -> None:
+    from slotsync.engine.__main__ import build_parser, main
+    from slotsync.engine.launcher import ReferenceEngine
+    from slotsync.engine.server import EMULATED_VLLM_VERSION
+
+    assert EMULATED_VLLM_VERSION == "0.32.0"
+    assert build_parser().parse_args(["--vllm-version", "0.25.0"]).vllm_version == "0.25.0"
+    assert build_parser().parse_args([]).vllm_version is None
+    cmd = ReferenceEngine(start=False, vllm_version="garbage").command()
+    assert cmd[cmd.index("--vllm-version") + 1] == "garbage"
+    assert "--vllm-version" not in ReferenceEngine(start=False).command()
+    model = tmp_path / "m.safetensors"
+    model.write_bytes(b"")
+    with pytest.raises(SystemExit) as e:  # vLLM's code reports the installed vllm's own
+        main(["--impl", "vllm", "--model", str(model), "--vllm-version", "0.25.0"])
+    assert e.value.code == 2
