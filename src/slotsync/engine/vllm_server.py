@@ -29,7 +29,8 @@ it themselves (``{"error": "Failed to pause generation: ..."}``). A ``workers: [
 raises inside vLLM's weight transfer engine on worker ``i`` (``slotsync.engine.vllm_worker``).
 ``hang_s`` delays the call inside the engine core (later calls queue behind it, as behind a
 stuck utility call). ``/get_world_size`` reads the config without the engine core; its faults
-are applied by an ASGI middleware (hang, then a 500 raised through vLLM's handlers).
+are applied by an ASGI middleware (hang, then a 500 raised through vLLM's handlers), and so
+are ``/version``'s.
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ __all__ = ["WORKER_FAILED", "ExecutorStandIn", "VllmEngineClient", "WorkerCallEr
 
 
 class _RouteFaults:
-    """Pure ASGI middleware applying faults to ``/get_world_size`` (which reads the config
-    and calls no engine-core method): ``hang_s``, then a ``status`` >= 400 raises
+    """Pure ASGI middleware applying faults to ``/get_world_size`` and ``/version`` (which
+    call no engine-core method): ``hang_s``, then a ``status`` >= 400 raises
     ``Exception`` (500 through vLLM's handlers, connection closed)."""
 
-    ROUTES = frozenset({"/get_world_size"})
+    ROUTES = frozenset({"/get_world_size", "/version"})
 
     def __init__(self, app: Any, client: VllmEngineClient) -> None:
         self.app = app
