@@ -121,3 +121,32 @@ def test_vllm_code_engine_reports_the_installed_vllms_version(daemon):
         assert rounds(ev, 0)[0]["status"] == "ok", ev
         s = daemon.status()["slots"][0]
         assert s["engine_vllm_version"] == vllm.__version__, s
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ("<html>vLLM?</html>", "not JSON: '<html>vLLM?</html>'"), ("", "not JSON: ''")])
+async def test_client_refuses_a_version_answer_that_is_not_json(body, says):
+    """A 200 whose body is not JSON (a proxy's page, an empty body) is an error naming what
+    came back, not a None the daemon would have to guess about."""
+    from aiohttp import web
+
+    from slotsync.daemon.vllm_client import EngineError, VllmClient
+
+    async def version(_request: web.Request) -> web.Response:
+        return web.Response(text=body, content_type="text/html")
+
+    app = web.Application()
+    app.router.add_get("/version", version)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    c = VllmClient(f"http://127.0.0.1:{runner.addresses[0][1]}", timeout_s=5)
+    try:
+        with pytest.raises(EngineError) as ei:
+            await c.call("version")
+        assert ei.value.status == 200 and says in ei.value.message
+        assert str(ei.value).startswith("version: HTTP 200: not JSON")
+    finally:
+        await c.close()
+        await runner.cleanup()

@@ -29,8 +29,13 @@ One update (design.md "Flow of one round"); each begin stage runs when the one b
 returned and its condition holds (``update.BEGIN_STAGES``)::
 
     stage    engine calls (together)                      when
+    version  version (GET /version)                       the vLLM version is not known, is
+                                                          refused, or a restart is suspected
+                                                          (vllm_versions.py: refused here,
+                                                          before the pause)
     probe    get_world_size, weight_info, is_sleeping     every rank registered (each round:
                                                           world size, session, sleep, I9)
+    version_again  version                                the probe found a new session
     init     init_weight_transfer_engine(packed)          the engine is not initialised: the
                                                           slot's first update, after a failure,
                                                           or the probe found a new session
