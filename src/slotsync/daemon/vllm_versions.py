@@ -171,8 +171,8 @@ def check_supported(version_text: Any, engine_url: str = "the engine") -> str | 
     """Why slotsyncd refuses an engine whose ``/version`` said ``version_text`` (the
     ``"version"`` value; anything else, a non-string, is refused as unknown), or None when
     it is in ``SUPPORTED_MIN`` .. ``SUPPORTED_MAX``. The message names ``engine_url``, what
-    was received, and the supported range; an older version's names the first required
-    feature it lacks."""
+    was received, and the supported range; an older version's names each required feature
+    it lacks, the latest first."""
     v = parse(version_text) if isinstance(version_text, str) else None
     speaks = f"slotsyncd speaks the weight-transfer routes of vLLM {_range()}"
     if v is None:
