@@ -75,8 +75,11 @@ def render_table(status: dict) -> str:
         gone = sum(not r.get("alive", True) for r in s.get("ranks", []))
         if gone:
             ranks += f" ({gone} gone)"
+        engine = s.get("engine_url") or "-"
+        if s.get("engine_vllm_version"):  # (GET /version, once the daemon asked it)
+            engine += f" (vLLM {s['engine_vllm_version']})"
         rows.append([
-            f"[{s['slot'][0]},{s['slot'][1]})", s.get("engine_url") or "-", ranks, s["state"],
+            f"[{s['slot'][0]},{s['slot'][1]})", engine, ranks, s["state"],
             _engine_state(s), version, _dur(s.get("last_duration_s")),
             err if len(err) <= 80 else err[:77] + "...",
         ])

@@ -424,6 +424,8 @@ async def test_inflight_record_is_written_beside_the_begin_calls_not_before_star
         calls.setdefault(route, time.monotonic())
         if route == "get_world_size":
             return web.json_response({"world_size": 1})
+        if route == "version":  # vLLM's GET /version
+            return web.json_response({"version": "0.32.0"})
         return web.json_response({"message": "ok"})
 
     app = web.Application()

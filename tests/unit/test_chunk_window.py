@@ -104,7 +104,10 @@ def test_begin_step_runs_the_stages_in_order_and_waits_for_every_rank_and_a_chun
     engine, u = EngineSession(), begun(0)
     assert begin_step(u, engine, ranks(1), 2, False, "url").stage is None  # registering
     assert begin_step(u, engine, ranks(2), 2, True, "url").stage is None  # a call out
+    # the vLLM version first (not known yet), then the probe
     assert begin_step(u, engine, ranks(2), 2, False, "url").stage is BEGIN_STAGES[0]
+    assert BEGIN_STAGES[0].name == "version"
+    assert begin_step(u, engine, ranks(2), 2, False, "url").stage.name == "probe"
     assert begin_step(u, engine, ranks(2), 2, False, "url").stage.name == "init"
     engine.initialized = True
     step = begin_step(u, engine, ranks(2), 2, False, "url")
@@ -119,7 +122,7 @@ def test_begin_step_runs_the_stages_in_order_and_waits_for_every_rank_and_a_chun
 
 def test_begin_step_checks_replies_and_fails_out_of_step():
     engine, u = EngineSession(), begun(0, 1)
-    u.stage = 1
+    u.stage = [st.name for st in BEGIN_STAGES].index("init")  # after the probe
     engine.replies_suspect = True
     assert begin_step(u, engine, ranks(2), 2, False, "url").check
     engine.out_of_step = "out of step"

@@ -74,7 +74,9 @@ from slotsync.protocol.wire import (
 
 URL = "http://engine:8000"
 PROBES = ["get_world_size", "weight_info", "is_sleeping"]  # every begin's first stage (I9)
-BEGIN_ROUTES = frozenset({*PROBES, "init_weight_transfer_engine", "pause", "finish_recover",
+# the first begin asks the engine's vLLM version first (vllm_versions.py), later ones do not
+FIRST = ["version", *PROBES]
+BEGIN_ROUTES = frozenset({*FIRST, "init_weight_transfer_engine", "pause", "finish_recover",
                           "start_weight_update"})
 
 
@@ -113,6 +115,7 @@ class ScriptedEngine:
     asleep: bool = False  # executor sleeping (vLLM /sleep level >= 1)
     packed: bool | None = None  # set by init (None: a fresh process, never initialised)
     bodies: list = field(default_factory=list)
+    vllm_version: str = "0.32.0"  # GET /version
 
     def restart(self) -> None:
         """A new engine process at the same URL: its checkpoint's weights, no session, not
@@ -130,6 +133,8 @@ class ScriptedEngine:
                 self.active = False  # vLLM: any update failure ends the session
             return False, None, self.fail[(call.route, nth)]
         r = call.route
+        if r == "version":  # vLLM's GET /version
+            return True, {"version": self.vllm_version}, ""
         if r == "get_world_size":
             return True, {"world_size": self.world_size}, ""
         if r == "weight_info":
@@ -232,7 +237,7 @@ def test_happy_round_order_and_acks():
     h.round(0, n_chunks=2, version="step-1")
     # I1 + I4: paused before start, one start, one finish, resume last
     assert h.engine.calls == [
-        *PROBES, "init_weight_transfer_engine", "pause", "start_weight_update",
+        *FIRST, "init_weight_transfer_engine", "pause", "start_weight_update",
         "update_weights", "update_weights", "finish_weight_update", "resume",
     ]
     assert h.engine.version == "step-1" and not h.engine.paused
@@ -243,11 +248,12 @@ def test_happy_round_order_and_acks():
     assert h.coord.state is SlotState.IDLE
     assert h.ended[-1].outcome == "success" and h.ended[-1].chunks == 2
     # init only once across rounds (init_info packed flag sent)
-    assert h.engine.bodies[3] == {"init_info": {"packed": True}}
+    assert h.engine.bodies[4] == {"init_info": {"packed": True}}
     h.round(1)
     assert h.engine.calls.count("init_weight_transfer_engine") == 1
     # each round probes the engine (world size, session, sleep: I9), then pauses it
-    assert h.engine.calls[10:15] == [*PROBES, "pause", "start_weight_update"]
+    # (and asks the vLLM version no more: it is known)
+    assert h.engine.calls[11:16] == [*PROBES, "pause", "start_weight_update"]
     assert h.engine.calls.count("start_weight_update") == 2
     assert h.engine.calls.count("finish_weight_update") == 2
 
@@ -273,7 +279,7 @@ def test_chunks_sent_before_the_begin_is_acknowledged_wait_for_the_engines_start
     while h.pending_calls:  # answer the begin's calls one by one, as the engine would
         call = h.pending_calls.pop(0)
         h.run(h.coord.on_engine_result(call.call_id, *h.engine.answer(call), h.now))
-    assert h.engine.calls == [*PROBES, "init_weight_transfer_engine", "pause",
+    assert h.engine.calls == [*FIRST, "init_weight_transfer_engine", "pause",
                               "start_weight_update", "update_weights", "update_weights"]
     for r in range(2):
         assert [(m.phase, m.index) for m in h.replies[r] if isinstance(m, Ack)] == [
@@ -876,8 +882,8 @@ def test_unrecorded_session_on_engine_is_ended_and_start_retried_once():
     h.engine.active = True  # e.g. a daemon restarted without its state dir
     h.register_all()
     h.round(0, n_chunks=1)
-    assert h.engine.calls[:8] == [
-        *PROBES, "init_weight_transfer_engine", "pause", "start_weight_update",
+    assert h.engine.calls[:9] == [
+        *FIRST, "init_weight_transfer_engine", "pause", "start_weight_update",
         "finish_recover", "start_weight_update",
     ]
     assert isinstance(h.last(0), Ack) and h.last(0).phase == "commit"
@@ -1110,7 +1116,8 @@ def test_engine_restarted_between_rounds_is_initialised_again_and_needs_a_full_u
     err = h.last(0)
     assert isinstance(err, Error) and "needs a full update" in err.message
     assert "misses 1 of the 3" in err.message and "c;" in err.message
-    assert h.engine.calls[:4] == [*PROBES, "init_weight_transfer_engine"]
+    # the new session's vLLM version is asked again (the cached one was the old process's)
+    assert h.engine.calls[:5] == [*PROBES, "version", "init_weight_transfer_engine"]
     assert [e.event for e in h.events] == ["engine_session_new"]
     assert "'default'" in h.events[0].fields["why"] and "'v0'" in h.events[0].fields["why"]
     _send_round(h, 2, [("a", "b"), ("c",)])
@@ -1150,7 +1157,8 @@ def test_connection_lost_since_the_last_round_counts_as_a_possible_restart():
     h.engine.calls.clear()
     _send_round(h, 1, [("a",)])  # partial, but the engine is the same: fine
     assert h.coord.last_version == "v1" and h.last(0).omitted_names == ["b"]
-    assert h.engine.calls[:4] == [*PROBES, "init_weight_transfer_engine"]
+    # (a restart suspected: the vLLM version is asked again, before the probe)
+    assert h.engine.calls[:5] == [*FIRST, "init_weight_transfer_engine"]
     h2 = Harness()
     h2.register_all()
     h2.engine.fail[("update_weights", 0)] = "HTTP 500: boom"
@@ -1366,6 +1374,8 @@ class MultiprocEngine:
         r = call.route
         self.calls.append(r)
         nth = sum(1 for c in self.calls if c == r) - 1
+        if r == "version":  # vLLM's GET /version (API server)
+            return True, {"version": "0.32.0"}, ""
         if r == "get_world_size":
             return True, {"world_size": self.workers}, ""
         if r == "weight_info":
@@ -1506,7 +1516,8 @@ def test_replies_out_of_step_survive_a_daemon_restart_until_the_engine_restarts(
     h2.engine.calls.clear()
     h2.round(3, n_chunks=1)
     err = next(m for m in h2.replies[0] if isinstance(m, Error) and m.update_id == 3)
-    assert "out of step" in err.message and h2.engine.calls == PROBES
+    # (a new daemon first meets the engine: it asks its vLLM version, then probes)
+    assert "out of step" in err.message and h2.engine.calls == FIRST
     h2.engine.restart()  # comes up serving, version "default" as before: still recognised
     h2.round(4, n_chunks=1)
     assert h2.coord.last_version == "v4" and h2.engine.unread() == [0, 0]

@@ -281,3 +281,28 @@ def test_rank_local_publisher_refuses_an_iterator_without_a_manifest_before_send
         with pytest.raises(ValueError, match="rank-local mode declares the update's tensors"):
             pub.publish(iter([("a", torch.zeros(2))]), "v")
         assert pub.update_id is None
+
+
+def test_rank_local_on_a_vllm_without_list_form_is_refused_before_the_pause():
+    """vLLM 0.27 and 0.28 are spoken, but take one update_info dict for every worker (the list
+    form is 0.29+, vllm_versions.FEATURES): a rank-local round is refused before the pause,
+    naming the version; a dict-form round on the same engine still goes."""
+    h = harness()
+    h.engine.vllm_version = "0.28.0"
+    msg = _refused(h, [lbegin(0, r, tensors_of(r)) for r in range(SIZE)])
+    assert "list-form update_info" in msg and "needs vLLM 0.29 or later" in msg, msg
+    assert "0.28.0" in msg and URL in msg, msg
+
+
+def test_draft_round_on_a_vllm_without_draft_sessions_is_refused():
+    """update.draft_refusal names the missing feature where the version lacks draft
+    sessions (0.26+); with 0.32 the draft part may go."""
+    from slotsync.daemon.engine_session import EngineSession
+    from slotsync.daemon.update import Update, draft_refusal
+
+    u = Update(0, "v1", 0.0, {0}, 0.0, draft=True)
+    e = EngineSession()
+    e.vllm_version = "0.25.0"
+    assert "needs vLLM 0.26 or later" in draft_refusal(u, e)
+    e.vllm_version = "0.32.0"
+    assert draft_refusal(u, e) == ""

@@ -29,8 +29,13 @@ One update (design.md "Flow of one round"); each begin stage runs when the one b
 returned and its condition holds (``update.BEGIN_STAGES``)::
 
     stage    engine calls (together)                      when
+    version  version (GET /version)                       the vLLM version is not known, is
+                                                          refused, or a restart is suspected
+                                                          (vllm_versions.py: refused here,
+                                                          before the pause)
     probe    get_world_size, weight_info, is_sleeping     every rank registered (each round:
                                                           world size, session, sleep, I9)
+    version_again  version                                the probe found a new session
     init     init_weight_transfer_engine(packed)          the engine is not initialised: the
                                                           slot's first update, after a failure,
                                                           or the probe found a new session
@@ -92,7 +97,7 @@ from typing import Any
 
 import msgspec
 
-from slotsync.daemon import chunk_window, probe, rank_local, recovery
+from slotsync.daemon import chunk_window, probe, rank_local, recovery, vllm_versions
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
 from slotsync.daemon.aggregation import SAME_CHUNKS_RULE
 from slotsync.daemon.engine_session import (
@@ -358,6 +363,9 @@ class SlotCoordinator:
             if route == "check_replies":
                 return self._out_of_step(u, now, error)
             self._failed_call = (route, error)
+            if route == "version" and "HTTP " in error:  # no version: refused as unknown
+                return self._version_refused(
+                    now, None, vllm_versions.answer_refusal(error, self.engine_url or ""))
             if route == "finish_recover":
                 # Expected when the engine is not (or only partly) mid-update: vllm-contract.md
                 # "Per-worker state": finish tolerating the 500, then a full update.
@@ -380,6 +388,13 @@ class SlotCoordinator:
             if not replies_in_step(result, self.size):
                 return self._out_of_step(u, now, f"check_health answered {result!r}")
             self.engine.replies_suspect = False
+        elif route == "version":
+            text = vllm_versions.version_of(result)
+            refusal = vllm_versions.check_supported(text, self.engine_url or "the engine")
+            if refusal:
+                return self._version_refused(now, text if isinstance(text, str) else None,
+                                             refusal)
+            out += self._version_known(u, text)
         elif route == "get_world_size":
             ws = result.get("world_size") if isinstance(result, dict) else None
             if ws != self.size:
@@ -448,6 +463,23 @@ class SlotCoordinator:
             self.engine.paused = False
             return self._complete(now)
         return out + self._advance(now)
+
+    def _version_known(self, u: Update, text: str) -> list[Action]:
+        """``GET /version`` named a supported vLLM version: cache it (``EngineSession``); a
+        line for the log when it changed (an engine restarted with another vLLM)."""
+        old, self.engine.vllm_version = self.engine.vllm_version, text
+        self.engine.version_refused = ""
+        if old is None or old == text:
+            return []
+        return [SlotEvent(self.slot, "engine_vllm_version_changed", {
+            "engine": self.engine_url, "update_id": u.update_id, "vllm_version": text,
+            "before": old}, warning=False)]
+
+    def _version_refused(self, now: float, text: str | None, refusal: str) -> list[Action]:
+        """The engine's vLLM version is unsupported or unknown (``refusal`` says which): fail
+        the update in its begin, before the pause (the version stages come first)."""
+        self.engine.vllm_version, self.engine.version_refused = text, refusal
+        return self._fail(now, "begin", refusal, [])
 
     def on_connection_lost(self, now: float) -> list[Action]:
         """The engine's HTTP client saw a refused or reset connection (counted by

@@ -79,6 +79,10 @@ class EngineSession:
 
     ``draft``: the draft model's own target (``DraftTarget``, issue 18); the fields above
     are the main model's.
+    Its vLLM version (``vllm_versions.py``): ``vllm_version`` the ``"version"`` text its
+    ``GET /version`` gave (None: not asked yet, or no version came back), asked when the
+    daemon first meets the engine and after a restart is suspected; ``version_refused`` why
+    that version is refused ('' when supported), asked again at every begin while refused.
     """
 
     initialized: bool = False
@@ -97,6 +101,8 @@ class EngineSession:
     gpu_uuids: tuple[str, ...] | None = None
     world_size: int | None = None
     draft: DraftTarget = field(default_factory=DraftTarget)
+    vllm_version: str | None = None
+    version_refused: str = ""
 
     def take_over(self, old: EngineSession) -> None:
         """Take what a released slot knew of the same engine (paused, mid-update, out of step,
@@ -115,6 +121,7 @@ class EngineSession:
         self.initialized = self.mid_update = self.paused = self.asleep = False
         self.version, self.gpu_uuids, self.last_ok_names = None, None, frozenset()
         self.draft = DraftTarget()
+        self.vllm_version, self.version_refused = None, ""
 
     def new_process(self) -> None:
         """The engine is a process this daemon did not initialise (restarted at its URL): no

@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from slotsync.daemon import vllm_versions
 from slotsync.daemon.aggregation import ChunkMismatch, MergedChunk
 from slotsync.daemon.vllm_pickle import pickle_packed, pickle_unpacked
 from slotsync.protocol.wire import Begin, Chunk, CudaIpcHandle, Handle, ShmHandle
@@ -73,8 +74,11 @@ def begin_refusal(u, ranks: Mapping, engine, engine_url: str | None) -> str:
     ``registration.RankInfo``. '' for an update outside rank-local mode, or when it may go."""
     if not u.rank_local:
         return ""
-    # ISSUE18-HOOK(list_update_info): the lead wires
-    # slotsync.daemon.vllm_versions.feature_missing(engine.vllm_version, "list_update_info")
+    # (the begin's version stage ran before this one: the version is known and supported)
+    missing = vllm_versions.feature_missing(engine.vllm_version, "list_update_info")
+    if missing:
+        return (f"rank-local mode sends {engine_url} vLLM's list-form update_info (one entry "
+                f"per worker): {missing}")
     return shared_refusal(u.declared) or table_refusal(
         {r: i.gpu_uuid for r, i in ranks.items()}, u.worker_of, engine.declared_gpu_uuids,
         engine.gpu_uuids, engine.world_size, engine_url)

@@ -57,6 +57,7 @@ def slot_status(c: SlotCoordinator, now: float | None = None) -> dict[str, Any]:
         "engine_sleeping": c.engine.asleep,
         "engine_replies_out_of_step": c.engine.out_of_step,
         "engine_weight_version": c.engine.version,
+        "engine_vllm_version": c.engine.vllm_version,
         "engine_gpu_uuids": list(c.engine.declared_gpu_uuids or c.engine.gpu_uuids or []),
         "last_update_names": len(c.engine.last_ok_names),
         # issue 18: the draft model, tracked apart from the main one

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from slotsync.daemon import rank_local
+from slotsync.daemon import rank_local, vllm_versions
 from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk
 from slotsync.daemon.engine_session import EngineSession
 from slotsync.daemon.registration import RankInfo, uuid_mismatch
@@ -76,7 +76,12 @@ class Stage:
 
 
 BEGIN_STAGES: tuple[Stage, ...] = (
+    # GET /version (vllm_versions.py): when the daemon first meets the engine, while its
+    # version is refused, or after a refused / reset connection (a restart suspected) ...
+    Stage("version", ("version",), False),
     Stage("probe", ("get_world_size", "weight_info", "is_sleeping"), False),
+    # ... and once more when the probe found a new engine session it had not asked
+    Stage("version_again", ("version",), False),
     Stage("init", ("init_weight_transfer_engine",), False),
     # issue 18: a round with a draft part asks, while the engine still serves, whether its
     # workers can load a draft model (vLLM 0.32 Worker.supports_draft_weight_updates)
@@ -209,6 +214,8 @@ class Update:
     def rank_local(self) -> bool:
         """Every rank begun so far began in rank-local mode (``rank_local.take_begin``)."""
         return bool(self.mode_of) and all(self.mode_of.values())
+    # GET /version went out in this begin (the version stage, or version_again)
+    version_asked: bool = False
 
     def on(self, event: PhaseEvent) -> None:
         """Move the phase along ``TRANSITIONS`` (``DRAFT_TRANSITIONS`` for a round with a
@@ -390,6 +397,10 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
 
     * a stage after the probe fails while the engine's replies are out of step (the probe
       found no new session, which would have cleared it);
+    * ``version`` (``GET /version``) runs when the engine's vLLM version is not known, is
+      refused, or a restart is suspected (``session_suspect``); ``version_again`` when the
+      probe found a new session and this begin had not asked (the cached version was the old
+      process's); the answer is checked before the pause (``vllm_versions.check_supported``);
     * ``init`` is skipped for an initialised engine; ``recover`` unless the engine may be
       mid-update and must finish first (``recover_first``) or a start met a session;
     * the first executor stage after a worker's failure (``replies_suspect``) first checks
@@ -402,8 +413,16 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
         return WAIT  # a stage in flight; or the slot's last registrations (begin deadline)
     while u.stage < len(BEGIN_STAGES):
         st = BEGIN_STAGES[u.stage]
-        if u.stage > 0 and engine.out_of_step:
+        if u.stage > STAGE_INDEX["probe"] and engine.out_of_step:
             return BeginStep(fail=engine.out_of_step)
+        if st.name in ("version", "version_again"):
+            if u.version_asked or not (
+                    u.new_session if st.name == "version_again" else
+                    engine.vllm_version is None or engine.version_refused
+                    or engine.session_suspect):
+                u.stage += 1
+                continue
+            u.version_asked = True
         if st.name == "init" and engine.initialized:
             u.stage += 1
             continue
@@ -439,8 +458,10 @@ def draft_refusal(u: Update, engine: EngineSession) -> str:
     failed draft session, a restarted or sleeping engine whose draft the daemon had loaded):
     vLLM would resume on a draft model that is half-loaded or stale, so the round must carry
     the draft model in full."""
-    # TODO(issue 18, lead): refuse a draft round here, before the pause, where the engine's
-    # vLLM lacks draft updates: `vllm_versions.feature_missing(version, "draft")` (0.26+).
+    if u.draft:  # (the version stage ran before this one: the version is known)
+        missing = vllm_versions.feature_missing(engine.vllm_version, "draft_sessions")
+        if missing:
+            return f"update {u.update_id} has a draft part: {missing}"
     if engine.draft.needs_full_update and not u.draft:
         why = engine.draft.why or "a failed draft session"
         return (f"the engine's draft model needs a full update ({why}), but update "

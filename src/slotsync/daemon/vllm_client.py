@@ -49,7 +49,12 @@ ROUTES: dict[str, tuple[str, str]] = {
     # vLLM's dev-mode /collective_rpc, only ever with {"method": "check_health"}: after a
     # worker's failure, whether the executor's replies still line up (coordinator)
     "check_replies": ("POST", "/collective_rpc"),
+    # vLLM's GET /version (serve/instrumentator/basic.py): {"version": VLLM_VERSION}
+    "version": ("GET", "/version"),
 }
+
+# Routes whose 2xx answer must be JSON: any other body is an EngineError naming it.
+JSON_ONLY = frozenset({"version"})
 
 # Routes that only read the engine's state: a connection error on one is retried once.
 PROBES = frozenset(r for r, (method, _) in ROUTES.items() if method == "GET")
@@ -183,6 +188,8 @@ class VllmClient:
                     parsed = None
                 if resp.status >= 400:
                     raise EngineError(route, resp.status, error_message(parsed, text))
+                if parsed is None and route in JSON_ONLY:
+                    raise EngineError(route, resp.status, f"not JSON: {text[:200]!r}")
                 ok = True
                 return parsed
         except TimeoutError:

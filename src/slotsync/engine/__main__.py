@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark mode: validate every update_info as usual (unpickle, lengths, GPU "
         "UUIDs) but map no memory and store nothing",
     )
+    p.add_argument("--vllm-version", default=None,
+                   help="reference engine only: the version GET /version reports (default "
+                   "0.32.0, the vLLM it follows; any text, e.g. 0.25.0 or garbage, for "
+                   "tests); --impl vllm reports the installed vllm's own")
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for the workers"
     )
@@ -189,8 +193,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.model is None and args.worker_models is None:
             parser.error("--impl vllm needs --model or --worker-models (vLLM always serves a "
                          "model)")
-        if args.discard or args.receive != "reference":
-            parser.error("--discard and --receive are reference-engine options")
+        if args.discard or args.receive != "reference" or args.vllm_version is not None:
+            parser.error("--discard, --receive and --vllm-version are reference-engine "
+                         "options")
     for opt, path in [("--model", args.model), ("--draft-model", args.draft_model),
                       *(("--worker-models", m) for m in args.worker_models or ())]:
         if path is not None and not os.path.isfile(path):
@@ -214,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     pool = WorkerPool(specs, startup_timeout_s=args.startup_timeout,
                       data_parallel_size=args.data_parallel_size)
-    engine = EngineApp(pool)
+    engine = (EngineApp(pool) if args.vllm_version is None
+              else EngineApp(pool, vllm_version=args.vllm_version))
     for w in pool.workers:
         print(
             f"[slotsync.engine] worker {w.spec.index}: {w.device} gpu_uuid={w.gpu_uuid}",

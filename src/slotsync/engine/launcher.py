@@ -61,6 +61,8 @@ class ReferenceEngine:
         worker_models: one safetensors file per worker (``--worker-models``, instead of
             ``model``): each worker holds only its file's tensors (an expert-parallel
             worker's own experts and the shared weights).
+        vllm_version: reference engine: what ``GET /version`` reports (``--vllm-version``);
+            None: its default, ``server.EMULATED_VLLM_VERSION``.
 
     The engine starts in the constructor unless ``start=False``; :meth:`stop` (also run by
     the context manager) terminates it, then kills it after a grace period.
@@ -86,6 +88,7 @@ class ReferenceEngine:
         draft_model: str | os.PathLike[str] | None = None,
         data_parallel_size: int = 1,
         worker_models: Sequence[str | os.PathLike[str]] | None = None,
+        vllm_version: str | None = None,
     ) -> None:
         if impl not in ("reference", "vllm"):
             raise ValueError(f"impl must be 'reference' or 'vllm', not {impl!r}")
@@ -97,6 +100,7 @@ class ReferenceEngine:
         self.impl = impl
         self.receive = receive
         self.executor_replies = executor_replies
+        self.vllm_version = vllm_version
         self.device = device
         self.host = host
         self.port = port or free_port(host)
@@ -157,6 +161,8 @@ class ReferenceEngine:
             cmd += ["--draft-model", self._draft_model]
         if self.discard:
             cmd += ["--discard"]
+        if self.vllm_version is not None:
+            cmd += ["--vllm-version", self.vllm_version]
         return cmd
 
     def log_tail(self, n_chars: int = 4000) -> str:

@@ -115,11 +115,18 @@ RAW_LIST = msgspec.json.Decoder(list[msgspec.Raw])
 """A list-form ``update_info``'s entries as their JSON texts (not decoded)."""
 
 
-class EngineApp:
-    """The aiohttp application over one :class:`WorkerPool`."""
+EMULATED_VLLM_VERSION = "0.32.0"
+"""The vLLM version the reference engine answers ``GET /version`` with by default (the one
+whose router and worker it follows; ``python -m slotsync.engine --vllm-version``)."""
 
-    def __init__(self, pool: WorkerPool) -> None:
+
+class EngineApp:
+    """The aiohttp application over one :class:`WorkerPool`; ``vllm_version``: what
+    ``GET /version`` says (any text: tests pose as other versions, or as garbage)."""
+
+    def __init__(self, pool: WorkerPool, vllm_version: str = EMULATED_VLLM_VERSION) -> None:
         self.pool = pool
+        self.vllm_version = vllm_version
         self.state = EngineState()
         # vLLM's server (uvicorn) sets no body limit; aiohttp's default of 1 MiB would refuse
         # an unpacked chunk of a few thousand tensors on 8 GPUs.
@@ -144,6 +151,7 @@ class EngineApp:
         r.add_post("/wake_up", self.wake_up)
         r.add_get("/is_sleeping", self.is_sleeping)
         r.add_post("/collective_rpc", self.collective_rpc)
+        r.add_get("/version", self.version)
         r.add_get("/_slotsync/stats", self.stats)
         r.add_post("/_slotsync/fault", self.fault)
         self.app.on_cleanup.append(self._cleanup)
@@ -375,6 +383,14 @@ class EngineApp:
         return await self._plain("get_world_size", "collective_rpc",
                                  lambda: {"world_size": size,
                                           "gpu_uuids": self.pool.gpu_uuids})
+
+    async def version(self, request: web.Request) -> web.Response:
+        """``GET /version`` -> ``{"version": VLLM_VERSION}``, as vLLM 0.32's
+        ``serve/instrumentator/basic.py`` ``show_version`` (no engine call), with the
+        version this engine poses as; a fault on ``version`` answers instead (tests: a
+        server that gives no version)."""
+        return await self._plain("version", "show_version",
+                                 lambda: {"version": self.vllm_version})
 
     async def weight_info(self, request: web.Request) -> web.Response:
         """``GET /weight_info`` -> ``{"weight_version": str}`` (``"default"`` at first)."""

@@ -5,7 +5,8 @@ The routes are vLLM's own: a FastAPI app that includes vLLM 0.32's RL router
 transfer routes, ``/weight_info``, ``/weight_checker``, ``/get_world_size``) and its sleep router
 (``vllm.entrypoints.serve.dev.sleep.api_router.router``: ``/sleep``, ``/wake_up``,
 ``/is_sleeping``) and dev-mode RPC router (``vllm.entrypoints.serve.dev.rpc.api_router``:
-``POST /collective_rpc``), with vLLM's exception handlers
+``POST /collective_rpc``) and basic router (``vllm.entrypoints.serve.instrumentator.basic``:
+``GET /version``, the installed vllm's own), with vLLM's exception handlers
 (``vllm.entrypoints.serve.exception_handling.register.init_exception_handler``), served by
 vLLM's own ``vllm.entrypoints.launchers.launcher.serve_http`` (uvicorn, ``NoSignalServer``,
 its SIGINT / SIGTERM handling and engine watchdog) with the arguments vLLM's
@@ -28,7 +29,8 @@ it themselves (``{"error": "Failed to pause generation: ..."}``). A ``workers: [
 raises inside vLLM's weight transfer engine on worker ``i`` (``slotsync.engine.vllm_worker``).
 ``hang_s`` delays the call inside the engine core (later calls queue behind it, as behind a
 stuck utility call). ``/get_world_size`` reads the config without the engine core; its faults
-are applied by an ASGI middleware (hang, then a 500 raised through vLLM's handlers).
+are applied by an ASGI middleware (hang, then a 500 raised through vLLM's handlers), and so
+are ``/version``'s.
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ __all__ = ["WORKER_FAILED", "ExecutorStandIn", "VllmEngineClient", "WorkerCallEr
 
 
 class _RouteFaults:
-    """Pure ASGI middleware applying faults to ``/get_world_size`` (which reads the config
-    and calls no engine-core method): ``hang_s``, then a ``status`` >= 400 raises
+    """Pure ASGI middleware applying faults to ``/get_world_size`` and ``/version`` (which
+    call no engine-core method): ``hang_s``, then a ``status`` >= 400 raises
     ``Exception`` (500 through vLLM's handlers, connection closed)."""
 
-    ROUTES = frozenset({"/get_world_size"})
+    ROUTES = frozenset({"/get_world_size", "/version"})
 
     def __init__(self, app: Any, client: VllmEngineClient) -> None:
         self.app = app
@@ -79,11 +81,14 @@ def build_app(client: VllmEngineClient, log_error_stack: bool = False) -> Any:
     from vllm.entrypoints.serve.dev.rpc.api_router import router as rpc_router
     from vllm.entrypoints.serve.dev.sleep.api_router import router as sleep_router
     from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+    from vllm.entrypoints.serve.instrumentator.basic import router as basic_router
 
     app = FastAPI()
     app.include_router(rl_router)
     app.include_router(sleep_router)
     app.include_router(rpc_router)
+    # vLLM's own GET /version (and /load, /kv_event_sources): the installed vllm's version
+    app.include_router(basic_router)
     app.state.engine_client = client
     app.state.args = argparse.Namespace(log_error_stack=log_error_stack)
     init_exception_handler(app)
