@@ -34,7 +34,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from engines import model_file, start_engine, vllm_importable  # noqa: E402
-from state_readers import engine_checksums, engine_stats  # noqa: E402
+from state_readers import checksums_in_worker_order, engine_checksums, engine_stats  # noqa: E402,E501
 
 from slotsync.engine.checksum import tensor_checksum  # noqa: E402
 from slotsync.protocol.errors import SlotsyncError  # noqa: E402
@@ -298,3 +298,42 @@ def test_a_source_holding_part_of_the_model_publishes_rank_locally_through_vllms
             assert sums[f"tp{w}"][expert(e)] == tensor_checksum(m[expert(e)])
         assert sums[f"tp{w}"][SHARED[0]] == tensor_checksum(m[SHARED[0]])
     assert engine_stats(engine)["weight_version"] == "ep-factory"
+
+
+@pytest.fixture(scope="module", params=IMPLS)
+def dp_engine(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Issue 18 B: one API server over DP=2 x TP=2 workers (``--data-parallel-size 2``),
+    every worker starting from the checkpoint."""
+    if request.param == "vllm":
+        why = vllm_importable()
+        if why:
+            pytest.skip(f"vLLM's code cannot be imported: {why}")
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    eng = start_engine(WORKERS, impl_name=request.param, data_parallel_size=2,
+                       model=model_file(list(full_model(0).items())))
+    with eng:
+        yield eng
+
+
+def test_rank_local_round_reaches_each_worker_of_a_dp_engine(dp_engine, tmp_path):
+    """A rank-local round through slotsyncd into a DP=2 x TP=2 engine: the list is indexed by
+    global worker rank (``dp_index * TP + rank``; on the vLLM-code engine vLLM's own
+    ``Worker.update_weights`` does the indexing), so worker w of replica w // 2 holds rank w's
+    experts and every shared tensor; the other experts keep the checkpoint's values."""
+    seed = 7
+    with daemon_with(tmp_path, UUIDS, dp_engine.url) as d:
+        errors = publish_all(d, dp_engine.url, seed=seed, version="ep-dp")
+        assert all(e is None for e in errors.values()), (errors, d.log_tail())
+    old = {n: tensor_checksum(t) for n, t in full_model(0).items()}
+    new = {n: tensor_checksum(t) for n, t in full_model(seed).items()}
+    got = checksums_in_worker_order(dp_engine)
+    workers = engine_stats(dp_engine)["workers"]
+    assert [(w.get("dp_index"), w.get("tp_rank")) for w in workers] == \
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for w in range(WORKERS):
+        want = {n: new[n] for n in SHARED}
+        for e in range(8):
+            want[expert(e)] = new[expert(e)] if e in EXPERTS_OF[w] else old[expert(e)]
+        assert {n: got[w][n] for n in want} == want, f"worker {w}"
+    stats = engine_stats(dp_engine)
+    assert stats["weight_version"] == "ep-dp" and not stats["paused"]
