@@ -36,7 +36,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import queue
 import re
 import statistics
 import sys
@@ -45,6 +44,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from slotsync.bench.gpu import collect_replies
 from slotsync.bench.model import Qwen3MoeConfig, TensorSpec, qwen3_moe_specs
 
 MiB = 1 << 20
@@ -127,22 +127,6 @@ def _rank_main(rank: int, ranks: int, device: str, cfg: Qwen3MoeConfig, cmds: An
         results.put(("error", rank, traceback.format_exc()))
 
 
-def _collect(results: Any, procs: list, kind: str, n: int) -> dict[int, Any]:
-    got: dict[int, Any] = {}
-    while len(got) < n:
-        try:
-            k, rank, data = results.get(timeout=5)
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                raise RuntimeError("a bench rank died") from None
-            continue
-        if k == "error":
-            raise RuntimeError(f"rank {rank} failed:\n{data}")
-        if k == kind:
-            got[rank] = data
-    return got
-
-
 def _bytes_loaded(engine: Any) -> list[int] | None:
     _, stats = engine.request("GET", "/_slotsync/stats")
     vals = [w.get("bytes_loaded") for w in stats.get("workers", [])]
@@ -199,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
                            "model_bytes": full, "scaled": scaled, "modes": {}}
     status = 0
     try:
-        _collect(results, procs, "ready", n)
+        collect_replies(results, procs, "ready", n)
         eng_kw: dict[str, Any] = {}
         if args.engine == "vllm":
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -220,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
                     rounds = args.warmup + args.rounds
                     for c in cmds:
                         c.put(("run", d.endpoint, eng.url, mode, rounds, staging, args.regions))
-                    done = _collect(results, procs, "done", n)
+                    done = collect_replies(results, procs, "done", n)
                     loaded1 = _bytes_loaded(eng)
                     per_round = [max(done[r]["secs"][i] for r in range(n))
                                  for i in range(rounds)]

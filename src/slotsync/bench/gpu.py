@@ -32,6 +32,29 @@ from slotsync.bench.model import Qwen3MoeConfig, TensorSpec, qwen3_moe_specs
 MiB = 1 << 20
 
 
+def collect_replies(results: Any, procs: list, kind: str, n: int) -> dict[int, Any]:
+    """Read ``(kind, rank, data)`` replies of bench rank processes ``procs`` from the queue
+    ``results`` until ``n`` ranks sent ``kind``; returns ``{rank: data}`` (replies of other
+    kinds are dropped).
+
+    Raises:
+        RuntimeError: a rank sent ``("error", rank, traceback)``, or a rank process died.
+    """
+    got: dict[int, Any] = {}
+    while len(got) < n:
+        try:
+            k, rank, data = results.get(timeout=5)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError("a bench rank died") from None
+            continue
+        if k == "error":
+            raise RuntimeError(f"rank {rank} failed:\n{data}")
+        if k == kind:
+            got[rank] = data
+    return got
+
+
 @dataclass(frozen=True)
 class GpuConfig:
     """One measured configuration: packed with a staging buffer of ``staging_bytes``, or
@@ -206,19 +229,7 @@ def run_gpu(
         p.start()
 
     def collect(kind: str) -> dict[int, Any]:
-        got: dict[int, Any] = {}
-        while len(got) < (1 if kind == "copy" else ranks):
-            try:
-                k, rank, data = results.get(timeout=5)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError("a bench rank died") from None
-                continue
-            if k == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{data}")
-            if k == kind:
-                got[rank] = data
-        return got
+        return collect_replies(results, procs, kind, 1 if kind == "copy" else ranks)
 
     engine = None
     try:
