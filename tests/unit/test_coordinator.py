@@ -436,10 +436,13 @@ def test_failed_chunk_with_another_in_flight_fails_at_once_and_the_next_begin_wa
     assert h.coord.next_deadline() is None  # bounded by the HTTP client's timeout instead
     h.run(h.coord.on_engine_result(second.call_id, False, None, "HTTP 500: no active update",
                                    h.now))
-    assert h.engine.calls[len(calls_before):] == [*PROBES, "init_weight_transfer_engine"]
+    # (the engine is initialised again, so the process about to be initialised is asked its
+    # vLLM version first)
+    assert h.engine.calls[len(calls_before):] == [*PROBES, "version",
+                                                  "init_weight_transfer_engine"]
     for r in range(2):  # the pause waits for a first chunk
         h.send(r, chunk(1, 0, r))
-    assert h.engine.calls[len(calls_before) + 4:] == [
+    assert h.engine.calls[len(calls_before) + 5:] == [
         "pause", "finish_recover", "start_weight_update", "update_weights"]
     assert all(any(isinstance(m, Ack) and m.phase == "begin" and m.update_id == 1
                    for m in h.replies[r]) for r in range(2))
@@ -571,7 +574,7 @@ def test_engine_500_on_chunk_k_every_rank_gets_error_engine_not_resumed():
     h.engine.calls.clear()
     h.round(1, n_chunks=1)
     assert h.engine.calls == [
-        *PROBES, "init_weight_transfer_engine", "pause", "finish_recover",
+        *PROBES, "version", "init_weight_transfer_engine", "pause", "finish_recover",
         "start_weight_update", "update_weights", "finish_weight_update", "resume",
     ]
     assert h.coord.state is SlotState.IDLE and h.coord.last_version == "v1"
@@ -1427,7 +1430,8 @@ def test_failed_finish_recovers_starting_first_so_replies_stay_in_step():
     h.engine.fail.clear()
     h.round(1, n_chunks=1)
     assert h.coord.last_version == "v1" and h.engine.version == "v1"
-    assert h.engine.calls == [*PROBES, "check_replies", "init_weight_transfer_engine", "pause",
+    assert h.engine.calls == [*PROBES, "version", "check_replies", "init_weight_transfer_engine",
+                              "pause",
                               "start_weight_update", "check_replies", "finish_recover",
                               "start_weight_update", "update_weights",
                               "finish_weight_update", "resume"]
@@ -1451,7 +1455,7 @@ def test_replies_out_of_step_are_found_and_the_engine_must_be_restarted():
     err = next(m for m in h.replies[0] if isinstance(m, Error) and m.update_id == 2)
     assert "replies are out of step" in err.message and "Restart the engine" in err.message
     assert "gh-58242" in err.message
-    assert h.engine.calls == [*PROBES, "check_replies"]  # nothing else reached the engine
+    assert h.engine.calls == [*PROBES, "version", "check_replies"]  # nothing else reached it
     h.engine.calls.clear()
     h.round(3, n_chunks=1)
     assert h.engine.calls == PROBES and "out of step" in h.last(0).message

@@ -160,6 +160,26 @@ def test_version_stage_runs_only_when_the_version_is_unknown_refused_or_suspect(
     assert _stages(engine, new_session_at_probe=True) == ["probe", "version_again"]
     engine.vllm_version = None  # ... and once only when the begin had asked already
     assert _stages(engine, new_session_at_probe=True) == ["version", "probe"]
+    # an engine to initialise again (a failed round, a restart the probe could not see):
+    # the process about to be initialised is asked, the cached version may be another's
+    engine.vllm_version, engine.initialized = "0.32.0", False
+    assert _stages(engine) == ["probe", "version_again", "init"]
+
+
+def test_engine_restarted_while_idle_before_any_round_succeeded_is_asked_again() -> None:
+    """A fresh-user trial found it: no round had succeeded (the old and the new process both
+    report the checkpoint's weight version, so the probe sees no new session) and the
+    engine restarted as 0.25.0 while the daemon's connection was idle (no reset seen). The
+    engine had to be initialised again, and the process about to be initialised is asked:
+    refused before the pause."""
+    h = _harness("0.32.0")
+    h.coord.engine.initialized = False  # (what a failed first round leaves, e.g. refused)
+    h.coord.engine.vllm_version = "0.32.0"
+    h.engine.vllm_version = "0.25.0"  # restarted while idle
+    h.round(0, n_chunks=1)
+    err = _first_error(h)
+    assert isinstance(err, Error) and "vLLM 0.25.0 at" in err.message, err
+    assert "pause" not in h.engine.calls and "init_weight_transfer_engine" not in h.engine.calls
 
 
 # -- the coordinator: refused before the pause, cached, asked again after a restart ---------

@@ -400,7 +400,9 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
     * ``version`` (``GET /version``) runs when the engine's vLLM version is not known, is
       refused, or a restart is suspected (``session_suspect``); ``version_again`` when the
       probe found a new session and this begin had not asked (the cached version was the old
-      process's); the answer is checked before the pause (``vllm_versions.check_supported``);
+      process's) or the engine is about to be initialised (not ``initialized``: maybe
+      another process than the one asked); the answer is checked before the pause
+      (``vllm_versions.check_supported``);
     * ``init`` is skipped for an initialised engine; ``recover`` unless the engine may be
       mid-update and must finish first (``recover_first``) or a start met a session;
     * the first executor stage after a worker's failure (``replies_suspect``) first checks
@@ -416,9 +418,12 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
         if u.stage > STAGE_INDEX["probe"] and engine.out_of_step:
             return BeginStep(fail=engine.out_of_step)
         if st.name in ("version", "version_again"):
+            # (version_again also before an init: the daemon initialises an engine process
+            # it does not know, e.g. one restarted while idle that the probe cannot tell
+            # from the old one, both still at their checkpoint's weight version)
             if u.version_asked or not (
-                    u.new_session if st.name == "version_again" else
-                    engine.vllm_version is None or engine.version_refused
+                    (u.new_session or not engine.initialized) if st.name == "version_again"
+                    else engine.vllm_version is None or engine.version_refused
                     or engine.session_suspect):
                 u.stage += 1
                 continue
