@@ -170,6 +170,10 @@ def main_from_args(args: argparse.Namespace) -> int:
     failed = [s for s in status.get("slots", []) if s.get("state") == "failed"] + [
         e for e in status.get("released_engines", []) if e.get("needs_full_update")]
     if failed and not args.json:
-        print(f"{len(failed)} slot(s) failed: engine paused until a complete update succeeds",
-              file=sys.stderr)
+        # (a failed slot's engine is paused only where the failure came after the pause)
+        paused = sum(1 for s in failed if s.get("engine_paused", True))
+        how = ("engine paused until a complete update succeeds" if paused == len(failed)
+               else "engine still serving, the next update retries" if paused == 0
+               else f"{paused} engine(s) paused until a complete update succeeds")
+        print(f"{len(failed)} slot(s) failed: {how}", file=sys.stderr)
     return 1 if failed else 0

@@ -306,3 +306,22 @@ def test_draft_round_on_a_vllm_without_draft_sessions_is_refused():
     assert "needs vLLM 0.26 or later" in draft_refusal(u, e)
     e.vllm_version = "0.32.0"
     assert draft_refusal(u, e) == ""
+
+
+def test_every_rank_is_told_the_disagreement_once_all_have_begun():
+    """A fresh-user trial found it: the update failed at the first begin that disagreed, so
+    the ranks that began after it began the next update and were told "rank 0 is gone"
+    there. Now the failure waits for every begin (the pause does anyway) and every rank gets
+    the disagreement itself."""
+    h = harness()
+    begins = [lbegin(0, 0, tensors_of(0)), Begin(0, "v1")] + [
+        lbegin(0, r, tensors_of(r)) for r in (2, 3)]
+    for r, b in enumerate(begins[:3]):
+        h.send(r, b)
+        assert not any(isinstance(m, Error) for rr in h.replies for m in h.replies[rr]), r
+    h.send(3, begins[3])
+    for r in range(SIZE):
+        errors = [m for m in h.replies[r] if isinstance(m, Error)]
+        assert errors and "must agree on rank-local mode" in errors[-1].message, (r, errors)
+        assert errors[-1].update_id == 0
+    assert "pause" not in h.engine.calls

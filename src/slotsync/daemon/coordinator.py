@@ -679,23 +679,30 @@ class SlotCoordinator:
                 return self._rank_error(
                     rank, "begin", f"rank {rank} began update {u.update_id} twice", u.update_id
                 )
-            if msg.draft != u.draft:  # (before the pause: every begin arrives before it)
+            # Begins that disagree are refused before the pause, which waits for every
+            # begin; the update fails once every rank has begun, with the first disagreement,
+            # so that each rank learns the cause (not a later update's "rank N is gone")
+            why, at = "", -1
+            if msg.draft != u.draft:
                 has = ("with", "without") if msg.draft else ("without", "with")
-                return self._fail(
-                    now, "begin",
-                    f"rank {rank} begins update {u.update_id} {has[0]} a draft part, ranks "
-                    f"{sorted(u.begun)} {has[1]} one: every rank of the slot must declare the "
-                    "same draft part (Publisher.publish(..., draft=...))", [])
-            why = rank_local.take_begin(u.mode_of, u.declared, u.worker_of, rank, msg)
-            if why:  # (before the pause, which waits for every begin)
-                return self._fail(now, "begin", why, [])
-            if msg.manifest and u.manifest and msg.manifest != u.manifest:
-                # I2 before the pause: every begin arrives before the pause goes out
-                return self._manifest_mismatch(u, rank, msg.manifest, now)
+                why = (f"rank {rank} begins update {u.update_id} {has[0]} a draft part, ranks "
+                       f"{sorted(u.begun)} {has[1]} one: every rank of the slot must declare "
+                       "the same draft part (Publisher.publish(..., draft=...))")
+            why = why or rank_local.take_begin(u.mode_of, u.declared, u.worker_of, rank, msg)
+            if not why and msg.manifest and u.manifest and msg.manifest != u.manifest:
+                why, at = self._manifest_mismatch(u, rank, msg.manifest)  # I2
             if msg.manifest and not u.manifest:
                 u.manifest, u.manifest_rank = msg.manifest, rank
+            if why and u.begin_refusal is None:
+                u.begin_refusal = (why, at)
             u.begun.add(rank)
             u.last_progress = now
+            if u.begin_refusal is not None and len(u.begun) == self.size:
+                out = self._fail(now, "begin", u.begin_refusal[0], [])
+                for a in out:
+                    if isinstance(a, Reply) and isinstance(a.msg, Error):
+                        a.msg.tensor_index = u.begin_refusal[1]
+                return out
             if u.engine_started:
                 return [Reply(self.ranks[rank].identity, Ack(u.update_id, "begin"))]
             return self._advance(now)  # the last rank's begin lets the pause go out
@@ -723,22 +730,15 @@ class SlotCoordinator:
         self.current = u  # its begin stages (the table at the top) run from _advance
         return self._advance(now)  # (a gone rank gets gone_s to come back: _deadline)
 
-    def _manifest_mismatch(self, u: Update, rank: int, manifest: bytes,
-                           now: float) -> list[Action]:
-        """Fail the update (before the pause): ``rank``'s begin manifest differs from the
-        first one; the Error names the first tensor position where they part
-        (``Error.tensor_index``: each publisher names its own tensor there)."""
+    def _manifest_mismatch(self, u: Update, rank: int, manifest: bytes) -> tuple[str, int]:
+        """Why ``rank``'s begin manifest differs from the first one, and the first tensor
+        position where they part (``Error.tensor_index``: each publisher names its own tensor
+        there)."""
         at = first_difference(manifest, u.manifest)
         n, n0 = len(manifest) // DIGEST_BYTES, len(u.manifest) // DIGEST_BYTES
-        out = self._fail(
-            now, "begin",
-            f"rank {rank} begins update {u.update_id} with tensors that differ from rank "
-            f"{u.manifest_rank}'s from tensor #{at} on, in send order (rank {rank} sends {n} "
-            f"tensors, rank {u.manifest_rank} {n0}): {SAME_CHUNKS_RULE}", [])
-        for a in out:
-            if isinstance(a, Reply) and isinstance(a.msg, Error):
-                a.msg.tensor_index = at
-        return out
+        return (f"rank {rank} begins update {u.update_id} with tensors that differ from rank "
+                f"{u.manifest_rank}'s from tensor #{at} on, in send order (rank {rank} sends {n} "
+                f"tensors, rank {u.manifest_rank} {n0}): {SAME_CHUNKS_RULE}", at)
 
     def _on_chunk(self, rank: int, msg: Chunk, now: float) -> list[Action]:
         u = self.current

@@ -216,6 +216,10 @@ class Update:
         return bool(self.mode_of) and all(self.mode_of.values())
     # GET /version went out in this begin (the version stage, or version_again)
     version_asked: bool = False
+    # the first disagreement between the ranks' begins (text, tensor index or -1): the
+    # update fails with it once every rank has begun, so that every rank is told the cause
+    # (a rank that began later would otherwise begin the next update and fail there)
+    begin_refusal: tuple[str, int] | None = None
 
     def on(self, event: PhaseEvent) -> None:
         """Move the phase along ``TRANSITIONS`` (``DRAFT_TRANSITIONS`` for a round with a

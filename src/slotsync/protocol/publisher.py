@@ -447,8 +447,7 @@ class Publisher:
             # (a draft part's names are not in the rank-local begin's declared tensors; the
             # two were built apart and no test covers them together: refuse, not guess)
             raise ValueError(f"rank {self.rank}: a draft part (draft=) is not supported in "
-                             "rank-local mode yet: publish the draft model from a publisher "
-                             "without rank_local=True")
+                             "rank-local mode yet (docs/rank-local.md)")
         if self.rank_local:
             if not entries:
                 raise ValueError(
