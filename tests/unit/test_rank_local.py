@@ -249,7 +249,7 @@ def test_publisher_rank_local_arguments():
     assert _rank_local_args(6, slot, True, 0) == (True, 0)
     with pytest.raises(ValueError, match="needs rank_local=True"):
         _rank_local_args(6, slot, False, 1)
-    with pytest.raises(ValueError, match=r"in \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"rank 6: worker_rank must be an int in \[0, 4\)"):
         _rank_local_args(6, slot, True, 4)
 
 

@@ -159,8 +159,8 @@ def _rank_local_args(rank: int, slot: EngineSlot, rank_local: bool,
         return False, -1
     w = rank - slot.start if worker_rank is None else worker_rank
     if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < slot.count:
-        raise ValueError(f"worker_rank must be an int in [0, {slot.count}) (the engine's "
-                         f"workers), got {worker_rank!r}")
+        raise ValueError(f"rank {rank}: worker_rank must be an int in [0, {slot.count}) (the "
+                         f"engine's workers), got {worker_rank!r}")
     return True, w
 
 
