@@ -272,8 +272,7 @@ class SlotTable:
         live = [i for i in c.ranks.values() if i.gone_at is None]
         if live:
             return "its live ranks: " + ", ".join(
-                f"{i.rank} (pid {i.peer_pid or i.pid} on {i.hostname})"
-                for i in sorted(live, key=lambda i: i.rank))
+                f"{i.rank} ({i.process})" for i in sorted(live, key=lambda i: i.rank))
         if c.busy():
             return "an update or engine check of it is still running"
         return ""

@@ -163,7 +163,10 @@ class DaemonWaits:
             self.end_update()
         self.session.forget_registration()  # (the next begin registers with whichever
         self.link.peer_pid = 0  # daemon listens)
-        during = f" of update {uid}" if uid is not None else ""
+        # (``waited_for`` names the update already, "Ack(begin) for update 67", except for
+        # Registered: "update 67 of update 67" said nothing twice)
+        during = (f" of update {uid}" if uid is not None and f"update {uid}" not in waited_for
+                  else "")
         return SlotsyncError(
             phase, f"lost the connection to {who} at {self.endpoint} while waiting for "
             f"{waited_for}{during}: {why}", slot=self.slot_range, update_id=uid,
