@@ -76,8 +76,9 @@ def rank_held(held: RankInfo | None, identity: bytes, msg: Register, peer_pid: i
             or held.same_process(msg, peer_pid)):
         return ""
     return (f"rank {msg.rank} is already registered by {held.process}, which is still "
-            f"connected; {process_text(peer_pid or msg.pid, msg.hostname)} claims it too: two trainer processes with one rank? (check "
-            "the launcher's RANK; a restarted rank registers once its old process is gone)")
+            f"connected; {process_text(peer_pid or msg.pid, msg.hostname)} claims it too: two "
+            "trainer processes with one rank? (check the launcher's RANK; a restarted rank "
+            "registers once its old process is gone)")
 
 
 def unlike_the_slot(msg: Register, slot: tuple[int, int], others: dict[int, RankInfo],
