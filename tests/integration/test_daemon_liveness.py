@@ -144,3 +144,29 @@ def test_invalid_option_from_the_environment_names_the_variable():
                          env={**os.environ, "SLOTSYNC_LIVENESS_S": "0"})
     assert out.returncode == 2 and "liveness_s must be" in out.stderr, out.stderr
     assert "(set by environment SLOTSYNC_LIVENESS_S)" in out.stderr, out.stderr
+
+
+def test_status_shows_an_engine_no_process_answers_as_unreachable(tmp_path):
+    # issue 24: while an engine process was dead, `slotsync status` showed it "paused" (or
+    # "serving") with a last update of "0.00s", the failed begin's duration
+    with DaemonProcess(runtime_dir=str(tmp_path)) as d:
+        ctx = zmq.Context()
+        ranks = [Rank(ctx, d.endpoint, r) for r in (0, 1)]  # (engine http://127.0.0.1:1)
+        for r in ranks:
+            assert isinstance(r.reply, wire.Registered), r.reply
+            r.s.send(wire.encode(wire.Begin(r.reply.next_update_id, "v1")))
+        for r in ranks:  # the begin fails: GET /version finds no process at the URL
+            assert r.s.poll(30_000)
+            err = wire.decode_from_daemon(r.s.recv())
+            assert isinstance(err, wire.Error) and "cannot reach" in err.message, err
+        s = d.status()["slots"][0]
+        assert "cannot reach http://127.0.0.1:1" in s["engine_unreachable"], s
+        assert s["engine_last_answer_s"] is None and s["last_success_duration_s"] is None, s
+        out = _cli("status", "--url", d.status_url)
+        row = out.stdout.splitlines()[2]
+        assert "unreachable for" in row and "never answered" in row, out.stdout
+        assert "0.00s" not in row and "serving" not in row and "paused" not in row, out.stdout
+        assert "1 engine(s) unreachable" in out.stderr and "127.0.0.1:1" in out.stderr, out.stderr
+        for r in ranks:
+            r.close()
+        ctx.term()

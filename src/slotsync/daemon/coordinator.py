@@ -189,6 +189,7 @@ class SlotCoordinator:
         self.last_error: str | None = None
         self.last_duration_s: float | None = None
         self.last_outcome: str | None = None
+        self.last_success: tuple[float, float] | None = None  # (ended at, seconds) of the last ok
         self._failed: tuple[int, str] | None = None  # (update id, message) of the last failure
         self.updates_ok = 0
         self.updates_failed = 0
@@ -342,6 +343,7 @@ class SlotCoordinator:
     ) -> list[Action]:
         """The engine call ``call_id`` returned: ``ok`` with the parsed JSON ``result``, or not
         ok with ``error`` (HTTP status and vLLM's message, or a timeout / connection error)."""
+        self.engine.note_call(ok, error, now)  # (reachable or not: status, issue 24)
         if call_id in self._maintenance:
             return self._on_maintenance_result(self._maintenance.pop(call_id), ok, result,
                                                error, now)
@@ -554,7 +556,7 @@ class SlotCoordinator:
         update is a full one if the engine was left paused, mid-update or out of step."""
         self.engine_url = old.engine_url
         self.engine.take_over(old.engine)
-        for name in ("last_version", "last_error", "last_outcome", "_failed"):
+        for name in ("last_version", "last_error", "last_outcome", "last_success", "_failed"):
             setattr(self, name, getattr(old, name))
         self.next_update_id = max(self.next_update_id, old.next_update_id)
 
@@ -959,6 +961,7 @@ class SlotCoordinator:
         self.current = None
         self.next_update_id = max(self.next_update_id, u.update_id + 1)
         self.last_duration_s = now - u.started_at
+        self.last_success = (now, self.last_duration_s)
         self.last_outcome = "success"
         self.last_error = (
             f"update {u.update_id} loaded but resume failed: {resume_error}"
