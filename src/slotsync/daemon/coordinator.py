@@ -229,6 +229,11 @@ class SlotCoordinator:
             return SlotState.REGISTERING
         return SlotState.IDLE
 
+    def wait_in_force(self) -> tuple[float, str, str, list[int]] | None:
+        """``(deadline, phase, what, missing ranks)`` of the wait on ranks in force (none
+        while engine calls are out: the HTTP client bounds them); ``wait_report.py``."""
+        return self._deadline()
+
     def next_deadline(self) -> float | None:
         """Monotonic time at which ``poll`` must next be called, or None."""
         d = self._deadline()
@@ -317,6 +322,8 @@ class SlotCoordinator:
                     wire.PROTOCOL_VERSION,
                     self.daemon_version,
                     self.max_message_bytes,
+                    self.timeouts.begin_s,
+                    self.timeouts.chunk_s,
                 ),
             )
         )
