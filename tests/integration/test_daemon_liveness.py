@@ -170,3 +170,23 @@ def test_status_shows_an_engine_no_process_answers_as_unreachable(tmp_path):
         for r in ranks:
             r.close()
         ctx.term()
+
+
+def test_a_publisher_timeout_says_which_rank_the_daemon_waits_for(tmp_path):
+    # issue 24: a publisher whose timeout_s is shorter than the daemon's begin deadline was
+    # asked "is slotsyncd still running?" when rank 1 of its slot had never begun
+    import torch
+
+    from slotsync.protocol.errors import SlotsyncTimeout
+    from slotsync.protocol.publisher import Publisher
+
+    with DaemonProcess(runtime_dir=str(tmp_path), args=["--begin-timeout-s", "60"]) as d, \
+            Publisher(d.endpoint, 0, (0, 2), "http://127.0.0.1:1", transport="shm",
+                      timeout_s=2.0) as pub:
+        with pytest.raises(SlotsyncTimeout) as ei:
+            pub.publish([("w", torch.ones(4))], "v1")
+        text = str(ei.value)
+        assert ("slotsyncd is waiting for the begin of rank(s) 1 of slot [0, 2) (update 0); "
+                "rank(s) 1 have not registered; its begin deadline (begin_timeout_s) is 60 s"
+                in text), text
+        assert "still running" not in text, text
