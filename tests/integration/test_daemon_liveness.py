@@ -190,3 +190,40 @@ def test_a_publisher_timeout_says_which_rank_the_daemon_waits_for(tmp_path):
                 "rank(s) 1 have not registered; its begin deadline (begin_timeout_s) is 60 s"
                 in text), text
         assert "still running" not in text, text
+
+
+def test_gone_ranks_are_told_apart_a_clean_close_and_a_stopped_process(tmp_path):
+    # issue 24: a clean Publisher.close() was logged as "closed it, no heartbeat, or frame
+    # over limit"; a stopped process (it answers no heartbeat) is told as such
+    import os
+    import signal
+
+    child = ("import sys, time, zmq\nfrom slotsync.protocol import wire\n"
+             "s = zmq.Context().socket(zmq.DEALER)\ns.connect(sys.argv[1])\n"
+             "s.send(wire.encode(wire.Register(wire.PROTOCOL_VERSION, 1, "
+             "wire.logical_gpu_uuid(1), 0, 2, 'http://127.0.0.1:1', True, 'shm')))\n"
+             "s.poll(10_000)\ns.recv()\nprint('registered', flush=True)\ntime.sleep(120)\n")
+    with DaemonProcess(runtime_dir=str(tmp_path), args=["--liveness-s", "1"]) as d:
+        ctx = zmq.Context()
+        p = subprocess.Popen([sys.executable, "-c", child, d.endpoint], stdout=subprocess.PIPE,
+                             text=True)
+        try:
+            assert p.stdout is not None and p.stdout.readline().strip() == "registered"
+            r0 = Rank(ctx, d.endpoint, 0)  # (after rank 1: a slot with no live rank is freed)
+            r0.s.send(wire.encode(wire.Close("Publisher.close()")))
+            r0.close()
+            assert _wait(lambda: not d.status()["slots"][0]["ranks"][0]["alive"], 30)
+            os.kill(p.pid, signal.SIGSTOP)
+            assert _wait(lambda: [r["alive"] for r in d.status()["slots"][0]["ranks"]]
+                         == [False, False], 30), (d.status(), d.log_tail())
+            r = d.status()["slots"][0]["ranks"]
+        finally:
+            p.kill()
+            p.wait()
+        assert r[0]["gone_why"] == "its publisher closed the connection (Publisher.close())", r
+        assert r[1]["gone_why"] == ("it answered no heartbeat within liveness_s=1 s: its "
+                                    f"process (pid {p.pid}) is stopped (SIGSTOP, job control "
+                                    "or a debugger)"), r
+        log = d.log_tail(20_000)
+        assert "Publisher.close()" in log and "is stopped" in log, log
+        ctx.term()

@@ -130,8 +130,8 @@ class SlotTable:
             c = self._slot_of_rank[rank] if rank is not None else None
             return [Reply(identity, wait_report.waiting(c, msg.update_id, now))]
         if isinstance(msg, Close):  # (issue 24: a clean close is not a guess)
-            why = "its publisher closed the connection (Publisher.close()" + (
-                f": {msg.reason})" if msg.reason else ")")
+            why = "its publisher closed the connection" + (
+                f" ({msg.reason})" if msg.reason else "")
             return self.on_connection_gone(identity, now, why)
         if rank is not None:
             self._slot_of_rank[rank].on_rank_seen(rank, identity, now)

@@ -12,6 +12,7 @@ lost daemon ends the open update through ``end_update``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -137,6 +138,15 @@ class DaemonWaits:
                 slot=self.slot_range,
                 update_id=self.session.update_id,
             ) from None
+
+    def goodbye(self, reason: str) -> None:
+        """Tell the daemon this rank's connection closes on purpose (``wire.Close``), so that
+        it logs a clean close as one rather than guessing (issue 24); only while registered
+        and connected, never waiting (the socket's linger lets it out)."""
+        if self.session.registered is None or self.connected is not True:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self.link.send(wire.Close(reason[:200]), block=False)
 
     def read_monitor(self, *, during_update: bool, phase: str = "register",
                      waited_for: str = "") -> None:
