@@ -88,12 +88,14 @@ def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str]
     import signal
 
     from slotsync.testing.processes import die_with_parent
+    from slotsync.testing.vllm_notices import hide_triton_notice_if_asked
 
     def _term(_sig: int, _frame: object) -> None:
         raise SystemExit(143)
 
     signal.signal(signal.SIGTERM, _term)
     die_with_parent()
+    hide_triton_notice_if_asked()  # before --backend vllm-api imports vLLM: the demo showed it
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -601,6 +603,9 @@ def main_from_args(args: argparse.Namespace) -> int:
                                  mem_available())
         if problem:
             return fail(problem)
+    from slotsync.testing.vllm_notices import hide_triton_notice_in_children
+
+    hide_triton_notice_in_children()  # vLLM's Triton notice: this process's import says it
     for wanted, option, module in (
             (args.backend == "vllm-api", "--backend vllm-api",
              "vllm.distributed.weight_transfer.factory"),
