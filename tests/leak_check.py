@@ -7,11 +7,11 @@ xdist controller, or pytest itself without ``-n``):
 * at start: every process of the run is marked by an environment variable,
   ``SLOTSYNC_TEST_RUN=<token>``, which all it starts inherit (rank processes, engines,
   daemons, their workers, xdist's workers); the temp folder is redirected (``TMPDIR`` and
-  ``tempfile.tempdir``) to a fresh ``<tmp>/slotsync-test-run-<token>/``, and ``/dev/shm`` is
+  ``tempfile.tempdir``) to a fresh ``<tmp>/sst-<token>/``, and ``/dev/shm`` is
   listed;
 * at the end, after xdist's workers are down: processes still carrying the token (waited for
-  up to :data:`GRACE_S` seconds, then killed), anything in the run's temp folder but pytest's
-  own ``pytest-of-*`` (``tmp_path``), and ``/dev/shm`` entries made during the run that no
+  up to :data:`GRACE_S` seconds, then killed), anything in the run's temp folder but
+  :data:`OWN_ENTRIES`, and ``/dev/shm`` entries made during the run that no
   process outside the run holds open or mapped are each named, removed, and fail the run
   (exit status 1). The run's temp folder is then removed.
 
@@ -33,6 +33,9 @@ import pytest
 RUN_ENV = "SLOTSYNC_TEST_RUN"
 GRACE_S = 20.0  # how long processes of the run may take to exit after the last test
 SHM_DIR = Path("/dev/shm")
+OWN_ENTRIES = ("pytest-of-", "torchinductor_")
+"""Temp-folder entries that are not leaks: pytest's ``tmp_path`` folders and the compile
+cache torch makes when vLLM is imported; removed with the run's folder."""
 
 _state: dict = {}
 
@@ -48,8 +51,13 @@ def _enabled(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     if not _enabled(config) or RUN_ENV in os.environ:
         return  # (a nested pytest run inside a test is checked by the outer run)
+    import multiprocessing.util
+
+    # multiprocessing's own temp folder for this process stays where it was: it removes it
+    # at exit, after this check (pymp-*)
+    multiprocessing.util.get_temp_dir()
     token = secrets.token_hex(4)
-    root = Path(tempfile.gettempdir()) / f"slotsync-test-run-{token}"
+    root = Path(tempfile.gettempdir()) / f"sst-{token}"  # (short: Unix socket paths)
     root.mkdir()
     _state.update(token=token, root=root, shm=_shm_names(), old_tmpdir=os.environ.get("TMPDIR"))
     os.environ[RUN_ENV] = token
@@ -91,9 +99,10 @@ def _pids_of_run(token: str) -> list[tuple[int, str]]:
     the run's token."""
     want = f"{RUN_ENV}={token}".encode()
     me = os.getpid()
+    mine = _own_helpers()
     out = []
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
+        if not name.isdigit() or int(name) == me or int(name) in mine:
             continue
         try:
             with open(f"/proc/{name}/environ", "rb") as f:
@@ -109,6 +118,14 @@ def _pids_of_run(token: str) -> list[tuple[int, str]]:
             continue
         out.append((int(name), cmd))
     return out
+
+
+def _own_helpers() -> set[int]:
+    """This process's multiprocessing resource tracker, which lives as long as it does."""
+    from multiprocessing import resource_tracker
+
+    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return {pid} if pid else set()
 
 
 def _leaked_processes(token: str) -> list[str]:
@@ -130,9 +147,9 @@ def _leaked_processes(token: str) -> list[str]:
 
 
 def _leaked_files(root: Path) -> list[str]:
-    """Entries of the run's temp folder but pytest's own ``pytest-of-*``."""
+    """Entries of the run's temp folder but :data:`OWN_ENTRIES`."""
     try:
-        entries = sorted(p for p in root.iterdir() if not p.name.startswith("pytest-of-"))
+        entries = sorted(p for p in root.iterdir() if not p.name.startswith(OWN_ENTRIES))
     except FileNotFoundError:
         return []
     return [f"temp folder: {p.name}{'/' if p.is_dir() else ''} (in {root.parent})"

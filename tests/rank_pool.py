@@ -9,7 +9,6 @@ the dead process in the background. :func:`job` builds one job.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -71,14 +70,16 @@ class _Proc:
 
 
 class RankPool:
-    """``size`` warm rank processes (spawn context).
+    """``size`` warm rank processes (``spawned_ranks.rank_context``).
 
     Args:
         size: processes kept warm; a run needing more starts them on demand.
     """
 
     def __init__(self, size: int = 4) -> None:
-        self._ctx = mp.get_context("spawn")
+        from spawned_ranks import rank_context
+
+        self._ctx = rank_context()  # forked from a warm forkserver: torch imported once
         self._idle: list[_Proc] = [self._spawn() for _ in range(size)]
         self.size = size
 

@@ -57,6 +57,8 @@ from slotsync.protocol import wire  # noqa: E402
 from slotsync.testing.procfs import proc_status, shm_segments  # noqa: E402
 
 pytestmark = pytest.mark.slow
+# Daemon behaviour: against vLLM's own code where it is importable (engines.impl, issue 24).
+ENGINE_UNDER_TEST = "vllm"
 
 RANK_S = 3.0  # begin / chunk / commit deadlines of the daemon under test
 ENGINE_S = 2.5  # the daemon's bound on one engine call

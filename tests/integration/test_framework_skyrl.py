@@ -28,7 +28,6 @@ SkyRL's client must never have been called (the daemon owns the engine session).
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -189,7 +188,9 @@ def test_skyrl_call_path_through_slotsync_lands_in_every_worker(engine):
     """SkyRL 0.4.0's call shape with SlotsyncTrainerInitInfo: FSDP2 shards gathered by the
     source, a client without base_url that is never called, trainer_init and send_weights on
     worker threads; the engine ends with the trainer's second-step weights and version."""
-    ctx = mp.get_context("spawn")
+    from spawned_ranks import rank_context
+
+    ctx = rank_context()  # (warm: torch imported once)
     q = ctx.Queue()
     port = free_port("127.0.0.1")
     with DaemonProcess() as daemon:

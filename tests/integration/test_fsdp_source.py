@@ -11,7 +11,6 @@ ranks in one slot with 1 staging region.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import traceback
@@ -99,9 +98,11 @@ def run_fsdp_ranks(daemon: DaemonProcess, slots: list[tuple[tuple[int, int], str
                    timeout_s: float = 240.0) -> list[dict[str, Any]]:
     """Spawn one FSDP rank per entry of ``slots`` (``(engine slot, engine URL)``, by rank);
     return their reports by rank."""
+    from spawned_ranks import rank_context
+
     from slotsync.testing.ports import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # (warm: torch imported once)
     q = ctx.Queue()
     world, port = len(slots), free_port()
     procs = [ctx.Process(target=fsdp_rank, args=(r, world, port, daemon.endpoint, slot, url,

@@ -20,6 +20,8 @@ from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
 from slotsync.engine.checksum import checksums_by_worker, tensor_checksum  # noqa: E402
 
 pytestmark = pytest.mark.slow
+# Daemon behaviour: against vLLM's own code where it is importable (engines.impl, issue 24).
+ENGINE_UNDER_TEST = "vllm"
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])

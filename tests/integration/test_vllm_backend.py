@@ -16,7 +16,6 @@ The other tests are the issue's bad inputs, each refused before the engine is pa
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 from collections.abc import Iterator
@@ -117,7 +116,9 @@ def test_one_line_change_through_vllms_factory_lands_in_every_worker(engine, dae
     """Acceptance: SlotsyncTrainerInitInfo through vLLM's own trainer_init and send_weights;
     the engine's checksums (every worker) and weight version match. ``fsdp2``: each trainer
     group of two is an FSDP2 mesh, whose shards the publisher gathers into staging."""
-    ctx = mp.get_context("spawn")
+    from spawned_ranks import rank_context
+
+    ctx = rank_context()  # (warm: torch imported once)
     q = ctx.Queue()
     port = free_port("127.0.0.1")
     procs = [ctx.Process(target=_rank, args=(r, daemon.endpoint, engine.url, port, source_kind, q))

@@ -11,7 +11,6 @@ for dtypes whose ``full_tensor()`` Gloo refuses (float8).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import traceback
@@ -32,9 +31,11 @@ def _spawn(target: Callable[[int], dict[str, Any]], world: int = WORLD,
            timeout_s: float = 240.0) -> list[dict[str, Any]]:
     """Run ``_rank_main(target)`` in ``world`` spawned Gloo processes; each returns a dict of
     findings (or ``{"error": traceback}``). Returns them by rank."""
+    from spawned_ranks import rank_context
+
     from slotsync.testing.ports import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # (warm: torch imported once)
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, target, q))

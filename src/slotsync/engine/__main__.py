@@ -251,6 +251,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         pass
 
 
+VLLM_WORKER_IMPORTS = ("vllm.v1.worker.gpu_worker", "vllm.config", "vllm.config.weight_transfer",
+                       "vllm.distributed.weight_transfer", "slotsync.engine.vllm_model")
+"""What a vLLM-code worker imports as it starts (``VllmWorkerHost``): imported once by the
+front when the workers fork from it."""
+
+
 def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
     """``--impl vllm``: vLLM-code workers, vLLM's router and launcher."""
     import importlib.util
@@ -273,18 +279,23 @@ def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
         except BaseException as e:  # SystemExit(2) from _require
             failed.append(e)
 
-    importer = threading.Thread(target=front_imports, name="vllm-imports")
-    importer.start()
-    from slotsync.engine.pool import WorkerPool
+    from slotsync.engine.pool import WorkerPool, start_method
     from slotsync.engine.vllm_worker import VllmWorkerSpec, vllm_worker_main
 
     dp = args.data_parallel_size
     vspecs = [VllmWorkerSpec(s.index, s.device, s.gpu_uuid, str(s.model_path), len(specs) // dp,
                              dp, args.draft_model)
               for s in specs]
+    importer = threading.Thread(target=front_imports, name="vllm-imports")
+    importer.start()
+    if start_method(vspecs) == "fork":
+        importer.join()  # no thread may run while the workers fork from this process
+        if failed:
+            raise failed[0]
     try:
         pool = WorkerPool(vspecs, startup_timeout_s=args.startup_timeout,
-                          target=vllm_worker_main, data_parallel_size=dp)
+                          target=vllm_worker_main, data_parallel_size=dp,
+                          preload=VLLM_WORKER_IMPORTS)
     except BaseException:
         importer.join()
         if failed:  # the workers failed for the same reason: say it as an import error

@@ -28,6 +28,17 @@ from slotsync.protocol.wire import logical_gpu_uuid, normalize_gpu_uuid
 from slotsync.testing.ports import free_port  # (moved there, issue 16; re-exported here)
 from slotsync.testing.processes import die_with_parent
 
+_zygote: Any = None  # a slotsync.testing.zygote.Zygote, or None: see use_zygote
+
+
+def use_zygote(zygote: Any) -> None:
+    """Start CPU engines of this process by forking them from ``zygote``
+    (``slotsync.testing.zygote.Zygote``, which has imported torch and vLLM once) instead of
+    a new interpreter each; None: subprocesses again. For tests only (``tests/conftest.py``):
+    a forked engine is the zygote's child, not this process's."""
+    global _zygote
+    _zygote = zygote
+
 
 class EngineStartError(RuntimeError):
     """The engine subprocess exited or did not answer ``/get_world_size`` in time."""
@@ -117,7 +128,7 @@ class ReferenceEngine:
             self.log_path = Path(name)
         else:
             self.log_path = Path(log_path)
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Any = None  # subprocess.Popen, or a zygote's ForkedProcess (use_zygote)
         if start:
             self.start()
 
@@ -180,6 +191,14 @@ class ReferenceEngine:
                 ``startup_timeout_s``; the message ends with its output's tail.
         """
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
+        if _zygote is not None and self.device == "cpu" and self.receive == "reference":
+            self.proc = _zygote.spawn(self.command(), env, self.log_path)
+            try:
+                self._wait_ready()
+            except BaseException:
+                self.stop()
+                raise
+            return
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -1,23 +1,24 @@
 """Worker processes of an engine and a ``collective_rpc`` over them (both engine impls).
 
-Each worker is one spawned process serving ``(method, kwargs)`` requests over a
-``multiprocessing`` pipe, one at a time, in the order they were written; it answers each with
-``("ok", result)`` or ``("err", message)``. The reference engine's workers run
-``slotsync.engine.worker.worker_main``; the vLLM-code engine's run
-``slotsync.engine.vllm_worker.vllm_worker_main``.
+Each worker is one process (forked on CPU, spawned on CUDA: :func:`start_method`) serving
+``(method, kwargs)`` requests over a ``multiprocessing`` pipe, one at a time, in the order
+they were written; it answers each with ``("ok", result)`` or ``("err", message)``. The
+reference engine's workers run ``slotsync.engine.worker.worker_main``; the vLLM-code
+engine's run ``slotsync.engine.vllm_worker.vllm_worker_main``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import importlib
 import multiprocessing as mp
 import os
 import pickle
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from slotsync.engine.worker import WorkerSpec, worker_main
@@ -30,6 +31,30 @@ Inject = dict[int, str] | None
 """``{worker index: message}``: test faults raised inside the call on those workers."""
 Answer = tuple[bool, Any]
 """A worker's answer: (ok, result or error text)."""
+
+
+START_METHOD_ENV = "SLOTSYNC_ENGINE_START_METHOD"
+"""Overrides :func:`start_method`: ``fork``, ``spawn`` or ``forkserver``."""
+
+
+def start_method(specs: Sequence[Any]) -> str:
+    """How the workers of ``specs`` start: ``$SLOTSYNC_ENGINE_START_METHOD`` if set, else
+    ``fork`` when every worker is on the CPU and ``spawn`` otherwise.
+
+    Forked workers share the parent's imports (torch, and vLLM's for the vLLM-code engine:
+    several seconds of CPU per worker saved, issue 24); a CUDA worker is spawned, as vLLM
+    does once CUDA may be in use (``VLLM_WORKER_MULTIPROC_METHOD``).
+
+    Raises:
+        ValueError: the variable names another method.
+    """
+    chosen = os.environ.get(START_METHOD_ENV, "")
+    if chosen:
+        if chosen not in ("fork", "spawn", "forkserver"):
+            raise ValueError(f"{START_METHOD_ENV}={chosen!r}: use fork, spawn or forkserver")
+        return chosen
+    on_cpu = all(str(getattr(s, "device", "cpu")) == "cpu" for s in specs)
+    return "fork" if on_cpu else "spawn"
 
 
 class CollectiveRpcError(Exception):
@@ -76,7 +101,7 @@ class _WorkerProc:
     (vLLM's engine core queues utility calls the same way). One reader task matches each
     answer to the oldest request still waiting for one."""
 
-    def __init__(self, spec: WorkerSpec, ctx: mp.context.SpawnContext,
+    def __init__(self, spec: WorkerSpec, ctx: mp.context.BaseContext,
                  target: Callable[..., None] = worker_main) -> None:
         self.spec = spec
         self.conn, child = ctx.Pipe(duplex=True)
@@ -190,23 +215,30 @@ class _WorkerProc:
 
 
 class WorkerPool:
-    """N worker processes (spawn context) and a ``collective_rpc`` over them.
+    """N worker processes (:func:`start_method`) and a ``collective_rpc`` over them.
 
     Calls run in the order they arrive, one at a time on each worker (vLLM's engine core
     handles utility calls in order); within a call the workers run concurrently. A call is
     written to the workers as soon as it arrives, behind the ones still running, so each
     worker starts it the moment it answers the one before.
+
+    ``preload``: modules the workers import at start (e.g. vLLM's worker code), imported
+    in this process before the workers fork from it (ignored when they are spawned).
     """
 
     def __init__(self, specs: list[Any], startup_timeout_s: float = 300.0,
                  target: Callable[..., None] = worker_main,
-                 data_parallel_size: int = 1) -> None:
+                 data_parallel_size: int = 1, preload: Sequence[str] = ()) -> None:
         if data_parallel_size < 1 or len(specs) % data_parallel_size:
             raise ValueError(f"{len(specs)} workers cannot form {data_parallel_size} "
                              "data-parallel replicas of equal size")
         self.data_parallel_size = data_parallel_size
         """DP replicas; worker ``i`` is rank ``i % tp_size`` of replica ``i // tp_size``."""
-        ctx = mp.get_context("spawn")
+        method = start_method(specs)
+        if method == "fork":  # what every worker would import, imported once, here
+            for module in preload:
+                importlib.import_module(module)
+        ctx = mp.get_context(method)
         self.workers = [_WorkerProc(s, ctx, target) for s in specs]
         deadline = time.monotonic() + startup_timeout_s
         try:

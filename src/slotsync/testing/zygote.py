@@ -1,0 +1,340 @@
+"""A warm parent for engine processes in tests (issue 24): ``python -m slotsync.engine``
+forked from one process that has imported torch and vLLM once, instead of an interpreter
+that imports them anew for every engine (vLLM's imports alone take ~15 s of CPU).
+
+A :class:`Zygote` is a subprocess (``python -m slotsync.testing.zygote``) that imports
+:data:`PRELOAD` and then, for each request on its Unix socket, forks a child that runs a
+module as ``python -m`` would (``runpy``), with the request's argv, environment and log file;
+the child's pid comes back at once and its exit status when it exits. The caller holds a
+:class:`ForkedProcess`, which answers as much of ``subprocess.Popen`` as the engine launcher
+uses (``pid``, ``poll``, ``wait``, ``terminate``, ``kill``, ``returncode``).
+
+Lifetimes: the zygote dies with the process that started it (``PR_SET_PDEATHSIG``) or when
+that process closes its control connection (:meth:`Zygote.close`); each child dies with the
+zygote the same way. So nothing outlives the test process.
+
+Only tests use it (``slotsync.engine.launcher.use_zygote``, set by ``tests/conftest.py``): a
+demo's engines must be its own children, to die with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+PRELOAD = (
+    "torch", "safetensors.torch", "aiohttp.web", "msgspec", "uvloop",
+    "slotsync.engine.server", "slotsync.engine.worker", "slotsync.engine.pool",
+    "slotsync.engine.vllm_worker",
+)
+"""Imported by the zygote before it forks anything: what every engine and its workers
+import."""
+PRELOAD_VLLM = (
+    "vllm.entrypoints.rl.online.api_router", "vllm.entrypoints.serve.dev.sleep.api_router",
+    "vllm.entrypoints.serve.exception_handling.register", "vllm.entrypoints.launchers.launcher",
+    "vllm.distributed.weight_transfer.ipc_engine", "vllm.v1.worker.gpu_worker",
+    "vllm.config", "vllm.config.weight_transfer", "slotsync.engine.vllm_model",
+    "slotsync.engine.vllm_server",
+)
+"""Also imported where vLLM is importable: what the vLLM-code engine imports."""
+
+
+class ZygoteError(RuntimeError):
+    """The zygote did not start, or did not answer a request."""
+
+
+class ForkedProcess:
+    """A child of the zygote, seen like ``subprocess.Popen``.
+
+    Attributes:
+        pid: the child's pid.
+        args: the argv it was asked to run.
+        returncode: None while it runs; its exit status once :meth:`poll` or :meth:`wait`
+            saw it exit (``-N`` for a death by signal ``N``, as ``Popen``).
+    """
+
+    def __init__(self, conn: socket.socket, pid: int, args: list[str]) -> None:
+        self._conn = conn
+        self._buf = b""
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def _read(self, timeout_s: float | None) -> None:
+        self._conn.settimeout(timeout_s)
+        try:
+            while b"\n" not in self._buf:
+                data = self._conn.recv(4096)
+                if not data:  # the zygote is gone, and so is the child (PDEATHSIG)
+                    self.returncode = -signal.SIGTERM
+                    break
+                self._buf += data
+        except (TimeoutError, BlockingIOError):
+            return
+        if b"\n" in self._buf:
+            self.returncode = int(json.loads(self._buf.split(b"\n", 1)[0])["returncode"])
+        self._conn.close()
+
+    def poll(self) -> int | None:
+        """The exit status, or None while the child runs."""
+        if self.returncode is None:
+            self._read(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the child to exit (``timeout`` seconds at most) and return its status.
+
+        Raises:
+            subprocess.TimeoutExpired: it still runs after ``timeout`` seconds.
+        """
+        if self.returncode is None:
+            self._read(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the child unless it has been seen to exit."""
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        """SIGTERM."""
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL."""
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """The warm parent, started lazily by the first :meth:`spawn`.
+
+    Args:
+        startup_timeout_s: bound on its imports, seconds.
+    """
+
+    def __init__(self, startup_timeout_s: float = 300.0) -> None:
+        self.startup_timeout_s = startup_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: str | None = None
+        self._control: socket.socket | None = None
+
+    @property
+    def path(self) -> str:
+        assert self._dir is not None
+        return os.path.join(self._dir, "zygote.sock")
+
+    def _start(self) -> None:
+        from slotsync.testing.processes import die_with_parent
+
+        self._dir = tempfile.mkdtemp(prefix="slotsync-zygote-")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "slotsync.testing.zygote", self.path],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=open(os.path.join(self._dir, "zygote.log"), "wb"),  # noqa: SIM115
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not os.path.exists(self.path):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                log = Path(self._dir, "zygote.log").read_text(errors="replace")[-3000:]
+                self.close()
+                raise ZygoteError(f"the engine zygote did not start:\n{log}")
+            time.sleep(0.05)
+        self._control = socket.socket(socket.AF_UNIX)
+        self._control.connect(self.path)
+        self._control.sendall(b'{"control": true}\n')
+
+    def spawn(self, argv: Sequence[str], env: dict[str, str], log_path: str | os.PathLike[str]
+              ) -> ForkedProcess:
+        """Fork a child running ``argv`` (``[python, "-m", module, *args]``) with environment
+        ``env`` and stdout / stderr appended to ``log_path``.
+
+        Raises:
+            ValueError: ``argv`` is not a ``python -m module`` command line.
+            ZygoteError: the zygote did not start or answer.
+        """
+        argv = list(argv)
+        if len(argv) < 3 or argv[1] != "-m":
+            raise ValueError(f"the zygote runs 'python -m module ...' command lines, not {argv}")
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect(self.path)
+        conn.sendall(json.dumps({"module": argv[2], "argv": argv[3:], "env": env,
+                                 "log": str(log_path)}).encode() + b"\n")
+        conn.settimeout(30.0)
+        buf = b""
+        while b"\n" not in buf:
+            data = conn.recv(4096)
+            if not data:
+                raise ZygoteError("the engine zygote closed the connection before forking")
+            buf += data
+        line, rest = buf.split(b"\n", 1)
+        child = ForkedProcess(conn, int(json.loads(line)["pid"]), argv)
+        child._buf = rest
+        return child
+
+    def close(self) -> None:
+        """Stop the zygote (its children get SIGTERM) and remove its folder. Idempotent."""
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.terminate()
+                try:
+                    self._proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+            if self._proc.stderr is not None:
+                self._proc.stderr.close()
+            self._proc = None
+        if self._dir is not None:
+            import shutil
+
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+# ------------------------------------------------------------------------------ the zygote
+
+
+def _child(request: dict, listener: socket.socket, conns: list[socket.socket]) -> None:
+    """In the forked child: become ``python -m module argv`` and exit with its status."""
+    import runpy
+
+    from slotsync.testing.processes import die_with_parent
+
+    code = 1
+    try:
+        die_with_parent()  # (the zygote)
+        listener.close()
+        for c in conns:
+            c.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        tempfile.tempdir = None  # (TMPDIR may differ)
+        sys.argv = [request["module"], *request["argv"]]
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int | None):
+                print(e.code, file=sys.stderr)
+        except KeyboardInterrupt:
+            code = 130
+        except BaseException:  # noqa: BLE001 - what python -m prints and exits 1 for
+            traceback.print_exc()
+            code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve(path: str) -> None:
+    """The zygote's loop: import :data:`PRELOAD`, listen on ``path``, fork per request, report
+    each child's exit on its request's connection; exit when the control connection closes."""
+    from slotsync.testing.processes import die_with_parent
+
+    die_with_parent()
+    for module in PRELOAD:
+        importlib.import_module(module)
+    try:
+        importlib.import_module("vllm")
+    except ImportError:
+        pass
+    else:
+        for module in PRELOAD_VLLM:
+            importlib.import_module(module)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    os.rename(path + ".tmp", path)  # the path appears once it accepts
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    children: dict[int, socket.socket] = {}
+    conns: list[socket.socket] = []
+    control: socket.socket | None = None
+    pending: dict[socket.socket, bytes] = {}
+    while True:
+        for key, _ in sel.select(timeout=0.05):
+            sock = key.fileobj
+            if sock is listener:
+                c, _ = listener.accept()
+                conns.append(c)
+                pending[c] = b""
+                sel.register(c, selectors.EVENT_READ)
+                continue
+            data = sock.recv(1 << 20)
+            if not data:
+                sel.unregister(sock)
+                conns.remove(sock)
+                pending.pop(sock, None)
+                if sock is control:
+                    return  # the owner is done: exit; the children follow (PDEATHSIG)
+                continue
+            if sock not in pending:
+                continue
+            pending[sock] += data
+            if b"\n" not in pending[sock]:
+                continue
+            request = json.loads(pending.pop(sock).split(b"\n", 1)[0])
+            if request.get("control"):
+                control = sock
+                continue
+            sel.unregister(sock)
+            pid = os.fork()
+            if pid == 0:
+                _child(request, listener, conns)
+            children[pid] = sock
+            sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            sock = children.pop(pid, None)
+            if sock is None:
+                continue
+            try:
+                sock.sendall(json.dumps(
+                    {"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            except OSError:
+                pass
+            sock.close()
+            conns.remove(sock)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
