@@ -97,9 +97,14 @@ from typing import Any
 
 import msgspec
 
-from slotsync.daemon import chunk_window, probe, rank_local, recovery, vllm_versions
+from slotsync.daemon import (
+    begin_agreement,
+    chunk_window,
+    probe,
+    recovery,
+    vllm_versions,
+)
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
-from slotsync.daemon.aggregation import SAME_CHUNKS_RULE
 from slotsync.daemon.engine_session import (
     EngineSession,
     out_of_step_found,
@@ -121,7 +126,6 @@ from slotsync.daemon.update import (
     begin_step,
 )
 from slotsync.protocol import wire
-from slotsync.protocol.manifest import DIGEST_BYTES, first_difference
 from slotsync.protocol.wire import Abort, Ack, Begin, Chunk, Commit, Error, Register, Registered
 
 OMITTED_NAMES_POLICIES = ("warn", "refuse")
@@ -316,6 +320,7 @@ class SlotCoordinator:
                     wire.PROTOCOL_VERSION,
                     self.daemon_version,
                     self.max_message_bytes,
+                    list(begin_agreement.SETTINGS),
                 ),
             )
         )
@@ -679,20 +684,9 @@ class SlotCoordinator:
                 return self._rank_error(
                     rank, "begin", f"rank {rank} began update {u.update_id} twice", u.update_id
                 )
-            # Begins that disagree are refused before the pause, which waits for every
-            # begin; the update fails once every rank has begun, with the first disagreement,
-            # so that each rank learns the cause (not a later update's "rank N is gone")
-            why, at = "", -1
-            if msg.draft != u.draft:
-                has = ("with", "without") if msg.draft else ("without", "with")
-                why = (f"rank {rank} begins update {u.update_id} {has[0]} a draft part, ranks "
-                       f"{sorted(u.begun)} {has[1]} one: every rank of the slot must declare "
-                       "the same draft part (Publisher.publish(..., draft=...))")
-            why = why or rank_local.take_begin(u.mode_of, u.declared, u.worker_of, rank, msg)
-            if not why and msg.manifest and u.manifest and msg.manifest != u.manifest:
-                why, at = self._manifest_mismatch(u, rank, msg.manifest)  # I2
-            if msg.manifest and not u.manifest:
-                u.manifest, u.manifest_rank = msg.manifest, rank
+            # Begins that disagree are refused before the pause, once every rank has begun
+            # (begin_agreement.py): each rank learns the cause
+            why, at = begin_agreement.disagreement(u, rank, msg)
             if why and u.begin_refusal is None:
                 u.begin_refusal = (why, at)
             u.begun.add(rank)
@@ -726,19 +720,9 @@ class SlotCoordinator:
                     weights_intact=not (self.engine.needs_full_update
                                         or self.engine.draft.needs_full_update),
                     manifest=msg.manifest, manifest_rank=rank, draft=msg.draft)
-        rank_local.take_begin(u.mode_of, u.declared, u.worker_of, rank, msg)  # (first: agrees)
+        begin_agreement.take_first(u, rank, msg)
         self.current = u  # its begin stages (the table at the top) run from _advance
         return self._advance(now)  # (a gone rank gets gone_s to come back: _deadline)
-
-    def _manifest_mismatch(self, u: Update, rank: int, manifest: bytes) -> tuple[str, int]:
-        """Why ``rank``'s begin manifest differs from the first one, and the first tensor
-        position where they part (``Error.tensor_index``: each publisher names its own tensor
-        there)."""
-        at = first_difference(manifest, u.manifest)
-        n, n0 = len(manifest) // DIGEST_BYTES, len(u.manifest) // DIGEST_BYTES
-        return (f"rank {rank} begins update {u.update_id} with tensors that differ from rank "
-                f"{u.manifest_rank}'s from tensor #{at} on, in send order (rank {rank} sends {n} "
-                f"tensors, rank {u.manifest_rank} {n0}): {SAME_CHUNKS_RULE}", at)
 
     def _on_chunk(self, rank: int, msg: Chunk, now: float) -> list[Action]:
         u = self.current

@@ -281,12 +281,20 @@ class Begin(msgspec.Struct, tag="begin", forbid_unknown_fields=True, omit_defaul
     after every main chunk, loaded in a second session (vLLM's
     ``/start_draft_weight_update``) once the main one finished. Every rank of a slot must
     agree on it (else the update is refused before the pause, naming the ranks). Omitted
-    from the message when False, so a round without a draft part is encoded as before."""
+    from the message when False, so a round without a draft part is encoded as before.
+
+    ``staging_bytes`` (issue 24): the publisher's chunk limit in bytes
+    (``Publisher(staging_bytes=...)``), which decides where its chunks are cut. Outside
+    rank-local mode every rank of a slot must declare the same one, or the update is refused
+    before the pause naming the setting, both values and the ranks
+    (``daemon/begin_agreement.py``). A publisher declares it only to a daemon that lists it
+    in ``Registered.begin_settings``; 0 (omitted): not declared, not compared."""
 
     update_id: NonNeg
     weight_version: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_VERSION_CHARS)]
     manifest: bytes = b""
     draft: bool = False
+    staging_bytes: NonNeg = 0
     # Rank-local mode (issue 18, docs/rank-local.md): this rank sends its own tensors (its
     # experts and the shared ones) for engine worker ``worker_rank`` (global worker index,
     # vLLM's ``dp_index * TP * PP + rank``) and declares them here in clear, in send order,
@@ -501,6 +509,10 @@ class Registered(msgspec.Struct, tag="registered"):
     protocol_version: int = PROTOCOL_VERSION
     daemon_version: str = ""
     max_message_bytes: int = 0  # the daemon's frame cap (0: unknown); publishers check it
+    # the Begin settings this daemon compares across a slot's ranks (issue 24,
+    # daemon/begin_agreement.py SETTINGS): a publisher declares only these in its Begin, so
+    # that a daemon older than it never sees a field it does not know
+    begin_settings: list[str] = []
 
 
 MAX_OMITTED_NAMES = 64
