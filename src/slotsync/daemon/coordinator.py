@@ -100,6 +100,7 @@ import msgspec
 from slotsync.daemon import (
     begin_agreement,
     chunk_window,
+    malformed,
     probe,
     recovery,
     vllm_versions,
@@ -341,6 +342,15 @@ class SlotCoordinator:
             why = f": {msg.reason}" if msg.reason else ""
             return self._fail(now, "abort", f"rank {rank} aborted update {u.update_id}{why}", [])
         raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def on_bad_message(self, rank: int, err: wire.ProtocolError, now: float) -> list[Action]:
+        """Registered rank ``rank`` sent a frame that failed validation (``err``): the update
+        in flight fails at once naming the rank, the message kind and the field, every rank
+        told; else only the rank is told (``malformed.py``)."""
+        text = malformed.describe(rank, err)
+        if malformed.fails_update(err, self.current and self.current.update_id):
+            return self._fail(now, malformed.phase_of(err), text, [])
+        return self._rank_error(rank, malformed.phase_of(err), text, err.update_id)
 
     def on_engine_result(
         self, call_id: int, ok: bool, result: Any, error: str, now: float

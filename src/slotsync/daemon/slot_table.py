@@ -21,7 +21,14 @@ dead job left paused or mid-update needs a full update from the next job too (de
 from __future__ import annotations
 
 from slotsync.daemon.coordinator import Action, Reply, SlotCoordinator, SlotEvent, Timeouts
-from slotsync.protocol.wire import NOT_REGISTERED, Begin, Error, Register, ToDaemon
+from slotsync.protocol.wire import (
+    NOT_REGISTERED,
+    Begin,
+    Error,
+    ProtocolError,
+    Register,
+    ToDaemon,
+)
 
 
 class SlotTable:
@@ -140,6 +147,16 @@ class SlotTable:
                 )
             ]
         return self._slot_of_rank[rank].on_message(rank, msg, now)
+
+    def on_bad_message(self, identity: bytes, err: ProtocolError, now: float) -> list[Action]:
+        """Socket ``identity`` sent a frame that failed validation (``err``). A registered
+        rank's slot fails its update at once with that cause (``SlotCoordinator.on_bad_message``,
+        issue 24); any other peer gets a non-fatal ``Error(phase="decode")``."""
+        rank = self._rank_of.get(identity)
+        if rank is None:
+            return [Reply(identity, Error("decode", str(err), fatal=False))]
+        self._slot_of_rank[rank].on_rank_seen(rank, identity, now)
+        return self._slot_of_rank[rank].on_bad_message(rank, err, now)
 
     def on_connection_gone(self, identity: bytes, now: float, why: str) -> list[Action]:
         """The connection ``identity`` closed, or its process exited (``why``): if a rank
