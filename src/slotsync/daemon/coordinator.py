@@ -106,6 +106,7 @@ from slotsync.daemon import (
     vllm_versions,
 )
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
+from slotsync.daemon.claim_check import ClaimCheck
 from slotsync.daemon.engine_session import (
     EngineSession,
     out_of_step_found,
@@ -209,6 +210,8 @@ class SlotCoordinator:
         self._reconcile = False
         self._maintenance: dict[int, EngineCall] = {}  # its calls in flight
         self._pending_url: str | None = None  # engine table reload during an update
+        # an undeclared slot's claim, checked against its engine (SlotTable sets it)
+        self.claims: ClaimCheck | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -255,6 +258,13 @@ class SlotCoordinator:
         is in flight is a new trainer job: the slot starts afresh (the other ranks' old
         registrations are dropped; their publishers register again at their next begin).
         """
+
+        if self.claims is not None and self.claims.needed(msg, bool(self.ranks)):
+            # (claim_check.py: an undeclared slot's first registrations wait for the engine)
+            if not self.claims.hold(identity, msg, peer_pid):
+                return []
+            self.claims.url_before, self.engine_url = self.engine_url, msg.engine_url
+            return [self._maintenance_call("get_world_size")]
 
         def refuse(text: str) -> list[Action]:
             out: list[Action] = [Reply(identity, Error("register", text, list(self.slot), None,
@@ -883,6 +893,12 @@ class SlotCoordinator:
 
     def _on_maintenance_result(self, call: EngineCall, ok: bool, result: Any, error: str,
                                now: float) -> list[Action]:
+        if call.route == "get_world_size" and self.claims is not None:  # (claim_check.py)
+            held, why = self.claims.answer(ok, result, self.slot, self.engine_url or "")
+            if why:
+                self.engine_url = self.claims.url_before
+                return [Reply(i, Error("register", why, list(self.slot))) for i, _, _ in held]
+            return [a for i, m, p in held for a in self.on_register(i, m, now, p)]
         step = recovery.engine_check(self.engine, call.route, ok, result, error, self.slot,
                                      self.engine_url, call.update_id)
         if step.note:

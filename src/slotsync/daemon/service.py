@@ -77,6 +77,7 @@ class Daemon:
             config.omitted_names,
             config.slot_release_s,
             config.max_message_bytes,
+            check_claims=True,  # (claim_check.py)
         )
         self.metrics.watch(self.table)  # slot/rank/in-flight gauges read the table per scrape
         self.endpoint = config.endpoint()
