@@ -257,6 +257,8 @@ class SlotCoordinator:
         connection. A re-registration with another engine / mode / transport while no update
         is in flight is a new trainer job: the slot starts afresh (the other ranks' old
         registrations are dropped; their publishers register again at their next begin).
+        An undeclared slot's first registrations wait for the engine's worker count
+        (``claims``, ``claim_check.py``; refused when the engine has fewer workers).
         """
 
         if self.claims is not None and self.claims.needed(msg, bool(self.ranks)):
@@ -948,19 +950,9 @@ class SlotCoordinator:
             self._reconcile = False  # (another engine from now on)
             self.set_engine_url(self._pending_url)
         actions: list[Action] = [Reply(i.identity, err) for i in self._by_rank()]
-        actions.append(
-            UpdateEnded(
-                self.slot,
-                self.engine_url or "",
-                u.update_id,
-                u.weight_version,
-                "failed",
-                now - u.started_at,
-                u.next_index,
-                u.consumed_bytes,
-                message,
-            )
-        )
+        actions.append(UpdateEnded(self.slot, self.engine_url or "", u.update_id,
+                                   u.weight_version, "failed", now - u.started_at,
+                                   u.next_index, u.consumed_bytes, message))
         return actions + self._maintain(now)
 
     def _complete(self, now: float, resume_error: str | None = None) -> list[Action]:
@@ -988,18 +980,7 @@ class SlotCoordinator:
                 "names": ",".join(u.omitted[:wire.MAX_OMITTED_NAMES]),
                 "why": "the slot's last successful update loaded them and this one did not: "
                        "vLLM keeps their old values"}))
-        acks.append(
-            UpdateEnded(
-                self.slot,
-                self.engine_url or "",
-                u.update_id,
-                u.weight_version,
-                "success",
-                now - u.started_at,
-                u.next_index,
-                u.consumed_bytes,
-                self.last_error or "",
-                len(u.omitted),
-            )
-        )
+        acks.append(UpdateEnded(self.slot, self.engine_url or "", u.update_id,
+                                u.weight_version, "success", now - u.started_at, u.next_index,
+                                u.consumed_bytes, self.last_error or "", len(u.omitted)))
         return acks
