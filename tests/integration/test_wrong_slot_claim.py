@@ -49,6 +49,6 @@ async def test_a_claim_larger_than_its_engine_is_refused_then_the_right_one_regi
     finally:
         for r in ranks:
             r.close()
-        ctx.term()
+        ctx.destroy(linger=0)
         await d.stop()
         await runner.cleanup()
