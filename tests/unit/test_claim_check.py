@@ -44,6 +44,7 @@ def test_a_dense_claim_over_a_smaller_engine_is_refused_and_does_not_lock_the_sl
     for r in range(4):  # a dense default of 4 GPUs per engine; the engine has 2 workers
         h.send(r, reg(r, 0, 4))
     assert not h.replies  # held: no reply before the engine answered
+    assert h.table.slots[(0, 4)].state == "registering"
     assert [c.route for c in h.pending_calls] == ["get_world_size"]  # one for all held
     h.engine.hold = False
     h.run([h.pending_calls.pop()])

@@ -227,6 +227,8 @@ class SlotCoordinator:
     def state(self) -> SlotState:
         if self.current is not None:
             return SlotState.UPDATING
+        if self.claims is not None and self.claims.held:  # (its engine asked: claim_check.py)
+            return SlotState.REGISTERING
         if self._reconcile or self._maintenance:
             return SlotState.RECOVERING
         if self.engine.needs_full_update or self.engine.draft.needs_full_update:
