@@ -20,6 +20,9 @@ from typing import Any
 import pytest
 from engines import ENGINE_ENV, IMPLS, EngineBox, vllm_importable
 
+# The end-of-run check that the run left nothing behind (temp folder, /dev/shm, processes).
+pytest_plugins = ["leak_check"]
+
 
 @pytest.fixture
 def exporters() -> Iterator[Any]:

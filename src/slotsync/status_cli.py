@@ -46,7 +46,18 @@ def _dur(s: float | None) -> str:
 
 
 def _engine_state(s: dict) -> str:
-    """The engine as the daemon last saw it (at its last begin or engine call)."""
+    """The engine as the daemon last saw it (at its last begin or engine call); an engine
+    whose calls found no process at its URL since is "unreachable", with what the daemon saw
+    when it last answered and how long ago (issue 24: a dead engine was shown "paused")."""
+    if s.get("engine_unreachable"):
+        seen = _seen_state(s)
+        last = s.get("engine_last_answer_s")
+        return (f"unreachable for {_ago(s.get('engine_unreachable_s'), '')}; " + (
+            f"last seen {seen}, {_ago(last)}" if last is not None else "never answered"))
+    return _seen_state(s)
+
+
+def _seen_state(s: dict) -> str:
     if s.get("engine_replies_out_of_step"):
         return "out of step: restart it"
     if s.get("engine_sleeping"):
@@ -58,7 +69,7 @@ def _engine_state(s: dict) -> str:
 
 def render_table(status: dict) -> str:
     """The slots as an aligned text table (one row per slot)."""
-    head = ["SLOT", "ENGINE", "RANKS", "STATE", "ENGINE STATE", "VERSION", "LAST UPDATE",
+    head = ["SLOT", "ENGINE", "RANKS", "STATE", "ENGINE STATE", "VERSION", "LAST SUCCESS",
             "LAST ERROR"]
     rows = []
     for s in status.get("slots", []):
@@ -80,7 +91,7 @@ def render_table(status: dict) -> str:
             engine += f" (vLLM {s['engine_vllm_version']})"
         rows.append([
             f"[{s['slot'][0]},{s['slot'][1]})", engine, ranks, s["state"],
-            _engine_state(s), version, _dur(s.get("last_duration_s")),
+            _engine_state(s), version, _last_update(s),
             err if len(err) <= 80 else err[:77] + "...",
         ])
     for e in status.get("released_engines", []):
@@ -91,7 +102,7 @@ def render_table(status: dict) -> str:
             f"[{e['slot'][0]},{e['slot'][1]})", e.get("engine_url") or "-", "released",
             "failed" if e.get("needs_full_update") or e.get("draft_needs_full_update")
             else "released",
-            "paused" if e.get("engine_paused") else "serving", "-", "-",
+            _engine_state({**e, "engine_url": e.get("engine_url") or "-"}), "-", "-",
             err if len(err) <= 80 else err[:77] + "...",
         ])
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
@@ -106,10 +117,20 @@ def render_table(status: dict) -> str:
     return "\n".join(out + (["", ranks] if ranks else []))
 
 
-def _ago(s: float | None) -> str:
+def _ago(s: float | None, suffix: str = " ago") -> str:
     if s is None:
         return "-"
-    return f"{s:.0f}s ago" if s < 3600 else f"{s / 3600:.1f}h ago"
+    return f"{s:.0f}s{suffix}" if s < 3600 else f"{s / 3600:.1f}h{suffix}"
+
+
+def _last_update(s: dict) -> str:
+    """The last successful update's duration and age ("-": none yet); from an older daemon
+    without ``last_success_duration_s``, the last update's duration, failed ones too."""
+    if "last_success_duration_s" not in s:
+        return _dur(s.get("last_duration_s"))
+    if s["last_success_duration_s"] is None:
+        return "-"
+    return f"{_dur(s['last_success_duration_s'])} ({_ago(s.get('last_success_s'))})"
 
 
 def render_ranks(status: dict) -> str:
@@ -176,4 +197,11 @@ def main_from_args(args: argparse.Namespace) -> int:
                else "engine still serving, the next update retries" if paused == 0
                else f"{paused} engine(s) paused until a complete update succeeds")
         print(f"{len(failed)} slot(s) failed: {how}", file=sys.stderr)
+    gone = [s for s in status.get("slots", []) + status.get("released_engines", [])
+            if s.get("engine_unreachable")]
+    if gone and not args.json:
+        print(f"{len(gone)} engine(s) unreachable (no process answers at the URL; ENGINE "
+              "STATE shows what the daemon last saw): " + "; ".join(
+                  f"{s.get('engine_url')}: {s['engine_unreachable']}" for s in gone),
+              file=sys.stderr)
     return 1 if failed else 0

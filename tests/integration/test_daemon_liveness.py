@@ -144,3 +144,86 @@ def test_invalid_option_from_the_environment_names_the_variable():
                          env={**os.environ, "SLOTSYNC_LIVENESS_S": "0"})
     assert out.returncode == 2 and "liveness_s must be" in out.stderr, out.stderr
     assert "(set by environment SLOTSYNC_LIVENESS_S)" in out.stderr, out.stderr
+
+
+def test_status_shows_an_engine_no_process_answers_as_unreachable(tmp_path):
+    # issue 24: while an engine process was dead, `slotsync status` showed it "paused" (or
+    # "serving") with a last update of "0.00s", the failed begin's duration
+    with DaemonProcess(runtime_dir=str(tmp_path)) as d:
+        ctx = zmq.Context()
+        ranks = [Rank(ctx, d.endpoint, r) for r in (0, 1)]  # (engine http://127.0.0.1:1)
+        for r in ranks:
+            assert isinstance(r.reply, wire.Registered), r.reply
+            r.s.send(wire.encode(wire.Begin(r.reply.next_update_id, "v1")))
+        for r in ranks:  # the begin fails: GET /version finds no process at the URL
+            assert r.s.poll(30_000)
+            err = wire.decode_from_daemon(r.s.recv())
+            assert isinstance(err, wire.Error) and "cannot reach" in err.message, err
+        s = d.status()["slots"][0]
+        assert "cannot reach http://127.0.0.1:1" in s["engine_unreachable"], s
+        assert s["engine_last_answer_s"] is None and s["last_success_duration_s"] is None, s
+        out = _cli("status", "--url", d.status_url)
+        row = out.stdout.splitlines()[2]
+        assert "unreachable for" in row and "never answered" in row, out.stdout
+        assert "0.00s" not in row and "serving" not in row and "paused" not in row, out.stdout
+        assert "1 engine(s) unreachable" in out.stderr and "127.0.0.1:1" in out.stderr, out.stderr
+        for r in ranks:
+            r.close()
+        ctx.term()
+
+
+def test_a_publisher_timeout_says_which_rank_the_daemon_waits_for(tmp_path):
+    # issue 24: a publisher whose timeout_s is shorter than the daemon's begin deadline was
+    # asked "is slotsyncd still running?" when rank 1 of its slot had never begun
+    import torch
+
+    from slotsync.protocol.errors import SlotsyncTimeout
+    from slotsync.protocol.publisher import Publisher
+
+    with DaemonProcess(runtime_dir=str(tmp_path), args=["--begin-timeout-s", "60"]) as d, \
+            Publisher(d.endpoint, 0, (0, 2), "http://127.0.0.1:1", transport="shm",
+                      timeout_s=2.0) as pub:
+        with pytest.raises(SlotsyncTimeout) as ei:
+            pub.publish([("w", torch.ones(4))], "v1")
+        text = str(ei.value)
+        assert ("slotsyncd is waiting for the begin of rank(s) 1 of slot [0, 2) (update 0); "
+                "rank(s) 1 have not registered; its begin deadline (begin_timeout_s) is 60 s"
+                in text), text
+        assert "still running" not in text, text
+
+
+def test_gone_ranks_are_told_apart_a_clean_close_and_a_stopped_process(tmp_path):
+    # issue 24: a clean Publisher.close() was logged as "closed it, no heartbeat, or frame
+    # over limit"; a stopped process (it answers no heartbeat) is told as such
+    import os
+    import signal
+
+    child = ("import sys, time, zmq\nfrom slotsync.protocol import wire\n"
+             "s = zmq.Context().socket(zmq.DEALER)\ns.connect(sys.argv[1])\n"
+             "s.send(wire.encode(wire.Register(wire.PROTOCOL_VERSION, 1, "
+             "wire.logical_gpu_uuid(1), 0, 2, 'http://127.0.0.1:1', True, 'shm')))\n"
+             "s.poll(10_000)\ns.recv()\nprint('registered', flush=True)\ntime.sleep(120)\n")
+    with DaemonProcess(runtime_dir=str(tmp_path), args=["--liveness-s", "1"]) as d:
+        ctx = zmq.Context()
+        p = subprocess.Popen([sys.executable, "-c", child, d.endpoint], stdout=subprocess.PIPE,
+                             text=True)
+        try:
+            assert p.stdout is not None and p.stdout.readline().strip() == "registered"
+            r0 = Rank(ctx, d.endpoint, 0)  # (after rank 1: a slot with no live rank is freed)
+            r0.s.send(wire.encode(wire.Close("Publisher.close()")))
+            r0.close()
+            assert _wait(lambda: not d.status()["slots"][0]["ranks"][0]["alive"], 30)
+            os.kill(p.pid, signal.SIGSTOP)
+            assert _wait(lambda: [r["alive"] for r in d.status()["slots"][0]["ranks"]]
+                         == [False, False], 30), (d.status(), d.log_tail())
+            r = d.status()["slots"][0]["ranks"]
+        finally:
+            p.kill()
+            p.wait()
+        assert r[0]["gone_why"] == "its publisher closed the connection (Publisher.close())", r
+        assert r[1]["gone_why"] == ("it answered no heartbeat within liveness_s=1 s: its "
+                                    f"process (pid {p.pid}) is stopped (SIGSTOP, job control "
+                                    "or a debugger)"), r
+        log = d.log_tail(20_000)
+        assert "Publisher.close()" in log and "is stopped" in log, log
+        ctx.term()

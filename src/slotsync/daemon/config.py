@@ -21,6 +21,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from slotsync import __version__
 from slotsync.daemon.coordinator import OMITTED_NAMES_POLICIES
 from slotsync.protocol.wire import MAX_MESSAGE_BYTES_DEFAULT, check_engine_url, normalize_gpu_uuid
 
@@ -362,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
         "flags. Signals: SIGTERM/SIGINT stop (updates in flight get --shutdown-grace-s to "
         "finish), SIGHUP re-reads the engine table from the config file.",
     )
+    p.add_argument("--version", action="version", version=f"slotsyncd {__version__}")
     p.add_argument("--config", type=Path, help="TOML file with any of the options below")
     p.add_argument("--check-config", action="store_true",
                    help="validate the configuration, print it as JSON and exit")

@@ -195,6 +195,7 @@ class SlotCoordinator:
         self.last_error: str | None = None
         self.last_duration_s: float | None = None
         self.last_outcome: str | None = None
+        self.last_success: tuple[float, float] | None = None  # (ended at, seconds) of the last ok
         self._failed: tuple[int, str] | None = None  # (update id, message) of the last failure
         self.updates_ok = 0
         self.updates_failed = 0
@@ -237,6 +238,11 @@ class SlotCoordinator:
         if len(self.ranks) < self.size:
             return SlotState.REGISTERING
         return SlotState.IDLE
+
+    def wait_in_force(self) -> tuple[float, str, str, list[int]] | None:
+        """``(deadline, phase, what, missing ranks)`` of the wait on ranks in force (none
+        while engine calls are out: the HTTP client bounds them); ``wait_report.py``."""
+        return self._deadline()
 
     def next_deadline(self) -> float | None:
         """Monotonic time at which ``poll`` must next be called, or None."""
@@ -335,6 +341,8 @@ class SlotCoordinator:
                     wire.PROTOCOL_VERSION,
                     self.daemon_version,
                     self.max_message_bytes,
+                    self.timeouts.begin_s,
+                    self.timeouts.chunk_s,
                     list(begin_agreement.SETTINGS),
                 ),
             )
@@ -371,6 +379,7 @@ class SlotCoordinator:
     ) -> list[Action]:
         """The engine call ``call_id`` returned: ``ok`` with the parsed JSON ``result``, or not
         ok with ``error`` (HTTP status and vLLM's message, or a timeout / connection error)."""
+        self.engine.note_call(ok, error, now)  # (reachable or not: status, issue 24)
         if call_id in self._maintenance:
             return self._on_maintenance_result(self._maintenance.pop(call_id), ok, result,
                                                error, now)
@@ -583,7 +592,7 @@ class SlotCoordinator:
         update is a full one if the engine was left paused, mid-update or out of step."""
         self.engine_url = old.engine_url
         self.engine.take_over(old.engine)
-        for name in ("last_version", "last_error", "last_outcome", "_failed"):
+        for name in ("last_version", "last_error", "last_outcome", "last_success", "_failed"):
             setattr(self, name, getattr(old, name))
         self.next_update_id = max(self.next_update_id, old.next_update_id)
 
@@ -963,6 +972,7 @@ class SlotCoordinator:
         self.current = None
         self.next_update_id = max(self.next_update_id, u.update_id + 1)
         self.last_duration_s = now - u.started_at
+        self.last_success = (now, self.last_duration_s)
         self.last_outcome = "success"
         self.last_error = (
             f"update {u.update_id} loaded but resume failed: {resume_error}"

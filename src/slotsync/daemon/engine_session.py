@@ -18,6 +18,10 @@ EXECUTOR_ROUTES = frozenset({
 })
 """Engine calls that reach the workers through vLLM's executor."""
 
+CANNOT_REACH = "cannot reach "
+"""How ``VllmClient`` words an engine call that got no connection (refused, reset, no route):
+the engine process is not there to answer (``EngineSession.note_call``)."""
+
 WORKER_FAILED = "Worker failed with error"
 """vLLM's MultiprocExecutor (engines of several workers) wraps a worker's error in this text
 (vLLM 0.32 ``v1/executor/multiproc_executor.py`` ``collective_rpc``)."""
@@ -83,6 +87,12 @@ class EngineSession:
     ``GET /version`` gave (None: not asked yet, or no version came back), asked when the
     daemon first meets the engine and after a restart is suspected; ``version_refused`` why
     that version is refused ('' when supported), asked again at every begin while refused.
+
+    Its reachability (issue 24: a dead engine was shown as paused): ``unreachable`` the last
+    engine call's connection error while no call got an answer since ('' once one does),
+    ``unreachable_since`` when that began and ``last_answer_at`` when the engine last
+    answered (any HTTP status); monotonic seconds. The fields above stay what the daemon saw
+    at that last answer.
     """
 
     initialized: bool = False
@@ -103,6 +113,9 @@ class EngineSession:
     draft: DraftTarget = field(default_factory=DraftTarget)
     vllm_version: str | None = None
     version_refused: str = ""
+    unreachable: str = ""
+    unreachable_since: float | None = None
+    last_answer_at: float | None = None
 
     def take_over(self, old: EngineSession) -> None:
         """Take what a released slot knew of the same engine (paused, mid-update, out of step,
@@ -129,6 +142,18 @@ class EngineSession:
         self.initialized = self.mid_update = self.replies_suspect = False
         self.out_of_step, self.recover_first = None, True
         self.draft.supported = None
+
+    def note_call(self, ok: bool, error: str, now: float) -> None:
+        """An engine call returned at ``now`` (monotonic seconds): ``ok``, or not with
+        ``error`` (``str(vllm_client.EngineError)``). Any HTTP answer, a failure included,
+        shows the engine there; an error with ``CANNOT_REACH`` shows no process answering at
+        its URL; a timeout or the daemon's own failure to send says neither."""
+        if ok or "HTTP " in error:
+            self.unreachable, self.unreachable_since, self.last_answer_at = "", None, now
+        elif CANNOT_REACH in error:
+            self.unreachable = error
+            if self.unreachable_since is None:
+                self.unreachable_since = now
 
     def note_reply_trouble(self, route: str, error: str, size: int) -> None:
         """A failed call that may have left a later worker's reply queued (vLLM's

@@ -31,7 +31,14 @@ import zmq.utils.monitor
 from slotsync.daemon import runtime_dir
 from slotsync.daemon.config import Config
 from slotsync.daemon.executor import peer_name
-from slotsync.daemon.liveness import ConnectionBook, PeerWatch, heartbeat_options, peer_pid
+from slotsync.daemon.liveness import (
+    ConnectionBook,
+    PeerWatch,
+    closed_why,
+    heartbeat_options,
+    peer_pid,
+    process_state,
+)
 from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.metrics import Metrics
 from slotsync.daemon.peer_auth import ZAP_DOMAIN, ZapHandler
@@ -247,10 +254,9 @@ class Intake:
         rank's socket closes a moment before its exit is visible) or closed them."""
         if pid and await self._pids.exits_within(pid, 0.25):
             why = f"its process (pid {pid}) exited"
-        else:
-            why = ("its connection closed (the process closed it, it answered no heartbeat "
-                   f"within liveness_s={self.config.liveness_s:g} s, or it sent a frame over "
-                   f"the socket's limit of {2 * self.config.max_message_bytes} bytes)")
+        else:  # (a rank whose publisher sent wire.Close is gone already: this says nothing)
+            why = closed_why(pid, process_state(pid) if pid else "", self.config.liveness_s,
+                             2 * self.config.max_message_bytes)
         await self._connections_gone(identities, why)
 
     async def _connections_gone(self, identities: list[bytes], why: str) -> None:

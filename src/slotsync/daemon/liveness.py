@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from slotsync.protocol.liveness import heartbeat_options, peer_pid
 
-__all__ = ["ConnectionBook", "PeerWatch", "heartbeat_options", "peer_pid"]
+__all__ = ["ConnectionBook", "PeerWatch", "closed_why", "heartbeat_options", "peer_pid",
+           "process_state"]
 
 log = logging.getLogger("slotsync.daemon")
 
@@ -174,6 +175,37 @@ class PeerWatch:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` in ``/proc/<pid>/stat`` (``R``, ``S``, ``T`` stopped,
+    ``t`` stopped by a tracer, ...), '' when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    rest = stat.rpartition(")")[2].split()  # (after the command name, which may hold spaces)
+    return rest[0] if rest else ""
+
+
+def closed_why(pid: int, state: str, liveness_s: float, frame_limit: int) -> str:
+    """Why the connection of process ``pid`` (0: unknown), which did not exit and sent no
+    ``wire.Close``, closed; ``state``: its ``process_state``. A stopped process cannot answer
+    ZMTP heartbeats (libzmq's I/O thread answers them, whatever the program does), so that is
+    the cause when it is stopped; a running one answers them, so it closed its socket without
+    ``Publisher.close()``, or libzmq dropped it for a frame over ``frame_limit`` bytes (the
+    socket's MAXMSGSIZE: libzmq gives no reason, and a ``Publisher`` checks its frames
+    against the daemon's cap). Issue 24: every cause used to be listed for each close."""
+    who = f"its process (pid {pid})" if pid else "its process"
+    if state in ("T", "t"):
+        return (f"it answered no heartbeat within liveness_s={liveness_s:g} s: {who} is "
+                "stopped (SIGSTOP, job control or a debugger)")
+    running = f"{who} is still running" if state else f"{who} did not exit"
+    return (f"its connection closed without a Close message while {running} (so not for "
+            "missed heartbeats): it closed its socket without Publisher.close() (another "
+            f"client, or an older slotsync), or sent a frame over the socket's limit of "
+            f"{frame_limit} bytes, which libzmq drops with the connection")
 
 
 def _alive(pid: int) -> bool:

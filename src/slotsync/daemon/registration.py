@@ -34,8 +34,13 @@ class RankInfo:
 
     @property
     def who(self) -> str:
-        """``"rank 3 (pid 1234 on host-a)"``, for messages."""
-        return f"rank {self.rank} (pid {self.peer_pid or self.pid} on {self.hostname})"
+        """``"rank 3 (pid 1234 on host-a)"``, for messages (``process_text``)."""
+        return f"rank {self.rank} ({self.process})"
+
+    @property
+    def process(self) -> str:
+        """``"pid 1234 on host-a"`` (the kernel's pid where known), for messages."""
+        return process_text(self.peer_pid or self.pid, self.hostname)
 
     def same_process(self, msg: Register, peer_pid: int) -> bool:
         """Whether a registration comes from this rank's process (kernel pids where both are
@@ -43,6 +48,12 @@ class RankInfo:
         if peer_pid and self.peer_pid:
             return peer_pid == self.peer_pid
         return (msg.hostname, msg.pid) == (self.hostname, self.pid)
+
+
+def process_text(pid: int, hostname: str) -> str:
+    """``"pid 1234 on host-a"``, or ``"pid 1234"`` when the rank sent no hostname
+    (``Register.hostname`` is optional): never a dangling ``"on "``."""
+    return f"pid {pid} on {hostname}" if hostname else f"pid {pid}"
 
 
 def wrong_protocol_or_slot(msg: Register, slot: tuple[int, int]) -> str:
@@ -64,10 +75,10 @@ def rank_held(held: RankInfo | None, identity: bytes, msg: Register, peer_pid: i
     if (held is None or held.gone_at is not None or held.identity == identity
             or held.same_process(msg, peer_pid)):
         return ""
-    return (f"rank {msg.rank} is already registered by pid {held.peer_pid or held.pid} on "
-            f"{held.hostname}, which is still connected; pid {peer_pid or msg.pid} on "
-            f"{msg.hostname} claims it too: two trainer processes with one rank? (check "
-            "the launcher's RANK; a restarted rank registers once its old process is gone)")
+    return (f"rank {msg.rank} is already registered by {held.process}, which is still "
+            f"connected; {process_text(peer_pid or msg.pid, msg.hostname)} claims it too: two "
+            "trainer processes with one rank? (check the launcher's RANK; a restarted rank "
+            "registers once its old process is gone)")
 
 
 def unlike_the_slot(msg: Register, slot: tuple[int, int], others: dict[int, RankInfo],

@@ -20,13 +20,16 @@ dead job left paused or mid-update needs a full update from the next job too (de
 
 from __future__ import annotations
 
+from slotsync.daemon import wait_report
 from slotsync.daemon.claim_check import ClaimCheck
 from slotsync.daemon.coordinator import Action, Reply, SlotCoordinator, SlotEvent, Timeouts
 from slotsync.protocol.wire import (
     NOT_REGISTERED,
     Begin,
+    Close,
     Error,
     ProtocolError,
+    Query,
     Register,
     ToDaemon,
 )
@@ -131,6 +134,13 @@ class SlotTable:
         if isinstance(msg, Register):
             return self._register(identity, msg, now, peer_pid)
         rank = self._rank_of.get(identity)
+        if isinstance(msg, Query):  # (issue 24: a publisher's wait expired; changes nothing)
+            c = self._slot_of_rank[rank] if rank is not None else None
+            return [Reply(identity, wait_report.waiting(c, msg.update_id, now))]
+        if isinstance(msg, Close):  # (issue 24: a clean close is not a guess)
+            why = "its publisher closed the connection" + (
+                f" ({msg.reason})" if msg.reason else "")
+            return self.on_connection_gone(identity, now, why)
         if rank is not None:
             self._slot_of_rank[rank].on_rank_seen(rank, identity, now)
         if self.draining and isinstance(msg, Begin):
@@ -296,8 +306,7 @@ class SlotTable:
         live = [i for i in c.ranks.values() if i.gone_at is None]
         if live:
             return "its live ranks: " + ", ".join(
-                f"{i.rank} (pid {i.peer_pid or i.pid} on {i.hostname})"
-                for i in sorted(live, key=lambda i: i.rank))
+                f"{i.rank} ({i.process})" for i in sorted(live, key=lambda i: i.rank))
         if c.busy():
             return "an update or engine check of it is still running"
         return ""

@@ -51,6 +51,7 @@ def slot_status(c: SlotCoordinator, now: float | None = None) -> dict[str, Any]:
                    "gone_s": None if i.gone_at is None else round(now - i.gone_at, 3),
                    "gone_why": i.gone_why or None} for i in c.by_rank()],
         "gpu_uuids": {str(r): i.gpu_uuid for r, i in sorted(c.ranks.items())},
+        **engine_reach(c, now),
         "engine_paused": c.engine.paused,
         "needs_full_update": c.engine.needs_full_update,
         "engine_may_be_mid_update": c.engine.mid_update,
@@ -70,11 +71,33 @@ def slot_status(c: SlotCoordinator, now: float | None = None) -> dict[str, Any]:
         "last_version": c.last_version,
         "last_outcome": c.last_outcome,
         "last_duration_s": c.last_duration_s,
+        # the last successful update's seconds and how long ago it ended (last_duration_s
+        # is the last update's, a failed one's too: 0.00 for one the engine never saw)
+        "last_success_duration_s": None if c.last_success is None else c.last_success[1],
+        "last_success_s": None if c.last_success is None
+        else round(max(0.0, now - c.last_success[0]), 3),
         "last_error": c.last_error,
         "updates_succeeded": c.updates_ok,
         "updates_failed": c.updates_failed,
         "engine_calls": dict(c.engine_calls),
     }
+
+
+def engine_reach(c: SlotCoordinator, now: float) -> dict[str, Any]:
+    """Whether the slot's engine answered its last call (issue 24: a dead engine was shown as
+    "paused", the daemon's last view of it): ``engine_unreachable`` the connection error of
+    the calls since it last answered (None while it answers), ``engine_unreachable_s`` how
+    long that has lasted and ``engine_last_answer_s`` how long ago it last answered (None:
+    never); seconds, from ``now`` (monotonic). The other ``engine_*`` keys stay what the
+    daemon saw at that last answer."""
+    e = c.engine
+
+    def ago(t: float | None) -> float | None:
+        return None if t is None else round(max(0.0, now - t), 3)
+
+    return {"engine_unreachable": e.unreachable or None,
+            "engine_unreachable_s": ago(e.unreachable_since),
+            "engine_last_answer_s": ago(e.last_answer_at)}
 
 
 def full_update_targets(c: SlotCoordinator) -> list[str]:
@@ -96,7 +119,8 @@ def daemon_status(table: SlotTable, version: str, endpoint: str, started_at: flo
         "slots": [slot_status(c, now) for _, c in sorted(table.slots.items())],
         # engines of released slots that a later job must update fully (by engine URL)
         "released_engines": [
-            {"engine_url": url, "slot": list(c.slot), "engine_paused": c.engine.paused,
+            {"engine_url": url, "slot": list(c.slot), **engine_reach(c, now),
+             "engine_paused": c.engine.paused,
              "needs_full_update": c.engine.needs_full_update,
              "draft_needs_full_update": c.engine.draft.needs_full_update,
              "last_error": c.last_error}

@@ -24,6 +24,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from slotsync.daemon.engine_session import CANNOT_REACH
+
 # Route name used by the coordinator -> (HTTP method, path). ``finish_recover`` is a finish
 # whose failure is expected (recovery from a split engine, vllm-contract.md "Per-worker state").
 ROUTES: dict[str, tuple[str, str]] = {
@@ -165,7 +167,7 @@ class VllmClient:
                 return await self._request(route, method, path, data, headers)
             except _ConnectionLost as e:
                 if attempt == tries:
-                    raise EngineError(route, 0, f"cannot reach {self.url}: {e.cause}") from None
+                    raise EngineError(route, 0, f"{CANNOT_REACH}{self.url}: {e.cause}") from None
         raise AssertionError("unreachable")
 
     async def _request(self, route: str, method: str, path: str, data: bytes | None,
@@ -201,7 +203,7 @@ class VllmClient:
             raise _ConnectionLost(e) from None
         except aiohttp.ClientError as e:
             self._retire(session)
-            raise EngineError(route, 0, f"cannot reach {self.url}: {e}") from None
+            raise EngineError(route, 0, f"{CANNOT_REACH}{self.url}: {e}") from None
         finally:
             if self._observe is not None:
                 self._observe(route, time.perf_counter() - t0, ok)

@@ -185,8 +185,15 @@ def _require(modules: Sequence[str], what: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Start the workers, then serve HTTP until SIGINT/SIGTERM."""
+    from slotsync.testing.vllm_notices import (
+        hide_triton_notice_if_asked,
+        hide_triton_notice_in_children,
+    )
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    hide_triton_notice_if_asked()  # vLLM's Triton notice: shown by this engine's parent, or
+    hide_triton_notice_in_children()  # by this process, and not by each of its workers
     if args.model is not None and args.worker_models is not None:
         parser.error("--model and --worker-models exclude each other")
     if args.impl == "vllm":

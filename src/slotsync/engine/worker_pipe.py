@@ -32,8 +32,10 @@ def start_worker(conn: Connection, build: Callable[[], S]) -> S | None:
     ``build()`` the worker's state and send ``("ready", {"gpu_uuid", "device"})``, or
     ``("err", traceback)`` and None when ``build`` raised."""
     from slotsync.testing.processes import die_with_parent
+    from slotsync.testing.vllm_notices import hide_triton_notice_if_asked
 
     die_with_parent()  # SIGTERM when the engine's front dies, even by SIGKILL
+    hide_triton_notice_if_asked()  # the front has shown vLLM's Triton notice: not once a worker
     try:
         state = build()
     except BaseException:

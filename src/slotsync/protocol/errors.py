@@ -72,6 +72,9 @@ class SlotsyncTimeout(SlotsyncError, TimeoutError):
     Attributes (besides ``SlotsyncError``'s):
         waited_for: what the publisher was waiting for, e.g. ``"Ack(chunk, index=3)"``.
         timeout_s: the deadline that expired, in seconds.
+        daemon_says: the daemon's answer when the publisher asked it what it was waiting for
+            (``wire.Waiting.text``), '' when it did not answer: then the message asks whether
+            slotsyncd still runs.
     """
 
     def __init__(
@@ -83,11 +86,15 @@ class SlotsyncTimeout(SlotsyncError, TimeoutError):
         endpoint: str = "",
         slot: Sequence[int] | None = None,
         update_id: int | None = None,
+        daemon_says: str = "",
     ) -> None:
         self.waited_for = waited_for
         self.timeout_s = timeout_s
+        self.daemon_says = daemon_says
         where = f" from the daemon at {endpoint}" if endpoint else " from the daemon"
-        if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
+        if daemon_says:  # (it answered the publisher's Query: the true cause, issue 24)
+            hint = f": {daemon_says}"
+        elif endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
             hint = (f" (there is no socket at {endpoint[len('ipc://'):]}: is slotsyncd running, "
                     "and is this its --socket?)")
         else:  # (a daemon killed with SIGKILL leaves its socket file behind)

@@ -764,12 +764,14 @@ class Publisher:
         bound.check(((name, t.dim(), n) for name, t, n in items), self.staging_bytes, cap)
 
     def close(self) -> None:
-        """Abort an open update, close the socket and unlink every shared-memory segment this
-        publisher owns. Idempotent; also runs at garbage collection and interpreter exit."""
+        """Abort an open update, tell the daemon this rank closes (``wire.Close``), close the
+        socket and unlink every shared-memory segment this publisher owns. Idempotent; also
+        runs at garbage collection and interpreter exit (without the ``Close``)."""
         if self.closed:
             return
         if self.update_id is not None:
             self.abort("publisher closed")
+        self._waits.goodbye("Publisher.close()")  # (the daemon logs a clean close as one)
         self._exports.pinned.clear()
         self._finalizer()
 

@@ -12,6 +12,7 @@ lost daemon ends the open update through ``end_update``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -28,6 +29,24 @@ from slotsync.protocol.session import Awaited, Outcome, PublisherSession
 __all__ = ["DaemonWaits"]
 
 log = logging.getLogger("slotsync.protocol.publisher")  # (the log lines stay the publisher's)
+
+ASK_S = 3.0
+"""Seconds a publisher whose wait expired waits for the daemon's answer to its ``wire.Query``
+(issue 24): long enough for a daemon that runs, short beside any ``timeout_s``."""
+
+
+def short_timeout_warning(rank: int, timeout_s: float, reg: wire.Registered) -> str:
+    """Why ``timeout_s`` (seconds) is shorter than the daemon's deadlines on the slot's ranks
+    that ``reg`` told (``Registered.begin_deadline_s``, ``chunk_deadline_s``), or '': such a
+    publisher gives up before the daemon fails the update naming the missing ranks."""
+    short = [f"{name} deadline ({d:g} s)" for name, d in (
+        ("begin", reg.begin_deadline_s), ("chunk", reg.chunk_deadline_s)) if timeout_s < d]
+    if not short:
+        return ""
+    return (f"rank {rank}: timeout_s={timeout_s:g} s is shorter than slotsyncd's "
+            f"{' and '.join(short)}: when a rank of the slot is late, this publisher times out "
+            "first (it then asks the daemon what it waits for); a timeout_s above the "
+            "daemon's deadlines lets the daemon's own error name the missing ranks")
 
 
 class DaemonWaits:
@@ -120,6 +139,15 @@ class DaemonWaits:
                 update_id=self.session.update_id,
             ) from None
 
+    def goodbye(self, reason: str) -> None:
+        """Tell the daemon this rank's connection closes on purpose (``wire.Close``), so that
+        it logs a clean close as one rather than guessing (issue 24); only while registered
+        and connected, never waiting (the socket's linger lets it out)."""
+        if self.session.registered is None or self.connected is not True:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self.link.send(wire.Close(reason[:200]), block=False)
+
     def read_monitor(self, *, during_update: bool, phase: str = "register",
                      waited_for: str = "") -> None:
         """Handle the connection's pending events (never waits).
@@ -163,7 +191,10 @@ class DaemonWaits:
             self.end_update()
         self.session.forget_registration()  # (the next begin registers with whichever
         self.link.peer_pid = 0  # daemon listens)
-        during = f" of update {uid}" if uid is not None else ""
+        # (``waited_for`` names the update already, "Ack(begin) for update 67", except for
+        # Registered: "update 67 of update 67" said nothing twice)
+        during = (f" of update {uid}" if uid is not None and f"update {uid}" not in waited_for
+                  else "")
         return SlotsyncError(
             phase, f"lost the connection to {who} at {self.endpoint} while waiting for "
             f"{waited_for}{during}: {why}", slot=self.slot_range, update_id=uid,
@@ -190,6 +221,9 @@ class DaemonWaits:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                got, says = self.ask(awaited)
+                if got is not None:
+                    return got
                 raise SlotsyncTimeout(
                     phase,
                     waited_for,
@@ -197,6 +231,7 @@ class DaemonWaits:
                     endpoint=self.endpoint,
                     slot=self.slot_range,
                     update_id=self.session.update_id,
+                    daemon_says=says,
                 )
             ready = self.link.poll(max(0.001, remaining))
             if ready == "event":
@@ -207,6 +242,10 @@ class DaemonWaits:
             msg = self.decode(self.link.recv_frame())
             outcome = self.session.receive(msg, awaited)
             if outcome is Outcome.MATCH:
+                if isinstance(msg, wire.Registered):
+                    warning = short_timeout_warning(self.rank, self.timeout_s, msg)
+                    if warning:
+                        log.warning("%s", warning)
                 return msg
             if outcome is Outcome.ERROR:
                 assert isinstance(msg, wire.Error)
@@ -214,3 +253,41 @@ class DaemonWaits:
             if outcome is Outcome.STALE:
                 log.debug("rank %d: ignoring stale reply %r while waiting for %s",
                           self.rank, msg, waited_for)
+
+    def ask(self, awaited: Awaited) -> tuple[wire.FromDaemon | None, str]:
+        """The wait for ``awaited`` expired: ask the daemon what it is waiting for
+        (``wire.Query``) and wait up to ``ASK_S`` seconds (at most ``timeout_s``) for its
+        ``wire.Waiting``.
+
+        Returns ``(reply, says)``: the awaited reply if it came meanwhile (else None), and
+        the daemon's answer in words ('' when none came: an older daemon, which refuses the
+        query, or one that does not answer -- then the timeout asks whether it still runs).
+
+        Raises:
+            SlotsyncError: an Error that concerns us came meanwhile, or the connection closed.
+        """
+        try:
+            self.link.send(wire.encode(wire.Query(awaited.update_id)))
+        except zmq.ZMQError:
+            return None, ""
+        deadline = time.monotonic() + min(ASK_S, self.timeout_s)
+        while (remaining := deadline - time.monotonic()) > 0:
+            ready = self.link.poll(remaining)
+            if ready == "event":
+                self.read_monitor(during_update=True, phase=awaited.phase,
+                                  waited_for=awaited.describe())
+                continue
+            if ready is None:
+                continue
+            msg = self.decode(self.link.recv_frame())
+            if isinstance(msg, wire.Waiting):
+                return None, msg.text
+            if isinstance(msg, wire.Error) and msg.phase == "decode" and msg.update_id is None:
+                return None, ""  # (a daemon older than Query refused it)
+            outcome = self.session.receive(msg, awaited)
+            if outcome is Outcome.MATCH:
+                return msg, ""
+            if outcome is Outcome.ERROR:
+                assert isinstance(msg, wire.Error)
+                raise self.on_error(msg)
+        return None, ""

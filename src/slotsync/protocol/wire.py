@@ -514,7 +514,23 @@ class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
     reason: ShortStr = ""
 
 
-ToDaemon = Register | Begin | Chunk | Commit | Abort
+class Query(msgspec.Struct, tag="query", forbid_unknown_fields=True):
+    """The rank asks what the daemon is waiting for (a publisher whose own wait for
+    ``update_id`` expired, issue 24); answered with ``Waiting``. It changes nothing. An older
+    daemon answers it with a non-fatal ``Error(phase="decode")``."""
+
+    update_id: NonNeg | None = None
+
+
+class Close(msgspec.Struct, tag="close", forbid_unknown_fields=True):
+    """The rank's publisher closes its connection on purpose (``Publisher.close()``, or its
+    finalizer): the daemon counts the rank gone at once and says so, instead of guessing why
+    the connection closed (issue 24). ``reason``: why, for the log."""
+
+    reason: ShortStr = ""
+
+
+ToDaemon = Register | Begin | Chunk | Commit | Abort | Query | Close
 
 # --------------------------------------------------------------------------------------------
 # daemon -> rank
@@ -534,6 +550,10 @@ class Registered(msgspec.Struct, tag="registered"):
     protocol_version: int = PROTOCOL_VERSION
     daemon_version: str = ""
     max_message_bytes: int = 0  # the daemon's frame cap (0: unknown); publishers check it
+    # the daemon's deadlines on the slot's ranks, seconds (0: not told): a publisher whose
+    # timeout_s is shorter would give up before the daemon says what is missing (issue 24)
+    begin_deadline_s: float = 0.0
+    chunk_deadline_s: float = 0.0
     # the Begin settings this daemon compares across a slot's ranks (issue 24,
     # daemon/begin_agreement.py SETTINGS): a publisher declares only these in its Begin, so
     # that a daemon older than it never sees a field it does not know
@@ -591,7 +611,23 @@ RANK_HELD = "rank_held"
 retries for up to its ``liveness_s`` (a restarted rank's old process may still be closing
 its connection), then raises naming both processes."""
 
-FromDaemon = Registered | Ack | Error
+class Waiting(msgspec.Struct, tag="waiting"):
+    """The answer to ``Query``: what the daemon is waiting for in the slot's update
+    ``update_id`` (None: none in flight), in words (``text``, e.g. "slotsyncd is waiting for
+    the begin of rank(s) 2, 3 of slot [0, 4) (update 5); its begin deadline is 60 s, 41 s
+    left"), and as data: ``phase`` (``begin``, ``chunk``, ``commit``, ``rank_gone``,
+    ``engine``, or '' for no wait), ``missing_ranks`` and the deadline ``deadline_s`` with
+    ``left_s`` of it left (seconds; 0: none)."""
+
+    update_id: int | None
+    text: str
+    phase: str = ""
+    missing_ranks: list[int] = []
+    deadline_s: float = 0.0
+    left_s: float = 0.0
+
+
+FromDaemon = Registered | Ack | Error | Waiting
 
 # --------------------------------------------------------------------------------------------
 # codec
@@ -600,7 +636,7 @@ FromDaemon = Registered | Ack | Error
 _encoder = msgspec.msgpack.Encoder()
 _to_daemon = msgspec.msgpack.Decoder(ToDaemon)
 _to_daemon_raw_lists = msgspec.msgpack.Decoder(
-    Register | Begin | _ChunkWithRawLists | Commit | Abort)
+    Register | Begin | _ChunkWithRawLists | Commit | Abort | Query | Close)
 _from_daemon = msgspec.msgpack.Decoder(FromDaemon)
 
 

@@ -5,7 +5,8 @@
 * ``ports``: free loopback TCP ports;
 * ``procfs``: ``/proc`` and ``/dev/shm`` readers (RSS, open fds, child pids, segments);
 * ``ranks``: the ``Publisher`` of a test, benchmark or demo rank;
-* ``tensors``: synthetic weights the test ranks publish.
+* ``tensors``: synthetic weights the test ranks publish;
+* ``vllm_notices``: vLLM's Triton notice once per demo or engine, not once per process.
 
 Nothing here imports pytest, and this package imports none of its modules itself: each is
 imported on its own (``processes`` and ``ports`` need only the standard library; ``ranks``

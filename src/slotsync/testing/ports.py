@@ -14,9 +14,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether TCP ``port`` on ``host`` can be bound now (e.g. before an engine restarts on the
-    port its killed predecessor held)."""
+    """Whether TCP ``port`` on ``host`` can be bound now by a server (e.g. before an engine
+    restarts on the port its killed predecessor held).
+
+    The probe binds with ``SO_REUSEADDR``, as the engines' servers do (aiohttp's
+    ``TCPSite`` and vLLM's ``create_server_socket``): without it a port whose old
+    connections sit in TIME_WAIT reads as taken for a minute although a server could bind
+    it at once (issue 24: every engine restart waited its full 10 s bound here)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
             return True

@@ -1,0 +1,193 @@
+"""End-of-run leak check (issue 24 C): a test run leaves nothing behind in the temp folder,
+``/dev/shm`` or the process table, and the run fails naming what it left.
+
+Loaded by ``conftest.py`` (``pytest_plugins``). In the process that runs the session (the
+xdist controller, or pytest itself without ``-n``):
+
+* at start: every process of the run is marked by an environment variable,
+  ``SLOTSYNC_TEST_RUN=<token>``, which all it starts inherit (rank processes, engines,
+  daemons, their workers, xdist's workers); the temp folder is redirected (``TMPDIR`` and
+  ``tempfile.tempdir``) to a fresh ``<tmp>/slotsync-test-run-<token>/``, and ``/dev/shm`` is
+  listed;
+* at the end, after xdist's workers are down: processes still carrying the token (waited for
+  up to :data:`GRACE_S` seconds, then killed), anything in the run's temp folder but pytest's
+  own ``pytest-of-*`` (``tmp_path``), and ``/dev/shm`` entries made during the run that no
+  process outside the run holds open or mapped are each named, removed, and fail the run
+  (exit status 1). The run's temp folder is then removed.
+
+``SLOTSYNC_LEAK_CHECK=0`` turns the check off (e.g. when stopping a run by hand).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+RUN_ENV = "SLOTSYNC_TEST_RUN"
+GRACE_S = 20.0  # how long processes of the run may take to exit after the last test
+SHM_DIR = Path("/dev/shm")
+
+_state: dict = {}
+
+
+def _enabled(config: pytest.Config) -> bool:
+    if os.environ.get("SLOTSYNC_LEAK_CHECK", "1") in ("0", ""):
+        return False
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller checks
+        return False
+    return not config.option.collectonly
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _enabled(config) or RUN_ENV in os.environ:
+        return  # (a nested pytest run inside a test is checked by the outer run)
+    token = secrets.token_hex(4)
+    root = Path(tempfile.gettempdir()) / f"slotsync-test-run-{token}"
+    root.mkdir()
+    _state.update(token=token, root=root, shm=_shm_names(), old_tmpdir=os.environ.get("TMPDIR"))
+    os.environ[RUN_ENV] = token
+    os.environ["TMPDIR"] = str(root)
+    tempfile.tempdir = str(root)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not _state:
+        return
+    leaks = _leaked_processes(_state["token"])
+    leaks += _leaked_files(_state["root"])
+    leaks += _leaked_shm(_state["shm"], _state["token"])
+    shutil.rmtree(_state["root"], ignore_errors=True)
+    tempfile.tempdir = None
+    if _state["old_tmpdir"] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = _state["old_tmpdir"]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if leaks:
+        if reporter is not None:
+            reporter.write_sep("=", "leak check: the run left these behind (now removed)",
+                               red=True)
+            for line in leaks:
+                reporter.write_line(line)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    elif reporter is not None:
+        reporter.write_line("leak check: nothing left in the temp folder, /dev/shm or the "
+                            "process table")
+
+
+# ------------------------------------------------------------------------------ readers
+
+
+def _pids_of_run(token: str) -> list[tuple[int, str]]:
+    """``(pid, command line)`` of every live process but this one whose environment carries
+    the run's token."""
+    want = f"{RUN_ENV}={token}".encode()
+    me = os.getpid()
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            if want not in env:
+                continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{name}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue  # a zombie: exited, its parent has not reaped it yet
+        except OSError:
+            continue
+        out.append((int(name), cmd))
+    return out
+
+
+def _leaked_processes(token: str) -> list[str]:
+    """Processes of the run still alive :data:`GRACE_S` after the end, named, then
+    SIGKILLed."""
+    deadline = time.monotonic() + GRACE_S
+    left = _pids_of_run(token)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _pids_of_run(token)
+    lines = []
+    for pid, cmd in left:
+        lines.append(f"process {pid} still running {GRACE_S:.0f} s after the run: {cmd[:200]}")
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return lines
+
+
+def _leaked_files(root: Path) -> list[str]:
+    """Entries of the run's temp folder but pytest's own ``pytest-of-*``."""
+    try:
+        entries = sorted(p for p in root.iterdir() if not p.name.startswith("pytest-of-"))
+    except FileNotFoundError:
+        return []
+    return [f"temp folder: {p.name}{'/' if p.is_dir() else ''} (in {root.parent})"
+            for p in entries]
+
+
+def _shm_names() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return set()
+
+
+def _held_outside_run(names: set[str], token: str) -> set[str]:
+    """Those of ``names`` (``/dev/shm`` entries) that a live process outside the run holds
+    open or mapped (another test run, or anything else on the machine)."""
+    want = f"{RUN_ENV}={token}".encode()
+    held: set[str] = set()
+    paths = {str(SHM_DIR / n): n for n in names}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    continue
+            targets = []
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:
+                    pass
+            with open(f"/proc/{pid}/maps") as f:
+                targets += [line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" in line]
+        except OSError:
+            continue
+        for t in targets:
+            t = t.removesuffix(" (deleted)")
+            if t in paths:
+                held.add(paths[t])
+    return held
+
+
+def _leaked_shm(before: set[str], token: str) -> list[str]:
+    """``/dev/shm`` entries made during the run and held by no process outside it, named,
+    then unlinked."""
+    new = _shm_names() - before
+    if not new:
+        return []
+    new -= _held_outside_run(new, token)
+    lines = []
+    for name in sorted(new):
+        lines.append(f"/dev/shm/{name}")
+        try:
+            (SHM_DIR / name).unlink()
+        except OSError:
+            pass
+    return lines
