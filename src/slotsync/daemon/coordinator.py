@@ -97,9 +97,16 @@ from typing import Any
 
 import msgspec
 
-from slotsync.daemon import chunk_window, probe, rank_local, recovery, vllm_versions
+from slotsync.daemon import (
+    begin_agreement,
+    chunk_window,
+    malformed,
+    probe,
+    recovery,
+    vllm_versions,
+)
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
-from slotsync.daemon.aggregation import SAME_CHUNKS_RULE
+from slotsync.daemon.claim_check import ClaimCheck
 from slotsync.daemon.engine_session import (
     EngineSession,
     out_of_step_found,
@@ -121,7 +128,6 @@ from slotsync.daemon.update import (
     begin_step,
 )
 from slotsync.protocol import wire
-from slotsync.protocol.manifest import DIGEST_BYTES, first_difference
 from slotsync.protocol.wire import Abort, Ack, Begin, Chunk, Commit, Error, Register, Registered
 
 OMITTED_NAMES_POLICIES = ("warn", "refuse")
@@ -205,6 +211,8 @@ class SlotCoordinator:
         self._reconcile = False
         self._maintenance: dict[int, EngineCall] = {}  # its calls in flight
         self._pending_url: str | None = None  # engine table reload during an update
+        # an undeclared slot's claim, checked against its engine (SlotTable sets it)
+        self.claims: ClaimCheck | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -220,6 +228,8 @@ class SlotCoordinator:
     def state(self) -> SlotState:
         if self.current is not None:
             return SlotState.UPDATING
+        if self.claims is not None and self.claims.held:  # (its engine asked: claim_check.py)
+            return SlotState.REGISTERING
         if self._reconcile or self._maintenance:
             return SlotState.RECOVERING
         if self.engine.needs_full_update or self.engine.draft.needs_full_update:
@@ -255,7 +265,16 @@ class SlotCoordinator:
         connection. A re-registration with another engine / mode / transport while no update
         is in flight is a new trainer job: the slot starts afresh (the other ranks' old
         registrations are dropped; their publishers register again at their next begin).
+        An undeclared slot's first registrations wait for the engine's worker count
+        (``claims``, ``claim_check.py``; refused when the engine has fewer workers).
         """
+
+        if self.claims is not None and self.claims.needed(msg, bool(self.ranks)):
+            # (claim_check.py: an undeclared slot's first registrations wait for the engine)
+            if not self.claims.hold(identity, msg, peer_pid):
+                return []
+            self.claims.url_before, self.engine_url = self.engine_url, msg.engine_url
+            return [self._maintenance_call("get_world_size")]
 
         def refuse(text: str) -> list[Action]:
             out: list[Action] = [Reply(identity, Error("register", text, list(self.slot), None,
@@ -324,6 +343,7 @@ class SlotCoordinator:
                     self.max_message_bytes,
                     self.timeouts.begin_s,
                     self.timeouts.chunk_s,
+                    list(begin_agreement.SETTINGS),
                 ),
             )
         )
@@ -344,6 +364,15 @@ class SlotCoordinator:
             why = f": {msg.reason}" if msg.reason else ""
             return self._fail(now, "abort", f"rank {rank} aborted update {u.update_id}{why}", [])
         raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def on_bad_message(self, rank: int, err: wire.ProtocolError, now: float) -> list[Action]:
+        """Registered rank ``rank`` sent a frame that failed validation (``err``): the update
+        in flight fails at once naming the rank, the message kind and the field, every rank
+        told; else only the rank is told (``malformed.py``)."""
+        text = malformed.describe(rank, err)
+        if malformed.fails_update(err, self.current and self.current.update_id):
+            return self._fail(now, malformed.phase_of(err), text, [])
+        return self._rank_error(rank, malformed.phase_of(err), text, err.update_id)
 
     def on_engine_result(
         self, call_id: int, ok: bool, result: Any, error: str, now: float
@@ -688,20 +717,9 @@ class SlotCoordinator:
                 return self._rank_error(
                     rank, "begin", f"rank {rank} began update {u.update_id} twice", u.update_id
                 )
-            # Begins that disagree are refused before the pause, which waits for every
-            # begin; the update fails once every rank has begun, with the first disagreement,
-            # so that each rank learns the cause (not a later update's "rank N is gone")
-            why, at = "", -1
-            if msg.draft != u.draft:
-                has = ("with", "without") if msg.draft else ("without", "with")
-                why = (f"rank {rank} begins update {u.update_id} {has[0]} a draft part, ranks "
-                       f"{sorted(u.begun)} {has[1]} one: every rank of the slot must declare "
-                       "the same draft part (Publisher.publish(..., draft=...))")
-            why = why or rank_local.take_begin(u.mode_of, u.declared, u.worker_of, rank, msg)
-            if not why and msg.manifest and u.manifest and msg.manifest != u.manifest:
-                why, at = self._manifest_mismatch(u, rank, msg.manifest)  # I2
-            if msg.manifest and not u.manifest:
-                u.manifest, u.manifest_rank = msg.manifest, rank
+            # Begins that disagree are refused before the pause, once every rank has begun
+            # (begin_agreement.py): each rank learns the cause
+            why, at = begin_agreement.disagreement(u, rank, msg)
             if why and u.begin_refusal is None:
                 u.begin_refusal = (why, at)
             u.begun.add(rank)
@@ -735,19 +753,9 @@ class SlotCoordinator:
                     weights_intact=not (self.engine.needs_full_update
                                         or self.engine.draft.needs_full_update),
                     manifest=msg.manifest, manifest_rank=rank, draft=msg.draft)
-        rank_local.take_begin(u.mode_of, u.declared, u.worker_of, rank, msg)  # (first: agrees)
+        begin_agreement.take_first(u, rank, msg)
         self.current = u  # its begin stages (the table at the top) run from _advance
         return self._advance(now)  # (a gone rank gets gone_s to come back: _deadline)
-
-    def _manifest_mismatch(self, u: Update, rank: int, manifest: bytes) -> tuple[str, int]:
-        """Why ``rank``'s begin manifest differs from the first one, and the first tensor
-        position where they part (``Error.tensor_index``: each publisher names its own tensor
-        there)."""
-        at = first_difference(manifest, u.manifest)
-        n, n0 = len(manifest) // DIGEST_BYTES, len(u.manifest) // DIGEST_BYTES
-        return (f"rank {rank} begins update {u.update_id} with tensors that differ from rank "
-                f"{u.manifest_rank}'s from tensor #{at} on, in send order (rank {rank} sends {n} "
-                f"tensors, rank {u.manifest_rank} {n0}): {SAME_CHUNKS_RULE}", at)
 
     def _on_chunk(self, rank: int, msg: Chunk, now: float) -> list[Action]:
         u = self.current
@@ -898,6 +906,12 @@ class SlotCoordinator:
 
     def _on_maintenance_result(self, call: EngineCall, ok: bool, result: Any, error: str,
                                now: float) -> list[Action]:
+        if call.route == "get_world_size" and self.claims is not None:  # (claim_check.py)
+            held, why = self.claims.answer(ok, result, self.slot, self.engine_url or "")
+            if why:
+                self.engine_url = self.claims.url_before
+                return [Reply(i, Error("register", why, list(self.slot))) for i, _, _ in held]
+            return [a for i, m, p in held for a in self.on_register(i, m, now, p)]
         step = recovery.engine_check(self.engine, call.route, ok, result, error, self.slot,
                                      self.engine_url, call.update_id)
         if step.note:
@@ -947,19 +961,9 @@ class SlotCoordinator:
             self._reconcile = False  # (another engine from now on)
             self.set_engine_url(self._pending_url)
         actions: list[Action] = [Reply(i.identity, err) for i in self._by_rank()]
-        actions.append(
-            UpdateEnded(
-                self.slot,
-                self.engine_url or "",
-                u.update_id,
-                u.weight_version,
-                "failed",
-                now - u.started_at,
-                u.next_index,
-                u.consumed_bytes,
-                message,
-            )
-        )
+        actions.append(UpdateEnded(self.slot, self.engine_url or "", u.update_id,
+                                   u.weight_version, "failed", now - u.started_at,
+                                   u.next_index, u.consumed_bytes, message))
         return actions + self._maintain(now)
 
     def _complete(self, now: float, resume_error: str | None = None) -> list[Action]:
@@ -988,18 +992,7 @@ class SlotCoordinator:
                 "names": ",".join(u.omitted[:wire.MAX_OMITTED_NAMES]),
                 "why": "the slot's last successful update loaded them and this one did not: "
                        "vLLM keeps their old values"}))
-        acks.append(
-            UpdateEnded(
-                self.slot,
-                self.engine_url or "",
-                u.update_id,
-                u.weight_version,
-                "success",
-                now - u.started_at,
-                u.next_index,
-                u.consumed_bytes,
-                self.last_error or "",
-                len(u.omitted),
-            )
-        )
+        acks.append(UpdateEnded(self.slot, self.engine_url or "", u.update_id,
+                                u.weight_version, "success", now - u.started_at, u.next_index,
+                                u.consumed_bytes, self.last_error or "", len(u.omitted)))
         return acks

@@ -183,7 +183,8 @@ class ActionExecutor:
                 result, ok, err = None, False, str(e)
             if client.connection_errors != lost:  # refused / reset: a restarted engine?
                 await self.execute(self.table.on_connection_lost(url, self._now()))
-        await self.execute(coord.on_engine_result(call.call_id, ok, result, err, self._now()))
+        await self.execute(self.table.on_engine_result(call.slot, call.call_id, ok, result, err,
+                                                       self._now()))
 
     def _update_ended(self, e: UpdateEnded) -> None:
         self.metrics.update_ended(e)

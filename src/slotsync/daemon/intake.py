@@ -7,8 +7,9 @@
 * the ROUTER's monitor socket: accepted / handshake / disconnected events, which
   ``liveness.ConnectionBook`` maps to socket identities, with ``liveness.PeerWatch`` for
   process exits;
-* frame decode and validation (``wire.decode_to_daemon``); a bad frame is counted, answered
-  with a non-fatal ``Error`` and logged at most a few times per peer and minute.
+* frame decode and validation (``wire.decode_to_daemon``); a bad frame is counted, logged at
+  most a few times per peer and minute, and handed to the core (``refused``), which answers
+  it: a non-fatal ``Error`` to an unregistered peer, a failed update for a registered rank.
 
 It hands the core two kinds of event through callbacks the ``Daemon`` gives it: a decoded
 message (``deliver(identity, msg, pid)``) and connections gone (``gone(identities, why)``).
@@ -71,6 +72,8 @@ class Intake:
             message.
         gone: called with (socket identities, why) when connections or their process ended.
         spawn: runs a coroutine as a task the daemon cancels at its close.
+        refused: called with (socket identity, ``wire.ProtocolError``) for each frame that
+            fails validation; the core answers it (a registered rank's update fails at once).
 
     ``bind`` then ``run`` (the receive loop, a task); ``send`` replies; ``close`` at the end.
     """
@@ -78,9 +81,11 @@ class Intake:
     def __init__(self, config: Config, metrics: Metrics, rejects: RateLimiter,
                  deliver: Callable[[bytes, ToDaemon, int], Awaitable[None]],
                  gone: Callable[[list[bytes], str], Awaitable[None]],
-                 spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, None]], None],
+                 refused: Callable[[bytes, ProtocolError], Awaitable[None]]) -> None:
         self.config, self.metrics, self._rejects = config, metrics, rejects
         self._deliver, self._gone, self._spawn = deliver, gone, spawn
+        self._refused = refused
         self.endpoint = config.endpoint()
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
@@ -199,7 +204,7 @@ class Intake:
             msg = decode_to_daemon(last.bytes, self.config.max_message_bytes, self._chunk_meta)
         except ProtocolError as e:
             self._reject(peer, str(e))
-            await self.send(identity, Error("decode", str(e), fatal=False))
+            await self._refused(identity, e)  # (answered by the core: it knows the rank)
             return
         await self._deliver(identity, msg, pid)
 

@@ -42,7 +42,7 @@ from slotsync.daemon.slot_table import SlotTable
 from slotsync.daemon.status_documents import daemon_status, status_line
 from slotsync.daemon.status_server import StatusServer
 from slotsync.daemon.systemd import Notifier
-from slotsync.protocol.wire import FromDaemon, ToDaemon
+from slotsync.protocol.wire import FromDaemon, ProtocolError, ToDaemon
 
 log = logging.getLogger("slotsync.daemon")
 _EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -77,6 +77,7 @@ class Daemon:
             config.omitted_names,
             config.slot_release_s,
             config.max_message_bytes,
+            check_claims=True,  # (claim_check.py)
         )
         self.metrics.watch(self.table)  # slot/rank/in-flight gauges read the table per scrape
         self.endpoint = config.endpoint()
@@ -95,7 +96,7 @@ class Daemon:
                                        self._rejects, config.engine_timeout_s,
                                        self._after_actions, time.monotonic)
         self.intake = Intake(config, self.metrics, self._rejects, self._deliver,
-                             self._connections_gone, self.executor.spawn)
+                             self._connections_gone, self.executor.spawn, self._refused)
         self.restored: list[MidUpdateEngine] = []
         # Set by the signal handlers only (uvicorn's Server.handle_exit); the main loop and
         # the shutdown act on them. exit_signals: the names of the stop signals received.
@@ -314,6 +315,10 @@ class Daemon:
     async def _deliver(self, identity: bytes, msg: ToDaemon, pid: int) -> None:
         """``Intake``: a valid message from ``identity`` (peer process ``pid``, 0 unknown)."""
         await self.executor.execute(self.table.on_message(identity, msg, time.monotonic(), pid))
+
+    async def _refused(self, identity: bytes, err: ProtocolError) -> None:
+        """``Intake``: a frame from ``identity`` failed validation (``err``)."""
+        await self.executor.execute(self.table.on_bad_message(identity, err, time.monotonic()))
 
     async def _connections_gone(self, identities: list[bytes], why: str) -> None:
         """``Intake``: the ranks on these socket identities are gone, for reason ``why``."""

@@ -21,12 +21,14 @@ dead job left paused or mid-update needs a full update from the next job too (de
 from __future__ import annotations
 
 from slotsync.daemon import wait_report
+from slotsync.daemon.claim_check import ClaimCheck
 from slotsync.daemon.coordinator import Action, Reply, SlotCoordinator, SlotEvent, Timeouts
 from slotsync.protocol.wire import (
     NOT_REGISTERED,
     Begin,
     Close,
     Error,
+    ProtocolError,
     Query,
     Register,
     ToDaemon,
@@ -46,6 +48,10 @@ class SlotTable:
         slot_release_s: seconds after a slot's last rank went until the slot is released.
         max_message_bytes: the daemon's frame cap in bytes, told to each rank at registration
             (0: unknown).
+        check_claims: an undeclared slot's first registrations wait for its engine's
+            ``/get_world_size``, and an engine with fewer workers than the slot is refused
+            (``claim_check.py``; the daemon sets it, the unit tests' scripted engines mostly
+            do not).
 
     Shutting down, the adapter calls ``on_drain``: from then on registrations and begins
     are refused (``draining``).
@@ -53,13 +59,15 @@ class SlotTable:
 
     def __init__(self, timeouts: Timeouts | None = None, daemon_version: str = "",
                  chunks_in_flight: int = 3, omitted_names: str = "warn",
-                 slot_release_s: float = 60.0, max_message_bytes: int = 0) -> None:
+                 slot_release_s: float = 60.0, max_message_bytes: int = 0,
+                 check_claims: bool = False) -> None:
         self.timeouts = timeouts or Timeouts()
         self.daemon_version = daemon_version
         self.chunks_in_flight = chunks_in_flight
         self.omitted_names = omitted_names
         self.slot_release_s = slot_release_s
         self.max_message_bytes = max_message_bytes
+        self.check_claims = check_claims
         self.slots: dict[tuple[int, int], SlotCoordinator] = {}
         # undeclared slots released with something to remember about their engine, by URL
         self.released: dict[str, SlotCoordinator] = {}
@@ -156,6 +164,16 @@ class SlotTable:
                 )
             ]
         return self._slot_of_rank[rank].on_message(rank, msg, now)
+
+    def on_bad_message(self, identity: bytes, err: ProtocolError, now: float) -> list[Action]:
+        """Socket ``identity`` sent a frame that failed validation (``err``). A registered
+        rank's slot fails its update at once with that cause (``SlotCoordinator.on_bad_message``,
+        issue 24); any other peer gets a non-fatal ``Error(phase="decode")``."""
+        rank = self._rank_of.get(identity)
+        if rank is None:
+            return [Reply(identity, Error("decode", str(err), fatal=False))]
+        self._slot_of_rank[rank].on_rank_seen(rank, identity, now)
+        return self._slot_of_rank[rank].on_bad_message(rank, err, now)
 
     def on_connection_gone(self, identity: bytes, now: float, why: str) -> list[Action]:
         """The connection ``identity`` closed, or its process exited (``why``): if a rank
@@ -344,6 +362,8 @@ class SlotTable:
         if coord is None:
             coord = self._coordinator(key[0], msg.slot_size)
             self.slots[key] = coord
+            if self.check_claims and key not in self.declared:
+                coord.claims = ClaimCheck()
         left = self.released.pop(url, None)
         if left is not None and coord.engine_url in (None, msg.engine_url) and not coord.ranks:
             coord.adopt_engine(left)  # an engine a gone job left: what we know of it holds
@@ -352,17 +372,37 @@ class SlotTable:
             left = None
         actions += coord.on_register(identity, msg, now, peer_pid)
         if coord.ranks.get(msg.rank) is not None and coord.ranks[msg.rank].identity == identity:
-            # accepted: forget any connection the slot no longer knows (an older connection of
-            # this rank, or every other rank's when the slot was reset for a new job)
-            for ident, r in list(self._rank_of.items()):
-                if self._slot_of_rank.get(r) is coord and (
-                    r not in coord.ranks or coord.ranks[r].identity != ident
-                ):
-                    del self._rank_of[ident]
-            self._rank_of[identity] = msg.rank
-            self._slot_of_rank[msg.rank] = coord
-        elif not coord.ranks and key not in self.declared:
+            self._registered(coord)
+        elif not coord.ranks and not coord.busy() and key not in self.declared:
             del self.slots[key]  # refused first registration: leave no empty slot behind
             if left is not None:
                 self.released[url] = left  # (still remembered for the next registration)
         return actions
+
+    def _registered(self, coord: SlotCoordinator) -> None:
+        """Ranks of ``coord`` were accepted: route their connections to it, and forget any
+        connection the slot no longer knows (an older connection of a rank, or every other
+        rank's when the slot was reset for a new job)."""
+        for ident, r in list(self._rank_of.items()):
+            if self._slot_of_rank.get(r) is coord and (
+                r not in coord.ranks or coord.ranks[r].identity != ident
+            ):
+                del self._rank_of[ident]
+        for r, info in coord.ranks.items():
+            self._rank_of[info.identity] = r
+            self._slot_of_rank[r] = coord
+
+    def on_engine_result(self, slot: tuple[int, int], call_id: int, ok: bool, result: object,
+                         error: str, now: float) -> list[Action]:
+        """Engine call ``call_id`` of ``slot`` returned (``SlotCoordinator.on_engine_result``).
+        A claim check's answer (``claim_check.py``) may accept held registrations (their
+        connections are routed to the slot) or refuse them (an undeclared slot left without
+        ranks is dropped, so that another claim can register)."""
+        c = self.slots[slot]
+        out = c.on_engine_result(call_id, ok, result, error, now)
+        if c.ranks:
+            self._registered(c)
+        elif (c.claims is not None and not c.busy() and slot not in self.declared
+              and c.mid_update_state() is None):
+            out += self._release(slot, "its claim was refused")
+        return out

@@ -220,6 +220,9 @@ class Update:
     # update fails with it once every rank has begun, so that every rank is told the cause
     # (a rank that began later would otherwise begin the next update and fail there)
     begin_refusal: tuple[str, int] | None = None
+    # the publisher settings each begun rank declared (begin_agreement.SETTINGS):
+    # setting -> rank -> value
+    settings: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def on(self, event: PhaseEvent) -> None:
         """Move the phase along ``TRANSITIONS`` (``DRAFT_TRANSITIONS`` for a round with a

@@ -298,7 +298,7 @@ class Publisher:
         else:
             self.gpu_uuid = wire.logical_gpu_uuid(rank - self.slot.start)
 
-        self._session = PublisherSession(rank, self.slot)  # the update state machine
+        self._session = PublisherSession(rank, self.slot, {"staging_bytes": staging_bytes})
         # held by the thread inside publish / begin / send_chunk / commit (see _one_thread)
         self._busy = threading.RLock()
         # the open update's (name, dtype, shape) list, if its begin sent a manifest

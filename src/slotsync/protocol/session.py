@@ -135,11 +135,16 @@ class PublisherSession:
     Args:
         rank: the rank's global trainer rank.
         slot: its engine slot.
+        settings: the publisher settings every rank of the slot must share, by
+            ``wire.Begin`` field name (e.g. ``{"staging_bytes": 536870912}``); each begin
+            declares those the daemon lists in ``Registered.begin_settings`` (issue 24).
     """
 
-    def __init__(self, rank: int, slot: EngineSlot) -> None:
+    def __init__(self, rank: int, slot: EngineSlot, settings: dict[str, int] | None = None
+                 ) -> None:
         self.rank = rank
         self.slot = slot
+        self.settings = dict(settings or {})
         self.registered: wire.Registered | None = None
         self.next_id = 0
         self.update_id: int | None = None  # the open update, if any
@@ -215,7 +220,13 @@ class PublisherSession:
         self.has_draft, self.draft_from = draft, None
         self.begin_rank_local = rank_local or {}
         return wire.Begin(update_id=uid, weight_version=weight_version, manifest=manifest,
-                          draft=draft, **self.begin_rank_local)
+                          draft=draft, **self.begin_rank_local, **self.declared_settings())
+
+    def declared_settings(self) -> dict[str, int]:
+        """The settings a ``Begin`` declares: those of ``settings`` the daemon compares
+        (``Registered.begin_settings``; none before registration or with an older daemon)."""
+        known = self.registered.begin_settings if self.registered else ()
+        return {k: v for k, v in self.settings.items() if k in known}
 
     def next_chunk_part(self, draft: bool) -> None:
         """The next chunk belongs to the draft-model part (``draft``) or the main one; call
@@ -315,7 +326,7 @@ class PublisherSession:
         self.begin_refused = None
         return (wire.Begin(update_id=uid, weight_version=version,
                            manifest=self.begin_manifest, draft=self.has_draft,
-                           **self.begin_rank_local),
+                           **self.begin_rank_local, **self.declared_settings()),
                 [chunk_message(uid, c) for c in self.sent_before_ack])
 
     def end(self) -> set[int]:

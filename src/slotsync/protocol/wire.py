@@ -112,7 +112,26 @@ TupleDims = Annotated[tuple[NonNeg, ...], msgspec.Meta(max_length=MAX_DIMS)]  # 
 
 
 class ProtocolError(ValueError):
-    """A message that is well-formed msgpack but breaks a protocol rule."""
+    """A frame that is not a valid message: over the size cap, not msgpack, not one of the
+    messages, wrong types, or a broken rule. Where the frame tells, ``kind`` is the message's
+    ``type`` tag (``"chunk"``), ``field`` the field at fault (msgspec's path without ``$.``:
+    ``"names"``, ``"handles[0]"``; '' unknown) and ``update_id`` the update it names (None
+    unknown): the daemon names them when it fails a registered rank's update (issue 24)."""
+
+    def __init__(self, message: str, kind: str = "", field: str = "",
+                 update_id: int | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.field, self.update_id = kind, field, update_id
+
+
+class FieldError(ValueError):
+    """A rule across fields that ``field`` breaks, raised in a message's ``__post_init__``
+    (msgspec turns it into its ``ValidationError``, this as the cause): ``decode_to_daemon``
+    names the field in its ``ProtocolError``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def normalize_gpu_uuid(uuid: str) -> str:
@@ -193,8 +212,8 @@ class CudaIpcHandle(
 
     def __post_init__(self) -> None:
         if len(self.size) != len(self.stride):
-            raise ValueError(
-                f"size has {len(self.size)} dims but stride has {len(self.stride)}"
+            raise FieldError(
+                "stride", f"size has {len(self.size)} dims but stride has {len(self.stride)}"
             )
 
     @property
@@ -223,7 +242,7 @@ class ShmHandle(
 
     def __post_init__(self) -> None:
         if not _SHM_NAME_RE.match(self.segment):
-            raise ValueError(f"bad shared-memory segment name {self.segment!r}")
+            raise FieldError("segment", f"bad shared-memory segment name {self.segment!r}")
 
 
 Handle = CudaIpcHandle | ShmHandle
@@ -252,18 +271,21 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
     pid: NonNeg = 0
 
     def __post_init__(self) -> None:
-        self.gpu_uuid = normalize_gpu_uuid(self.gpu_uuid)
+        try:
+            self.gpu_uuid = normalize_gpu_uuid(self.gpu_uuid)
+        except ValueError as e:
+            raise FieldError("gpu_uuid", str(e)) from None
         try:
             check_engine_url(self.engine_url)
         except ValueError as e:
-            raise ValueError(f"engine_url {e}") from None
+            raise FieldError("engine_url", f"engine_url {e}") from None
         if not (self.slot_start <= self.rank < self.slot_start + self.slot_size):
-            raise ValueError(
-                f"rank {self.rank} is outside its own slot "
+            raise FieldError(
+                "rank", f"rank {self.rank} is outside its own slot "
                 f"[{self.slot_start}, {self.slot_start + self.slot_size})"
             )
         if self.slot_size > 4096:
-            raise ValueError(f"slot_size {self.slot_size} is implausibly large")
+            raise FieldError("slot_size", f"slot_size {self.slot_size} is implausibly large")
 
 
 class Begin(msgspec.Struct, tag="begin", forbid_unknown_fields=True, omit_defaults=True):
@@ -281,12 +303,20 @@ class Begin(msgspec.Struct, tag="begin", forbid_unknown_fields=True, omit_defaul
     after every main chunk, loaded in a second session (vLLM's
     ``/start_draft_weight_update``) once the main one finished. Every rank of a slot must
     agree on it (else the update is refused before the pause, naming the ranks). Omitted
-    from the message when False, so a round without a draft part is encoded as before."""
+    from the message when False, so a round without a draft part is encoded as before.
+
+    ``staging_bytes`` (issue 24): the publisher's chunk limit in bytes
+    (``Publisher(staging_bytes=...)``), which decides where its chunks are cut. Outside
+    rank-local mode every rank of a slot must declare the same one, or the update is refused
+    before the pause naming the setting, both values and the ranks
+    (``daemon/begin_agreement.py``). A publisher declares it only to a daemon that lists it
+    in ``Registered.begin_settings``; 0 (omitted): not declared, not compared."""
 
     update_id: NonNeg
     weight_version: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_VERSION_CHARS)]
     manifest: bytes = b""
     draft: bool = False
+    staging_bytes: NonNeg = 0
     # Rank-local mode (issue 18, docs/rank-local.md): this rank sends its own tensors (its
     # experts and the shared ones) for engine worker ``worker_rank`` (global worker index,
     # vLLM's ``dp_index * TP * PP + rank``) and declares them here in clear, in send order,
@@ -300,27 +330,28 @@ class Begin(msgspec.Struct, tag="begin", forbid_unknown_fields=True, omit_defaul
 
     def __post_init__(self) -> None:
         if len(self.manifest) % 4:
-            raise ValueError(f"manifest has {len(self.manifest)} bytes, not a multiple of 4")
+            raise FieldError("manifest", f"manifest has {len(self.manifest)} bytes, not a "
+                             "multiple of 4")
         if not self.rank_local:
             if self.worker_rank != -1 or self.names or self.dtype_names or self.shapes:
-                raise ValueError("worker_rank and the tensor list (names, dtype_names, "
-                                 "shapes) belong to rank-local mode (rank_local=true)")
+                raise FieldError("worker_rank", "worker_rank and the tensor list (names, "
+                                 "dtype_names, shapes) belong to rank-local mode (rank_local=true)")
             return
         if self.manifest:
-            raise ValueError("a rank-local begin declares its tensors in names, dtype_names "
-                             "and shapes: its manifest must be empty")
+            raise FieldError("manifest", "a rank-local begin declares its tensors in names, "
+                             "dtype_names and shapes: its manifest must be empty")
         if self.worker_rank < 0:
-            raise ValueError(f"rank-local begin: worker_rank must be >= 0, got "
+            raise FieldError("worker_rank", f"rank-local begin: worker_rank must be >= 0, got "
                              f"{self.worker_rank}")
         n = len(self.names)
         if not n:
-            raise ValueError("rank-local begin declares no tensor (names is empty)")
+            raise FieldError("names", "rank-local begin declares no tensor (names is empty)")
         for field in ("dtype_names", "shapes"):
             if len(getattr(self, field)) != n:
-                raise ValueError(f"rank-local begin: {field} has {len(getattr(self, field))} "
-                                 f"entries, names has {n}")
+                raise FieldError(field, f"rank-local begin: {field} has "
+                                 f"{len(getattr(self, field))} entries, names has {n}")
         if len(set(self.names)) != n:
-            raise ValueError("rank-local begin: a tensor name repeats in names")
+            raise FieldError("names", "rank-local begin: a tensor name repeats in names")
 
 
 class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True, omit_defaults=True):
@@ -348,7 +379,8 @@ class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True, omit_defaul
         n = len(self.names)
         for field in ("dtype_names", "shapes", "tensor_sizes"):
             if len(getattr(self, field)) != n:
-                raise ValueError(f"{field} has {len(getattr(self, field))} entries, names has {n}")
+                raise FieldError(field, f"{field} has {len(getattr(self, field))} entries, "
+                                 f"names has {n}")
         # Every tensor's bytes from its shape and dtype, in C loops (``map``): this runs for
         # every rank's copy of every chunk on the daemon's one event loop. Decoding has
         # checked the dtype names already; a Chunk built in Python has not, hence KeyError.
@@ -356,22 +388,23 @@ class Chunk(msgspec.Struct, tag="chunk", forbid_unknown_fields=True, omit_defaul
             elem = list(map(DTYPE_SIZES.__getitem__, self.dtype_names))
         except KeyError as e:
             bad = self.dtype_names.index(e.args[0])
-            raise ValueError(
-                f"tensor {self.names[bad]!r}: unsupported dtype {e.args[0]!r}"
+            raise FieldError(
+                "dtype_names", f"tensor {self.names[bad]!r}: unsupported dtype {e.args[0]!r}"
             ) from None
         want = list(map(operator.mul, map(math.prod, self.shapes), elem))
         if want != self.tensor_sizes:
             i = next(i for i, (a, b) in enumerate(zip(want, self.tensor_sizes, strict=True))
                      if a != b)
-            raise ValueError(
-                f"tensor {self.names[i]!r}: tensor_sizes says {self.tensor_sizes[i]} bytes but "
-                f"shape {self.shapes[i]} of {self.dtype_names[i]} is {want[i]} bytes"
+            raise FieldError(
+                "tensor_sizes", f"tensor {self.names[i]!r}: tensor_sizes says "
+                f"{self.tensor_sizes[i]} bytes but shape {self.shapes[i]} of "
+                f"{self.dtype_names[i]} is {want[i]} bytes"
             )
         if len(set(self.names)) != n:
-            raise ValueError("duplicate tensor names in one chunk")
+            raise FieldError("names", "duplicate tensor names in one chunk")
         problem = _handles_problem(self.handles, n, sum(self.tensor_sizes))
         if problem:
-            raise ValueError(problem)
+            raise FieldError("handles", problem)
 
     @property
     def nbytes(self) -> int:
@@ -521,6 +554,10 @@ class Registered(msgspec.Struct, tag="registered"):
     # timeout_s is shorter would give up before the daemon says what is missing (issue 24)
     begin_deadline_s: float = 0.0
     chunk_deadline_s: float = 0.0
+    # the Begin settings this daemon compares across a slot's ranks (issue 24,
+    # daemon/begin_agreement.py SETTINGS): a publisher declares only these in its Begin, so
+    # that a daemon older than it never sees a field it does not know
+    begin_settings: list[str] = []
 
 
 MAX_OMITTED_NAMES = 64
@@ -638,10 +675,32 @@ def decode_to_daemon(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES_DEFAULT,
         decoded = _to_daemon.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
         # UnicodeDecodeError: msgspec lets invalid UTF-8 in a tag through (found by fuzzing)
-        raise ProtocolError(f"bad message: {e}{_handle_field_hint(str(e), frame)}") from None
+        raise ProtocolError(f"bad message: {e}{_handle_field_hint(str(e), frame)}",
+                            *_where(e, frame)) from None
     if raw is not None and cache is not None and isinstance(decoded, Chunk):
         cache.remember(raw, decoded)
     return decoded
+
+
+_FIELD_PATH = re.compile(r" - at `\$\.([^`]*)`")
+
+
+def _where(error: Exception, frame: bytes) -> tuple[str, str, int | None]:
+    """``(kind, field, update_id)`` of a frame that failed to decode (``ProtocolError``), as
+    far as the frame tells (msgpack read without a schema). Only runs on the error path."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except Exception:  # noqa: BLE001 -- not msgpack: nothing to tell
+        raw = None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    uid = raw.get("update_id") if isinstance(raw, dict) else None
+    m = _FIELD_PATH.search(str(error))
+    field = m[1] if m else ""
+    cause = error.__cause__
+    if isinstance(cause, FieldError):
+        field = f"{field}.{cause.field}" if field else cause.field
+    return (kind if isinstance(kind, str) and kind.isidentifier() else "", field,
+            uid if isinstance(uid, int) and not isinstance(uid, bool) and uid >= 0 else None)
 
 
 _HANDLE_PATH = re.compile(r"`\$\.handles\[(\d+)\]\[(\d+)\]")

@@ -1,0 +1,73 @@
+"""A registered rank's malformed message against a real slotsyncd (issue 24): every rank of
+the slot is told at once, naming the rank, the message kind and the field, instead of the
+update going on to fail later with another cause or at a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import zmq
+from aiohttp import web
+from test_daemon_liveness import Rank
+
+from slotsync.daemon.config import Config
+from slotsync.daemon.service import Daemon
+from slotsync.protocol import wire
+
+
+async def test_a_malformed_chunk_fails_the_update_at_once_naming_rank_kind_and_field(tmp_path):
+    # a 2-worker "engine" that answers /get_world_size (the registration's claim check) and
+    # nothing else: the begin's next call stays out, so the update is in flight, the engine
+    # never paused, when the bad chunk arrives
+    routes: list[str] = []
+    never = asyncio.Event()
+
+    async def vllm(request: web.Request) -> web.Response:
+        routes.append(request.path)
+        if request.path == "/get_world_size" and routes.count(request.path) == 1:
+            return web.json_response({"world_size": 2})
+        await never.wait()
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_route("*", "/{route}", vllm)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
+    await d.start()
+    ctx = zmq.Context()
+
+    def conversation() -> list[wire.FromDaemon]:
+        ranks = [Rank(ctx, d.endpoint, r, size=2, url=url) for r in (0, 1)]
+        try:
+            assert all(isinstance(r.reply, wire.Registered) for r in ranks)
+            for r in ranks:
+                r.s.send(wire.encode(wire.Begin(0, "v")))
+            ranks[1].s.send(msgspec.msgpack.encode({
+                "type": "chunk", "update_id": 0, "index": 0, "names": [], "dtype_names": [],
+                "shapes": [], "tensor_sizes": [], "handles": []}))
+            got = []
+            for r in ranks:
+                assert r.s.poll(20_000), "no reply: the malformed chunk was dropped"
+                got.append(wire.decode_from_daemon(r.s.recv()))
+            return got
+        finally:
+            for r in ranks:
+                r.close()
+
+    try:
+        for err in await asyncio.to_thread(conversation):
+            assert isinstance(err, wire.Error) and err.update_id == 0, err
+            assert err.phase == "chunk", err
+            assert "rank 1 sent a chunk message" in err.message, err.message
+            assert "(field 'names')" in err.message, err.message
+        assert "/pause" not in routes
+    finally:
+        ctx.destroy(linger=0)
+        never.set()
+        await d.stop()
+        await runner.cleanup()
