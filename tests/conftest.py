@@ -165,6 +165,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(f"vllm cannot be imported: {why}")
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``SLOTSYNC_TEST_TIMES=path``: one line per test phase as it ends (seconds, phase,
+    test id), also under xdist (the controller gets every worker's reports): where a run's
+    time goes, even in a run stopped by hand."""
+    path = os.environ.get("SLOTSYNC_TEST_TIMES")
+    if path and report.duration >= 0.5 and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as f:
+            f.write(f"{report.duration:8.2f} {report.when:8} {report.outcome:7} "
+                    f"{report.nodeid}\n")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """With ``SLOTSYNC_REQUIRE_VLLM=1`` (CI), a ``vllm``-marked test that skips is a failure:

@@ -31,9 +31,11 @@ from pathlib import Path
 import pytest
 
 RUN_ENV = "SLOTSYNC_TEST_RUN"
-GRACE_S = 20.0  # how long processes of the run may take to exit after the last test
+GRACE_S = float(os.environ.get("SLOTSYNC_LEAK_GRACE_S", "20"))
+"""How long processes of the run may take to exit after the last test, seconds."""
 SHM_DIR = Path("/dev/shm")
-OWN_ENTRIES = ("pytest-of-", "torchinductor_")
+BASETEMP = "pt"  # pytest's --basetemp, in the run's folder (unless given)
+OWN_ENTRIES = (BASETEMP, "pytest-of-", "torchinductor_")
 """Temp-folder entries that are not leaks: pytest's ``tmp_path`` folders and the compile
 cache torch makes when vLLM is imported; removed with the run's folder."""
 
@@ -60,6 +62,8 @@ def pytest_configure(config: pytest.Config) -> None:
     root = Path(tempfile.gettempdir()) / f"sst-{token}"  # (short: Unix socket paths)
     root.mkdir()
     _state.update(token=token, root=root, shm=_shm_names(), old_tmpdir=os.environ.get("TMPDIR"))
+    if not config.option.basetemp:  # tmp_path under it, short: Unix socket paths in tests
+        config.option.basetemp = str(root / BASETEMP)
     os.environ[RUN_ENV] = token
     os.environ["TMPDIR"] = str(root)
     tempfile.tempdir = str(root)
@@ -149,7 +153,8 @@ def _leaked_processes(token: str) -> list[str]:
 def _leaked_files(root: Path) -> list[str]:
     """Entries of the run's temp folder but :data:`OWN_ENTRIES`."""
     try:
-        entries = sorted(p for p in root.iterdir() if not p.name.startswith(OWN_ENTRIES))
+        entries = sorted(p for p in root.iterdir()
+                         if p.name != BASETEMP and not p.name.startswith(OWN_ENTRIES[1:]))
     except FileNotFoundError:
         return []
     return [f"temp folder: {p.name}{'/' if p.is_dir() else ''} (in {root.parent})"

@@ -12,6 +12,7 @@ import types
 
 import pytest
 
+import slotsync.engine.launcher as launcher
 import slotsync.testing.processes as processes
 from slotsync.engine.launcher import ReferenceEngine
 from slotsync.testing.processes import DaemonProcess
@@ -36,6 +37,7 @@ def _interrupt(*_args: object, **_kwargs: object) -> None:
 
 
 def test_an_interrupt_while_an_engine_starts_stops_it(monkeypatch, started) -> None:
+    monkeypatch.setattr(launcher, "_zygote", None)  # a subprocess, as the demo starts it
     monkeypatch.setattr(ReferenceEngine, "request", _interrupt)  # its first readiness probe
     with pytest.raises(KeyboardInterrupt):
         ReferenceEngine(workers=1)

@@ -394,7 +394,11 @@ def run_session(
 
 
 def _run_ranks(plan: SessionPlan, log: Any) -> dict[str, dict[str, SystemTimes]]:
-    ctx = mp.get_context("spawn")
+    # Ranks fork from a forkserver that imported torch once: a sweep starts many sessions, and
+    # each rank's own import of torch (~1 s of CPU) was most of a tiny session's time. The
+    # timings are taken inside the ranks, after their start.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "slotsync.bench.control"])
     q = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, plan, q), daemon=True)
              for r in range(plan.world)]

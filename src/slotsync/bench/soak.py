@@ -186,6 +186,7 @@ def run_soak(rounds: int = 1000, ranks: int = 8, every: int = 100, packed: bool 
 
     say = (lambda *_: None) if quiet else (lambda *a: print(*a, flush=True))
     own_engine = engine is None
+    model_dir: str | None = None  # the vLLM-code engine's model file's folder, if made here
     if own_engine:
         kw: dict[str, Any] = {"workers": ranks, "device": "cuda" if device != "cpu" else "cpu"}
         if device != "cpu":
@@ -198,7 +199,8 @@ def run_soak(rounds: int = 1000, ranks: int = 8, every: int = 100, packed: bool 
 
             from safetensors.torch import save_file
 
-            model = os.path.join(tempfile.mkdtemp(prefix="slotsync-soak-"), "model.safetensors")
+            model_dir = tempfile.mkdtemp(prefix="slotsync-soak-")  # removed at the end
+            model = os.path.join(model_dir, "model.safetensors")
             save_file(dict(_tensors(0, "cpu")), model)
             kw.update(impl="vllm", model=model, startup_timeout_s=300.0)
         engine = ReferenceEngine(**kw)
@@ -236,6 +238,10 @@ def run_soak(rounds: int = 1000, ranks: int = 8, every: int = 100, packed: bool 
     finally:
         if own_engine:
             engine.stop()
+        if model_dir is not None:
+            import shutil
+
+            shutil.rmtree(model_dir, ignore_errors=True)
     errors = {r: v[1] for r, v in done.items() if v[1]}
     flat, line = verdict(samples) if len(samples) >= 2 else (
         False, "verdict: too few samples (raise --rounds or lower --every)")

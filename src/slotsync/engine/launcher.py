@@ -58,7 +58,8 @@ class ReferenceEngine:
         host, port: where to listen; ``port=None`` picks a free one.
         startup_timeout_s: bound on the wait for ``/get_world_size`` to answer (seconds).
         env: extra environment variables for the subprocess.
-        log_path: file receiving the subprocess's stdout and stderr (default: a temp file,
+        log_path: file receiving the subprocess's stdout and stderr (default: a temp file made by
+            :meth:`start`,
             deleted by :meth:`stop`).
         discard: start the engine with ``--discard`` (validate updates, load nothing).
         impl: ``"reference"`` or ``"vllm"`` (``--impl``; ``"vllm"`` needs ``model``).
@@ -122,12 +123,8 @@ class ReferenceEngine:
         self._draft_model = str(draft_model) if draft_model is not None else None
         self._env = env or {}
         self._owns_log = log_path is None
-        if log_path is None:
-            fd, name = tempfile.mkstemp(prefix="slotsync-engine-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        else:
-            self.log_path = Path(log_path)
+        # (an engine never started makes no log file: see start)
+        self.log_path: Path | None = None if log_path is None else Path(log_path)
         self.proc: Any = None  # subprocess.Popen, or a zygote's ForkedProcess (use_zygote)
         if start:
             self.start()
@@ -179,7 +176,7 @@ class ReferenceEngine:
     def log_tail(self, n_chars: int = 4000) -> str:
         """The last ``n_chars`` characters of the subprocess's output."""
         try:
-            return self.log_path.read_text(errors="replace")[-n_chars:]
+            return self.log_path.read_text(errors="replace")[-n_chars:] if self.log_path else ""
         except OSError:
             return ""
 
@@ -190,6 +187,10 @@ class ReferenceEngine:
             EngineStartError: the process exited, or did not answer within
                 ``startup_timeout_s``; the message ends with its output's tail.
         """
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="slotsync-engine-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
         if _zygote is not None and self.device == "cpu" and self.receive == "reference":
             self.proc = _zygote.spawn(self.command(), env, self.log_path)
@@ -266,7 +267,7 @@ class ReferenceEngine:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        if self._owns_log:
+        if self._owns_log and self.log_path is not None:
             self.log_path.unlink(missing_ok=True)
 
     def __enter__(self) -> ReferenceEngine:
