@@ -37,49 +37,52 @@ def test_update_section_replaces_only_its_block(tmp_path):
     assert "second" in text and "first" not in text and "other" in text
 
 
-def _bench(*args: str, tmp_path) -> str:
+def _bench(*args: str, tmp_path, capsys) -> str:
+    """``python -m slotsync.bench ARGS --report FILE`` run in this process (its CPU engines
+    then fork from the tests' warm zygote, issue 24); returns the report's text."""
+    from slotsync.bench.cli import main
+
     report = tmp_path / "BENCHMARKS.md"
-    out = subprocess.run(
-        [sys.executable, "-m", "slotsync.bench", *args, "--report", str(report)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--report", str(report)])
+    out = capsys.readouterr()
+    assert exit_.value.code == 0, out.out[-3000:] + out.err[-3000:]
     return report.read_text()
 
 
-def test_bench_control_tiny(tmp_path):
+def test_bench_control_tiny(tmp_path, capsys):
     text = _bench("control", "--ranks", "2", "--tensors", "200", "--rounds", "2",
-                  "--modes", "unpacked", tmp_path=tmp_path)
+                  "--modes", "unpacked", tmp_path=tmp_path, capsys=capsys)
     assert "<!-- bench:control -->" in text and "ratio" in text
 
 
-def test_bench_control_sweep_prints_the_scaling_and_writes_the_plot(tmp_path):
+def test_bench_control_sweep_prints_the_scaling_and_writes_the_plot(tmp_path, capsys):
     """Issue 5 point 2 in a tiny configuration: ranks x tensors, slots per daemon, rounds
     served, and a PNG of time per round."""
     plot = tmp_path / "scaling.png"
     text = _bench("control", "--ranks", "2", "--tensors", "20", "--rounds", "2",
                   "--modes", "packed", "--sweep", "--sweep-ranks", "1,2",
                   "--sweep-tensors", "10,20", "--sweep-slots", "1,2", "--sweep-rounds", "2",
-                  "--growth-rounds", "20", "--plot", str(plot), tmp_path=tmp_path)
+                  "--growth-rounds", "20", "--plot", str(plot), tmp_path=tmp_path, capsys=capsys)
     assert "### Scaling" in text and "Slots per daemon" in text and "Rounds served" in text
     assert "last 10 (of 20)" in text
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_gpu_dry_run_on_cpu(tmp_path):
+def test_bench_gpu_dry_run_on_cpu(tmp_path, capsys):
     text = _bench("gpu", "--device", "cpu", "--layers", "1", "--experts", "4", "--vocab",
                   "1000", "--hidden", "256", "--staging-mb", "2", "--rounds", "2",
-                  "--regions", "3", "--chunks-in-flight", "3", tmp_path=tmp_path)
+                  "--regions", "3", "--chunks-in-flight", "3", tmp_path=tmp_path, capsys=capsys)
     assert "<!-- bench:gpu -->" in text and "x copy" in text
     assert "| unpacked (chunks <= 2 MiB) |" in text and "median of rounds 2..2" in text
     assert "| packed 2 MiB x 3 regions (2 MiB each) |" in text
     assert "`chunks_in_flight = 3`" in text and "of which device wait s" in text
 
 
-def test_bench_control_tiny_packed_with_two_regions_and_section(tmp_path):
+def test_bench_control_tiny_packed_with_two_regions_and_section(tmp_path, capsys):
     text = _bench("control", "--ranks", "2", "--tensors", "200", "--rounds", "2",
                   "--modes", "packed", "--staging-mb", "64", "--staging-buffers", "2",
-                  "--section", "control-x", tmp_path=tmp_path)
+                  "--section", "control-x", tmp_path=tmp_path, capsys=capsys)
     assert "<!-- bench:control-x -->" in text and "2 staging region(s)" in text
 
 
@@ -149,25 +152,27 @@ def test_bench_forwards_to_the_issue_17_benchmarks(name, prog):
 
 
 @pytest.mark.parametrize("engine", ["reference", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_bench_ep_dry_run_on_cpu(engine):
+def test_bench_ep_dry_run_on_cpu(engine, capsys):
     """``slotsync bench ep`` (issue 18 F) on CPU at toy sizes, EP2: both modes run in one
     invocation; rank-local copies and delivers exactly each worker's share (the shared
     tensors and half the experts) where today's mode sends the whole model, and every
     worker's own names hold its rank's tensors afterwards."""
     import json
 
+    from slotsync.bench.cli import main
     from slotsync.bench.ep import TINY, worker_specs
 
-    out = subprocess.run([sys.executable, "-m", "slotsync", "bench", "ep", "--device", "cpu",
-                          "--tiny", "--ranks", "2", "--rounds", "1", "--warmup", "1",
-                          "--staging-mb", "1", "--engine", engine, "--json"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    fig = json.loads(out.stdout.strip().splitlines()[-1])
+    # in this process: its CPU engine forks from the tests' warm zygote (issue 24)
+    with pytest.raises(SystemExit) as exit_:
+        main(["ep", "--device", "cpu", "--tiny", "--ranks", "2", "--rounds", "1", "--warmup",
+              "1", "--staging-mb", "1", "--engine", engine, "--json"])
+    out = capsys.readouterr()
+    assert exit_.value.code == 0, out.out[-3000:] + out.err[-3000:]
+    fig = json.loads(out.out.strip().splitlines()[-1])
     specs = qwen3_moe_specs(TINY)
     share = sum(s.nbytes for s in worker_specs(specs, TINY.experts, 2, 0))
     today, local = fig["modes"]["today"], fig["modes"]["rank-local"]
     assert today["staging_bytes_per_rank"] == today["bytes_per_worker"] == fig["model_bytes"]
     assert local["staging_bytes_per_rank"] == local["bytes_per_worker"] == share
     assert fig["ratios_rank_local_over_today"]["bytes_per_worker"] == share / fig["model_bytes"]
-    assert "checksums after the rank-local rounds: 72/72" in out.stdout, out.stdout
+    assert "checksums after the rank-local rounds: 72/72" in out.out, out.out

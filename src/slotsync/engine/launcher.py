@@ -192,7 +192,8 @@ class ReferenceEngine:
             os.close(fd)
             self.log_path = Path(name)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
-        if _zygote is not None and self.device == "cpu" and self.receive == "reference":
+        if (_zygote is not None and self.device == "cpu"
+                and "SLOTSYNC_VLLM_SHIM" not in env):  # (the zygote imported the real vLLM)
             self.proc = _zygote.spawn(self.command(), env, self.log_path)
             try:
                 self._wait_ready()

@@ -46,9 +46,13 @@ def receive_env(shim_dir: str | os.PathLike[str] | None = None) -> dict[str, str
     """The extra environment under which an engine subprocess can import
     ``vllm.distributed.weight_transfer.ipc_engine`` (for ``--receive vllm``): ``{}`` when
     this interpreter's own vllm has it, ``{"SLOTSYNC_VLLM_SHIM": shim_dir}`` when the shim
-    folder imports, else None (tests skip then). Checked in a fresh interpreter."""
+    folder imports, else None (tests skip then). Checked in a fresh interpreter, once per
+    process and ``shim_dir``."""
     import subprocess
 
+    key = os.fspath(shim_dir) if shim_dir is not None else None
+    if key in _receive_envs:
+        return _receive_envs[key]
     code = "import vllm.distributed.weight_transfer.ipc_engine"
     tries: list[dict[str, str]] = [{}]
     if shim_dir is not None and os.path.isdir(shim_dir):
@@ -64,8 +68,13 @@ def receive_env(shim_dir: str | os.PathLike[str] | None = None) -> dict[str, str
         except (OSError, subprocess.TimeoutExpired):
             continue
         if out.returncode == 0:
+            _receive_envs[key] = extra
             return extra
+    _receive_envs[key] = None
     return None
+
+
+_receive_envs: dict[str | None, dict[str, str] | None] = {}  # receive_env's answers, once each
 
 
 class InPlaceLoader:
