@@ -103,18 +103,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 _zygote: Any = None
+ZYGOTE_SOCKET_ENV = "SLOTSYNC_TEST_ZYGOTE_SOCKET"  # the run's zygote, for xdist's workers
 
 
 def pytest_configure(config: pytest.Config) -> None:
     global _zygote
     if os.environ.get("SLOTSYNC_TEST_ZYGOTE", "1") not in ("0", ""):
-        # CPU engines fork from one warm process per pytest process (slotsync.testing.zygote):
-        # an engine then starts in about a second instead of paying torch's and vLLM's
-        # imports again (issue 24). The zygote starts with the first engine.
+        # CPU engines fork from one warm process per run (slotsync.testing.zygote): an engine
+        # then starts in about a second instead of paying torch's and vLLM's imports again
+        # (issue 24). The first process starts it; xdist's workers attach to it.
         from slotsync.engine.launcher import use_zygote
         from slotsync.testing.zygote import Zygote
 
-        _zygote = Zygote()
+        shared = os.environ.get(ZYGOTE_SOCKET_ENV)
+        if shared:  # an xdist worker: the controller's zygote
+            _zygote = Zygote(attach=shared)
+        elif getattr(config.option, "numprocesses", None):  # xdist's controller: start it
+            _zygote = Zygote()  # now (its imports run while the workers collect) and share it
+            os.environ[ZYGOTE_SOCKET_ENV] = _zygote.start()
+        else:  # one process: the zygote starts with the first engine
+            _zygote = Zygote()
         use_zygote(_zygote)
     chosen = config.getoption("--engine")
     if chosen:

@@ -46,13 +46,16 @@ def receive_env(shim_dir: str | os.PathLike[str] | None = None) -> dict[str, str
     """The extra environment under which an engine subprocess can import
     ``vllm.distributed.weight_transfer.ipc_engine`` (for ``--receive vllm``): ``{}`` when
     this interpreter's own vllm has it, ``{"SLOTSYNC_VLLM_SHIM": shim_dir}`` when the shim
-    folder imports, else None (tests skip then). Checked in a fresh interpreter, once per
-    process and ``shim_dir``."""
+    folder imports, else None (tests skip then). Checked in a fresh interpreter (unless this
+    one has already imported it), once per process and ``shim_dir``."""
     import subprocess
 
     key = os.fspath(shim_dir) if shim_dir is not None else None
     if key in _receive_envs:
         return _receive_envs[key]
+    if "vllm.distributed.weight_transfer.ipc_engine" in sys.modules:
+        _receive_envs[key] = {}  # this interpreter's own vllm has it: no need to ask another
+        return {}
     code = "import vllm.distributed.weight_transfer.ipc_engine"
     tries: list[dict[str, str]] = [{}]
     if shim_dir is not None and os.path.isdir(shim_dir):

@@ -122,42 +122,67 @@ class ForkedProcess:
 
 
 class Zygote:
-    """The warm parent, started lazily by the first :meth:`spawn`.
+    """The warm parent: started by :meth:`start` (or lazily by the first :meth:`spawn`), or,
+    with ``attach``, another process's zygote reached at that socket path (several pytest-xdist
+    workers share the controller's: its imports are paid once per run).
 
     Args:
         startup_timeout_s: bound on its imports, seconds.
+        attach: the socket path of a zygote another process started (and will stop).
     """
 
-    def __init__(self, startup_timeout_s: float = 300.0) -> None:
+    def __init__(self, startup_timeout_s: float = 300.0, attach: str | None = None) -> None:
         self.startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
         self._control: socket.socket | None = None
+        self._attach = attach
 
     @property
     def path(self) -> str:
+        if self._attach is not None:
+            return self._attach
         assert self._dir is not None
         return os.path.join(self._dir, "zygote.sock")
 
-    def _start(self) -> None:
+    def start(self) -> str:
+        """Start the zygote without waiting for its imports; returns its socket path, which
+        appears once it accepts (:meth:`spawn` waits for it). Idempotent."""
         from slotsync.testing.processes import die_with_parent
 
+        if self._attach is not None:
+            return self._attach
+        if self._proc is not None and self._proc.poll() is None:
+            return self.path
         self._dir = tempfile.mkdtemp(prefix="slotsync-zygote-")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "slotsync.testing.zygote", self.path],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=open(os.path.join(self._dir, "zygote.log"), "wb"),  # noqa: SIM115
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
+        return self.path
+
+    def _wait_ready(self) -> None:
+        """Wait for the socket (the zygote's imports done); own zygote: hold its control
+        connection, whose close stops it."""
         deadline = time.monotonic() + self.startup_timeout_s
         while not os.path.exists(self.path):
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                log = Path(self._dir, "zygote.log").read_text(errors="replace")[-3000:]
+            gone = self._proc is not None and self._proc.poll() is not None
+            if gone or time.monotonic() > deadline:
+                log = ""
+                if self._dir is not None:
+                    log = Path(self._dir, "zygote.log").read_text(errors="replace")[-3000:]
                 self.close()
-                raise ZygoteError(f"the engine zygote did not start:\n{log}")
+                raise ZygoteError(f"the engine zygote at {self.path} did not start:\n{log}")
             time.sleep(0.05)
-        self._control = socket.socket(socket.AF_UNIX)
-        self._control.connect(self.path)
-        self._control.sendall(b'{"control": true}\n')
+        if self._attach is None and self._control is None:
+            self._control = socket.socket(socket.AF_UNIX)
+            self._control.connect(self.path)
+            self._control.sendall(b'{"control": true}\n')
+
+    def _start(self) -> None:
+        self.start()
+        self._wait_ready()
 
     def spawn(self, argv: Sequence[str], env: dict[str, str], log_path: str | os.PathLike[str]
               ) -> ForkedProcess:
@@ -171,8 +196,9 @@ class Zygote:
         argv = list(argv)
         if len(argv) < 3 or argv[1] != "-m":
             raise ValueError(f"the zygote runs 'python -m module ...' command lines, not {argv}")
-        if self._proc is None or self._proc.poll() is not None:
-            self._start()
+        if self._attach is None and (self._proc is None or self._proc.poll() is not None):
+            self.start()
+        self._wait_ready()
         conn = socket.socket(socket.AF_UNIX)
         conn.connect(self.path)
         conn.sendall(json.dumps({"module": argv[2], "argv": argv[3:], "env": env,
@@ -190,7 +216,8 @@ class Zygote:
         return child
 
     def close(self) -> None:
-        """Stop the zygote (its children get SIGTERM) and remove its folder. Idempotent."""
+        """Stop the zygote (its children get SIGTERM) and remove its folder; an attached one
+        is left to its owner. Idempotent."""
         if self._control is not None:
             self._control.close()
             self._control = None
