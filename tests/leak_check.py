@@ -83,6 +83,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     else:
         os.environ["TMPDIR"] = _state["old_tmpdir"]
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.line("")  # (after pytest's progress dots, which end no line)
     if leaks:
         if reporter is not None:
             reporter.write_sep("=", "leak check: the run left these behind (now removed)",
