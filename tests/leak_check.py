@@ -11,8 +11,8 @@ xdist controller, or pytest itself without ``-n``):
   listed;
 * at the end, after xdist's workers are down: processes still carrying the token (waited for
   up to :data:`GRACE_S` seconds, then killed), anything in the run's temp folder but
-  :data:`OWN_ENTRIES`, and ``/dev/shm`` entries made during the run that no
-  process outside the run holds open or mapped are each named, removed, and fail the run
+  :data:`OWN_ENTRIES`, and our ``/dev/shm`` entries (:data:`SHM_PREFIX`) made during the run
+  that no process outside the run holds open or mapped are each named, removed, and fail the run
   (exit status 1). The run's temp folder is then removed.
 
 ``SLOTSYNC_LEAK_CHECK=0`` turns the check off (e.g. when stopping a run by hand).
@@ -34,6 +34,7 @@ RUN_ENV = "SLOTSYNC_TEST_RUN"
 GRACE_S = float(os.environ.get("SLOTSYNC_LEAK_GRACE_S", "20"))
 """How long processes of the run may take to exit after the last test, seconds."""
 SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "slotsync-"  # what the run's processes name their /dev/shm segments
 BASETEMP = "pt"  # pytest's --basetemp, in the run's folder (unless given)
 OWN_ENTRIES = (BASETEMP, "pytest-of-", "torchinductor_")
 """Temp-folder entries that are not leaks: pytest's ``tmp_path`` folders and the compile
@@ -201,9 +202,14 @@ def _held_outside_run(names: set[str], token: str) -> set[str]:
 
 
 def _leaked_shm(before: set[str], token: str) -> list[str]:
-    """``/dev/shm`` entries made during the run and held by no process outside it, named,
-    then unlinked."""
-    new = _shm_names() - before
+    """Our ``/dev/shm`` entries (``slotsync-*``: the publishers' segments) made during the
+    run and held by no process outside it, named, then unlinked.
+
+    Only ours: other entries (multiprocessing's ``sem.mp-*`` semaphores, torch's segments)
+    cannot be told apart from another program's, whose live ones glibc maps under another
+    name (``sem.XXXXXX (deleted)``); removing them broke a test run beside this one (issue
+    24's fresh-user trial)."""
+    new = {n for n in _shm_names() - before if n.startswith(SHM_PREFIX)}
     if not new:
         return []
     new -= _held_outside_run(new, token)

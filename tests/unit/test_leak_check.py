@@ -20,6 +20,7 @@ import os, subprocess, tempfile
 def test_leaves_things_behind():
     open(os.path.join(tempfile.gettempdir(), "left-behind.txt"), "w").close()
     open("/dev/shm/{shm}", "w").close()
+    open("/dev/shm/{other}", "w").close()  # not ours: another program's, e.g. a semaphore
     subprocess.Popen(["sleep", "300"], start_new_session=True)
 '''
 
@@ -36,7 +37,17 @@ def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, source: str
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 def test_a_run_that_leaves_things_behind_fails_naming_each(pytester, monkeypatch):
     shm = f"slotsync-leak-check-test-{secrets.token_hex(4)}"
-    result = _run(pytester, monkeypatch, LEAKY.format(shm=shm))
+    other = f"sem.leak-check-test-{secrets.token_hex(4)}"
+    try:
+        result = _run(pytester, monkeypatch, LEAKY.format(shm=shm, other=other))
+        # another program's /dev/shm entry is neither named nor removed (the trial found a
+        # run unlinking the live semaphores of a run beside it)
+        assert other not in result.stdout.str()
+        assert os.path.exists(f"/dev/shm/{other}")
+    finally:
+        for name in (shm, other):
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")
     out = result.stdout.str()
     assert result.ret == 1, out
     assert "leak check: the run left these behind (now removed)" in out
