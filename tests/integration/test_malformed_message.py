@@ -9,6 +9,7 @@ import asyncio
 import msgspec
 import zmq
 from aiohttp import web
+from fake_http_engine import serve_engine
 from test_daemon_liveness import Rank
 
 from slotsync.daemon.config import Config
@@ -30,13 +31,7 @@ async def test_a_malformed_chunk_fails_the_update_at_once_naming_rank_kind_and_f
         await never.wait()
         return web.json_response({})
 
-    app = web.Application()
-    app.router.add_route("*", "/{route}", vllm)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await serve_engine(vllm)
     d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
     await d.start()
     ctx = zmq.Context()

@@ -416,6 +416,7 @@ async def test_inflight_record_is_written_beside_the_begin_calls_not_before_star
 
     import torch
     from aiohttp import web
+    from fake_http_engine import serve_engine
 
     from slotsync.daemon.service import Daemon
     from slotsync.protocol.publisher import Publisher
@@ -431,13 +432,7 @@ async def test_inflight_record_is_written_beside_the_begin_calls_not_before_star
             return web.json_response({"version": "0.32.0"})
         return web.json_response({"message": "ok"})
 
-    app = web.Application()
-    app.router.add_route("*", "/{route}", vllm)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await serve_engine(vllm)
 
     d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
     writes: list[tuple[list[str], float]] = []  # (states recorded, when written)

@@ -8,6 +8,7 @@ import asyncio
 
 import zmq
 from aiohttp import web
+from fake_http_engine import serve_engine
 from test_daemon_liveness import Rank
 
 from slotsync.daemon.config import Config
@@ -23,13 +24,7 @@ async def test_a_claim_larger_than_its_engine_is_refused_then_the_right_one_regi
         asked.append(request.path)
         return web.json_response({"world_size": 1})
 
-    app = web.Application()
-    app.router.add_route("GET", "/get_world_size", vllm)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await serve_engine(vllm, "GET", "/get_world_size")
     d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
     await d.start()
     ctx = zmq.Context()
