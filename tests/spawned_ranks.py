@@ -4,6 +4,7 @@ suite's warm pool is ``rank_pool.RankPool``."""
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import queue
 import time
@@ -16,10 +17,23 @@ from trainer_script import run_rank
 def rank_context() -> mp.context.BaseContext:
     """The context rank processes start from: a forkserver that has imported torch and
     ``trainer_script`` once, so that a rank starts in a fraction of a second instead of
-    importing torch (~1 s of CPU) anew (issue 24)."""
+    importing torch (~1 s of CPU) anew (issue 24).
+
+    Where vLLM is installed, the forkserver has imported vLLM's trainer side too (its weight
+    transfer factory and RL router, which the vLLM-backend and SkyRL test modules import): a
+    rank of those tests imported it anew, ~12 s of CPU each, a dozen ranks a run. (A module
+    that fails to import is skipped by the forkserver; the rank then imports it itself.)"""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "trainer_script", "slotsync.protocol.publisher"])
+    preload = ["torch", "trainer_script", "slotsync.protocol.publisher"]
+    if importlib.util.find_spec("vllm") is not None:
+        preload += VLLM_TRAINER_MODULES
+    ctx.set_forkserver_preload(preload)
     return ctx
+
+
+VLLM_TRAINER_MODULES = ["vllm.distributed.weight_transfer.factory",
+                        "vllm.entrypoints.rl.online.api_router", "slotsync.integrations.vllm"]
+"""vLLM's modules that the vLLM-backend and SkyRL tests' ranks import (``rank_context``)."""
 
 
 def run_ranks(daemon: Any, engine_url: str, packed: bool, scripts: list[dict],

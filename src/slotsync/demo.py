@@ -183,10 +183,12 @@ class _RankResults:
         self.open = []
 
 
-def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
+def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
     """Run the demo; returns the process exit status (0: every round verified).
 
     Progress: one line per round with chunks, bytes, seconds and the verification result.
+    ``rank_context``: the multiprocessing context the trainer ranks start from (default:
+    spawn; the tests pass a forkserver that has imported torch already).
     """
     import torch.multiprocessing as mp
 
@@ -248,7 +250,7 @@ def run_demo(cfg: DemoConfig, out=sys.stdout) -> int:
             + ", ".join(f"engine {e.url} for ranks [{r[0]}, {r[-1] + 1})"
                         for e, r in zip(engines, slots, strict=True))
             + f"; started in {time.perf_counter() - t0:.1f} s")
-        ctx = mp.get_context("spawn")
+        ctx = rank_context or mp.get_context("spawn")
         init_file = os.path.join(tmp, "gloo-init")
         urls = [e.url for e in engines]
         pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.ranks)]

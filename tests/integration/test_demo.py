@@ -14,18 +14,34 @@ from slotsync.demo import _verify, find_default_model  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+def _demo_here(args: list[str], capsys, monkeypatch) -> subprocess.CompletedProcess:
+    """``slotsync demo ARGS`` run in this process (the subprocess runs, the killed-demo and
+    the vLLM-code demo, keep the command line covered): its engine forks from the run's
+    zygote and its ranks from the warm forkserver, not from fresh interpreters (issue 24)."""
+    from spawned_ranks import rank_context
+
+    from slotsync import demo
+
+    run_demo, ctx = demo.run_demo, rank_context()
+    # (sys.stdout looked up at the call: capsys has replaced it by then)
+    monkeypatch.setattr(demo, "run_demo",
+                        lambda cfg: run_demo(cfg, out=sys.stdout, rank_context=ctx))
+    capsys.readouterr()
+    rc = demo.main_from_args(demo.build_parser().parse_args(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["slotsync", "demo", *args], rc, out.out, out.err)
+
+
 @pytest.mark.parametrize("mode", [["--unpacked"], ["--packed", "--staging-mb", "10"]],
                          ids=["unpacked", "packed-staging-below-the-largest-tensor"])
-def test_demo_runs_and_verifies(mode):
+def test_demo_runs_and_verifies(mode, capsys, monkeypatch):
     """The demo's rounds verify, unpacked and packed; with 10 MiB staging the model's 47 MB
     embedding goes as a chunk of its own (issue 17: before, the demo refused a staging below
     the largest tensor). (Issue 24: the packed run is that one; a run with the default
     staging was a third demo.)"""
     find_default_model()  # the package must be installed (README quickstart / .ci/run)
-    out = subprocess.run(
-        [sys.executable, "-m", "slotsync", "demo", "--ranks", "2", "--rounds", "2", *mode,
-         "--device", "cpu"], capture_output=True, text=True, timeout=300,
-    )
+    out = _demo_here(["--ranks", "2", "--rounds", "2", *mode, "--device", "cpu"], capsys,
+                     monkeypatch)
     _check_ok(out)
 
 
@@ -56,11 +72,9 @@ def test_demo_against_vllms_own_engine_code():
     assert "vLLM's trainer API" in out.stdout, out.stdout
 
 
-def test_demo_with_several_engine_slots():
-    out = subprocess.run(
-        [sys.executable, "-m", "slotsync", "demo", "--ranks", "2", "--gpus-per-engine", "1",
-         "--rounds", "1", "--device", "cpu"], capture_output=True, text=True, timeout=300,
-    )
+def test_demo_with_several_engine_slots(capsys, monkeypatch):
+    out = _demo_here(["--ranks", "2", "--gpus-per-engine", "1", "--rounds", "1", "--device",
+                      "cpu"], capsys, monkeypatch)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "2 engine slots of 1" in out.stdout
     assert "round 1/1 slot [0, 1)" in out.stdout and "round 1/1 slot [1, 2)" in out.stdout
@@ -105,11 +119,15 @@ def test_verify_reports_a_mismatching_worker():
     (["--ranks", "100000"], "at most 64"),
     (["--ranks", "4", "--gpus-per-engine", "3"], "must divide --ranks 4"),
 ])
-def test_bad_options_are_refused_before_anything_starts(args, text):
-    root = __import__("pathlib").Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "slotsync", "demo", *args], capture_output=True,
-                         text=True, cwd=root, timeout=60)
-    assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr
+def test_bad_options_are_refused_before_anything_starts(args, text, capsys, monkeypatch):
+    from slotsync import demo
+
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[2])
+    # (anything started would fail the test: run_demo is what starts it)
+    monkeypatch.setattr(demo, "run_demo", lambda *a, **k: pytest.fail("the demo started"))
+    assert demo.main_from_args(demo.build_parser().parse_args(args)) == 2
+    err = capsys.readouterr().err
+    assert text in err and "Traceback" not in err
 
 
 def test_lost_daemon_or_engine_is_one_line_not_a_traceback(monkeypatch, capsys):
