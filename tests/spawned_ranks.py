@@ -38,10 +38,13 @@ VLLM_TRAINER_MODULES = ["vllm.distributed.weight_transfer.factory",
 
 def run_ranks(daemon: Any, engine_url: str, packed: bool, scripts: list[dict],
               timeout_s: float = 90.0,
-              on_event: Callable[[dict], None] | None = None) -> dict[int, list[dict]]:
+              on_event: Callable[[dict], None] | None = None,
+              daemon_of: Callable[[int], Any] | None = None) -> dict[int, list[dict]]:
     """Run one process per script (rank = index, one engine slot ``(0, len(scripts))``) against
     ``daemon`` (a ``DaemonProcess``); returns ``{rank: [reports]}`` (trainer_script's dicts).
     ``on_event(report)`` is called for each report as it arrives (to act mid-round).
+    ``daemon_of(rank)``: each rank's own node's daemon (engines over several nodes), instead
+    of ``daemon`` for all.
 
     Raises:
         AssertionError: a rank did not report ``exit`` within ``timeout_s`` seconds.
@@ -49,8 +52,9 @@ def run_ranks(daemon: Any, engine_url: str, packed: bool, scripts: list[dict],
     ctx = rank_context()
     q = ctx.Queue()
     n = len(scripts)
-    procs = [ctx.Process(target=run_rank, args=(r, daemon.endpoint, (0, n), engine_url, packed,
-                                                scripts[r], q)) for r in range(n)]
+    procs = [ctx.Process(target=run_rank, args=(
+        r, (daemon_of(r) if daemon_of else daemon).endpoint, (0, n), engine_url, packed,
+        scripts[r], q)) for r in range(n)]
     for p in procs:
         p.start()
     events: dict[int, list] = {r: [] for r in range(n)}

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from slotsync import __version__
+from slotsync.daemon import spans
 from slotsync.daemon.coordinator import OMITTED_NAMES_POLICIES
+from slotsync.daemon.peer_wire import SpanPart
 from slotsync.protocol.wire import MAX_MESSAGE_BYTES_DEFAULT, check_engine_url, normalize_gpu_uuid
 
 SOCKET_NAME = "slotsyncd.sock"
@@ -62,6 +64,16 @@ class EngineEntry:
     slot_start: int
     slot_size: int
     gpu_uuids: tuple[str, ...] = ()
+    # An engine over several nodes (issue 25; ``spans.py``): the node whose daemon drives it,
+    # that daemon's peer_listen address as the other nodes reach it, and each node's ranks.
+    owner: str = ""
+    owner_address: str = ""
+    parts: tuple[SpanPart, ...] = ()
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the engine's workers lie on several nodes (``parts`` declared)."""
+        return bool(self.parts)
 
     @property
     def slot(self) -> tuple[int, int]:
@@ -91,6 +103,11 @@ class Config:
     allow_gids: str = ""  # peers allowed by group id (comma list); "" = the daemon's own gid
     log_level: str = "info"
     log_format: str = "text"  # "text" (key=value) or "json" (one object per line)
+    # engines over several nodes (issue 25, docs/multi-node.md)
+    node: str = ""  # this daemon's node name; "" = the hostname
+    peer_listen: str = ""  # tcp://HOST:PORT other nodes' daemons connect to ("" = none)
+    curve_secret_key: str = ""  # this daemon's CURVE key pair file (slotsync keys)
+    peer_public_keys: str = ""  # folder of the peers' public keys, <node>.key each
     engines: list[EngineEntry] = field(default_factory=list)  # TOML [[engines]] only
     config_file: str = ""  # where the options came from (for SIGHUP); set by load_config
     # option -> where its value came from ("--runtime-dir", "environment SLOTSYNC_...",
@@ -134,6 +151,10 @@ class Config:
         """The message refusing ``folder`` (of ``option``) for reason ``why``."""
         label = f"socket folder {folder!r}" if option == "socket" else f"{option} {folder!r}"
         return f"{label}: {why} ({holds}; {option} from {self.origin(option)})"
+
+    def node_name(self) -> str:
+        """This daemon's node name: ``node``, else the hostname."""
+        return self.node or socket.gethostname()
 
     def allowed_ids(self) -> tuple[set[int], set[int]]:
         """The peer allow-list ``(uids, gids)``; root (uid 0) is always allowed, since it can
@@ -197,6 +218,8 @@ class Config:
             raise ValueError(f"socket path {self.endpoint()[6:]!r} is longer than the 107 "
                              "bytes a Unix socket path may have")
         check_engine_table(self.engines)
+        spans.check_spanning(self.engines, self.node_name(), self.peer_listen,
+                             self.curve_secret_key, self.peer_public_keys)
         # The socket is bound at start, the in-flight record written before each engine's
         # start: a folder that cannot hold them would stop the daemon with a bare errno, or
         # pause every engine and then fail its update. Checked without creating anything.
@@ -213,7 +236,10 @@ class Config:
         d["state_dir"] = os.path.dirname(self.state_path())
         d["endpoint"] = self.endpoint()
         d["state_file"] = self.state_path()
-        d["engines"] = [{**vars(e), "gpu_uuids": list(e.gpu_uuids)} for e in self.engines]
+        d["node"] = self.node_name()
+        d["engines"] = [{**vars(e), "gpu_uuids": list(e.gpu_uuids),
+                         "parts": [{"node": p.node, "ranks": [p.start, p.end]} for p in e.parts]}
+                        for e in self.engines]
         return d
 
 
@@ -344,6 +370,14 @@ _HELP = {
     "own primary group)",
     "log_level": "debug, info, warning or error",
     "log_format": "text (key=value) or json (one object per line)",
+    "node": "this daemon's node name, as engines over several nodes name it in the engine "
+    "table (default: the hostname)",
+    "peer_listen": "tcp://HOST:PORT where the daemons of other nodes connect, on the node that "
+    "owns an engine over several nodes (default: none)",
+    "curve_secret_key": "this daemon's CURVE key pair file, made by `slotsync keys NODE` "
+    "(needed for engines over several nodes)",
+    "peer_public_keys": "folder of the public keys (<node>.key) of the daemons allowed on the "
+    "peer link (needed for engines over several nodes)",
 }
 
 
@@ -420,9 +454,11 @@ def _engine_table(path: Path, v: object) -> list[EngineEntry]:
     out = []
     for i, e in enumerate(v):
         if (not isinstance(e, dict) or not {"url", "slot_start", "slot_size"} <= set(e)
-                or not set(e) <= {"url", "slot_start", "slot_size", "gpu_uuids"}):
+                or not set(e) <= {"url", "slot_start", "slot_size", "gpu_uuids",
+                                  *spans.TOML_KEYS}):
             raise ConfigError(f"config file {path}: engines[{i}] must have url, slot_start, "
-                              f"slot_size and optionally gpu_uuids; got {e!r}")
+                              f"slot_size and optionally gpu_uuids, owner, owner_address and "
+                              f"nodes; got {e!r}")
         if not isinstance(e["url"], str) or not all(
             isinstance(e[k], int) and not isinstance(e[k], bool)
             for k in ("slot_start", "slot_size")
@@ -437,7 +473,12 @@ def _engine_table(path: Path, v: object) -> list[EngineEntry]:
             norm = tuple(normalize_gpu_uuid(u) for u in uuids)
         except ValueError as err:
             raise ConfigError(f"config file {path}: engines[{i}]: gpu_uuids: {err}") from None
-        out.append(EngineEntry(e["url"], e["slot_start"], e["slot_size"], norm))
+        try:
+            owner, address, parts = spans.parse_toml(e)
+        except ValueError as err:
+            raise ConfigError(f"config file {path}: engines[{i}]: {err}") from None
+        out.append(EngineEntry(e["url"], e["slot_start"], e["slot_size"], norm, owner, address,
+                               parts))
     return out
 
 

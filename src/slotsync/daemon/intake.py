@@ -68,8 +68,8 @@ class Intake:
         metrics: ``bad_messages`` counts refused peers and rejected frames.
         rejects: rate limit of warnings per peer (shared with the executor's registration
             refusals).
-        deliver: called with (socket identity, decoded message, peer pid or 0) for each valid
-            message.
+        deliver: called with (socket identity, decoded message, peer pid or 0, the frame as
+            received) for each valid message.
         gone: called with (socket identities, why) when connections or their process ended.
         spawn: runs a coroutine as a task the daemon cancels at its close.
         refused: called with (socket identity, ``wire.ProtocolError``) for each frame that
@@ -79,7 +79,7 @@ class Intake:
     """
 
     def __init__(self, config: Config, metrics: Metrics, rejects: RateLimiter,
-                 deliver: Callable[[bytes, ToDaemon, int], Awaitable[None]],
+                 deliver: Callable[[bytes, ToDaemon, int, bytes], Awaitable[None]],
                  gone: Callable[[list[bytes], str], Awaitable[None]],
                  spawn: Callable[[Coroutine[Any, Any, None]], None],
                  refused: Callable[[bytes, ProtocolError], Awaitable[None]]) -> None:
@@ -153,6 +153,14 @@ class Intake:
         except zmq.ZMQError as e:  # peer gone: nothing to tell it
             log.debug("cannot reply to %s: %s", identity.hex(), e)
 
+    async def send_frame(self, identity: bytes, frame: bytes) -> None:
+        """Send an encoded ``wire.FromDaemon`` frame (relayed from an owner) to ``identity``."""
+        assert self._sock is not None
+        try:
+            await self._sock.send_multipart([identity, frame])
+        except zmq.ZMQError as e:  # peer gone: nothing to tell it
+            log.debug("cannot reply to %s: %s", identity.hex(), e)
+
     def log_suppressed(self, now: float) -> None:
         """Log the count of rejected-message warnings held back per peer whose interval ended
         (``now``: monotonic seconds)."""
@@ -200,13 +208,14 @@ class Intake:
                 Error("decode", f"expected 1 frame, got {len(frames) - 1}", fatal=False),
             )
             return
+        data = last.bytes
         try:
-            msg = decode_to_daemon(last.bytes, self.config.max_message_bytes, self._chunk_meta)
+            msg = decode_to_daemon(data, self.config.max_message_bytes, self._chunk_meta)
         except ProtocolError as e:
             self._reject(peer, str(e))
             await self._refused(identity, e)  # (answered by the core: it knows the rank)
             return
-        await self._deliver(identity, msg, pid)
+        await self._deliver(identity, msg, pid, data)
 
     def _reject(self, peer: str, error: str) -> None:
         """A frame that is not a valid message: counted, answered, and logged at most a few

@@ -192,6 +192,12 @@ class Metrics:
                     if s is SlotState.FAILED else 0)
             )
 
+    def watch_peers(self, peers) -> None:
+        """Derive the peer-link series (engines over several nodes) from ``peers``
+        (``peer_io.PeerLinks``) at every scrape, labelled by the peer's ``node`` (a fixed set:
+        the nodes of the engine table); nothing is exported for a daemon without links."""
+        self.registry.register(_PeerLinkCollector(peers))
+
     def update_ended(self, e: UpdateEnded) -> None:
         """Record one ``UpdateEnded`` action (outcome, duration, chunks, bytes)."""
         outcome = e.outcome if e.outcome in OUTCOMES else "failed"  # keep the label set fixed
@@ -214,3 +220,41 @@ def _oldest_update_age(table: SlotTable, now: float) -> float:
     """Seconds since the first begin of the oldest update in flight (monotonic clock), or 0."""
     started = [c.current.started_at for c in table.slots.values() if c.current is not None]
     return max(0.0, now - min(started)) if started else 0.0
+
+
+class _PeerLinkCollector:
+    """``slotsync_peer_link_*``: one series per peer link, read from the link states."""
+
+    def __init__(self, peers) -> None:
+        self.peers = peers
+
+    def describe(self):
+        return []  # (the families depend on the engine table; read at collect)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        links = self.peers.links()
+        if not links:
+            return
+        now = time.monotonic()
+        up = GaugeMetricFamily("slotsync_peer_link_up", "Peer link to another node's daemon "
+                               "up (1) or not (0)", labels=["node", "role"])
+        heard = GaugeMetricFamily("slotsync_peer_link_last_heard_seconds", "Seconds since "
+                                  "the peer's daemon was last heard", labels=["node"])
+        rtt = GaugeMetricFamily("slotsync_peer_link_rtt_seconds", "Last round-trip time of "
+                                "a ping on the peer link", labels=["node"])
+        msgs = CounterMetricFamily("slotsync_peer_link_messages", "Messages on the peer link",
+                                   labels=["node", "direction"])
+        downs = CounterMetricFamily("slotsync_peer_link_downs", "Times the peer link went "
+                                    "down", labels=["node"])
+        for link in links:
+            up.add_metric([link.node, link.role], 1.0 if link.up else 0.0)
+            if link.last_heard is not None:
+                heard.add_metric([link.node], now - link.last_heard)
+            if link.rtt_s is not None:
+                rtt.add_metric([link.node], link.rtt_s)
+            msgs.add_metric([link.node, "in"], link.messages_in)
+            msgs.add_metric([link.node, "out"], link.messages_out)
+            downs.add_metric([link.node], link.downs)
+        yield from (up, heard, rtt, msgs, downs)

@@ -8,6 +8,9 @@ daemon's lifecycle.
   its client pool, the durable record, update-end logs); the socket folder and socket file are
   ``runtime_dir.py``'s.
 * Status server: ``/healthz``, ``/status``, ``/metrics`` (``status_documents.py``).
+* Peer links (engines over several nodes, ``peer_io.PeerLinks``): a relaying node's ranks'
+  frames go to the owner's daemon instead of the table; an owner's table gets the relayed
+  ranks' frames and connections gone, and its replies to them go back over the link.
 * Lifecycle, as uvicorn's ``Server`` (uvicorn/server.py: ``startup``, ``main_loop``,
   ``shutdown``): ``serve`` runs ``start``, ``main_loop`` and ``shutdown``. The signal handlers
   only set flags (``should_exit``, ``force_exit``, ``reload_requested``) and wake the main
@@ -25,8 +28,10 @@ import signal
 import time
 from pathlib import Path
 
+import zmq
+
 from slotsync import __version__
-from slotsync.daemon import runtime_dir
+from slotsync.daemon import runtime_dir, spans
 from slotsync.daemon.config import Config, ConfigError, read_config_file
 from slotsync.daemon.coordinator import (
     Action,
@@ -37,19 +42,30 @@ from slotsync.daemon.intake import Intake
 from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.metrics import Metrics
 from slotsync.daemon.mid_update_record import MidUpdateEngine, MidUpdateRecord
+from slotsync.daemon.peer_io import PeerLinks
+from slotsync.daemon.peer_keys import PeerKeyError, load_keys
 from slotsync.daemon.runtime_dir import DaemonAlreadyRunning as DaemonAlreadyRunning
 from slotsync.daemon.slot_table import SlotTable
 from slotsync.daemon.status_documents import daemon_status, status_line
 from slotsync.daemon.status_server import StatusServer
 from slotsync.daemon.systemd import Notifier
-from slotsync.protocol.wire import FromDaemon, ProtocolError, ToDaemon
+from slotsync.protocol.wire import (
+    ChunkMetaCache,
+    FromDaemon,
+    ProtocolError,
+    ToDaemon,
+    decode_to_daemon,
+)
 
 log = logging.getLogger("slotsync.daemon")
 _EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def _engine_table(engines) -> tuple[dict, dict]:
-    """``config.engines`` as ``SlotTable.set_engine_table`` takes it: URLs and GPU UUIDs."""
+def _engine_table(engines, roles: spans.Roles | None = None) -> tuple[dict, dict]:
+    """``config.engines`` as ``SlotTable.set_engine_table`` takes it: URLs and GPU UUIDs,
+    without the engines another node drives (``roles.relayed``)."""
+    if roles is not None:
+        engines = [e for e in engines if e.slot not in roles.relayed]
     return ({e.slot: e.url for e in engines},
             {e.slot: tuple(e.gpu_uuids) for e in engines if e.gpu_uuids})
 
@@ -89,14 +105,21 @@ class Daemon:
         self._status: StatusServer | None = None
         self._loops: list[asyncio.Task] = []
         self.notifier = Notifier()
+        self.roles = spans.roles(config.engines, config.node_name())
         if config.engines:
-            self.table.set_engine_table(*_engine_table(config.engines))
+            self.table.set_engine_table(*_engine_table(config.engines, self.roles))
         self.record = MidUpdateRecord(config.state_path())
         self.executor = ActionExecutor(self.table, self.record, self.metrics, self._send,
                                        self._rejects, config.engine_timeout_s,
                                        self._after_actions, time.monotonic)
         self.intake = Intake(config, self.metrics, self._rejects, self._deliver,
                              self._connections_gone, self.executor.spawn, self._refused)
+        self.peers = PeerLinks(config.node_name(), self.roles, None, config.peer_listen,
+                               config.liveness_s, __version__, self._relayed_frame,
+                               self._relayed_gone, self._send_raw, self._after_actions,
+                               self.metrics)
+        self.metrics.watch_peers(self.peers)
+        self._relayed_meta = ChunkMetaCache()
         self.restored: list[MidUpdateEngine] = []
         # Set by the signal handlers only (uvicorn's Server.handle_exit); the main loop and
         # the shutdown act on them. exit_signals: the names of the stop signals received.
@@ -194,6 +217,23 @@ class Daemon:
                       engine=d.engine_url, update_id=d.update_id, version=d.weight_version,
                       state=d.state)
         self.intake.bind()
+        if self.peers.active:
+            try:
+                self.peers.keys = load_keys(self.config.curve_secret_key,
+                                            self.config.peer_public_keys)
+                missing = [o for o in sorted(self.roles.owners())
+                           if self.peers.keys.key_of(o) is None]
+                if missing:
+                    raise PeerKeyError(f"peer_public_keys {self.config.peer_public_keys!r} has "
+                                       f"no key of owner node(s) {', '.join(missing)} "
+                                       f"({missing[0]}.key)")
+                await self.peers.start()
+            except (PeerKeyError, OSError) as e:
+                await self.stop("peer link failed")
+                raise OSError(str(e)) from None
+            except zmq.ZMQError as e:
+                await self.stop("peer link failed")
+                raise OSError(f"cannot listen for peers: {e}") from None
         if self.config.status_port >= 0:
             self._status = StatusServer(
                 self.config.status_host, self.config.status_port, self.status, self.metrics,
@@ -299,6 +339,7 @@ class Daemon:
             return
         await self.executor.execute(self.table.shutdown(time.monotonic(), reason))
         await self.executor.close(*self._loops)
+        await self.peers.close()
         self.notifier.close()
         if self._status is not None:
             await self._status.stop()
@@ -306,15 +347,56 @@ class Daemon:
         self._stopped.set()
 
     def status(self) -> dict:
-        """The ``/status`` document (``status_documents.daemon_status``)."""
-        return daemon_status(self.table, __version__, self.endpoint, self.started_at,
-                             time.monotonic())
+        """The ``/status`` document (``status_documents.daemon_status``), with ``peers``
+        where this daemon has peer links."""
+        now = time.monotonic()
+        doc = daemon_status(self.table, __version__, self.endpoint, self.started_at, now)
+        if self.peers.active:
+            doc["peers"] = self.peers.status(now)
+            for s in doc["slots"]:  # (where each slot is driven)
+                owner = self.roles.owned.get(tuple(s["slot"]))
+                s["driven_by"] = self.roles.node
+                for r in s["ranks"]:
+                    r["node"] = r["node"] or self.roles.node
+                if owner is not None:
+                    s["nodes"] = [{"node": p.node, "ranks": [p.start, p.end]}
+                                  for p in owner.parts]
+            doc["relayed_slots"] = [
+                {"slot": list(slot), "driven_by": r.owner, "owner_address": r.owner_address,
+                 "engine_url": r.engine.url,
+                 "nodes": [{"node": p.node, "ranks": [p.start, p.end]} for p in r.engine.parts]}
+                for slot, r in sorted(self.roles.relayed.items())]
+        return doc
 
     # ------------------------------------------------------------------ adapters
 
-    async def _deliver(self, identity: bytes, msg: ToDaemon, pid: int) -> None:
-        """``Intake``: a valid message from ``identity`` (peer process ``pid``, 0 unknown)."""
+    async def _deliver(self, identity: bytes, msg: ToDaemon, pid: int, frame: bytes = b""
+                       ) -> None:
+        """``Intake``: a valid message from ``identity`` (peer process ``pid``, 0 unknown;
+        ``frame``: as received), unless it is for an engine another node drives."""
+        if await self.peers.rank_message(identity, msg, frame, pid):
+            return
         await self.executor.execute(self.table.on_message(identity, msg, time.monotonic(), pid))
+
+    async def _relayed_frame(self, identity: bytes, frame: bytes, pid: int) -> None:
+        """``PeerLinks`` (owner): a frame of a rank of another node, decoded and validated as
+        a local rank's."""
+        try:
+            msg = decode_to_daemon(frame, self.config.max_message_bytes, self._relayed_meta)
+        except ProtocolError as e:
+            self.metrics.bad_messages.inc()
+            await self._refused(identity, e)
+            return
+        await self.executor.execute(self.table.on_message(identity, msg, time.monotonic(), pid))
+
+    async def _relayed_gone(self, identities: list[bytes], why: str) -> None:
+        """``PeerLinks`` (owner): ranks of another node are gone."""
+        now = time.monotonic()
+        actions: list[Action] = []
+        for ident in identities:
+            actions += self.table.on_connection_gone(ident, now, why)
+        if actions:
+            await self.executor.execute(actions)
 
     async def _refused(self, identity: bytes, err: ProtocolError) -> None:
         """``Intake``: a frame from ``identity`` failed validation (``err``)."""
@@ -322,6 +404,7 @@ class Daemon:
 
     async def _connections_gone(self, identities: list[bytes], why: str) -> None:
         """``Intake``: the ranks on these socket identities are gone, for reason ``why``."""
+        identities = await self.peers.ranks_gone(identities, why)
         now = time.monotonic()
         actions: list[Action] = []
         for ident in identities:
@@ -340,11 +423,12 @@ class Daemon:
 
     async def _timer_loop(self) -> None:
         while True:
-            ds = [d for d in (self.table.next_deadline(), self._rejects.next_due())
-                  if d is not None]
+            ds = [d for d in (self.table.next_deadline(), self._rejects.next_due(),
+                              self.peers.next_deadline()) if d is not None]
             await self._wait_wake(max(0.0, min(ds) - time.monotonic()) if ds else None)
             now = time.monotonic()
             self.intake.log_suppressed(now)
+            await self.peers.poll(now)
             await self.executor.execute(self.table.poll(now))
 
     async def _watchdog_loop(self) -> None:
@@ -355,7 +439,13 @@ class Daemon:
             await asyncio.sleep(self.notifier.watchdog_s / 2)
 
     async def _send(self, identity: bytes, msg: FromDaemon) -> None:
-        await self.intake.send(identity, msg)
+        if self.peers.is_relayed(identity):
+            await self.peers.send_relayed(identity, msg)
+        else:
+            await self.intake.send(identity, msg)
+
+    async def _send_raw(self, identity: bytes, frame: bytes) -> None:
+        await self.intake.send_frame(identity, frame)
 
     def _after_actions(self) -> None:
         self.notifier.status(self.status_line())

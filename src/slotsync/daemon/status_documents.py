@@ -9,9 +9,16 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from slotsync.daemon.coordinator import SlotCoordinator, SlotState
+from slotsync.daemon.peer_wire import split_relayed
 
 if TYPE_CHECKING:
     from slotsync.daemon.slot_table import SlotTable
+
+
+def _node_of(identity: bytes) -> str:
+    """The node of a rank relayed from another node's daemon (issue 25), '' for this node's."""
+    where = split_relayed(identity)
+    return where[0] if where else ""
 
 
 def slot_status(c: SlotCoordinator, now: float | None = None) -> dict[str, Any]:
@@ -46,6 +53,7 @@ def slot_status(c: SlotCoordinator, now: float | None = None) -> dict[str, Any]:
         "ranks_expected": c.size,
         "ranks_registered": sorted(c.ranks),
         "ranks": [{"rank": i.rank, "pid": i.peer_pid or i.pid, "host": i.hostname,
+                   "node": _node_of(i.identity),
                    "alive": i.gone_at is None,
                    "last_seen_s": round(max(0.0, now - i.last_seen), 3),
                    "gone_s": None if i.gone_at is None else round(now - i.gone_at, 3),

@@ -1,0 +1,101 @@
+"""Engines over several nodes in the engine table (issue 25 A; ``daemon/spans.py``): parsing,
+the checks that name what is wrong, each daemon's role, and the difference two nodes'
+declarations make at connection."""
+
+from __future__ import annotations
+
+import pytest
+
+from slotsync.daemon import spans
+from slotsync.daemon.config import EngineEntry, read_config_file
+from slotsync.daemon.peer_keys import make_keys
+from slotsync.daemon.peer_wire import SpanPart
+
+URL = "http://10.0.0.1:8000"
+
+
+def _entry(**kw) -> EngineEntry:
+    base = dict(url=URL, slot_start=0, slot_size=8, owner="node0",
+                owner_address="tcp://10.0.0.1:9461",
+                parts=(SpanPart("node0", 0, 4), SpanPart("node1", 4, 8)))
+    base.update(kw)
+    return EngineEntry(**base)
+
+
+@pytest.fixture
+def keys(tmp_path):
+    make_keys("node0", tmp_path / "pub")
+    make_keys("node1", tmp_path / "pub")
+    return str(tmp_path / "pub" / "node0.key_secret"), str(tmp_path / "pub")
+
+
+def test_toml_engine_over_two_nodes_parses(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('node = "node1"\n[[engines]]\nurl = "http://10.0.0.1:8000"\nslot_start = 0\n'
+                 'slot_size = 8\nowner = "node0"\nowner_address = "tcp://10.0.0.1:9461"\n'
+                 'nodes = [{node = "node0", ranks = [0, 4]}, {node = "node1", ranks = [4, 8]}]\n')
+    cfg = read_config_file(f)
+    (e,) = cfg.engines
+    assert e.owner == "node0" and e.spans_nodes
+    assert e.parts == (SpanPart("node0", 0, 4), SpanPart("node1", 4, 8))
+    assert cfg.node == "node1"
+
+
+@pytest.mark.parametrize("entry,text", [
+    ({"nodes": [{"node": "a", "ranks": [0]}]}, "nodes[0] must be {node = NAME"),
+    ({"nodes": [{"node": "a", "ranks": [0, 4]}]}, "needs its owner"),
+    ({"owner": "a"}, "list its nodes too"),
+    ({"nodes": "a"}, "nodes must be an array"),
+])
+def test_toml_mistakes_are_named(entry, text):
+    with pytest.raises(ValueError, match=text.replace("[", r"\[").replace("{", r"\{")):
+        spans.parse_toml(entry)
+
+
+@pytest.mark.parametrize("kw,node,text", [
+    ({"parts": (SpanPart("node0", 0, 4), SpanPart("node1", 5, 8))}, "node0",
+     "must cover the slot"),
+    ({"parts": (SpanPart("node0", 0, 4), SpanPart("node1", 4, 7))}, "node0",
+     "end at 7, the slot at 8"),
+    ({"parts": (SpanPart("node0", 0, 4), SpanPart("node0", 4, 8))}, "node0", "listed twice"),
+    ({"owner": "node9"}, "node0", "owner 'node9' is not one of its nodes"),
+    ({}, "node7", "this daemon's node 'node7'"),
+    ({"owner_address": "http://x:1"}, "node1", "must be tcp://HOST:PORT"),
+])
+def test_engine_table_mistakes_are_named(kw, node, text, keys):
+    with pytest.raises(ValueError, match=text):
+        spans.check_spanning([_entry(**kw)], node, "tcp://127.0.0.1:9461", *keys)
+
+
+def test_owner_needs_a_listener_and_both_need_keys(keys):
+    with pytest.raises(ValueError, match="peer_listen is not set"):
+        spans.check_spanning([_entry()], "node0", "", *keys)
+    with pytest.raises(ValueError, match="curve_secret_key is not set"):
+        spans.check_spanning([_entry()], "node1", "", "", keys[1])
+    with pytest.raises(ValueError, match="peer_public_keys '/nope' is not a folder"):
+        spans.check_spanning([_entry()], "node1", "", keys[0], "/nope")
+    spans.check_spanning([_entry()], "node0", "tcp://127.0.0.1:9461", *keys)
+    spans.check_spanning([_entry()], "node1", "", *keys)
+
+
+def test_roles_of_owner_and_relaying_node():
+    table = [_entry(), EngineEntry("http://127.0.0.1:9000", 8, 4)]
+    owner = spans.roles(table, "node0")
+    assert set(owner.owned) == {(0, 8)} and not owner.relayed
+    assert owner.peers_of_owned() == {"node1"}
+    relaying = spans.roles(table, "node1")
+    assert set(relaying.relayed) == {(0, 8)} and not relaying.owned
+    assert relaying.owners() == {"node0": ("tcp://10.0.0.1:9461",
+                                           [spans.span_engine(_entry())])}
+
+
+def test_difference_names_what_differs():
+    mine = [spans.span_engine(_entry())]
+    assert spans.difference(mine, mine, "node0", "node1") == ""
+    other = [spans.span_engine(_entry(parts=(SpanPart("node0", 0, 2), SpanPart("node1", 2, 8))))]
+    text = spans.difference(mine, other, "node0", "node1")
+    assert "node node1 declares engine http://10.0.0.1:8000 as slot [0, 8) owned by node0 " \
+        "over node0 [0, 2), node1 [2, 8)" in text and "node node0, its owner, as" in text
+    assert "does not declare" in spans.difference(mine, [], "node0", "node1")
+    extra = [spans.span_engine(_entry(url="http://10.0.0.1:8001"))]
+    assert "has no such engine" in spans.difference([], extra, "node0", "node1")
