@@ -13,6 +13,8 @@ import sys
 import urllib.error
 import urllib.request
 
+from slotsync.status_peers import render_peers
+
 DEFAULT_URL = "http://127.0.0.1:9460"
 
 
@@ -114,7 +116,8 @@ def render_table(status: dict) -> str:
                f"{len(rows)} slot(s), {status.get('ranks_connected', 0)} rank(s) registered")
     out = [summary, *lines] if rows else [summary, "(no slots)"]
     ranks = render_ranks(status)
-    return "\n".join(out + (["", ranks] if ranks else []))
+    peers = render_peers(status)
+    return "\n".join(out + (["", ranks] if ranks else []) + (["", peers] if peers else []))
 
 
 def _ago(s: float | None, suffix: str = " ago") -> str:
@@ -138,15 +141,21 @@ def render_ranks(status: dict) -> str:
     how that was seen), its pid and host, and when its last message came (heartbeats, which
     keep a live rank's connection open, do not count); "" if none."""
     head = ["RANK", "SLOT", "PID", "HOST", "ALIVE", "LAST MESSAGE", "GONE"]
+    nodes = any(r.get("node") for s in status.get("slots", []) for r in s.get("ranks", []))
+    if nodes:  # (engines over several nodes: each rank's node)
+        head.insert(4, "NODE")
     rows = []
     for s in status.get("slots", []):
         for r in s.get("ranks", []):
             gone = "-"
             if not r.get("alive", True):
                 gone = f"{_ago(r.get('gone_s'))}: {r.get('gone_why') or '?'}"
-            rows.append([str(r["rank"]), f"[{s['slot'][0]},{s['slot'][1]})", str(r.get("pid")),
-                         r.get("host") or "-", "yes" if r.get("alive", True) else "gone",
-                         _ago(r.get("last_seen_s")), gone])
+            row = [str(r["rank"]), f"[{s['slot'][0]},{s['slot'][1]})", str(r.get("pid")),
+                   r.get("host") or "-", "yes" if r.get("alive", True) else "gone",
+                   _ago(r.get("last_seen_s")), gone]
+            if nodes:
+                row.insert(4, r.get("node") or "-")
+            rows.append(row)
     if not rows:
         return ""
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]

@@ -182,3 +182,15 @@ def test_link_messages_refuse_unknown_fields():
         assert "extra" in str(e)
     else:
         raise AssertionError("an unknown field was accepted")
+
+
+def test_relay_sends_a_relayed_ranks_malformed_frame_to_the_owner():
+    """A frame that fails validation on the relaying node still reaches the owner, whose
+    table knows the rank and fails its update at once naming it (issue 24 D, over nodes)."""
+    r = _relay()
+    r.on_connected("node0", 0.0)
+    r.on_message("node0", Welcome("node0"), 0.0)
+    r.on_rank_message(b"r4", _register(), b"reg", 11, 0.0)
+    (sent,) = r.on_bad_frame(b"r4", b"\x81junk", 11)
+    assert sent == SendPeer("node0", Relay(b"r4", 11, b"\x81junk"))
+    assert r.on_bad_frame(b"other", b"junk", 1) is None  # (not relayed: this node answers)

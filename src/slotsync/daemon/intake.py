@@ -72,8 +72,9 @@ class Intake:
             received) for each valid message.
         gone: called with (socket identities, why) when connections or their process ended.
         spawn: runs a coroutine as a task the daemon cancels at its close.
-        refused: called with (socket identity, ``wire.ProtocolError``) for each frame that
-            fails validation; the core answers it (a registered rank's update fails at once).
+        refused: called with (socket identity, ``wire.ProtocolError``, the frame, peer pid or
+            0) for each frame that fails validation; the core answers it (a registered rank's
+            update fails at once).
 
     ``bind`` then ``run`` (the receive loop, a task); ``send`` replies; ``close`` at the end.
     """
@@ -82,7 +83,8 @@ class Intake:
                  deliver: Callable[[bytes, ToDaemon, int, bytes], Awaitable[None]],
                  gone: Callable[[list[bytes], str], Awaitable[None]],
                  spawn: Callable[[Coroutine[Any, Any, None]], None],
-                 refused: Callable[[bytes, ProtocolError], Awaitable[None]]) -> None:
+                 refused: Callable[[bytes, ProtocolError, bytes, int], Awaitable[None]]
+                 ) -> None:
         self.config, self.metrics, self._rejects = config, metrics, rejects
         self._deliver, self._gone, self._spawn = deliver, gone, spawn
         self._refused = refused
@@ -213,7 +215,8 @@ class Intake:
             msg = decode_to_daemon(data, self.config.max_message_bytes, self._chunk_meta)
         except ProtocolError as e:
             self._reject(peer, str(e))
-            await self._refused(identity, e)  # (answered by the core: it knows the rank)
+            await self._refused(identity, e, data, pid)  # (answered by the core: it knows
+            # the rank; a rank relayed to another node's daemon, by that daemon)
             return
         await self._deliver(identity, msg, pid, data)
 

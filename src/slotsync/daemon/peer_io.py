@@ -217,6 +217,17 @@ class PeerLinks:
         await self._execute(actions)
         return True
 
+    async def bad_rank_frame(self, identity: bytes, frame: bytes, pid: int) -> bool:
+        """A local rank's frame failed validation: True when the rank is relayed (the owner
+        answers it)."""
+        if self.relay is None:
+            return False
+        actions = self.relay.on_bad_frame(identity, frame, pid)
+        if actions is None:
+            return False
+        await self._execute(actions)
+        return True
+
     async def ranks_gone(self, identities: list[bytes], why: str) -> list[bytes]:
         """Local ranks' connections ended: tells the owners of relayed ones; returns the
         others (for the slot table)."""

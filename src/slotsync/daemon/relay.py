@@ -122,6 +122,18 @@ class RelayLinks:
         owner.pending.append((identity, relay))  # (the link is coming up)
         return []
 
+    def on_bad_frame(self, identity: bytes, frame: bytes, pid: int) -> list[PeerAction] | None:
+        """A local rank's frame that failed validation here: a relayed rank's goes to the
+        owner all the same, whose table fails the update at once naming the rank and the field
+        (issue 24 D); None for a rank that is not relayed."""
+        rank = self._ranks.get(identity)
+        if rank is None:
+            return None
+        owner = self.owners[rank.owner]
+        if owner.link.up:
+            return [self._send(owner.link, Relay(identity, pid, frame))]
+        return self._refuse_rank(identity, rank, owner.link)
+
     def on_ranks_gone(self, identities: list[bytes], why: str
                       ) -> tuple[list[PeerAction], list[bytes]]:
         """Connections of local ranks ended: ``(actions for the relayed ones, the others)``,

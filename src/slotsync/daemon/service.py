@@ -53,6 +53,7 @@ from slotsync.protocol.wire import (
     ChunkMetaCache,
     FromDaemon,
     ProtocolError,
+    Registered,
     ToDaemon,
     decode_to_daemon,
 )
@@ -398,8 +399,12 @@ class Daemon:
         if actions:
             await self.executor.execute(actions)
 
-    async def _refused(self, identity: bytes, err: ProtocolError) -> None:
-        """``Intake``: a frame from ``identity`` failed validation (``err``)."""
+    async def _refused(self, identity: bytes, err: ProtocolError, frame: bytes = b"",
+                       pid: int = 0) -> None:
+        """``Intake``: a frame from ``identity`` failed validation (``err``); a relayed rank's
+        goes to the owner, whose table knows the rank."""
+        if frame and await self.peers.bad_rank_frame(identity, frame, pid):
+            return
         await self.executor.execute(self.table.on_bad_message(identity, err, time.monotonic()))
 
     async def _connections_gone(self, identities: list[bytes], why: str) -> None:
@@ -439,6 +444,8 @@ class Daemon:
             await asyncio.sleep(self.notifier.watchdog_s / 2)
 
     async def _send(self, identity: bytes, msg: FromDaemon) -> None:
+        if isinstance(msg, Registered) and self.peers.active:  # (issue 25: which node drives)
+            msg.node = self.roles.node
         if self.peers.is_relayed(identity):
             await self.peers.send_relayed(identity, msg)
         else:

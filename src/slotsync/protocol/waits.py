@@ -187,6 +187,10 @@ class DaemonWaits:
         except SlotsyncError as e:
             why = e.message
         uid = self.session.update_id
+        registered = self.session.registered
+        if registered is not None and registered.node:  # (issue 25: name who drives it)
+            why += (f"; the engine of slot [{self.slot_range[0]}, {self.slot_range[1]}) is "
+                    f"driven by the daemon of node {registered.node}")
         if uid is not None:
             self.end_update()
         self.session.forget_registration()  # (the next begin registers with whichever

@@ -558,6 +558,9 @@ class Registered(msgspec.Struct, tag="registered"):
     # daemon/begin_agreement.py SETTINGS): a publisher declares only these in its Begin, so
     # that a daemon older than it never sees a field it does not know
     begin_settings: list[str] = []
+    # the node whose daemon drives the slot's engine (issue 25: for an engine over several
+    # nodes, another node's than the rank's own; '' from an older daemon)
+    node: str = ""
 
 
 MAX_OMITTED_NAMES = 64

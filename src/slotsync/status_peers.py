@@ -1,0 +1,43 @@
+"""``slotsync status``'s part for engines over several nodes (issue 25 E): the peer links and
+the slots this node's ranks feed but another node's daemon drives. Pure functions of the
+``/status`` document's ``peers`` and ``relayed_slots`` (``daemon/service.py``)."""
+
+from __future__ import annotations
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in [head, *rows]]
+
+
+def render_peers(status: dict) -> str:
+    """The peer links (node, role, address, state, last heard, messages in/out, round-trip
+    time, engines) and the relayed slots (who drives them); "" for a daemon without links."""
+    peers = status.get("peers")
+    if not peers:
+        return ""
+    out = [f"node {peers.get('node')}" + (f", listening for peers on {peers['listen']}"
+                                          if peers.get("listen") else "")]
+    rows = []
+    for link in peers.get("links", []):
+        heard = link.get("last_heard_s_ago")
+        rtt = link.get("rtt_ms")
+        rows.append([
+            link["node"], link.get("role", "-"), link.get("address") or "-",
+            "up" if link.get("up") else link.get("state", "down"),
+            "-" if heard is None else f"{heard:.1f}s ago",
+            f"{link.get('messages_in', 0)}/{link.get('messages_out', 0)}",
+            "-" if rtt is None else f"{rtt:.2f} ms",
+            ", ".join(link.get("engines", [])) or "-",
+        ])
+    if rows:
+        out += _table(["PEER", "ROLE", "ADDRESS", "LINK", "LAST HEARD", "MSGS IN/OUT", "RTT",
+                       "ENGINES"], rows)
+    for r in status.get("relayed_slots", []):
+        nodes = ", ".join(f"{n['node']} [{n['ranks'][0]}, {n['ranks'][1]})"
+                          for n in r.get("nodes", []))
+        out.append(f"slot [{r['slot'][0]},{r['slot'][1]}) {r.get('engine_url')}: driven by node "
+                   f"{r['driven_by']} ({r.get('owner_address')}); nodes {nodes}; this node's "
+                   "ranks are relayed there")
+    return "\n".join(out)
