@@ -302,10 +302,16 @@ class Daemon:
             from slotsync.daemon.config import check_engine_table
 
             check_engine_table(fresh.engines)
+            fresh_roles = spans.roles(fresh.engines, self.roles.node)
+            if (fresh_roles.owned, fresh_roles.relayed) != (self.roles.owned,
+                                                            self.roles.relayed):
+                raise ValueError("engines over several nodes (owner, owner_address, nodes) "
+                                 "change only at a restart: the peer links are made at start; "
+                                 "the running table is kept")
         except (ConfigError, ValueError) as e:
             log_event(log, logging.ERROR, "reload_failed", error=str(e))
             return
-        changes = self.table.set_engine_table(*_engine_table(fresh.engines))
+        changes = self.table.set_engine_table(*_engine_table(fresh.engines, self.roles))
         self.config.engines = fresh.engines
         log_event(log, logging.INFO, "reload", changes=changes or ["none"])
         self._after_actions()
