@@ -194,3 +194,16 @@ def test_relay_sends_a_relayed_ranks_malformed_frame_to_the_owner():
     (sent,) = r.on_bad_frame(b"r4", b"\x81junk", 11)
     assert sent == SendPeer("node0", Relay(b"r4", 11, b"\x81junk"))
     assert r.on_bad_frame(b"other", b"junk", 1) is None  # (not relayed: this node answers)
+
+
+def test_relay_refused_key_tells_waiting_ranks_at_once_and_logs_once():
+    r = _relay()
+    r.on_rank_message(b"r4", _register(), b"reg", 11, 0.0)
+    actions = r.on_handshake_failed("node0", 0.5, "node node0's daemon does not accept this "
+                                    "node's key (is node1.key in its peer_public_keys?)")
+    (err,) = _of(ReplyRank, actions)
+    assert "does not accept this node's key" in err.msg.message
+    assert len([a for a in actions if type(a).__name__ == "LinkEvent"]) == 1
+    again = r.on_handshake_failed("node0", 1.0, "node node0's daemon does not accept this "
+                                  "node's key (is node1.key in its peer_public_keys?)")
+    assert again == []  # (libzmq retries; the log says it once)

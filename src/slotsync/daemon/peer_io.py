@@ -177,7 +177,8 @@ class PeerLinks:
                 sock.setsockopt(zmq.RECONNECT_IVL, 200)
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(200, int(self.liveness_s * 250)))
                 self._monitors[owner] = sock.get_monitor_socket(
-                    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+                    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
                 sock.connect(o.link.address)
                 self._dealers[owner] = sock
                 self._tasks.append(asyncio.create_task(self._connection(owner),
@@ -307,6 +308,14 @@ class PeerLinks:
                 now = time.monotonic()
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     await self._execute(self.relay.on_connected(owner, now))
+                elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    await self._execute(self.relay.on_handshake_failed(
+                        owner, now, f"node {owner}'s daemon does not accept this node's key "
+                        f"(is {self.node}.key in its peer_public_keys?)"))
+                elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                    await self._execute(self.relay.on_handshake_failed(
+                        owner, now, f"the CURVE handshake with node {owner} failed (does "
+                        f"{owner}.key here hold node {owner}'s public key?)"))
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
                     await self._execute(self.relay.on_disconnected(
                         owner, now, "its connection closed"))

@@ -173,6 +173,19 @@ class RelayLinks:
         o = self.owners[owner]
         return self._down(o, now, why) if o.link.up else []
 
+    def on_handshake_failed(self, owner: str, now: float, why: str) -> list[PeerAction]:
+        """The CURVE handshake with ``owner`` failed (``why``: e.g. the owner does not accept
+        this node's key): the link is refused until a handshake succeeds; waiting ranks are
+        told. Logged once per change of state."""
+        o = self.owners[owner]
+        out = self._down(o, now, "") if o.link.up else []
+        state = f"refused: {why}"
+        if o.link.state != state:
+            o.link.state, o.link.since = state, now
+            out.append(LinkEvent("error", "peer_handshake_failed", {"node": owner,
+                                                                    "reason": why}))
+        return out + self._flush_pending(o)
+
     def on_message(self, owner: str, msg: PeerMessage, now: float) -> list[PeerAction]:
         """A decoded message from ``owner``'s daemon."""
         o = self.owners[owner]
