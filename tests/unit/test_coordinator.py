@@ -74,8 +74,10 @@ from slotsync.protocol.wire import (
 
 URL = "http://engine:8000"
 PROBES = ["get_world_size", "weight_info", "is_sleeping"]  # every begin's first stage (I9)
-# the first begin asks the engine's vLLM version first (vllm_versions.py), later ones do not
-FIRST = ["version", *PROBES]
+# the engine's vLLM version and DP layout are asked together (vllm_versions.py, dp_layout.py):
+# first at the first begin, later ones do not
+ASKED = ["version", "server_info"]
+FIRST = [*ASKED, *PROBES]
 BEGIN_ROUTES = frozenset({*FIRST, "init_weight_transfer_engine", "pause", "finish_recover",
                           "start_weight_update"})
 
@@ -116,6 +118,8 @@ class ScriptedEngine:
     packed: bool | None = None  # set by init (None: a fresh process, never initialised)
     bodies: list = field(default_factory=list)
     vllm_version: str = "0.32.0"  # GET /version
+    # GET /server_info?config_format=json (None: what the client returns for a 404)
+    server_info: object = None
 
     def restart(self) -> None:
         """A new engine process at the same URL: its checkpoint's weights, no session, not
@@ -135,6 +139,8 @@ class ScriptedEngine:
         r = call.route
         if r == "version":  # vLLM's GET /version
             return True, {"version": self.vllm_version}, ""
+        if r == "server_info":
+            return True, self.server_info, ""
         if r == "get_world_size":
             return True, {"world_size": self.world_size}, ""
         if r == "weight_info":
@@ -248,12 +254,12 @@ def test_happy_round_order_and_acks():
     assert h.coord.state is SlotState.IDLE
     assert h.ended[-1].outcome == "success" and h.ended[-1].chunks == 2
     # init only once across rounds (init_info packed flag sent)
-    assert h.engine.bodies[4] == {"init_info": {"packed": True}}
+    assert h.engine.bodies[len(FIRST)] == {"init_info": {"packed": True}}
     h.round(1)
     assert h.engine.calls.count("init_weight_transfer_engine") == 1
     # each round probes the engine (world size, session, sleep: I9), then pauses it
     # (and asks the vLLM version no more: it is known)
-    assert h.engine.calls[11:16] == [*PROBES, "pause", "start_weight_update"]
+    assert h.engine.calls[12:17] == [*PROBES, "pause", "start_weight_update"]
     assert h.engine.calls.count("start_weight_update") == 2
     assert h.engine.calls.count("finish_weight_update") == 2
 
@@ -438,11 +444,11 @@ def test_failed_chunk_with_another_in_flight_fails_at_once_and_the_next_begin_wa
                                    h.now))
     # (the engine is initialised again, so the process about to be initialised is asked its
     # vLLM version first)
-    assert h.engine.calls[len(calls_before):] == [*PROBES, "version",
+    assert h.engine.calls[len(calls_before):] == [*PROBES, *ASKED,
                                                   "init_weight_transfer_engine"]
     for r in range(2):  # the pause waits for a first chunk
         h.send(r, chunk(1, 0, r))
-    assert h.engine.calls[len(calls_before) + 5:] == [
+    assert h.engine.calls[len(calls_before) + 6:] == [
         "pause", "finish_recover", "start_weight_update", "update_weights"]
     assert all(any(isinstance(m, Ack) and m.phase == "begin" and m.update_id == 1
                    for m in h.replies[r]) for r in range(2))
@@ -574,7 +580,7 @@ def test_engine_500_on_chunk_k_every_rank_gets_error_engine_not_resumed():
     h.engine.calls.clear()
     h.round(1, n_chunks=1)
     assert h.engine.calls == [
-        *PROBES, "version", "init_weight_transfer_engine", "pause", "finish_recover",
+        *PROBES, *ASKED, "init_weight_transfer_engine", "pause", "finish_recover",
         "start_weight_update", "update_weights", "finish_weight_update", "resume",
     ]
     assert h.coord.state is SlotState.IDLE and h.coord.last_version == "v1"
@@ -885,7 +891,7 @@ def test_unrecorded_session_on_engine_is_ended_and_start_retried_once():
     h.engine.active = True  # e.g. a daemon restarted without its state dir
     h.register_all()
     h.round(0, n_chunks=1)
-    assert h.engine.calls[:9] == [
+    assert h.engine.calls[:10] == [
         *FIRST, "init_weight_transfer_engine", "pause", "start_weight_update",
         "finish_recover", "start_weight_update",
     ]
@@ -1120,7 +1126,7 @@ def test_engine_restarted_between_rounds_is_initialised_again_and_needs_a_full_u
     assert isinstance(err, Error) and "needs a full update" in err.message
     assert "misses 1 of the 3" in err.message and "c;" in err.message
     # the new session's vLLM version is asked again (the cached one was the old process's)
-    assert h.engine.calls[:5] == [*PROBES, "version", "init_weight_transfer_engine"]
+    assert h.engine.calls[:6] == [*PROBES, *ASKED, "init_weight_transfer_engine"]
     assert [e.event for e in h.events] == ["engine_session_new"]
     assert "'default'" in h.events[0].fields["why"] and "'v0'" in h.events[0].fields["why"]
     _send_round(h, 2, [("a", "b"), ("c",)])
@@ -1161,7 +1167,7 @@ def test_connection_lost_since_the_last_round_counts_as_a_possible_restart():
     _send_round(h, 1, [("a",)])  # partial, but the engine is the same: fine
     assert h.coord.last_version == "v1" and h.last(0).omitted_names == ["b"]
     # (a restart suspected: the vLLM version is asked again, before the probe)
-    assert h.engine.calls[:5] == [*FIRST, "init_weight_transfer_engine"]
+    assert h.engine.calls[:6] == [*FIRST, "init_weight_transfer_engine"]
     h2 = Harness()
     h2.register_all()
     h2.engine.fail[("update_weights", 0)] = "HTTP 500: boom"
@@ -1379,6 +1385,8 @@ class MultiprocEngine:
         nth = sum(1 for c in self.calls if c == r) - 1
         if r == "version":  # vLLM's GET /version (API server)
             return True, {"version": "0.32.0"}, ""
+        if r == "server_info":  # (the client's None for a 404: no layout to read)
+            return True, None, ""
         if r == "get_world_size":
             return True, {"world_size": self.workers}, ""
         if r == "weight_info":
@@ -1430,7 +1438,7 @@ def test_failed_finish_recovers_starting_first_so_replies_stay_in_step():
     h.engine.fail.clear()
     h.round(1, n_chunks=1)
     assert h.coord.last_version == "v1" and h.engine.version == "v1"
-    assert h.engine.calls == [*PROBES, "version", "check_replies", "init_weight_transfer_engine",
+    assert h.engine.calls == [*PROBES, *ASKED, "check_replies", "init_weight_transfer_engine",
                               "pause",
                               "start_weight_update", "check_replies", "finish_recover",
                               "start_weight_update", "update_weights",
@@ -1455,7 +1463,7 @@ def test_replies_out_of_step_are_found_and_the_engine_must_be_restarted():
     err = next(m for m in h.replies[0] if isinstance(m, Error) and m.update_id == 2)
     assert "replies are out of step" in err.message and "Restart the engine" in err.message
     assert "gh-58242" in err.message
-    assert h.engine.calls == [*PROBES, "version", "check_replies"]  # nothing else reached it
+    assert h.engine.calls == [*PROBES, *ASKED, "check_replies"]  # nothing else reached it
     h.engine.calls.clear()
     h.round(3, n_chunks=1)
     assert h.engine.calls == PROBES and "out of step" in h.last(0).message

@@ -100,7 +100,7 @@ def test_draft_session_runs_after_the_main_finish_and_resume_waits_for_both():
     h = harness()
     draft_round(h, 0)
     assert h.engine.calls == [
-        "version", "get_world_size", "weight_info", "is_sleeping",
+        "version", "server_info", "get_world_size", "weight_info", "is_sleeping",
         "init_weight_transfer_engine",
         "draft_support", "pause", "start_weight_update", "update_weights", "update_weights",
         "finish_weight_update", "start_draft_weight_update", "update_weights",

@@ -53,6 +53,7 @@ def test_an_engine_never_reached_says_so_and_no_update_duration():
     h = Harness()
     h.register_all()
     h.engine.fail[("version", 0)] = f"version: cannot reach {URL}: Connection refused"
+    h.engine.fail[("server_info", 0)] = f"server_info: cannot reach {URL}: Connection refused"
     h.now = 5.0
     h.begin(0)
     st = h.coord.status(now=8.0)

@@ -203,7 +203,7 @@ def test_unsupported_version_fails_the_begin_before_the_pause(version: str) -> N
     err = _first_error(h)
     assert isinstance(err, Error) and err.phase == "begin", err
     assert version in err.message and "0.27-0.33" in err.message and URL in err.message
-    assert h.engine.calls == ["version"]  # nothing else reached the engine
+    assert h.engine.calls == ["version", "server_info"]  # (asked together) nothing else
     assert not h.engine.paused and h.coord.state.value == "idle"
     assert h.coord.status()["engine_vllm_version"] == version
     # refused: asked again at the next begin (an engine upgraded in place is taken)
@@ -220,18 +220,20 @@ def test_a_version_call_that_gives_no_version_is_refused_naming_what_came_back()
     h.round(0, n_chunks=1)
     err = _first_error(h)
     assert isinstance(err, Error) and "GET /version gave HTTP 404: Not Found" in err.message
-    assert h.engine.calls == ["version"] and not h.engine.paused
+    assert h.engine.calls == ["version", "server_info"] and not h.engine.paused
     assert h.coord.engine.vllm_version is None
 
 
 def test_a_version_call_without_an_answer_fails_like_any_unreachable_engine() -> None:
     h = Harness()
     h.engine.fail[("version", 0)] = "version: cannot reach http://engine:8000: refused"
+    h.engine.fail[("server_info", 0)] = "server_info: cannot reach http://engine:8000: refused"
     h.register_all()
     h.round(0, n_chunks=1)
     err = _first_error(h)
     assert isinstance(err, Error) and "vLLM version failed: " in err.message
-    assert "did not say" not in err.message and h.engine.calls == ["version"]
+    assert "did not say" not in err.message
+    assert h.engine.calls == ["version", "server_info"]
 
 
 def test_engine_restarted_with_another_version_is_asked_again_and_refused() -> None:
@@ -248,7 +250,8 @@ def test_engine_restarted_with_another_version_is_asked_again_and_refused() -> N
     h.round(2, n_chunks=1)
     err = _first_error(h)
     assert isinstance(err, Error) and "vLLM 0.25.0 at" in err.message
-    assert h.engine.calls == ["get_world_size", "weight_info", "is_sleeping", "version"]
+    assert h.engine.calls == ["get_world_size", "weight_info", "is_sleeping", "version",
+                              "server_info"]
     assert not h.engine.paused and h.coord.status()["engine_vllm_version"] == "0.25.0"
 
 

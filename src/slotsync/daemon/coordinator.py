@@ -29,13 +29,12 @@ One update (design.md "Flow of one round"); each begin stage runs when the one b
 returned and its condition holds (``update.BEGIN_STAGES``)::
 
     stage    engine calls (together)                      when
-    version  version (GET /version)                       the vLLM version is not known, is
-                                                          refused, or a restart is suspected
-                                                          (vllm_versions.py: refused here,
-                                                          before the pause)
+    version  version, server_info (GET /version,          the vLLM version is not known, or it
+             GET /server_info): vllm_versions.py,         or the DP layout is refused, or a
+             dp_layout.py (refused before the pause)      restart is suspected
     probe    get_world_size, weight_info, is_sleeping     every rank registered (each round:
                                                           world size, session, sleep, I9)
-    version_again  version                                the probe found a new session
+    version_again  version, server_info                   the probe found a new session
     init     init_weight_transfer_engine(packed)          the engine is not initialised: the
                                                           slot's first update, after a failure,
                                                           or the probe found a new session
@@ -100,6 +99,7 @@ import msgspec
 from slotsync.daemon import (
     begin_agreement,
     chunk_window,
+    dp_layout,
     malformed,
     probe,
     recovery,
@@ -433,6 +433,9 @@ class SlotCoordinator:
                 return self._version_refused(now, text if isinstance(text, str) else None,
                                              refusal)
             out += self._version_known(u, text)
+        elif route == "server_info":  # (a DP layout one endpoint cannot drive: dp_layout.py)
+            if dp_layout.check(self.engine, result, self.engine_url or "the engine"):
+                return self._fail(now, "begin", self.engine.dp_layout_refused, [])
         elif route == "get_world_size":
             ws = result.get("world_size") if isinstance(result, dict) else None
             if ws != self.size:

@@ -87,6 +87,10 @@ class EngineSession:
     ``GET /version`` gave (None: not asked yet, or no version came back), asked when the
     daemon first meets the engine and after a restart is suspected; ``version_refused`` why
     that version is refused ('' when supported), asked again at every begin while refused.
+    ``dp_layout_refused``: why its data-parallel layout is refused (``dp_layout.py``: one API
+    server of a hybrid or external load-balanced deployment; '' when not, or not known),
+    read from ``/server_info`` with the version and, like it, asked at every begin while
+    refused.
 
     Its reachability (issue 24: a dead engine was shown as paused): ``unreachable`` the last
     engine call's connection error while no call got an answer since ('' once one does),
@@ -113,6 +117,7 @@ class EngineSession:
     draft: DraftTarget = field(default_factory=DraftTarget)
     vllm_version: str | None = None
     version_refused: str = ""
+    dp_layout_refused: str = ""
     unreachable: str = ""
     unreachable_since: float | None = None
     last_answer_at: float | None = None
@@ -134,7 +139,7 @@ class EngineSession:
         self.initialized = self.mid_update = self.paused = self.asleep = False
         self.version, self.gpu_uuids, self.last_ok_names = None, None, frozenset()
         self.draft = DraftTarget()
-        self.vllm_version, self.version_refused = None, ""
+        self.vllm_version, self.version_refused, self.dp_layout_refused = None, "", ""
 
     def new_process(self) -> None:
         """The engine is a process this daemon did not initialise (restarted at its URL): no

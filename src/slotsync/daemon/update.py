@@ -76,12 +76,13 @@ class Stage:
 
 
 BEGIN_STAGES: tuple[Stage, ...] = (
-    # GET /version (vllm_versions.py): when the daemon first meets the engine, while its
-    # version is refused, or after a refused / reset connection (a restart suspected) ...
-    Stage("version", ("version",), False),
+    # GET /version (vllm_versions.py) and GET /server_info (dp_layout.py: the DP layout):
+    # when the daemon first meets the engine, while its version or layout is refused, or
+    # after a refused / reset connection (a restart suspected) ...
+    Stage("version", ("version", "server_info"), False),
     Stage("probe", ("get_world_size", "weight_info", "is_sleeping"), False),
     # ... and once more when the probe found a new engine session it had not asked
-    Stage("version_again", ("version",), False),
+    Stage("version_again", ("version", "server_info"), False),
     Stage("init", ("init_weight_transfer_engine",), False),
     # issue 18: a round with a draft part asks, while the engine still serves, whether its
     # workers can load a draft model (vLLM 0.32 Worker.supports_draft_weight_updates)
@@ -404,12 +405,13 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
 
     * a stage after the probe fails while the engine's replies are out of step (the probe
       found no new session, which would have cleared it);
-    * ``version`` (``GET /version``) runs when the engine's vLLM version is not known, is
-      refused, or a restart is suspected (``session_suspect``); ``version_again`` when the
-      probe found a new session and this begin had not asked (the cached version was the old
-      process's) or the engine is about to be initialised (not ``initialized``: maybe
-      another process than the one asked); the answer is checked before the pause
-      (``vllm_versions.check_supported``);
+    * ``version`` (``GET /version`` and ``GET /server_info``) runs when the engine's vLLM
+      version is not known, is refused, its data-parallel layout is refused, or a restart is
+      suspected (``session_suspect``); ``version_again`` when the probe found a new session
+      and this begin had not asked (the cached version was the old process's) or the engine
+      is about to be initialised (not ``initialized``: maybe another process than the one
+      asked); the answers are checked before the pause (``vllm_versions.check_supported``,
+      ``dp_layout.check``);
     * ``init`` is skipped for an initialised engine; ``recover`` unless the engine may be
       mid-update and must finish first (``recover_first``) or a start met a session;
     * the first executor stage after a worker's failure (``replies_suspect``) first checks
@@ -431,7 +433,7 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
             if u.version_asked or not (
                     (u.new_session or not engine.initialized) if st.name == "version_again"
                     else engine.vllm_version is None or engine.version_refused
-                    or engine.session_suspect):
+                    or engine.dp_layout_refused or engine.session_suspect):
                 u.stage += 1
                 continue
             u.version_asked = True

@@ -53,10 +53,17 @@ ROUTES: dict[str, tuple[str, str]] = {
     "check_replies": ("POST", "/collective_rpc"),
     # vLLM's GET /version (serve/instrumentator/basic.py): {"version": VLLM_VERSION}
     "version": ("GET", "/version"),
+    # vLLM's dev-mode GET /server_info (serve/dev/server_info/api_router.py), asked with the
+    # version: the server's VllmConfig as JSON, whose DP layout dp_layout.py reads
+    "server_info": ("GET", "/server_info?config_format=json"),
 }
 
 # Routes whose 2xx answer must be JSON: any other body is an EngineError naming it.
 JSON_ONLY = frozenset({"version"})
+
+# Routes an engine may not have: a 404 answers None ("no information", dp_layout.py), not an
+# EngineError (the reference engine, a server without the route).
+ABSENT_IS_NONE = frozenset({"server_info"})
 
 # Routes that only read the engine's state: a connection error on one is retried once.
 PROBES = frozenset(r for r, (method, _) in ROUTES.items() if method == "GET")
@@ -155,8 +162,9 @@ class VllmClient:
         strings (how ``MergedChunk.update_info`` carries ``ipc_handles_pickled``).
 
         Raises:
-            EngineError: non-2xx status (with vLLM's message), a timeout after ``timeout_s``,
-                or no connection (status 0; a probe only after one retry).
+            EngineError: non-2xx status (with vLLM's message; not a 404 of a route in
+                ``ABSENT_IS_NONE``, which returns None), a timeout after ``timeout_s``, or no
+                connection (status 0; a probe only after one retry).
         """
         method, path = ROUTES[route]
         data = None if body is None else msgspec.json.encode(body)
@@ -188,7 +196,9 @@ class VllmClient:
                     parsed = msgspec.json.decode(text) if text else None
                 except msgspec.DecodeError:
                     parsed = None
-                if resp.status >= 400:
+                if resp.status == 404 and route in ABSENT_IS_NONE:
+                    parsed = None
+                elif resp.status >= 400:
                     raise EngineError(route, resp.status, error_message(parsed, text))
                 if parsed is None and route in JSON_ONLY:
                     raise EngineError(route, resp.status, f"not JSON: {text[:200]!r}")
