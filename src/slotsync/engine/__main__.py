@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -41,6 +42,16 @@ from slotsync.protocol.wire import logical_gpu_uuid, normalize_gpu_uuid
 
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark mode: validate every update_info as usual (unpickle, lengths, GPU "
         "UUIDs) but map no memory and store nothing",
     )
+    p.add_argument("--parallel-config", type=_json_object, default=None,
+                   help="--impl vllm only: a JSON object of vLLM ParallelConfig fields set on "
+                   "this API server's vllm_config (what GET /server_info and /get_world_size "
+                   "report), as `vllm serve`'s data-parallel flags would set them on one node "
+                   "of a larger deployment, e.g. '{\"data_parallel_size\": 4, "
+                   "\"data_parallel_size_local\": 2, \"data_parallel_rank\": 2, "
+                   "\"data_parallel_hybrid_lb\": true}' (a hybrid-LB node whose server "
+                   "reaches DP ranks 2-3); --data-parallel-size stays the replicas this "
+                   "server runs")
     p.add_argument("--vllm-version", default=None,
                    help="reference engine only: the version GET /version reports (default "
                    "0.32.0, the vLLM it follows; any text, e.g. 0.25.0 or garbage, for "
@@ -203,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.discard or args.receive != "reference" or args.vllm_version is not None:
             parser.error("--discard, --receive and --vllm-version are reference-engine "
                          "options")
+    if args.parallel_config is not None and args.impl != "vllm":
+        parser.error("--parallel-config is a vLLM-code engine option (--impl vllm): the "
+                     "reference engine has no /server_info")
     for opt, path in [("--model", args.model), ("--draft-model", args.draft_model),
                       *(("--worker-models", m) for m in args.worker_models or ())]:
         if path is not None and not os.path.isfile(path):
@@ -272,6 +295,7 @@ def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
         try:
             _require(["vllm.entrypoints.rl.online.api_router",
                       "vllm.entrypoints.serve.dev.sleep.api_router",
+                      "vllm.entrypoints.serve.dev.server_info.api_router",
                       "vllm.entrypoints.serve.exception_handling.register",
                       "vllm.entrypoints.launchers.launcher",
                       "vllm.distributed.weight_transfer.ipc_engine",
@@ -307,7 +331,14 @@ def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
         raise failed[0]
     from slotsync.engine.vllm_server import VllmEngineClient, build_app, serve
 
-    client = VllmEngineClient(pool, replies=args.executor_replies)
+    try:
+        client = VllmEngineClient(pool, replies=args.executor_replies,
+                                  parallel_config=args.parallel_config)
+    except Exception as e:  # noqa: BLE001 - vLLM's own validation of the fields
+        pool.close()
+        print(f"[slotsync.engine] --parallel-config: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
+        raise SystemExit(2) from None
     for w in pool.workers:
         print(f"[slotsync.engine] worker {w.spec.index}: {w.device} gpu_uuid={w.gpu_uuid} "
               "(vLLM gpu_worker.Worker)", file=sys.stderr, flush=True)

@@ -75,6 +75,8 @@ class ReferenceEngine:
             worker's own experts and the shared weights).
         vllm_version: reference engine: what ``GET /version`` reports (``--vllm-version``);
             None: its default, ``server.EMULATED_VLLM_VERSION``.
+        parallel_config: ``impl="vllm"``: vLLM ``ParallelConfig`` fields of the server's
+            ``vllm_config`` (``--parallel-config``), e.g. a hybrid-LB node's; None: none.
 
     The engine starts in the constructor unless ``start=False``; :meth:`stop` (also run by
     the context manager) terminates it, then kills it after a grace period.
@@ -101,6 +103,7 @@ class ReferenceEngine:
         data_parallel_size: int = 1,
         worker_models: Sequence[str | os.PathLike[str]] | None = None,
         vllm_version: str | None = None,
+        parallel_config: dict[str, Any] | None = None,
     ) -> None:
         if impl not in ("reference", "vllm"):
             raise ValueError(f"impl must be 'reference' or 'vllm', not {impl!r}")
@@ -113,6 +116,7 @@ class ReferenceEngine:
         self.receive = receive
         self.executor_replies = executor_replies
         self.vllm_version = vllm_version
+        self.parallel_config = parallel_config
         self.device = device
         self.host = host
         self.port = port or free_port(host)
@@ -171,6 +175,8 @@ class ReferenceEngine:
             cmd += ["--discard"]
         if self.vllm_version is not None:
             cmd += ["--vllm-version", self.vllm_version]
+        if self.parallel_config is not None:
+            cmd += ["--parallel-config", json.dumps(self.parallel_config)]
         return cmd
 
     def log_tail(self, n_chars: int = 4000) -> str:

@@ -50,12 +50,20 @@ class VllmEngineClient:
     ``slotsync.engine.vllm_dp.DPExecutorStandIn`` (every call on every DP engine core, as
     ``DPLBAsyncMPClient``).
 
+    ``parallel_config`` (``--parallel-config``): more ``ParallelConfig`` fields, set by vLLM's
+    own constructor (and validation) over the two above, as ``vllm serve``'s data-parallel
+    flags set them on one node of a larger deployment (e.g. ``data_parallel_size`` = every DP
+    rank of it, ``data_parallel_hybrid_lb``): what vLLM's ``/get_world_size`` and
+    ``/server_info`` report; the executor still runs this server's own replicas.
+
     Args:
         pool: the worker processes (``slotsync.engine.vllm_worker``).
         replies: see :class:`ExecutorStandIn`.
+        parallel_config: ``ParallelConfig`` fields over the defaults above, or None.
     """
 
-    def __init__(self, pool: WorkerPool, replies: str = "vllm") -> None:
+    def __init__(self, pool: WorkerPool, replies: str = "vllm",
+                 parallel_config: dict[str, Any] | None = None) -> None:
         from vllm.config import ParallelConfig, VllmConfig
         from vllm.config.weight_transfer import WeightTransferConfig
 
@@ -67,9 +75,10 @@ class VllmEngineClient:
             self.executor: Any = DPExecutorStandIn(pool, replies)
         else:
             self.executor = ExecutorStandIn(pool, replies)
+        fields: dict[str, Any] = {"tensor_parallel_size": pool.world_size // dp,
+                                  "data_parallel_size": dp, **(parallel_config or {})}
         self.vllm_config = VllmConfig(
-            parallel_config=ParallelConfig(tensor_parallel_size=pool.world_size // dp,
-                                           data_parallel_size=dp),
+            parallel_config=ParallelConfig(**fields),
             weight_transfer_config=WeightTransferConfig(backend="ipc"),
         )
         self.faults = FaultTable()

@@ -6,7 +6,12 @@ transfer routes, ``/weight_info``, ``/weight_checker``, ``/get_world_size``) and
 (``vllm.entrypoints.serve.dev.sleep.api_router.router``: ``/sleep``, ``/wake_up``,
 ``/is_sleeping``) and dev-mode RPC router (``vllm.entrypoints.serve.dev.rpc.api_router``:
 ``POST /collective_rpc``) and basic router (``vllm.entrypoints.serve.instrumentator.basic``:
-``GET /version``, the installed vllm's own), with vLLM's exception handlers
+``GET /version``, the installed vllm's own) and dev-mode server-info router
+(``vllm.entrypoints.serve.dev.server_info.api_router``: ``GET /server_info``, the client's
+``vllm_config`` as ``app.state.vllm_config``, as ``vllm serve`` sets it; only its
+``system_env`` part, ``vllm.collect_env.get_env_info()`` -- pip, nvidia-smi and more, about 4 s
+per process on CPU -- is a stand-in that says so, since the daemon reads only
+``vllm_config``), with vLLM's exception handlers
 (``vllm.entrypoints.serve.exception_handling.register.init_exception_handler``), served by
 vLLM's own ``vllm.entrypoints.launchers.launcher.serve_http`` (uvicorn, ``NoSignalServer``,
 its SIGINT / SIGTERM handling and engine watchdog) with the arguments vLLM's
@@ -72,13 +77,21 @@ class _RouteFaults:
         await self.app(scope, receive, send)
 
 
+SYSTEM_ENV_STANDIN = {"slotsync_engine": "vllm.collect_env.get_env_info() not run (the "
+                      "vLLM-code engine's stand-in: seconds of pip and nvidia-smi per process, "
+                      "and slotsyncd reads only vllm_config)"}
+"""What this engine's ``/server_info`` answers as ``system_env``."""
+
+
 def build_app(client: VllmEngineClient, log_error_stack: bool = False) -> Any:
-    """The FastAPI app: vLLM's RL, sleep and dev-mode RPC (``POST /collective_rpc``) routers,
-    vLLM's exception handlers, the test-only ``/_slotsync/`` routes. ``app.state.args``
-    carries ``log_error_stack`` (read by vLLM's handlers)."""
+    """The FastAPI app: vLLM's RL, sleep, dev-mode RPC (``POST /collective_rpc``) and
+    server-info (``GET /server_info``) routers, vLLM's exception handlers, the test-only
+    ``/_slotsync/`` routes. ``app.state.args`` carries ``log_error_stack`` (read by vLLM's
+    handlers), ``app.state.vllm_config`` the client's (read by ``/server_info``)."""
     from fastapi import FastAPI
     from vllm.entrypoints.rl.online.api_router import router as rl_router
     from vllm.entrypoints.serve.dev.rpc.api_router import router as rpc_router
+    from vllm.entrypoints.serve.dev.server_info import api_router as server_info_api
     from vllm.entrypoints.serve.dev.sleep.api_router import router as sleep_router
     from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
     from vllm.entrypoints.serve.instrumentator.basic import router as basic_router
@@ -89,7 +102,11 @@ def build_app(client: VllmEngineClient, log_error_stack: bool = False) -> Any:
     app.include_router(rpc_router)
     # vLLM's own GET /version (and /load, /kv_event_sources): the installed vllm's version
     app.include_router(basic_router)
+    # vLLM's dev-mode GET /server_info (the daemon reads the DP layout: daemon/dp_layout.py)
+    server_info_api._get_system_env_info_cached = lambda: dict(SYSTEM_ENV_STANDIN)
+    app.include_router(server_info_api.router)
     app.state.engine_client = client
+    app.state.vllm_config = client.vllm_config
     app.state.args = argparse.Namespace(log_error_stack=log_error_stack)
     init_exception_handler(app)
     app.add_middleware(_RouteFaults, client=client)
