@@ -207,3 +207,23 @@ def test_relay_refused_key_tells_waiting_ranks_at_once_and_logs_once():
     again = r.on_handshake_failed("node0", 1.0, "node node0's daemon does not accept this "
                                   "node's key (is node1.key in its peer_public_keys?)")
     assert again == []  # (libzmq retries; the log says it once)
+
+
+def test_a_closed_relayed_rank_is_forgotten_by_the_owner_when_its_connection_ends():
+    """Publisher.close() sends Close, then its connection ends: the relay tells the owner
+    with Gone, so the owner's link does not keep the rank for good (found by a deploy trial:
+    relayed_ranks grew with every job)."""
+    from slotsync.protocol.wire import Close
+
+    r, o = _relay(), _owner()
+    r.on_connected("node0", 0.0)
+    r.on_message("node0", Welcome("node0"), 0.0)
+    o.on_message("node1", _hello(), 0.0)
+    for msg in (_register(), Close()):
+        (sent,) = r.on_rank_message(b"r4", msg, encode(msg), 11, 0.1)
+        o.on_message("node1", sent.msg, 0.1)
+    assert o.status(0.2)[0]["relayed_ranks"] == 1
+    actions, rest = r.on_ranks_gone([b"r4"], "its connection closed")
+    assert rest == [] and len(actions) == 1
+    o.on_message("node1", actions[0].msg, 0.3)
+    assert o.status(0.4)[0]["relayed_ranks"] == 0

@@ -50,7 +50,7 @@ from slotsync.daemon.peer_wire import (
     Welcome,
 )
 from slotsync.daemon.spans import Roles
-from slotsync.protocol.wire import Abort, Begin, Chunk, Close, Commit, Error, Register, ToDaemon
+from slotsync.protocol.wire import Abort, Begin, Chunk, Commit, Error, Register, ToDaemon
 
 _PHASE = {Register: "register", Begin: "begin", Chunk: "chunk", Commit: "commit",
           Abort: "abort"}
@@ -111,8 +111,8 @@ class RelayLinks:
             rank.update_id = msg.update_id
         owner = self.owners[rank.owner]
         relay = Relay(identity, pid, frame)
-        if isinstance(msg, Close):
-            self._ranks.pop(identity, None)
+        # (a Close is relayed and the rank kept: when its connection ends, Gone tells the
+        # owner to forget it; forgetting it here left it in the owner's link for good)
         if owner.link.up:
             return [self._send(owner.link, relay)]
         if owner.link.state.startswith(("refused", "down")):
