@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="control-plane (CPU) and data-plane (GPU) benchmarks")
     bench_cli.build_parser(b)
+    from slotsync import keys_cli
+
+    k = sub.add_parser("keys", help="make a node daemon's CURVE key pair (engines over "
+                       "several nodes)", description=keys_cli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    keys_cli.build_parser(k)
     return p
 
 
@@ -82,6 +88,10 @@ def _main(argv: list[str] | None) -> None:
         from slotsync import slots_cli
 
         sys.exit(slots_cli.main_from_args(args))
+    if args.command == "keys":
+        from slotsync import keys_cli
+
+        sys.exit(keys_cli.main_from_args(args))
     if args.command == "status":
         from slotsync import status_cli
 

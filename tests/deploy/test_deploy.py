@@ -267,15 +267,38 @@ def test_example_config_lists_every_option():
     assert not missing, f"deploy/slotsyncd.toml does not mention {missing}"
 
 
-def test_example_engine_table_parses_when_uncommented(tmp_path, monkeypatch):
+def _commented_block(text: str, first_line: str) -> tuple[int, int]:
+    """``(start, end)`` of the commented-out lines from ``first_line`` to the next line that
+    is not a comment (the end of the file or a blank line)."""
+    start = text.index(first_line)
+    end = text.find("\n\n", start)
+    return start, len(text) if end < 0 else end + 1
+
+
+def _uncomment(text: str, *blocks: tuple[int, int]) -> str:
+    """``text`` with the lines of ``blocks`` uncommented where they are ``# key = value`` or
+    ``# [[engines]]`` lines (prose comments stay comments)."""
+    out, at = [], 0
+    for start, end in sorted(blocks):
+        out.append(text[at:start])
+        out.append("\n".join(
+            ln.removeprefix("# ") if re.match(r"^# (\[\[engines\]\]$|\w+ = |  |\])", ln) else ln
+            for ln in text[start:end].split("\n")))
+        at = end
+    return "".join(out) + text[at:]
+
+
+def _clean_env(monkeypatch) -> None:
     for k in list(os.environ):
         if k.startswith("SLOTSYNC_"):
             monkeypatch.delenv(k)
+
+
+def test_example_engine_table_parses_when_uncommented(tmp_path, monkeypatch):
+    _clean_env(monkeypatch)
     text = (DEPLOY / "slotsyncd.toml").read_text()
-    start = text.index("# [[engines]]")
-    block = "\n".join(ln.removeprefix("# ") for ln in text[start:].splitlines())
     p = tmp_path / "with-engines.toml"
-    p.write_text(text[:start] + block + "\n")
+    p.write_text(_uncomment(text, _commented_block(text, "# [[engines]]")))
     cfg = _load(p)
     if not hasattr(cfg, "engines"):
         pytest.skip("this daemon has no engine table")
@@ -284,6 +307,68 @@ def test_example_engine_table_parses_when_uncommented(tmp_path, monkeypatch):
     uuids = getattr(cfg.engines[0], "gpu_uuids", None)
     if uuids is not None:  # normalised to torch's format (no GPU- prefix)
         assert len(uuids) == 8 and not any(u.startswith("GPU-") for u in uuids)
+
+
+def test_example_engine_over_two_nodes_parses_on_both_nodes_when_uncommented(tmp_path,
+                                                                             monkeypatch,
+                                                                             capsys):
+    """The example's engine over several nodes, with its four peer-link options uncommented
+    (key paths pointed at keys made by ``slotsync keys``' ``make_keys``): both nodes' daemons
+    accept it, node0 owns the engine and node1 relays to node0's peer_listen, and the two
+    declarations have no difference (the owner would refuse one that has)."""
+    from slotsync.daemon import spans
+    from slotsync.daemon.peer_keys import load_keys, make_keys
+
+    _clean_env(monkeypatch)
+    text = (DEPLOY / "slotsyncd.toml").read_text()
+    peer = _commented_block(text, '# node = "node0"')
+    engines = [m.start() for m in re.finditer(r"^# \[\[engines\]\]$", text, re.M)]
+    assert len(engines) == 2, "the example has a one-node and a multi-node engine table"
+    spanning = _commented_block(text[engines[1]:], "# [[engines]]")
+    spanning = (engines[1] + spanning[0], engines[1] + spanning[1])
+    keys = tmp_path / "keys"
+    for node in ("node0", "node1"):
+        make_keys(node, keys)
+    (keys / "public").mkdir()
+    for node in ("node0", "node1"):
+        (keys / f"{node}.key").rename(keys / "public" / f"{node}.key")
+    configured = _uncomment(text, peer, spanning).replace("/etc/slotsync/keys", str(keys))
+    cfgs = {}
+    for node in ("node0", "node1"):
+        mine = re.sub(r'^node = "node0"$', f'node = "{node}"', configured, flags=re.M).replace(
+            "node0.key_secret", f"{node}.key_secret")
+        if node != "node0":  # peer_listen is the owner's
+            mine = re.sub(r"^peer_listen = .*$", "", mine, flags=re.M)
+        p = tmp_path / f"{node}.toml"
+        p.write_text(mine)
+        cfgs[node] = _load(p)
+        assert cfgs[node].node_name() == node
+        load_keys(cfgs[node].curve_secret_key, cfgs[node].peer_public_keys)  # as at start
+    (e0,), (e1,) = cfgs["node0"].engines, cfgs["node1"].engines
+    assert e0 == e1
+    assert (e0.url, e0.slot_start, e0.slot_size) == ("http://127.0.0.1:8000", 0, 16)
+    assert e0.owner == "node0" and e0.owner_address == cfgs["node0"].peer_listen
+    assert [(p.node, p.start, p.end) for p in e0.parts] == [("node0", 0, 8), ("node1", 8, 16)]
+    assert cfgs["node1"].peer_listen == ""
+    owner = spans.roles(cfgs["node0"].engines, "node0")
+    relay = spans.roles(cfgs["node1"].engines, "node1")
+    assert set(owner.owned) == {(0, 16)} and not owner.relayed
+    assert owner.peers_of_owned() == {"node1"}
+    assert relay.owners() == {"node0": (e0.owner_address, [spans.span_engine(e1)])}
+    assert spans.difference(list(owner.owned.values()), [spans.span_engine(e1)], "node0",
+                            "node1") == ""
+    # Both examples are alternatives: each alone is a valid table, the two overlap.
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        _load_text(tmp_path, _uncomment(configured, _commented_block(configured,
+                                                                       "# [[engines]]")))
+    assert "overlaps slot [0, 8)" in capsys.readouterr().err
+
+
+def _load_text(tmp_path: Path, text: str):
+    p = tmp_path / "both.toml"
+    p.write_text(text)
+    return _load(p)
 
 
 # ---------------------------------------------------------------------------- sidecar, Ray
