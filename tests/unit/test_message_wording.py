@@ -13,8 +13,9 @@ from slotsync.protocol.waits import DaemonWaits
 from slotsync.protocol.wire import PROTOCOL_VERSION, Register, logical_gpu_uuid
 
 
-def _waits(update_id: int | None) -> DaemonWaits:
-    session = SimpleNamespace(update_id=update_id, forget_registration=lambda: None)
+def _waits(update_id: int | None, registered: object = None) -> DaemonWaits:
+    session = SimpleNamespace(update_id=update_id, forget_registration=lambda: None,
+                              registered=registered)
     link = SimpleNamespace(peer_pid=4321)
     return DaemonWaits(link, session, endpoint="ipc:///nonexistent/slotsync.sock",  # type: ignore[arg-type]
                        rank=0, slot_range=(0, 2), timeout_s=5.0, liveness_s=3.0,
@@ -29,6 +30,18 @@ def test_a_lost_daemon_names_the_update_once():
     # waiting for Registered, with an update open: the update is named after it
     err = _waits(67).daemon_gone("register", Awaited("register").describe())
     assert "while waiting for Registered of update 67:" in str(err), str(err)
+
+
+def test_a_lost_daemon_names_the_node_that_drives_the_engine_over_several_nodes():
+    """Issue 25: the owner's daemon gone, its own ranks are told which node drove the engine
+    (``Registered.node``, set by a daemon with peer links); one node: not said."""
+    from slotsync.protocol.wire import Registered
+
+    reg = Registered(0, 0, 2, 5, node="node0")
+    text = str(_waits(67, reg).daemon_gone("begin", Awaited("begin", 67).describe()))
+    assert "the engine of slot [0, 2) is driven by the daemon of node node0" in text, text
+    text = str(_waits(67, Registered(0, 0, 2, 5)).daemon_gone("begin", "Ack(begin)"))
+    assert "driven by" not in text
 
 
 def _info(rank: int, hostname: str, pid: int = 25574) -> RankInfo:
