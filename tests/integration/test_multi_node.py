@@ -34,8 +34,8 @@ from multi_node import (  # noqa: E402
     assert_ep_round_landed,
     assert_round_landed,
     engine_model,
-    impl_params,
     ep_experts_of,
+    impl_params,
     publish_rank_local,
 )
 from spawned_ranks import rounds, run_ranks  # noqa: E402
