@@ -38,7 +38,6 @@ from types import TracebackType
 from typing import Any
 
 import pytest
-
 from leak_check import namespaces_of, remove_namespace  # noqa: F401 - (re-exported)
 
 from slotsync.testing.processes import http_get, run_in_netns

@@ -20,7 +20,9 @@ is used, while the real nodes complete a round; a node whose engine table differ
 owner's is refused at connection, its ranks' registrations told the difference.
 
 Both engines (the reference engine and vLLM's own code), packed mode. One set of nodes and
-daemons for the module; a row that kills a daemon starts it again before it ends.
+daemons for the module; a row that kills a daemon starts it again before it ends. With
+``SLOTSYNC_RELIABILITY_OUT`` each row is written for docs/reliability.md, as the fault
+suite's (``tests/gen_reliability.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from multi_node import (  # noqa: E402
     node_of,
 )
 from rank_pool import RankPool, RankRun, job  # noqa: E402
-from state_readers import engine_stats, slot_status, wait_for  # noqa: E402
+from reliability_rows import Recorder, Row, describe_errors  # noqa: E402
+from state_readers import engine_stats, engine_summary, slot_status, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -85,6 +88,19 @@ def box(request: pytest.FixtureRequest, cluster: Cluster) -> Iterator[EngineBox]
                   model=model_file(engine_model()))
     yield b
     b.close()
+
+
+@pytest.fixture(scope="module")
+def rec() -> Iterator[Recorder]:
+    r = Recorder()
+    yield r
+    r.dump()
+
+
+def new_row(rec: Recorder, box: EngineBox, scenario: str, fault: str) -> Row:
+    row = rec.row(f"multi-node: {scenario}", "packed", fault)
+    row.engine = box.eng.impl
+    return row
 
 
 @pytest.fixture(scope="module")
@@ -163,23 +179,26 @@ def detect_s(run: RankRun, ranks: list[int], since: float, k: int = 1) -> float:
     return max(run.round_time(r, k) - since for r in ranks)
 
 
-def assert_failed_and_paused(cluster: Cluster, box: EngineBox) -> None:
+def assert_failed_and_paused(cluster: Cluster, box: EngineBox) -> str:
     """The owner marks the slot failed and needing a full update, and the engine is paused
-    (no torn weights served)."""
+    (no torn weights served). Returns the row's text."""
     assert wait_for(lambda: slot_status(cluster.daemon(0), SLOT)["state"] == "failed", 10), \
         slot_status(cluster.daemon(0), SLOT)
     s = slot_status(cluster.daemon(0), SLOT)
     assert s["needs_full_update"] is True, s
     assert engine_stats(box)["paused"] is True
+    return engine_summary(box) + "; owner's /status failed, needs_full_update"
 
 
-def recover(pool: RankPool, cluster: Cluster, box: EngineBox, k: int) -> None:
+def recover(pool: RankPool, cluster: Cluster, box: EngineBox, k: int) -> str:
     """The next round, by fresh processes for all 8 ranks, succeeds: a full update, every
     worker holding ``make_tensors(k)``. All ranks register before any begins (``start_at``:
     a registration during an update fails it). Where vLLM's executor replies are out of
     step after the failure (gh-58242; see test_faults.recover) the daemon refuses the round
-    asking for an engine restart: the engine is restarted and the round run again."""
+    asking for an engine restart: the engine is restarted and the round run again. Returns
+    the row's text."""
     cluster.wait_links_up()
+    restarted = ""
     for attempt in (1, 2):
         at = time.time() + 1.0
         run = start_round(pool, cluster, box.url, k,
@@ -189,6 +208,7 @@ def recover(pool: RankPool, cluster: Cluster, box: EngineBox, k: int) -> None:
         if attempt == 1 and any(e["status"] == "error" and "out of step" in e["message"]
                                 for e in results):
             box.start_again()
+            restarted = "replies out of step (vLLM gh-58242): engine restarted; "
             continue
         break
     for r in range(WORKERS):
@@ -197,6 +217,8 @@ def recover(pool: RankPool, cluster: Cluster, box: EngineBox, k: int) -> None:
     assert_round_landed(box, k)
     s = slot_status(cluster.daemon(0), SLOT)
     assert s["state"] == "idle" and not s["needs_full_update"], s
+    return (f"{restarted}{engine_summary(box)}; next round ok (full update), checksums "
+            f"match on {WORKERS} workers")
 
 
 def on_node(k: int) -> list[int]:
@@ -207,11 +229,13 @@ def on_node(k: int) -> list[int]:
 
 
 def test_rank_dying_on_the_relaying_node_fails_the_update_naming_rank_node_and_pid(
-        pool, nodes, box):
+        rec, pool, nodes, box):
     """Rank 5 (node1) is SIGKILLed before its chunk 1: node1's daemon sees its process exit
     and tells the owner; every other rank, on both nodes, is told at once (well within
     liveness_s) that rank 5, pid P, on node1 is gone."""
     victim = PER_NODE + 1
+    row = new_row(rec, box, "rank SIGKILL on the relaying node",
+                  f"rank {victim} (node1) killed before its chunk 1")
     run = start_round(pool, nodes, box.url, 1, stall(victim))
     (t_kill,) = fault_at_stall(run, victim, lambda: run.kill(victim))
     pid = run.pid(victim)
@@ -221,20 +245,29 @@ def test_rank_dying_on_the_relaying_node_fails_the_update_naming_rank_node_and_p
         assert e["phase"] == "rank_gone" and e["missing_ranks"] == [victim], (r, e)
         assert f"rank {victim} (pid {pid}" in e["message"], e["message"]
         assert f"on node {NODES[1]}" in e["message"], e["message"]
-    assert detect_s(run, others, t_kill) <= LIVE_S + SLACK_S, detect_s(run, others, t_kill)
-    assert_failed_and_paused(nodes, box)
-    recover(pool, nodes, box, 2)
+    row.detect_s = round(detect_s(run, others, t_kill), 2)
+    assert row.detect_s <= LIVE_S + SLACK_S, row.detect_s
+    row.rank_errors = describe_errors(run, 1, [0, PER_NODE])
+    row.engine_after_fault = assert_failed_and_paused(nodes, box)
+    row.engine_final = recover(pool, nodes, box, 2)
+    row.happened = (f"node1's daemon saw the process exit and told the owner; all 7 other "
+                    f"ranks (both nodes) told rank {victim}, its pid and node1")
+    row.outcome = "pass"
 
 
 @pytest.mark.parametrize("how", ["killed", "cut_off"])
 def test_relaying_daemon_killed_or_cut_off_fails_the_owners_update_naming_the_node(
-        pool, nodes, box, how):
+        rec, pool, nodes, box, how):
     """node1's daemon is SIGKILLed, or node1's link taken down, while rank 4 (node1) stalls
     before chunk 1: within liveness_s the owner fails the update, its ranks 0-3 told that
     node1's daemon is unreachable. node1's ranks are told too: killed, by their publisher
     (their daemon's connection closed); cut off, by node1's daemon, naming the owner node0.
     Repaired (daemon started again / link up), the next round is a full update."""
     stalled = PER_NODE
+    row = new_row(rec, box, {"killed": "relaying daemon SIGKILL",
+                             "cut_off": "relaying node cut off"}[how],
+                  {"killed": "node1's daemon killed", "cut_off": "node1's veth down"}[how]
+                  + f" while rank {stalled} (node1) stalls before chunk 1")
     run = start_round(pool, nodes, box.url, 1, stall(stalled))
     act = (lambda: nodes.kill(1)) if how == "killed" else (lambda: nodes.net.link_down(1))
     (t_fault,) = fault_at_stall(run, stalled, act)
@@ -243,7 +276,8 @@ def test_relaying_daemon_killed_or_cut_off_fails_the_owners_update_naming_the_no
         assert f"node {NODES[1]}'s daemon is unreachable" in e["message"], (r, e)
         # (the update fails at the first of node1's ranks that it still needs)
         assert e["missing_ranks"] and set(e["missing_ranks"]) <= set(on_node(1)), (r, e)
-    assert detect_s(run, owners, t_fault) <= LIVE_S + SLACK_S, detect_s(run, owners, t_fault)
+    row.detect_s = round(detect_s(run, owners, t_fault), 2)
+    assert row.detect_s <= LIVE_S + SLACK_S, row.detect_s
     relayed = told(run, on_node(1))
     waiting = [r for r in on_node(1) if r != stalled]
     if how == "cut_off":
@@ -254,16 +288,22 @@ def test_relaying_daemon_killed_or_cut_off_fails_the_owners_update_naming_the_no
     else:
         for r, e in relayed.items():
             assert "lost the connection to slotsyncd" in e["message"], (r, e)
-    assert_failed_and_paused(nodes, box)
+    row.rank_errors = describe_errors(run, 1, [0, PER_NODE + 1])
+    row.engine_after_fault = assert_failed_and_paused(nodes, box)
     if how == "killed":
         nodes.restart(1)
     else:
         nodes.net.link_up(1)
-    recover(pool, nodes, box, 2)
+    row.engine_final = recover(pool, nodes, box, 2)
+    row.happened = ("the owner found the link silent and failed the update naming node1; "
+                    + ("node1's ranks lost their daemon; daemon restarted"
+                       if how == "killed" else
+                       "node1's daemon told its ranks node0 is unreachable; link up again"))
+    row.outcome = "pass"
 
 
 @pytest.mark.parametrize("how", ["killed", "cut_off"])
-def test_owner_killed_or_cut_off_tells_every_rank_on_both_nodes(pool, nodes, box, how):
+def test_owner_killed_or_cut_off_tells_every_rank_on_both_nodes(rec, pool, nodes, box, how):
     """node0's daemon (the owner) is SIGKILLed, or node0's link taken down, while rank 4
     (node1) stalls before chunk 1. node1's other ranks are told by their own daemon, within
     liveness_s, that node0's daemon, which drives the engine, cannot be reached (the stalled
@@ -273,6 +313,11 @@ def test_owner_killed_or_cut_off_tells_every_rank_on_both_nodes(pool, nodes, box
     next round is a full update (a restarted owner finds the engine mid-update in its
     durable record)."""
     stalled = PER_NODE
+    row = new_row(rec, box, {"killed": "owner daemon SIGKILL",
+                             "cut_off": "owner node cut off"}[how],
+                  {"killed": "node0's daemon (the owner) killed",
+                   "cut_off": "node0's veth down"}[how]
+                  + f" while rank {stalled} (node1) stalls before chunk 1")
     run = start_round(pool, nodes, box.url, 1, stall(stalled))
     act = (lambda: nodes.kill(0)) if how == "killed" else (lambda: nodes.net.link_down(0))
     (t_fault,) = fault_at_stall(run, stalled, act)
@@ -281,21 +326,28 @@ def test_owner_killed_or_cut_off_tells_every_rank_on_both_nodes(pool, nodes, box
         assert f"node {NODES[0]}'s daemon, which drives this engine, cannot be reached at " \
             f"{nodes.owner_address}" in e["message"], (r, e)
     waiting = [r for r in relayed if r != stalled]
-    assert detect_s(run, waiting, t_fault) <= LIVE_S + SLACK_S, \
-        detect_s(run, waiting, t_fault)
+    row.detect_s = round(detect_s(run, waiting, t_fault), 2)
+    assert row.detect_s <= LIVE_S + SLACK_S, row.detect_s
     owners = told(run, on_node(0))
     if how == "killed":
         for r, e in owners.items():
             assert "lost the connection to slotsyncd" in e["message"], (r, e)
         assert detect_s(run, on_node(0), t_fault) <= SLACK_S
+        row.engine_after_fault = engine_summary(box) + "; owner gone"
         nodes.restart(0)
     else:
         for r, e in owners.items():
             assert f"node {NODES[1]}'s daemon is unreachable" in e["message"], (r, e)
         assert detect_s(run, on_node(0), t_fault) <= LIVE_S + SLACK_S
-        assert_failed_and_paused(nodes, box)
+        row.engine_after_fault = assert_failed_and_paused(nodes, box)
         nodes.net.link_up(0)
-    recover(pool, nodes, box, 2)
+    row.rank_errors = describe_errors(run, 1, [0, PER_NODE + 1])
+    row.engine_final = recover(pool, nodes, box, 2)
+    row.happened = ("node1's daemon told its ranks node0's daemon cannot be reached; "
+                    + ("node0's ranks lost their daemon; owner restarted (durable record)"
+                       if how == "killed" else
+                       "the owner failed the update (node1 unreachable from its side)"))
+    row.outcome = "pass"
 
 
 @REFERENCE_ONLY
@@ -304,15 +356,22 @@ def test_owner_killed_or_cut_off_tells_every_rank_on_both_nodes(pool, nodes, box
                    "goes on with their handles, while their own daemon has told them the update "
                    "failed and they released their staging memory")
 def test_a_cut_after_the_relayed_ranks_committed_still_fails_the_update_at_once(
-        pool, nodes, box):
+        rec, pool, nodes, box):
     """Rank 3 (node0) stalls before chunk 1; node1's ranks have sent every chunk and their
     commit (4 staging regions: they never wait) when node1 is cut off. node1's daemon tells
     them the update failed, and they free what they exported; the owner must fail the update
     too, within liveness_s, naming node1 -- not go on and have the engine map memory that
     is gone (on CPU a 500 from the engine; on a GPU, a region the trainer may reuse)."""
     stalled = PER_NODE - 1
+    row = new_row(rec, box, "cut after the relayed ranks committed",
+                  f"node1's veth down while rank {stalled} (node0) stalls before chunk 1, "
+                  "node1's ranks committed")
+    row.outcome = "xfail (bug)"
+    row.happened = ("the owner goes on with node1's committed ranks' handles, which they "
+                    "released when their daemon told them the update failed")
     run = start_round(pool, nodes, box.url, 1, stall(stalled))
     (t_fault,) = fault_at_stall(run, stalled, lambda: nodes.net.link_down(1))
+    row.rank_errors = describe_errors(run, 1, [0, PER_NODE])
     for r, e in told(run, on_node(1)).items():
         assert f"node {NODES[0]}'s daemon, which drives this engine, cannot be reached" \
             in e["message"], (r, e)
@@ -326,13 +385,15 @@ def test_a_cut_after_the_relayed_ranks_committed_still_fails_the_update_at_once(
 
 
 @REFERENCE_ONLY
-def test_a_stranger_key_is_refused_and_nothing_it_relays_is_used(pool, nodes, box,
+def test_a_stranger_key_is_refused_and_nothing_it_relays_is_used(rec, pool, nodes, box,
                                                                    tmp_path):
     """A daemon in a third namespace calls itself node1 but holds a key pair of its own (not
     node1's key in the owner's allow-list). The owner refuses the CURVE handshake and logs
     it (``peer_key_refused``, counted); the stranger's ranks 4-7 are told that node0's
     daemon cannot be reached. Meanwhile the real ranks 0-7 run a round: it succeeds, and the
     owner's slot holds exactly the real processes (nothing the stranger sent was used)."""
+    row = new_row(rec, box, "stranger's key", "a daemon calling itself node1 with a key "
+                  "pair not in the owner's allow-list; its ranks 4-7 register")
     keys = tmp_path / "stranger"
     secret = Cluster.make_node_keys(NODES[1], keys / "own", keys / "public")
     (keys / "public" / f"{NODES[0]}.key").write_bytes(
@@ -364,6 +425,13 @@ def test_a_stranger_key_is_refused_and_nothing_it_relays_is_used(pool, nodes, bo
         assert rejected and float(rejected.group(1)) >= 1, rejected
         link = nodes.link(0, NODES[1])
         assert link["up"] and link["relayed_ranks"] == PER_NODE, link
+        row.rank_errors = [f"stranger's rank {r}: register: {e['message'][:80]}"
+                           for r in (PER_NODE,) for e in strange.events[r]
+                           if e["event"] == "register_error"]
+        row.engine_final = engine_summary(box) + "; the real round beside it ok, checksums match"
+        row.happened = ("owner refused the CURVE handshake (peer_key_refused logged, counted); "
+                        "the owner's slot holds only the real ranks")
+        row.outcome = "pass"
     finally:
         stranger.stop()
 
@@ -377,11 +445,13 @@ def stranger_key(secret: Any) -> str:
 
 @REFERENCE_ONLY
 def test_a_node_declaring_another_engine_table_is_refused_naming_the_difference(
-        pool, nodes, box):
+        rec, pool, nodes, box):
     """node1's daemon restarted with an engine table that splits the ranks [0, 2) / [2, 8)
     where the owner's says [0, 4) / [4, 8): the owner refuses its Hello, logging the
     difference, and node1's ranks' registrations are refused with it. node1's right table
     restored, the next round is a full update."""
+    row = new_row(rec, box, "another engine table", "node1's daemon restarted with the ranks "
+                  "split [0, 2) / [2, 8) (the owner's: [0, 4) / [4, 8))")
     nodes.daemon(1).stop()
     wrong = [(NODES[0], 0, 2), (NODES[1], 2, WORKERS)]
     nodes.start(1, nodes.config_text(1, parts=wrong))
@@ -397,5 +467,9 @@ def test_a_node_declaring_another_engine_table_is_refused_naming_the_difference(
         assert want in e["message"], e
         assert f"{NODES[0]} [0, 4), {NODES[1]} [4, {WORKERS})" in e["message"], e
     assert "peer_refused" in nodes.daemon(0).log_tail(20000)
+    row.rank_errors = [f"rank {r}: register: {e['message'][:80]}" for r in (PER_NODE,)
+                       for e in run.events[r] if e["event"] == "register_error"]
     nodes.restart(1)
-    recover(pool, nodes, box, 2)
+    row.engine_final = recover(pool, nodes, box, 2)
+    row.happened = "Hello refused naming the difference; node1's ranks' registrations refused"
+    row.outcome = "pass"
