@@ -261,8 +261,9 @@ def test_relaying_daemon_killed_or_cut_off_fails_the_owners_update_naming_the_no
     """node1's daemon is SIGKILLed, or node1's link taken down, while rank 4 (node1) stalls
     before chunk 1: within liveness_s the owner fails the update, its ranks 0-3 told that
     node1's daemon is unreachable. node1's ranks are told too: killed, by their publisher
-    (their daemon's connection closed); cut off, by node1's daemon, naming the owner node0.
-    Repaired (daemon started again / link up), the next round is a full update."""
+    (their daemon's connection closed; it names node0 as the slot's driver); cut off, by
+    node1's daemon, naming the owner node0. Repaired (daemon started again / link up), the
+    next round is a full update."""
     stalled = PER_NODE
     row = new_row(rec, box, {"killed": "relaying daemon SIGKILL",
                              "cut_off": "relaying node cut off"}[how],
@@ -288,6 +289,7 @@ def test_relaying_daemon_killed_or_cut_off_fails_the_owners_update_naming_the_no
     else:
         for r, e in relayed.items():
             assert "lost the connection to slotsyncd" in e["message"], (r, e)
+            assert f"driven by the daemon of node {NODES[0]}" in e["message"], (r, e)
     row.rank_errors = describe_errors(run, 1, [0, PER_NODE + 1])
     row.engine_after_fault = assert_failed_and_paused(nodes, box)
     if how == "killed":
@@ -308,10 +310,10 @@ def test_owner_killed_or_cut_off_tells_every_rank_on_both_nodes(rec, pool, nodes
     (node1) stalls before chunk 1. node1's other ranks are told by their own daemon, within
     liveness_s, that node0's daemon, which drives the engine, cannot be reached (the stalled
     one too, once it goes on). node0's ranks: killed, their publisher tells them their
-    daemon is gone; cut off, the owner fails the update (from its side node1 is the one
-    unreachable: with two nodes the cut is the same whichever veth is down). Repaired, the
-    next round is a full update (a restarted owner finds the engine mid-update in its
-    durable record)."""
+    daemon, node0's, which drives the slot's engine, is gone; cut off, the owner fails the
+    update (from its side node1 is the one unreachable: with two nodes the cut is the same
+    whichever veth is down). Repaired, the next round is a full update (a restarted owner
+    finds the engine mid-update in its durable record)."""
     stalled = PER_NODE
     row = new_row(rec, box, {"killed": "owner daemon SIGKILL",
                              "cut_off": "owner node cut off"}[how],
@@ -332,6 +334,7 @@ def test_owner_killed_or_cut_off_tells_every_rank_on_both_nodes(rec, pool, nodes
     if how == "killed":
         for r, e in owners.items():
             assert "lost the connection to slotsyncd" in e["message"], (r, e)
+            assert f"driven by the daemon of node {NODES[0]}" in e["message"], (r, e)
         assert detect_s(run, on_node(0), t_fault) <= SLACK_S
         row.engine_after_fault = engine_summary(box) + "; owner gone"
         nodes.restart(0)
@@ -389,8 +392,9 @@ def test_a_stranger_key_is_refused_and_nothing_it_relays_is_used(rec, pool, node
                                                                    tmp_path):
     """A daemon in a third namespace calls itself node1 but holds a key pair of its own (not
     node1's key in the owner's allow-list). The owner refuses the CURVE handshake and logs
-    it (``peer_key_refused``, counted); the stranger's ranks 4-7 are told that node0's
-    daemon cannot be reached. Meanwhile the real ranks 0-7 run a round: it succeeds, and the
+    it (``peer_key_refused``, counted); the stranger's daemon sees its handshake refused and
+    its ranks 4-7 are told that node0's daemon cannot be reached, as it does not accept
+    this node's key. Meanwhile the real ranks 0-7 run a round: it succeeds, and the
     owner's slot holds exactly the real processes (nothing the stranger sent was used)."""
     row = new_row(rec, box, "stranger's key", "a daemon calling itself node1 with a key "
                   "pair not in the owner's allow-list; its ranks 4-7 register")
@@ -418,6 +422,8 @@ def test_a_stranger_key_is_refused_and_nothing_it_relays_is_used(rec, pool, node
             (e,) = [e for e in strange.events[r] if e["event"] == "register_error"]
             assert f"node {NODES[0]}'s daemon, which drives this engine, cannot be reached" \
                 in e["message"], e
+            assert f"node {NODES[0]}'s daemon does not accept this node's key" in e["message"]
+        assert "peer_handshake_failed" in stranger.log_tail(20000)
         log = nodes.daemon(0).log_tail(20000)
         assert "peer_key_refused" in log and stranger_key(secret) in log, log[-3000:]
         rejected = re.search(r"^slotsync_rejected_messages_total (\S+)$",
