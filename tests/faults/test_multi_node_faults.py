@@ -354,6 +354,37 @@ def test_owner_killed_or_cut_off_tells_every_rank_on_both_nodes(rec, pool, nodes
 
 
 @REFERENCE_ONLY
+def test_ranks_of_a_node_whose_owner_never_came_up_are_told_within_liveness(
+        rec, pool, nodes, box):
+    """node1's daemon starts while the owner's is down (killed, not restarted): its link
+    never comes up, and the registrations of its ranks 4-7, held for the link, are answered
+    within liveness_s with an error naming node0 (before the one-line fix in peer_io the
+    daemon's timer never woke for them: each rank waited for its own timeout). The owner
+    started again, the link comes up."""
+    row = new_row(rec, box, "owner never came up", "node1's daemon starts while node0's "
+                  "is down; its ranks 4-7 register")
+    nodes.kill(0)
+    nodes.restart(1)
+    t0 = time.monotonic()
+    run = start_round(pool, nodes, box.url, 1, ranks=range(PER_NODE, WORKERS))
+    run.wait(60)
+    for r in range(PER_NODE, WORKERS):
+        (e,) = [e for e in run.events[r] if e["event"] == "register_error"]
+        assert f"node {NODES[0]}'s daemon, which drives this engine, cannot be reached at " \
+            f"{nodes.owner_address}" in e["message"], e
+        assert f"not connected within {LIVE_S:g} s" in e["message"], e
+    row.detect_s = round(max(run.times[r][0] for r in range(PER_NODE, WORKERS)) - t0, 2)
+    assert row.detect_s <= LIVE_S + SLACK_S, row.detect_s
+    row.rank_errors = [f"rank {PER_NODE}: register: {e['message'][:80]}"
+                       for e in run.events[PER_NODE] if e["event"] == "register_error"]
+    nodes.restart(0)
+    nodes.wait_links_up()
+    row.engine_final = engine_summary(box) + "; owner started again, link up"
+    row.happened = "node1's daemon answered its ranks' held registrations at liveness_s"
+    row.outcome = "pass"
+
+
+@REFERENCE_ONLY
 @pytest.mark.xfail(strict=True, reason="daemon bug (issue 25 C): relayed ranks that committed "
                    "before their link went down are not needed any more for the owner, which "
                    "goes on with their handles, while their own daemon has told them the update "
