@@ -8,7 +8,8 @@
     python tests/gen_reliability.py --results r.json        # ... and keep what was run
     python tests/gen_reliability.py --render r.json         # re-render it, running nothing
 
-Runs ``pytest tests/faults/test_faults.py`` (and ``test_version_faults.py``) once per engine
+Runs ``pytest tests/faults/test_faults.py`` (and ``test_version_faults.py``,
+``test_multi_node_faults.py``) once per engine
 (``SLOTSYNC_TEST_ENGINE``: the reference engine, and vLLM's own router and worker code; see
 ``tests/engines.py``) with
 ``SLOTSYNC_RELIABILITY_OUT`` pointing at a temporary JSON file (each scenario appends its row
@@ -45,7 +46,8 @@ def run_suite(extra: list[str], engine: str) -> tuple[list[dict], str, int]:
     os.close(fd)
     os.unlink(path)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/faults/test_faults.py", "tests/faults/test_version_faults.py", *extra]
+           "tests/faults/test_faults.py", "tests/faults/test_version_faults.py",
+           "tests/faults/test_multi_node_faults.py", *extra]
     env = {**os.environ, "SLOTSYNC_RELIABILITY_OUT": path, "SLOTSYNC_TEST_ENGINE": engine}
     print(f"fault suite against the {engine} engine ...", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -1,5 +1,6 @@
 """End-of-run leak check (issue 24 C): a test run leaves nothing behind in the temp folder,
-``/dev/shm`` or the process table, and the run fails naming what it left.
+``/dev/shm``, the process table or the network namespaces, and the run fails naming what it
+left.
 
 Loaded by ``conftest.py`` (``pytest_plugins``). In the process that runs the session (the
 xdist controller, or pytest itself without ``-n``):
@@ -9,7 +10,9 @@ xdist controller, or pytest itself without ``-n``):
   daemons, their workers, xdist's workers); the temp folder is redirected (``TMPDIR`` and
   ``tempfile.tempdir``) to a fresh ``<tmp>/sst-<token>/``, and ``/dev/shm`` is
   listed;
-* at the end, after xdist's workers are down: processes still carrying the token (waited for
+* at the end, after xdist's workers are down: network namespaces named for the run
+  (``sst-<token>-*``, ``tests/netns.py``'s "nodes", with what still ran in them),
+  processes still carrying the token (waited for
   up to :data:`GRACE_S` seconds, then killed), anything in the run's temp folder but
   :data:`OWN_ENTRIES`, and our ``/dev/shm`` entries (:data:`SHM_PREFIX`) made during the run
   that no process outside the run holds open or mapped are each named, removed, and fail the run
@@ -24,6 +27,7 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +38,8 @@ RUN_ENV = "SLOTSYNC_TEST_RUN"
 GRACE_S = float(os.environ.get("SLOTSYNC_LEAK_GRACE_S", "20"))
 """How long processes of the run may take to exit after the last test, seconds."""
 SHM_DIR = Path("/dev/shm")
+NETNS_DIR = Path("/run/netns")  # where `ip netns add NAME` keeps a namespace
+NETNS_PREFIX = "sst-"  # the run's namespaces: sst-<token>-... (tests/netns.py)
 SHM_PREFIX = "slotsync-"  # what the run's processes name their /dev/shm segments
 BASETEMP = "pt"  # pytest's --basetemp, in the run's folder (unless given)
 OWN_ENTRIES = (BASETEMP, "pytest-of-", "torchinductor_")
@@ -74,7 +80,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not _state:
         return
-    leaks = _leaked_processes(_state["token"])
+    leaks = _leaked_namespaces(_state["token"])
+    leaks += _leaked_processes(_state["token"])
     leaks += _leaked_files(_state["root"])
     leaks += _leaked_shm(_state["shm"], _state["token"])
     shutil.rmtree(_state["root"], ignore_errors=True)
@@ -94,8 +101,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 reporter.write_line(line)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     elif reporter is not None:
-        reporter.write_line("leak check: nothing left in the temp folder, /dev/shm or the "
-                            "process table")
+        reporter.write_line("leak check: nothing left in the temp folder, /dev/shm, the "
+                            "process table or the network namespaces")
 
 
 # ------------------------------------------------------------------------------ readers
@@ -150,6 +157,57 @@ def _leaked_processes(token: str) -> list[str]:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    return lines
+
+
+def namespaces_of(token: str) -> list[str]:
+    """The network namespaces (``ip netns``) of the run: names starting ``sst-<token>-``."""
+    try:
+        names = os.listdir(NETNS_DIR)
+    except OSError:
+        return []
+    return sorted(n for n in names if n.startswith(f"{NETNS_PREFIX}{token}-"))
+
+
+def remove_namespace(name: str, grace_s: float = 3.0) -> list[tuple[int, str]]:
+    """SIGKILL every process in network namespace ``name`` (never this one), wait up to
+    ``grace_s`` seconds for them to go, then delete it (``ip netns del``: its interfaces go
+    with it). Returns ``(pid, command line)`` of the processes found. Errors are swallowed:
+    this runs at cleanup."""
+    found = []
+    for pid in _pids_in_namespace(name):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+        found.append((pid, cmd))
+    deadline = time.monotonic() + grace_s
+    while found and _pids_in_namespace(name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+    return found
+
+
+def _pids_in_namespace(name: str) -> list[int]:
+    try:
+        r = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
+                           check=False, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [int(p) for p in r.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+
+
+def _leaked_namespaces(token: str) -> list[str]:
+    """Network namespaces of the run still there at the end, named (with the processes
+    that ran in them), then removed."""
+    lines = []
+    for name in namespaces_of(token):
+        procs = remove_namespace(name)
+        held = "; ".join(f"{pid} {cmd[:120]}" for pid, cmd in procs)
+        lines.append(f"network namespace {name}" + (f" (processes killed: {held})"
+                                                     if held else ""))
     return lines
 
 

@@ -110,14 +110,16 @@ class RankPool:
         while len(self._idle) < self.size:
             self._idle.append(self._spawn())
 
-    def start(self, endpoint: str, jobs: list[dict]) -> RankRun:
+    def start(self, endpoint: str | None, jobs: list[dict]) -> RankRun:
         """Start one job per entry: ``{"rank", "slot": (start, count), "engine_url", "packed",
-        "script"}``. Returns the run (call :meth:`RankRun.wait`)."""
+        "script"}``, and optionally ``"endpoint"``: that rank's own daemon instead of
+        ``endpoint`` (engines over several nodes: each rank publishes to its node's daemon).
+        Returns the run (call :meth:`RankRun.wait`)."""
         run = RankRun(self)
         for j in jobs:
             proc = self._take()
-            proc.conn.send((j["rank"], endpoint, tuple(j["slot"]), j["engine_url"],
-                            j["packed"], j.get("script", {})))
+            proc.conn.send((j["rank"], j.get("endpoint") or endpoint, tuple(j["slot"]),
+                            j["engine_url"], j["packed"], j.get("script", {})))
             run.procs[j["rank"]] = proc
             run.events[j["rank"]] = []
         run.t0 = time.monotonic()

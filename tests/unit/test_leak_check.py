@@ -1,11 +1,14 @@
 """The end-of-run leak check (``tests/leak_check.py``, issue 24 C) fails a run that leaves a
-file in the temp folder, a ``/dev/shm`` entry or a process behind, naming each, and removes
-them; a clean run passes. Each case is a pytest run of its own (``pytester``)."""
+file in the temp folder, a ``/dev/shm`` entry, a process or a network namespace of the run
+behind, naming each, and removes them; a clean run passes. Each case is a pytest run of its
+own (``pytester``)."""
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -61,4 +64,44 @@ def test_a_clean_run_passes_and_says_so(pytester, monkeypatch):
     result = _run(pytester, monkeypatch, "def test_nothing():\n    assert True\n")
     out = result.stdout.str()
     assert result.ret == 0, out
-    assert "leak check: nothing left in the temp folder, /dev/shm or the process table" in out
+    assert ("leak check: nothing left in the temp folder, /dev/shm, the process table or the "
+            "network namespaces") in out
+
+
+LEAKY_NETNS = '''
+import os, subprocess
+
+def test_leaves_a_network_namespace_behind():
+    name = "sst-" + os.environ["SLOTSYNC_TEST_RUN"] + "-leaktest-n0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    subprocess.Popen(["ip", "netns", "exec", name, "sleep", "301"], start_new_session=True)
+'''
+
+
+def _may_make_namespaces() -> str:
+    if os.geteuid() != 0:
+        return "needs root (ip netns add)"
+    name = f"sst-leakprobe-{secrets.token_hex(4)}"
+    r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"ip netns add is not permitted here: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ""
+
+
+def test_a_network_namespace_of_the_run_left_behind_fails_naming_it(pytester, monkeypatch):
+    """A namespace named for the run (``sst-<token>-...``, tests/netns.py's nodes) still
+    there at the end: named with what ran in it, its processes killed, the namespace
+    deleted."""
+    why = _may_make_namespaces()
+    if why:
+        pytest.skip(why)
+    result = _run(pytester, monkeypatch, LEAKY_NETNS)
+    out = result.stdout.str()
+    m = re.search(r"network namespace (sst-[0-9a-f]+-leaktest-n0)", out)
+    if m and os.path.exists(f"/run/netns/{m.group(1)}"):  # (never left behind by this test)
+        subprocess.run(["ip", "netns", "del", m.group(1)], capture_output=True)
+    assert result.ret == 1, out
+    assert m, out
+    assert "processes killed:" in out and "sleep 301" in out, out
+    assert not os.path.exists(f"/run/netns/{m.group(1)}")

@@ -216,6 +216,7 @@ class PeerLinks:
         if actions is None:
             return False
         await self._execute(actions)
+        self._wake()  # (a frame held for a link coming up sets a deadline, with no action)
         return True
 
     async def bad_rank_frame(self, identity: bytes, frame: bytes, pid: int) -> bool:

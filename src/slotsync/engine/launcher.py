@@ -77,6 +77,9 @@ class ReferenceEngine:
             None: its default, ``server.EMULATED_VLLM_VERSION``.
         parallel_config: ``impl="vllm"``: vLLM ``ParallelConfig`` fields of the server's
             ``vllm_config`` (``--parallel-config``), e.g. a hybrid-LB node's; None: none.
+        uds: serve on this Unix socket path instead of ``host:port`` (``--uds``, like
+            ``vllm serve --uds``): :attr:`url` is then ``unix://<path>`` and :meth:`request`
+            goes over the socket (a stale socket file there is removed at start).
 
     The engine starts in the constructor unless ``start=False``; :meth:`stop` (also run by
     the context manager) terminates it, then kills it after a grace period.
@@ -104,6 +107,7 @@ class ReferenceEngine:
         worker_models: Sequence[str | os.PathLike[str]] | None = None,
         vllm_version: str | None = None,
         parallel_config: dict[str, Any] | None = None,
+        uds: str | os.PathLike[str] | None = None,
     ) -> None:
         if impl not in ("reference", "vllm"):
             raise ValueError(f"impl must be 'reference' or 'vllm', not {impl!r}")
@@ -118,6 +122,7 @@ class ReferenceEngine:
         self.vllm_version = vllm_version
         self.parallel_config = parallel_config
         self.device = device
+        self.uds = str(uds) if uds is not None else None
         self.host = host
         self.port = port or free_port(host)
         self.startup_timeout_s = startup_timeout_s
@@ -135,7 +140,10 @@ class ReferenceEngine:
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:38211`` (no trailing slash)."""
+        """Base URL, e.g. ``http://127.0.0.1:38211`` (no trailing slash), or
+        ``unix:///path/engine.sock`` when serving on a Unix socket (``uds``)."""
+        if self.uds is not None:
+            return f"unix://{self.uds}"
         return f"http://{self.host}:{self.port}"
 
     @property
@@ -150,9 +158,10 @@ class ReferenceEngine:
 
     def command(self) -> list[str]:
         """The subprocess's argv."""
+        where = (["--uds", self.uds] if self.uds is not None
+                 else ["--host", self.host, "--port", str(self.port)])
         cmd = [
-            sys.executable, "-m", "slotsync.engine",
-            "--host", self.host, "--port", str(self.port),
+            sys.executable, "-m", "slotsync.engine", *where,
             "--workers", str(self.workers), "--device", self.device, "--impl", self.impl,
         ]  # fmt: skip
         if self.receive != "reference":
@@ -198,6 +207,8 @@ class ReferenceEngine:
             os.close(fd)
             self.log_path = Path(name)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
+        if self.uds is not None and Path(self.uds).is_socket():
+            Path(self.uds).unlink()  # (a killed engine's: vLLM's server binds without removing)
         if (_zygote is not None and self.device == "cpu"
                 and "SLOTSYNC_VLLM_SHIM" not in env):  # (the zygote imported the real vLLM)
             self.proc = _zygote.spawn(self.command(), env, self.log_path)
@@ -250,6 +261,12 @@ class ReferenceEngine:
         Error statuses are returned, not raised; connection errors raise ``OSError``.
         """
         data = None if body is None else json.dumps(body).encode()
+        if self.uds is not None:
+            status, raw = _unix_request(self.uds, method, path, data, timeout)
+            try:
+                return status, json.loads(raw) if raw else None
+            except json.JSONDecodeError:
+                return status, raw.decode(errors="replace")
         req = urllib.request.Request(self.url + path, data=data, method=method)
         if data is not None:
             req.add_header("Content-Type", "application/json")
@@ -287,3 +304,33 @@ class ReferenceEngine:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _unix_request(path: str, method: str, route: str, data: bytes | None,
+                  timeout: float) -> tuple[int, bytes]:
+    """One HTTP/1.1 call over the Unix socket ``path``: ``(status, body)``. Connection
+    errors raise ``OSError``."""
+    import http.client
+    import socket
+
+    class _Conn(http.client.HTTPConnection):
+        def connect(self) -> None:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(timeout)
+            try:
+                s.connect(path)
+            except OSError:
+                s.close()
+                raise
+            self.sock = s
+
+    conn = _Conn("localhost", timeout=timeout)
+    try:
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, route, body=data, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    except http.client.HTTPException as e:
+        raise OSError(f"unix://{path}{route}: {type(e).__name__}: {e}") from None
+    finally:
+        conn.close()

@@ -7,6 +7,11 @@ Example::
         d.endpoint        # "ipc:///.../slotsyncd.sock", what publishers connect to
         d.status_url      # "http://127.0.0.1:<port>"
 
+A daemon inside a Linux network namespace (a test's "node", ``tests/netns.py``)::
+
+    DaemonProcess(runtime_dir=tmp, netns="sst-1a2b3c4d-n0")   # ip netns exec ... slotsyncd
+    d.status()            # GET /status from inside the namespace (run_in_netns)
+
 (Moved from ``slotsync.daemon.launcher``, issue 16; that module re-exports these names.)
 """
 
@@ -19,7 +24,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+CLONE_NEWNET = 0x40000000  # <sched.h>
+NETNS_DIR = "/run/netns"  # where `ip netns add NAME` keeps a namespace (a bind mount)
 
 
 def die_with_parent() -> None:
@@ -35,6 +46,60 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def run_in_netns(name: str, fn: Callable[..., _T], *args: Any, timeout_s: float = 60.0) -> _T:
+    """``fn(*args)`` in a short-lived thread that has entered the network namespace ``name``
+    (``/run/netns/<name>``, as ``ip netns add`` makes it), so that the sockets it opens are
+    that namespace's (e.g. an HTTP request to a server bound to loopback inside it). Only
+    that thread moves (a network namespace is per thread); it ends with ``fn``. Returns what
+    ``fn`` returned, or raises what it raised.
+
+    ``setns(2)`` through ctypes: ``os.setns`` exists only from Python 3.12.
+
+    Raises:
+        OSError: the namespace cannot be opened or entered (needs CAP_SYS_ADMIN).
+        TimeoutError: ``fn`` did not return within ``timeout_s``.
+    """
+    import ctypes
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns into network namespace {name}: "
+                                  f"{os.strerror(err)}")
+            finally:
+                os.close(fd)
+            out["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=body, name=f"netns-{name}", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise TimeoutError(f"call in network namespace {name} did not return in {timeout_s} s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def http_get(url: str, netns: str | None = None, timeout_s: float = 10.0) -> bytes:
+    """The body of ``GET url`` (raises ``urllib.error.HTTPError`` for an error status), from
+    inside network namespace ``netns`` when given (:func:`run_in_netns`)."""
+
+    def get() -> bytes:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.read()
+
+    return run_in_netns(netns, get, timeout_s=timeout_s + 5) if netns else get()
+
+
 class DaemonStartError(RuntimeError):
     """``slotsyncd`` exited or did not print its ready line in time."""
 
@@ -48,6 +113,11 @@ class DaemonProcess:
         startup_timeout_s: bound on the wait for the ready line, seconds.
         log_path: file receiving the daemon's stderr (default: a temporary file).
         env: extra environment variables for the daemon.
+        netns: a Linux network namespace (``ip netns``) to run the daemon in
+            (``ip netns exec NAME python -m slotsync.daemon ...``; ``ip`` execs the daemon,
+            so :attr:`proc` is the daemon's own process). Its status server then listens on
+            that namespace's loopback, and :meth:`status` / :meth:`metrics` reach it from
+            inside the namespace (:func:`run_in_netns`). Needs root.
 
     Raises:
         DaemonStartError: the daemon exited, or printed no ready line within
@@ -61,8 +131,10 @@ class DaemonProcess:
         startup_timeout_s: float = 30.0,
         log_path: str | None = None,
         env: dict[str, str] | None = None,
+        netns: str | None = None,
     ) -> None:
         self._tmp = None
+        self.netns = netns
         if runtime_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="slotsyncd-")
             runtime_dir = self._tmp.name
@@ -72,6 +144,8 @@ class DaemonProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "slotsync.daemon", "--runtime-dir", runtime_dir,
                "--status-port", "0", *(args or [])]
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
                                      env={**os.environ, **(env or {})},
                                      preexec_fn=die_with_parent)
@@ -105,18 +179,17 @@ class DaemonProcess:
 
     @property
     def status_url(self) -> str:
-        """``http://127.0.0.1:<status_port>``: the daemon's status and metrics server."""
+        """``http://127.0.0.1:<status_port>``: the daemon's status and metrics server (on the
+        loopback of :attr:`netns` where given)."""
         return f"http://127.0.0.1:{self.status_port}"
 
     def status(self) -> dict:
         """GET ``/status`` as a dict."""
-        with urllib.request.urlopen(self.status_url + "/status", timeout=10) as r:
-            return json.loads(r.read())
+        return json.loads(http_get(self.status_url + "/status", self.netns))
 
     def metrics(self) -> str:
         """GET ``/metrics`` (Prometheus text)."""
-        with urllib.request.urlopen(self.status_url + "/metrics", timeout=10) as r:
-            return r.read().decode()
+        return http_get(self.status_url + "/metrics", self.netns).decode()
 
     def log_tail(self, n: int = 4000) -> str:
         """The last ``n`` characters of the daemon's log."""
