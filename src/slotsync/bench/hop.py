@@ -457,8 +457,9 @@ def add_arguments(h: argparse.ArgumentParser, positive_int: Any, nonneg_int: Any
                    metavar="{1..8}", help="packed: the publisher's staging regions (default 4)")
     h.add_argument("--py-spy", default="", metavar="DIR",
                    help="record the three daemons with py-spy (next to this Python) during "
-                        "the counted rounds into DIR (one SVG flame graph and one raw file "
-                        "each)")
+                        "the counted rounds into DIR: one.txt, node0.txt, node1.txt (collapsed "
+                        "stacks with sample counts, on-CPU samples only, 250 Hz; the samplers' "
+                        "own CPU weighs on the figures of that run)")
     h.add_argument("--report", default="", metavar="FILE",
                    help="also rewrite this command's section of FILE (e.g. BENCHMARKS.md); "
                         "default: print only")
@@ -475,11 +476,10 @@ def _py_spy(folder: str) -> Callable[[dict[str, int]], Callable[[], None]]:
     def start(pids: dict[str, int]) -> Callable[[], None]:
         procs = []
         for name, pid in pids.items():
-            for fmt, ext in (("flamegraph", "svg"), ("raw", "txt")):
-                procs.append(subprocess.Popen(
-                    [exe, "record", "--pid", str(pid), "--rate", "250", "--format", fmt,
-                     "--output", os.path.join(folder, f"{name}.{ext}"), "--nonblocking"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(subprocess.Popen(
+                [exe, "record", "--pid", str(pid), "--rate", "250", "--format", "raw",
+                 "--output", os.path.join(folder, f"{name}.txt"), "--nonblocking"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
         def stop() -> None:
             import signal
