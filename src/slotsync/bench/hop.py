@@ -86,6 +86,7 @@ class SetupTimes:
     chunk_s: list[float] = field(default_factory=list)  # the slot's chunk intervals
     round_s: list[float] = field(default_factory=list)  # slowest rank, per round
     engine_s: list[float] = field(default_factory=list)  # /update_weights per chunk, per round
+    cpu_s: dict[str, float] = field(default_factory=dict)  # process group -> CPU s, counted
 
 
 @dataclass
@@ -320,7 +321,11 @@ def run_hop(ranks: int = 16, *, packed: bool = True, staging_bytes: int = 512 * 
             tensors, layers, rounds, warmup, timeout_s,
         )  # fmt: skip
         pids = {n: d.proc.pid for n, d in daemons.items()}
-        times = _run_ranks(plan, log, (lambda: profile(pids)) if profile else None)
+        groups = {f"daemon {n}": [p] for n, p in pids.items()}
+        for s, e in zip(SETUPS, engines, strict=True):
+            pid = getattr(e.proc, "pid", None)
+            groups[f"engine {s}"] = _with_descendants(pid) if pid else []
+        times = _run_ranks(plan, log, (lambda: profile(pids)) if profile else None, groups)
         link = _get_json(daemons["node1"].status_url + "/status")["peers"]["links"][0]
         for name, d in daemons.items():
             if d.proc.poll() is not None:
@@ -336,6 +341,37 @@ def run_hop(ranks: int = 16, *, packed: bool = True, staging_bytes: int = 512 * 
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _with_descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (an engine's front and its workers)."""
+    parent: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parent[int(name)] = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += [c for c, pp in parent.items() if pp == p]
+    return out
+
+
 def _forkserver() -> Any:
     """The ranks' multiprocessing context: they fork from a forkserver that imported torch
     once (as ``bench control``'s do), started now if it is not running yet."""
@@ -347,8 +383,11 @@ def _forkserver() -> Any:
     return ctx
 
 
-def _run_ranks(plan: HopPlan, log: Callable[[str], None],
-               profile: Callable[[], Any] | None) -> dict[str, SetupTimes]:
+def _run_ranks(plan: HopPlan, log: Callable[[str], None], profile: Callable[[], Any] | None,
+               groups: dict[str, list[int]]) -> dict[str, SetupTimes]:
+    """Run the rank processes; returns each setup's figures. ``groups``: process group name
+    -> pids, whose CPU time is read after each round (the ranks are added as ``ranks``) and
+    counted to that round's setup."""
     ctx = _forkserver()
     q = ctx.Queue()
     barrier = ctx.Barrier(plan.ranks)
@@ -356,6 +395,13 @@ def _run_ranks(plan: HopPlan, log: Callable[[str], None],
              for r in range(plan.ranks)]
     for p in procs:
         p.start()
+    groups = {**groups, "ranks": [p.pid for p in procs if p.pid]}
+
+    def cpu_now() -> dict[str, float]:
+        return {g: sum(_cpu_s(p) for p in ps) for g, ps in groups.items()}
+
+    cpu: dict[str, dict[str, float]] = {s: {} for s in SETUPS}
+    cpu_last = cpu_now()
     got: dict[int, Any] = {}
     deadline = time.monotonic() + plan.timeout_s * 2
     stop_profile = None
@@ -377,6 +423,11 @@ def _run_ranks(plan: HopPlan, log: Callable[[str], None],
                 raise RuntimeError(f"rank {rank} failed:\n{data}")
             if kind == "progress":
                 r, setup, dt, counted = data
+                now = cpu_now()  # (this round's CPU: since the last round's end)
+                if counted:
+                    for g, v in now.items():
+                        cpu[setup][g] = cpu[setup].get(g, 0.0) + v - cpu_last[g]
+                cpu_last = now
                 rounds_done += 1
                 if profile is not None and stop_profile is None \
                         and rounds_done == 2 * plan.warmup:
@@ -399,7 +450,7 @@ def _run_ranks(plan: HopPlan, log: Callable[[str], None],
         q.join_thread()
     out: dict[str, SetupTimes] = {}
     for s in SETUPS:
-        t = SetupTimes(engine_s=got[0][s]["engine_s"])
+        t = SetupTimes(engine_s=got[0][s]["engine_s"], cpu_s=cpu[s])
         counted = len(got[0][s]["acks"])
         for i in range(counted):
             last = [max(got[r][s]["acks"][i][k] for r in range(plan.ranks))
@@ -581,6 +632,22 @@ def main_from_args(args: argparse.Namespace) -> int:
                "engine call ms/chunk", "round median ms", "round p90 ms", "rounds"], rows))
     say()
     verdict = "within" if r_med <= TARGET else "over"
+    say("CPU per chunk (ms; all processes of a group, user + system, over the counted "
+        "rounds, from /proc):")
+    say()
+    cols = ["ranks", "engine", "daemon one", "daemon node0", "daemon node1"]
+    crow = []
+    for s in SETUPS:
+        t = res.times[s]
+        n = max(1, len(t.round_s) * res.chunks)
+        by = {"ranks": t.cpu_s.get("ranks", 0.0), "engine": t.cpu_s.get(f"engine {s}", 0.0)}
+        for d in ("one", "node0", "node1"):
+            by[f"daemon {d}"] = t.cpu_s.get(f"daemon {d}", 0.0)
+        total = sum(t.cpu_s.values())
+        crow.append([LABELS[s], *(f"{by[c] / n * 1e3:.2f}" for c in cols),
+                     f"{total / n * 1e3:.2f}"])
+    say(table(["setup", *cols, "all (the idle setup's too)"], crow))
+    say()
     say(f"hop ratio per chunk (two nodes / one daemon): median {r_med:.2f}x, p90 "
         f"{r_p90:.2f}x, mean {r_mean:.2f}x; target <= {TARGET}x (median): {verdict}")
     say()
