@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -69,6 +70,53 @@ def test_bench_control_sweep_prints_the_scaling_and_writes_the_plot(tmp_path, ca
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_hop_tiny_prints_both_setups_and_the_ratio(tmp_path, capsys):
+    """Issue 25 I in a tiny setting: the same round through one daemon and over two nodes'
+    daemons (node1 relaying to node0 over loopback TCP with CURVE), interleaved; the printed
+    figures' form, the ratio line, the progress lines, and nothing left in the temp folder
+    (keys, configs, sockets). No timing assertions."""
+    import re
+    import tempfile
+
+    from slotsync.bench.cli import main
+
+    before = set(os.listdir(tempfile.gettempdir()))
+    report = tmp_path / "BENCHMARKS.md"
+    with pytest.raises(SystemExit) as exit_:
+        main(["hop", "--ranks", "2", "--tensors", "20", "--staging-mb", "8", "--rounds", "2",
+              "--report", str(report)])
+    out = capsys.readouterr()
+    assert exit_.value.code == 0, out.out[-3000:] + out.err[-3000:]
+    text = report.read_text()
+    assert "<!-- bench:hop -->" in text and "`slotsync bench hop`" in text
+    assert "10 chunks per round, packed with 4 staging region(s)" in text
+    # progress: every round of both setups, the first one marked warm-up
+    for setup in ("one daemon", "two nodes"):
+        assert re.search(rf"^  round 1/2 {setup}: \d+\.\d{{3}} s \(rank 0\) \(warm-up\)$",
+                         out.out, re.M), out.out
+        assert re.search(rf"^  round 2/2 {setup}: \d+\.\d{{3}} s \(rank 0\)$", out.out,
+                         re.M), out.out
+    num = r"(\d+\.\d\d)"
+    for setup in ("one daemon", "two nodes"):
+        assert re.search(rf"^\| {setup} \| {num} \| {num} \| {num} \| {num} \| {num} \| "
+                         rf"{num} \| 1 \|$", text, re.M), text
+    row = re.search(rf"^\| \*\*ratio\*\* two nodes / one daemon \| \*\*{num}\*\* \| {num} "
+                    rf"\| {num} \|", text, re.M)
+    line = re.search(rf"^hop ratio per chunk \(two nodes / one daemon\): median {num}x, p90 "
+                     rf"{num}x, mean {num}x; target <= 1\.2x \(median\): (within|over)$",
+                     text, re.M)
+    assert row and line, text
+    assert line.groups()[:3] == row.groups()
+    assert (float(line.group(1)) <= 1.2) == (line.group(4) == "within")
+    link = re.search(r"peer link at the end \(node1.s side\): (\d+) messages out, (\d+) in",
+                     text)
+    assert link and int(link.group(1)) > 0 and int(link.group(2)) > 0, text
+    assert line.group(0) in out.out  # printed as well as written
+    left = {n for n in set(os.listdir(tempfile.gettempdir())) - before
+            if n.startswith(("slotsync-hop-", "slotsyncd-"))}
+    assert not left, left
+
+
 def test_bench_gpu_dry_run_on_cpu(tmp_path, capsys):
     text = _bench("gpu", "--device", "cpu", "--layers", "1", "--experts", "4", "--vocab",
                   "1000", "--hidden", "256", "--staging-mb", "2", "--rounds", "2",
@@ -128,6 +176,8 @@ def test_profile_chunk_prints_the_split():
      "--engine-url http://127.0.0.1:1: cannot reach it"),
     (["control", "--engine-url", "unix:///nonexistent.sock"], "no socket at /nonexistent.sock"),
     (["control", "--report", "/tmp"], "--report /tmp is a folder"),
+    (["hop", "--ranks", "3"], "--ranks must be even and >= 2 (half on each node), got 3"),
+    (["hop", "--rounds", "1"], "--rounds 1 leaves no counted round after --warmup 1"),
 ])
 def test_bench_refuses_bad_arguments_before_starting_anything(args, want):
     report = [] if "--report" in args else ["--report", ""]

@@ -54,8 +54,9 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``control``, ``gpu``, ``oversize`` and ``fsdp-gather`` subcommands to ``p``
-    (``slotsync bench``); the last two forward their options to their module's ``main``."""
+    """Add the ``control``, ``gpu``, ``hop``, ``oversize``, ``fsdp-gather`` and ``ep``
+    subcommands to ``p`` (``slotsync bench``); the last three forward their options to their
+    module's ``main``."""
     sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
     c = sub.add_parser("control", help="control plane on CPU: slotsync vs in-trainer baseline",
                        description=__doc__)
@@ -123,6 +124,12 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--report", default="", metavar="FILE",
                    help="also rewrite this command's section of FILE (e.g. BENCHMARKS.md); "
                         "default: print only")
+    from slotsync.bench import hop
+
+    h = sub.add_parser("hop", help="the peer link's cost: one round through one daemon vs "
+                       "over two nodes' daemons (issue 25 I; CPU)", description=hop.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    hop.add_arguments(h, positive_int, nonneg_int)
     for name, module, text in _FORWARDED:
         f = sub.add_parser(name, help=text, add_help=False, prefix_chars="\0")
         f.add_argument("forwarded", nargs=argparse.REMAINDER,
@@ -166,12 +173,16 @@ def main_from_args(args: argparse.Namespace) -> int:
         return control_main(args)
     if args.bench_command == "gpu":
         return gpu_main(args)
+    if args.bench_command == "hop":
+        from slotsync.bench.hop import main_from_args as hop_main
+
+        return hop_main(args)
     for name, module, _ in _FORWARDED:
         if args.bench_command == name:
             import importlib
 
             return importlib.import_module(module).main(args.forwarded)
-    print("usage: slotsync bench {control,gpu,oversize,fsdp-gather,ep} ...  (see --help)",
+    print("usage: slotsync bench {control,gpu,hop,oversize,fsdp-gather,ep} ...  (see --help)",
           file=sys.stderr)
     return 2
 

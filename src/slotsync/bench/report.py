@@ -48,8 +48,9 @@ def machine_line() -> str:
 def command_line() -> str:
     """The command that is running, as one could type it again."""
     argv = sys.argv[:]
-    if argv and argv[0].endswith("__main__.py"):
-        argv[0] = "python -m slotsync.bench"
+    if argv and argv[0].endswith("__main__.py"):  # python -m slotsync.bench, or -m slotsync
+        package = os.path.basename(os.path.dirname(argv[0]))
+        argv[0] = "python -m slotsync.bench" if package == "bench" else "python -m slotsync"
     elif argv and argv[0].endswith("slotsync"):
         argv[0] = "slotsync"
     return " ".join([argv[0], *(shlex.quote(a) for a in argv[1:])]) if argv else ""
