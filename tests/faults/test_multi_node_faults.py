@@ -67,7 +67,7 @@ IMPLS = impl_params()  # both engines, unless --engine chose one
 # (a stranger's key, another engine table), which never reach an engine, and the row that
 # shows a daemon bug.
 REFERENCE_ONLY = pytest.mark.parametrize("box", [p for p in IMPLS if p == "reference"],
-                                    indirect=True)
+                                         indirect=True)
 
 
 @pytest.fixture(scope="module")
