@@ -385,10 +385,6 @@ def test_ranks_of_a_node_whose_owner_never_came_up_are_told_within_liveness(
 
 
 @REFERENCE_ONLY
-@pytest.mark.xfail(strict=True, reason="daemon bug (issue 25 C): relayed ranks that committed "
-                   "before their link went down are not needed any more for the owner, which "
-                   "goes on with their handles, while their own daemon has told them the update "
-                   "failed and they released their staging memory")
 def test_a_cut_after_the_relayed_ranks_committed_still_fails_the_update_at_once(
         rec, pool, nodes, box):
     """Rank 3 (node0) stalls before chunk 1; node1's ranks have sent every chunk and their
@@ -400,9 +396,6 @@ def test_a_cut_after_the_relayed_ranks_committed_still_fails_the_update_at_once(
     row = new_row(rec, box, "cut after the relayed ranks committed",
                   f"node1's veth down while rank {stalled} (node0) stalls before chunk 1, "
                   "node1's ranks committed")
-    row.outcome = "xfail (bug)"
-    row.happened = ("the owner goes on with node1's committed ranks' handles, which they "
-                    "released when their daemon told them the update failed")
     run = start_round(pool, nodes, box.url, 1, stall(stalled))
     (t_fault,) = fault_at_stall(run, stalled, lambda: nodes.net.link_down(1))
     row.rank_errors = describe_errors(run, 1, [0, PER_NODE])
@@ -415,7 +408,11 @@ def test_a_cut_after_the_relayed_ranks_committed_still_fails_the_update_at_once(
     assert detect_s(run, waiting, t_fault) <= LIVE_S + SLACK_S
     assert_failed_and_paused(nodes, box)
     nodes.net.link_up(1)
-    recover(pool, nodes, box, 2)
+    row.engine_final = recover(pool, nodes, box, 2)
+    row.happened = ("the owner found the link silent and failed the update although node1's "
+                    "ranks had committed (they were told it failed and released their memory); "
+                    "link up again")
+    row.outcome = "pass"
 
 
 @REFERENCE_ONLY

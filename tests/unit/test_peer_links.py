@@ -104,6 +104,7 @@ def test_owner_silent_link_fails_its_ranks_within_liveness():
     (gone,) = _of(RanksGone, o.poll(0.8 * LIVE + 0.1))
     assert gone.identities == [relayed_identity("node1", b"r4")]
     assert "node node1's daemon is unreachable" in gone.why
+    assert gone.link_lost  # (their daemon told them it failed: the update fails, issue 25 C)
     assert not o.links["node1"].up and o.links["node1"].downs == 1
     assert o.deliver(relayed_identity("node1", b"r4"), b"x") == []  # (dropped while down)
 

@@ -530,17 +530,21 @@ class SlotCoordinator:
         self.engine.session_suspect = True
         return []
 
-    def on_rank_gone(self, rank: int, identity: bytes, now: float, why: str) -> list[Action]:
+    def on_rank_gone(self, rank: int, identity: bytes, now: float, why: str,
+                     released: bool = False) -> list[Action]:
         """Rank ``rank``'s connection ``identity`` closed or its process exited (``why``, e.g.
         "its process (pid 12) exited"). An update in flight that still needs the rank fails at
         once, naming it (instead of at a deadline); one it already committed to goes on (it
-        needs nothing more from the rank). A connection the rank no longer uses is ignored."""
+        needs nothing more from the rank), unless ``released``: the rank lives on and was told
+        the update failed, so it frees its staging memory while the engine may still load from
+        it (a relayed rank whose node's link went down, issue 25). A connection the rank no
+        longer uses is ignored."""
         info = self.ranks.get(rank)
         if info is None or info.identity != identity or info.gone_at is not None:
             return []
         info.gone_at, info.gone_why = now, why
         u = self.current
-        needed = u is not None and rank not in u.committed
+        needed = u is not None and (rank not in u.committed or released)
         out: list[Action] = [SlotEvent(self.slot, "rank_gone", {
             "rank": rank, "pid": info.peer_pid or info.pid, "host": info.hostname, "why": why,
             "update_id": u.update_id if u is not None else None}, warning=needed)]

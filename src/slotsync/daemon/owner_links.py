@@ -187,5 +187,6 @@ class OwnerLinks:
             "node": link.node, "why": why, "relayed_ranks": len(gone)})]
         if gone:
             out.append(RanksGone([relayed_identity(link.node, o) for o in gone],
-                                 f"node {link.node}'s daemon is unreachable: {why}"))
+                                 f"node {link.node}'s daemon is unreachable: {why}",
+                                 link_lost=True))
         return out

@@ -97,7 +97,8 @@ class PeerLinks:
         liveness_s: the daemon's ``liveness_s``.
         daemon_version: told in ``Hello``.
         to_table: ``(identity, frame, pid)`` of a relayed rank, for the slot table (owner).
-        gone: ``(identities, why)`` of relayed ranks gone, for the slot table (owner).
+        gone: ``(identities, why, link_lost)`` of relayed ranks gone, for the slot table
+            (owner; ``peer_state.RanksGone``).
         send_rank: sends bytes to a local rank's socket identity (relaying node).
         wake: called after actions (deadlines may have moved).
         metrics: ``daemon.metrics.Metrics`` (``peer_*`` series).
@@ -106,7 +107,7 @@ class PeerLinks:
     def __init__(self, node: str, roles: Any, keys: PeerKeys | None, peer_listen: str,
                  liveness_s: float, daemon_version: str,
                  to_table: Callable[[bytes, bytes, int], Awaitable[None]],
-                 gone: Callable[[list[bytes], str], Awaitable[None]],
+                 gone: Callable[[list[bytes], str, bool], Awaitable[None]],
                  send_rank: Callable[[bytes, bytes], Awaitable[None]],
                  wake: Callable[[], None], metrics: Any) -> None:
         self.node, self.keys, self.peer_listen = node, keys, peer_listen
@@ -343,7 +344,7 @@ class PeerLinks:
             elif isinstance(a, ToTable):
                 await self._to_table(a.identity, a.frame, a.pid)
             elif isinstance(a, RanksGone):
-                await self._gone(a.identities, a.why)
+                await self._gone(a.identities, a.why, a.link_lost)
             elif isinstance(a, ToRank):
                 await self._send_rank(a.identity, a.frame)
             elif isinstance(a, ReplyRank):

@@ -34,10 +34,13 @@ class ToTable:
 @dataclass(frozen=True)
 class RanksGone:
     """Owner: the relayed ranks on these identities are gone, for reason ``why`` (it names
-    their node)."""
+    their node). ``link_lost``: their node's link went down, and their node's daemon has told
+    them the update failed, so they release their staging memory: an update in flight fails
+    even where they had committed (the engine may still be loading their chunks)."""
 
     identities: list[bytes]
     why: str
+    link_lost: bool = False
 
 
 @dataclass(frozen=True)

@@ -396,12 +396,16 @@ class Daemon:
             return
         await self.executor.execute(self.table.on_message(identity, msg, time.monotonic(), pid))
 
-    async def _relayed_gone(self, identities: list[bytes], why: str) -> None:
-        """``PeerLinks`` (owner): ranks of another node are gone."""
+    async def _relayed_gone(self, identities: list[bytes], why: str,
+                            link_lost: bool = False) -> None:
+        """``PeerLinks`` (owner): ranks of another node are gone. Their link lost, their node's
+        daemon has told them the update failed and they release their staging memory: the
+        update in flight fails even where they had committed, since
+        the engine may still be loading their chunks (a cut after the commit)."""
         now = time.monotonic()
         actions: list[Action] = []
         for ident in identities:
-            actions += self.table.on_connection_gone(ident, now, why)
+            actions += self.table.on_connection_gone(ident, now, why, released=link_lost)
         if actions:
             await self.executor.execute(actions)
 

@@ -175,13 +175,15 @@ class SlotTable:
         self._slot_of_rank[rank].on_rank_seen(rank, identity, now)
         return self._slot_of_rank[rank].on_bad_message(rank, err, now)
 
-    def on_connection_gone(self, identity: bytes, now: float, why: str) -> list[Action]:
+    def on_connection_gone(self, identity: bytes, now: float, why: str,
+                           released: bool = False) -> list[Action]:
         """The connection ``identity`` closed, or its process exited (``why``): if a rank
-        registered on it, tell its slot (an update that needs the rank fails at once)."""
+        registered on it, tell its slot (an update that needs the rank fails at once;
+        ``released``: see ``SlotCoordinator.on_rank_gone``)."""
         rank = self._rank_of.get(identity)
         if rank is None:
             return []
-        return self._slot_of_rank[rank].on_rank_gone(rank, identity, now, why)
+        return self._slot_of_rank[rank].on_rank_gone(rank, identity, now, why, released)
 
     def poll(self, now: float) -> list[Action]:
         """Check every slot's deadlines, and release slots whose ranks are all gone."""
