@@ -112,7 +112,7 @@ def test_bench_hop_tiny_prints_both_setups_and_the_ratio(tmp_path, capsys):
     # (a tiny round's CPU can be below /proc's 10 ms tick)
     assert "| setup | ranks | engine | daemon one | daemon node0 | daemon node1 |" in text
     cpu = {m.group(1) for m in re.finditer(
-        r"^\| (one daemon|two nodes) \| (?:\d+\.\d\d \| ){5}\d+\.\d\d \|$", text, re.M)}
+        r"^\| (one daemon|two nodes) \| (?:\d+\.\d\d \| ){6}\d+\.\d\d \|$", text, re.M)}
     assert cpu == {"one daemon", "two nodes"}, text
     link = re.search(r"peer link at the end \(node1.s side\): (\d+) messages out, (\d+) in",
                      text)
