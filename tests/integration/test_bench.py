@@ -108,6 +108,12 @@ def test_bench_hop_tiny_prints_both_setups_and_the_ratio(tmp_path, capsys):
     assert row and line, text
     assert line.groups()[:3] == row.groups()
     assert (float(line.group(1)) <= 1.2) == (line.group(4) == "within")
+    # CPU per chunk by process group (ranks, engine, the three daemons, all): its form only
+    # (a tiny round's CPU can be below /proc's 10 ms tick)
+    assert "| setup | ranks | engine | daemon one | daemon node0 | daemon node1 |" in text
+    cpu = {m.group(1) for m in re.finditer(
+        r"^\| (one daemon|two nodes) \| (?:\d+\.\d\d \| ){6}\d+\.\d\d \|$", text, re.M)}
+    assert cpu == {"one daemon", "two nodes"}, text
     link = re.search(r"peer link at the end \(node1.s side\): (\d+) messages out, (\d+) in",
                      text)
     assert link and int(link.group(1)) > 0 and int(link.group(2)) > 0, text

@@ -354,6 +354,17 @@ def _cpu_s(pid: int) -> float:
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _machine_busy_s() -> float:
+    """CPU seconds every core of this machine spent busy so far (``/proc/stat``: all but idle
+    and iowait)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / _TICKS  # (guest time is in user already)
+
+
 def _with_descendants(pid: int) -> list[int]:
     """``pid`` and every process below it (an engine's front and its workers)."""
     parent: dict[int, int] = {}
@@ -398,7 +409,9 @@ def _run_ranks(plan: HopPlan, log: Callable[[str], None], profile: Callable[[], 
     groups = {**groups, "ranks": [p.pid for p in procs if p.pid]}
 
     def cpu_now() -> dict[str, float]:
-        return {g: sum(_cpu_s(p) for p in ps) for g, ps in groups.items()}
+        now = {g: sum(_cpu_s(p) for p in ps) for g, ps in groups.items()}
+        now["machine"] = _machine_busy_s()
+        return now
 
     cpu: dict[str, dict[str, float]] = {s: {} for s in SETUPS}
     cpu_last = cpu_now()
@@ -457,6 +470,8 @@ def _run_ranks(plan: HopPlan, log: Callable[[str], None], profile: Callable[[], 
                     for k in range(len(got[0][s]["acks"][i]))]
             t.chunk_s += [b - a for a, b in zip(last, last[1:], strict=False)]
             t.round_s.append(max(got[r][s]["round_s"][i] for r in range(plan.ranks)))
+        machine = t.cpu_s.pop("machine", 0.0)
+        t.cpu_s["other processes"] = max(0.0, machine - sum(t.cpu_s.values()))
         out[s] = t
     return out
 
@@ -611,7 +626,8 @@ def main_from_args(args: argparse.Namespace) -> int:
         "`/update_weights` time per chunk (its metric)")
     say(f"- **CPU contention**: {2 * args.ranks + 3} busy processes in a round (ranks, engine "
         f"workers and front, one or two daemons) share {os.cpu_count()} cores; load average "
-        f"(1 min) {load0[0]:.2f} before, {load1[0]:.2f} after")
+        f"(1 min) {load0[0]:.2f} before the run, {load1[0]:.2f} at its end (the bench's own "
+        "processes included; what else ran: the CPU table's last column)")
     rtt = res.peer_link.get("rtt_ms")
     say(f"- peer link at the end (node1's side): {res.peer_link.get('messages_out')} messages "
         f"out, {res.peer_link.get('messages_in')} in, last ping round trip "
@@ -633,7 +649,8 @@ def main_from_args(args: argparse.Namespace) -> int:
     say()
     verdict = "within" if r_med <= TARGET else "over"
     say("CPU per chunk (ms; all processes of a group, user + system, over the counted "
-        "rounds, from /proc):")
+        "rounds, from /proc; other processes: the machine's busy time less the bench's, i.e. "
+        "what else ran on this shared machine meanwhile):")
     say()
     cols = ["ranks", "engine", "daemon one", "daemon node0", "daemon node1"]
     crow = []
@@ -643,10 +660,12 @@ def main_from_args(args: argparse.Namespace) -> int:
         by = {"ranks": t.cpu_s.get("ranks", 0.0), "engine": t.cpu_s.get(f"engine {s}", 0.0)}
         for d in ("one", "node0", "node1"):
             by[f"daemon {d}"] = t.cpu_s.get(f"daemon {d}", 0.0)
-        total = sum(t.cpu_s.values())
+        others = t.cpu_s.get("other processes", 0.0)
+        total = sum(t.cpu_s.values()) - others
         crow.append([LABELS[s], *(f"{by[c] / n * 1e3:.2f}" for c in cols),
-                     f"{total / n * 1e3:.2f}"])
-    say(table(["setup", *cols, "all (the idle setup's too)"], crow))
+                     f"{total / n * 1e3:.2f}", f"{others / n * 1e3:.2f}"])
+    say(table(["setup", *cols, "all of the bench (the idle setup's too)",
+               "other processes"], crow))
     say()
     say(f"hop ratio per chunk (two nodes / one daemon): median {r_med:.2f}x, p90 "
         f"{r_p90:.2f}x, mean {r_mean:.2f}x; target <= {TARGET}x (median): {verdict}")
