@@ -118,8 +118,10 @@ def test_bench_hop_tiny_prints_both_setups_and_the_ratio(tmp_path, capsys):
                      text)
     assert link and int(link.group(1)) > 0 and int(link.group(2)) > 0, text
     assert line.group(0) in out.out  # printed as well as written
+    # (its own folder only: other tests beside it make slotsyncd-* folders of their own; the
+    # run's leak check judges those)
     left = {n for n in set(os.listdir(tempfile.gettempdir())) - before
-            if n.startswith(("slotsync-hop-", "slotsyncd-"))}
+            if n.startswith("slotsync-hop-")}
     assert not left, left
 
 
