@@ -647,7 +647,6 @@ def main_from_args(args: argparse.Namespace) -> int:
     say(table(["setup", "chunk median ms", "chunk p90 ms", "chunk mean ms",
                "engine call ms/chunk", "round median ms", "round p90 ms", "rounds"], rows))
     say()
-    verdict = "within" if r_med <= TARGET else "over"
     say("CPU per chunk (ms; all processes of a group, user + system, over the counted "
         "rounds, from /proc; other processes: the machine's busy time less the bench's, i.e. "
         "what else ran on this shared machine meanwhile):")
@@ -667,8 +666,12 @@ def main_from_args(args: argparse.Namespace) -> int:
     say(table(["setup", *cols, "all of the bench (the idle setup's too)",
                "other processes"], crow))
     say()
+    def verdict(r: float) -> str:
+        return "within" if r <= TARGET else "over"
+
     say(f"hop ratio per chunk (two nodes / one daemon): median {r_med:.2f}x, p90 "
-        f"{r_p90:.2f}x, mean {r_mean:.2f}x; target <= {TARGET}x (median): {verdict}")
+        f"{r_p90:.2f}x, mean {r_mean:.2f}x; target <= {TARGET}x: median {verdict(r_med)}, "
+        f"mean {verdict(r_mean)}")
     say()
     say(f"_total {wall:.0f} s_")
     if args.report:
