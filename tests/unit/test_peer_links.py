@@ -228,3 +228,14 @@ def test_a_closed_relayed_rank_is_forgotten_by_the_owner_when_its_connection_end
     assert rest == [] and len(actions) == 1
     o.on_message("node1", actions[0].msg, 0.3)
     assert o.status(0.4)[0]["relayed_ranks"] == 0
+
+
+def test_a_link_that_never_connects_is_logged_once_even_with_no_rank_waiting():
+    """A wrong owner_address left node1's log silent (fresh-user trial): now one warning
+    after liveness_s, and again only after the link was up and went down."""
+    r = _relay()
+    assert r.poll(0.0) == []
+    assert r.next_deadline() is not None and r.next_deadline() <= LIVE + 0.1
+    (warn,) = r.poll(LIVE + 0.1)
+    assert warn.event == "peer_not_connected" and warn.fields["address"] == ENTRY.owner_address
+    assert r.poll(2 * LIVE) == []  # (once per outage)

@@ -99,3 +99,31 @@ def test_difference_names_what_differs():
     assert "does not declare" in spans.difference(mine, [], "node0", "node1")
     extra = [spans.span_engine(_entry(url="http://10.0.0.1:8001"))]
     assert "has no such engine" in spans.difference([], extra, "node0", "node1")
+
+
+def test_key_files_are_checked_with_the_configuration(tmp_path):
+    """--check-config refuses what the daemon would refuse at start (fresh-user trial: the
+    public half, another node's pair, a missing owner key all passed the check)."""
+    from slotsync.daemon.config import Config
+
+    make_keys("node0", tmp_path / "pub")
+    make_keys("node1", tmp_path / "pub")
+    pub = str(tmp_path / "pub")
+
+    def check(node: str, secret: str, folder: str = pub) -> None:
+        Config(runtime_dir=str(tmp_path / "run"), status_port=-1, node=node,
+               peer_listen="tcp://127.0.0.1:9461" if node == "node0" else "",
+               curve_secret_key=secret, peer_public_keys=folder, engines=[_entry()]).validate()
+
+    check("node1", f"{pub}/node1.key_secret")
+    with pytest.raises(ValueError, match="holds no secret key"):
+        check("node1", f"{pub}/node1.key")
+    with pytest.raises(ValueError, match="holds node node0's key pair"):
+        check("node1", f"{pub}/node0.key_secret")
+    only_own = tmp_path / "own"
+    make_keys("node1", only_own)
+    with pytest.raises(ValueError, match="no key of owner node"):
+        check("node1", f"{only_own}/node1.key_secret", str(only_own))
+    (tmp_path / "junk.key_secret").write_text("junk\n")
+    with pytest.raises(ValueError, match="curve_secret_key"):
+        check("node1", str(tmp_path / "junk.key_secret"))

@@ -220,6 +220,15 @@ class Config:
         check_engine_table(self.engines)
         spans.check_spanning(self.engines, self.node_name(), self.peer_listen,
                              self.curve_secret_key, self.peer_public_keys)
+        if spans.roles(self.engines, self.node_name()).relayed or any(
+                e.parts for e in self.engines) or self.peer_listen:
+            from slotsync.daemon.peer_keys import PeerKeyError, check_keys
+
+            try:
+                check_keys(self.node_name(), self.curve_secret_key, self.peer_public_keys,
+                           spans.roles(self.engines, self.node_name()).owners())
+            except PeerKeyError as e:
+                raise ValueError(str(e)) from None
         # The socket is bound at start, the in-flight record written before each engine's
         # start: a folder that cannot hold them would stop the daemon with a bare errno, or
         # pause every engine and then fail its update. Checked without creating anything.

@@ -62,6 +62,32 @@ def make_keys(node: str, folder: str | os.PathLike) -> tuple[Path, Path]:
     return Path(made_public), Path(made_secret)
 
 
+def check_keys(node: str, secret_file: str, public_folder: str, owners: dict) -> PeerKeys:
+    """``load_keys``, and that the pair is this node's (where the folder holds ``<node>.key``,
+    its public key must be the pair's) and that the folder holds every owner's key
+    (``owners``: owner node -> anything). Used at configuration time (``--check-config``).
+
+    Raises:
+        PeerKeyError: naming the file and what is wrong with it.
+    """
+    keys = load_keys(secret_file, public_folder)
+    named = keys.peers.get(keys.public)
+    if named is not None and named != node:
+        raise PeerKeyError(f"curve_secret_key {secret_file!r} holds node {named}'s key pair "
+                           f"(its public key is {named}.key's), not node {node}'s: the owner "
+                           f"would take this daemon for node {named}")
+    own = keys.key_of(node)
+    if own is not None and own != keys.public:
+        raise PeerKeyError(f"curve_secret_key {secret_file!r} does not match {node}.key in "
+                           f"peer_public_keys {public_folder!r}: copy this node's own .key "
+                           "there, or use its own .key_secret")
+    missing = [o for o in sorted(owners) if keys.key_of(o) is None]
+    if missing:
+        raise PeerKeyError(f"peer_public_keys {public_folder!r} has no key of owner node(s) "
+                           f"{', '.join(missing)} ({missing[0]}.key)")
+    return keys
+
+
 def load_keys(secret_file: str, public_folder: str) -> PeerKeys:
     """Read this daemon's pair and the allowed peers' public keys.
 
@@ -71,7 +97,7 @@ def load_keys(secret_file: str, public_folder: str) -> PeerKeys:
     """
     try:
         public, secret = zmq.auth.load_certificate(secret_file)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, IndexError) as e:
         raise PeerKeyError(f"curve_secret_key {secret_file!r}: {e}") from None
     if not secret:
         raise PeerKeyError(f"curve_secret_key {secret_file!r} holds no secret key (it is the "

@@ -69,6 +69,7 @@ class _Owner:
     link: LinkState
     pending: list[tuple[bytes, Relay]] = field(default_factory=list)  # (identity, frame)
     pending_since: float | None = None
+    warned: bool = False  # the link's outage was logged (peer_not_connected)
 
 
 class RelayLinks:
@@ -89,6 +90,12 @@ class RelayLinks:
             for owner, (address, _) in sorted(roles.owners().items())
         }
         self._ranks: dict[bytes, _Rank] = {}
+        self._first_poll: float | None = None
+
+    def _started(self, now: float) -> float:
+        if self._first_poll is None:
+            self._first_poll = now
+        return self._first_poll
 
     # ------------------------------------------------------------------ ranks
 
@@ -194,6 +201,7 @@ class RelayLinks:
         link.messages_in += 1
         if isinstance(msg, Welcome):
             link.up, link.state, link.since, link.last_ping = True, "up", now, now
+            o.warned = False
             out: list[PeerAction] = [LinkEvent("info", "peer_link_up", {"node": owner})]
             out += [self._send(link, relay) for _, relay in o.pending]
             o.pending, o.pending_since = [], None
@@ -227,9 +235,15 @@ class RelayLinks:
                     link.last_ping = now
                     out.append(self._send(link, Ping(now)))
             elif o.pending_since is not None and now - o.pending_since > self.liveness_s:
-                link.state = (f"down: not connected within {self.liveness_s:g} s "
-                              f"({link.state})")
+                if not link.state.startswith("down: not connected"):
+                    link.state = f"down: not connected within {self.liveness_s:g} s"
                 out += self._flush_pending(o)
+            if not link.up and not o.warned and now - (link.since or self._started(now)) \
+                    > self.liveness_s and not link.state.startswith("refused"):
+                o.warned = True  # (once per outage: a wrong owner_address, a dead owner)
+                out.append(LinkEvent("warning", "peer_not_connected", {
+                    "node": link.node, "address": link.address, "state": link.state,
+                    "for_s": round(now - (link.since or self._started(now)), 1)}))
         return out
 
     def next_deadline(self) -> float | None:
@@ -239,8 +253,12 @@ class RelayLinks:
             if o.link.up:
                 ds.append(min(o.link.last_ping + ping_interval(self.liveness_s),
                               (o.link.last_heard or 0.0) + silence_limit(self.liveness_s)))
-            elif o.pending_since is not None:
-                ds.append(o.pending_since + self.liveness_s)
+            else:
+                if o.pending_since is not None:
+                    ds.append(o.pending_since + self.liveness_s)
+                if not o.warned:
+                    ds.append((o.link.since or (self._first_poll or 0.0)) + self.liveness_s
+                              + 0.01)
         return min(ds) if ds else None
 
     def status(self, now: float) -> list[dict]:
