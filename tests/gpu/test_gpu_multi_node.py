@@ -10,7 +10,6 @@ Skips without CUDA, or when neither vllm nor the shim imports."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
@@ -20,26 +19,14 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from spawned_ranks import rounds, run_ranks  # noqa: E402
-from test_gpu_vllm_receive import RANKS, _assert_checksums, _engine  # noqa: E402
+from test_gpu_vllm_receive import RANKS, _assert_checksums, _engine, vllm_env  # noqa: E402,F401
 from two_nodes import TwoNodes  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 6
 
 
-@pytest.fixture(scope="module")
-def vllm_env() -> dict[str, str]:
-    from slotsync.engine.vllm_receive import receive_env
-
-    env = receive_env(ROOT / "build" / "vllm-shim")
-    if env is None:
-        pytest.skip("vllm.distributed.weight_transfer.ipc_engine is not importable (no vllm; "
-                    "run python tools/vllm_shim.py build/vllm-shim where vllm is installed)")
-    return env
-
-
-def test_two_nodes_daemons_feed_one_engine_through_vllms_receive_path(vllm_env):
+def test_two_nodes_daemons_feed_one_engine_through_vllms_receive_path(vllm_env):  # noqa: F811
     with _engine(vllm_env) as eng, TwoNodes(eng.url, RANKS // 2) as nodes:
         for i, (name, packed) in enumerate([("packed", True), ("unpacked", False)]):
             first = 1 + i * ROUNDS
