@@ -355,14 +355,15 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _machine_busy_s() -> float:
-    """CPU seconds every core of this machine spent busy so far (``/proc/stat``: all but idle
-    and iowait)."""
+    """CPU seconds this machine's processes used so far, every core (``/proc/stat``: user,
+    nice, system, irq, softirq; not idle, iowait or the hypervisor's steal; guest time is in
+    user already)."""
     try:
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:]]
     except (OSError, ValueError):
         return 0.0
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / _TICKS  # (guest time is in user already)
+    return (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / _TICKS
 
 
 def _with_descendants(pid: int) -> list[int]:
