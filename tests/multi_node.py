@@ -47,6 +47,19 @@ UUIDS = [logical_gpu_uuid(w) for w in range(WORKERS)]
 SLOT = (0, WORKERS)
 
 
+def prepare_impl(impl: str) -> None:
+    """Before an engine of ``impl`` starts: skip when vLLM's code cannot be imported, and let
+    vLLM's server take our pickled handles (``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
+    import pytest
+    from engines import vllm_importable
+
+    if impl == "vllm":
+        why = vllm_importable()
+        if why:
+            pytest.skip(f"vLLM's code cannot be imported: {why}")
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
 def impl_params() -> list[str]:
     """The engines a module runs against: both, or only the one ``--engine`` /
     ``$SLOTSYNC_TEST_ENGINE`` names (``tests/gen_reliability.py`` runs the fault suite once

@@ -27,7 +27,6 @@ suite's (``tests/gen_reliability.py``).
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from engines import EngineBox, model_file, vllm_importable  # noqa: E402
+from engines import EngineBox, model_file  # noqa: E402
 from multi_node import (  # noqa: E402
     NODES,
     PER_NODE,
@@ -48,6 +47,7 @@ from multi_node import (  # noqa: E402
     engine_model,
     impl_params,
     node_of,
+    prepare_impl,
 )
 from rank_pool import RankPool, RankRun, job  # noqa: E402
 from reliability_rows import Recorder, Row, describe_errors  # noqa: E402
@@ -79,11 +79,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module", params=IMPLS)
 def box(request: pytest.FixtureRequest, cluster: Cluster) -> Iterator[EngineBox]:
-    if request.param == "vllm":
-        why = vllm_importable()
-        if why:
-            pytest.skip(f"vLLM's code cannot be imported: {why}")
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    prepare_impl(request.param)
     b = EngineBox(WORKERS, impl_name=request.param, uds=cluster.engine_sock,
                   model=model_file(engine_model()))
     yield b

@@ -15,7 +15,6 @@ Needs root and ``ip netns`` (CI runs as root); skips otherwise, saying why.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +23,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from engines import model_file, start_engine, vllm_importable  # noqa: E402
+from engines import model_file, start_engine  # noqa: E402
 from multi_node import (  # noqa: E402
     NODES,
     PER_NODE,
@@ -36,6 +35,7 @@ from multi_node import (  # noqa: E402
     engine_model,
     ep_experts_of,
     impl_params,
+    prepare_impl,
     publish_rank_local,
 )
 from spawned_ranks import rounds, run_ranks  # noqa: E402
@@ -56,11 +56,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module", params=IMPLS)
 def engine(request: pytest.FixtureRequest, cluster: Cluster) -> Iterator[Any]:
-    if request.param == "vllm":
-        why = vllm_importable()
-        if why:
-            pytest.skip(f"vLLM's code cannot be imported: {why}")
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    prepare_impl(request.param)
     eng = start_engine(WORKERS, impl_name=request.param, uds=cluster.engine_sock,
                        model=model_file(engine_model()))
     yield eng

@@ -107,6 +107,29 @@ class SystemTimes:
 # ------------------------------------------------------------------------------- rank side
 
 
+
+def next_rank_report(q: Any, procs: list, deadline: float, what: str
+                     ) -> tuple[str, int, Any] | None:
+    """One ``(kind, rank, data)`` report from the bench ranks' queue, or None after a second
+    with none (the caller loops).
+
+    Raises:
+        RuntimeError: past ``deadline`` (monotonic seconds) "<what> timed out"; a rank process
+            exited with an error; or a rank reported ``("error", rank, traceback)``.
+    """
+    try:
+        kind, rank, data = q.get(timeout=1.0)
+    except queue.Empty:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} timed out") from None
+        dead = [p for p in procs if p.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"rank process died: exit {dead[0].exitcode}") from None
+        return None
+    if kind == "error":
+        raise RuntimeError(f"rank {rank} failed:\n{data}")
+    return kind, rank, data
+
 def _specs(phase: Phase) -> list[TensorSpec]:
     if phase.tensors is None:
         return qwen3_moe_specs(Qwen3MoeConfig(layers=phase.layers))
@@ -408,17 +431,10 @@ def _run_ranks(plan: SessionPlan, log: Any) -> dict[str, dict[str, SystemTimes]]
     deadline = time.monotonic() + plan.timeout_s * max(1, len(plan.phases))
     try:
         while len(got) < plan.world:
-            try:
-                kind, rank, data = q.get(timeout=1.0)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("bench ranks timed out") from None
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank process died: exit {dead[0].exitcode}") from None
+            item = next_rank_report(q, procs, deadline, "bench ranks")
+            if item is None:
                 continue
-            if kind == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{data}")
+            _, rank, data = item
             got[rank] = data
     finally:
         for p in procs:

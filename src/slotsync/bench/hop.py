@@ -32,7 +32,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import queue
 import shutil
 import statistics
 import subprocess
@@ -45,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from slotsync.bench.control import _DaemonLink, engine_call_seconds
+from slotsync.bench.control import _DaemonLink, engine_call_seconds, next_rank_report
 from slotsync.bench.model import (
     Qwen3MoeConfig,
     TensorSpec,
@@ -424,17 +423,10 @@ def _run_ranks(plan: HopPlan, log: Callable[[str], None], profile: Callable[[], 
         stop_profile = profile()
     try:
         while len(got) < plan.ranks:
-            try:
-                kind, rank, data = q.get(timeout=1.0)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("bench hop ranks timed out") from None
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank process died: exit {dead[0].exitcode}") from None
+            item = next_rank_report(q, procs, deadline, "bench hop ranks")
+            if item is None:
                 continue
-            if kind == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{data}")
+            kind, rank, data = item
             if kind == "progress":
                 r, setup, dt, counted = data
                 now = cpu_now()  # (this round's CPU: since the last round's end)
