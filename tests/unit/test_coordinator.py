@@ -270,7 +270,10 @@ def test_chunks_sent_before_the_begin_is_acknowledged_wait_for_the_engines_start
     ``/start_weight_update`` returns, after the begin's acks (I4: never before the start). A
     chunk from a rank that has not begun fails the update, before any engine call."""
     h = Harness()
+    # (a declared kind: an engine of unknown kind has its chunks merged once its version
+    # stage told vLLM from SGLang, engine_kind.py)
     h.register_all()
+    h.coord.engine.declare_kind("vllm")
     h.engine.hold = True  # the begin's calls stay unanswered until released below
     h.send(0, Begin(0, "v"))
     h.send(0, chunk(0, 0, 0))  # before rank 1 has even begun

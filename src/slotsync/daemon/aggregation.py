@@ -55,6 +55,7 @@ class MergedChunk:
     num_tensors: int
     nbytes: int
     update_info_json: bytes = b""
+    engine_kind: str = "vllm"  # "sglang": update_info is /update_weights_from_tensor's body
 
 
 def merge_chunk(
@@ -80,6 +81,38 @@ def merge_chunk(
         ChunkMismatch: a rank's names, dtypes, shapes or sizes differ from the lowest rank's,
             a handle of the wrong kind or count, duplicate UUIDs, or a UUID count other than
             ``world_size``. The message names the first differing tensor and the ranks.
+    """
+    ref = check_chunk(index, chunks, uuid_of_rank, packed=packed, transport=transport,
+                      world_size=world_size)
+    ranks = sorted(chunks)
+    info: dict = {"names": ref.names, "dtype_names": ref.dtype_names, "shapes": ref.shapes}
+    if packed:
+        pickled = pickle_packed({uuid_of_rank[r]: chunks[r].handles[0] for r in ranks})
+        info["tensor_sizes"] = ref.tensor_sizes
+    else:
+        pickled = pickle_unpacked(
+            [uuid_of_rank[r] for r in ranks], [chunks[r].handles for r in ranks],
+            dtype_names=ref.dtype_names, shapes=ref.shapes,  # (shm handles carry neither)
+        )
+    info["ipc_handles_pickled"] = pickled  # bytes: base64 by the JSON encoder (see MergedChunk)
+    return MergedChunk(index, info, len(ref.names), sum(ref.tensor_sizes),
+                       msgspec.json.encode(info))
+
+
+def check_chunk(
+    index: int,
+    chunks: Mapping[int, Chunk],
+    uuid_of_rank: Mapping[int, str],
+    *,
+    packed: bool,
+    transport: str,
+    world_size: int,
+) -> Chunk:
+    """The checks of ``merge_chunk`` (its arguments and errors), for any engine kind; returns
+    the lowest rank's chunk, which every other rank's agrees with.
+
+    Raises:
+        ChunkMismatch: as ``merge_chunk``.
     """
     ranks = sorted(chunks)
     ref_rank = ranks[0]
@@ -120,19 +153,7 @@ def merge_chunk(
             f"chunk {index}: {len(uuids)} GPU UUIDs but the engine's world size is {world_size}",
             ranks,
         )
-
-    info: dict = {"names": ref.names, "dtype_names": ref.dtype_names, "shapes": ref.shapes}
-    if packed:
-        pickled = pickle_packed({uuid_of_rank[r]: chunks[r].handles[0] for r in ranks})
-        info["tensor_sizes"] = ref.tensor_sizes
-    else:
-        pickled = pickle_unpacked(
-            [uuid_of_rank[r] for r in ranks], [chunks[r].handles for r in ranks],
-            dtype_names=ref.dtype_names, shapes=ref.shapes,  # (shm handles carry neither)
-        )
-    info["ipc_handles_pickled"] = pickled  # bytes: base64 by the JSON encoder (see MergedChunk)
-    return MergedChunk(index, info, len(ref.names), sum(ref.tensor_sizes),
-                       msgspec.json.encode(info))
+    return ref
 
 
 def _first_difference(names: Sequence[str], want: Sequence, got: Sequence) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from slotsync.daemon import sglang_merge
 from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk, merge_chunk
 from slotsync.daemon.rank_local import chunk_refusal, merge_rank_local
 from slotsync.daemon.update import Update
@@ -33,12 +34,15 @@ from slotsync.protocol.wire import Chunk
 @dataclass(frozen=True, slots=True)
 class MergeFacts:
     """What a merge needs to know of the slot: each rank's GPU UUID, the packed mode, the
-    transport (``"cuda"`` or ``"shm"``) and the engine's world size."""
+    transport (``"cuda"`` or ``"shm"``), the engine's world size and its kind (``"vllm"``,
+    ``"sglang"``; None: not known yet -- complete chunks wait, unmerged, until the version
+    stage told it: ``merge_waiting``)."""
 
     gpu_uuids: Mapping[int, str]
     packed: bool
     transport: str
     world_size: int
+    kind: str | None = "vllm"
 
 
 def merge(idx: int, got: dict[int, Chunk], facts: MergeFacts,
@@ -47,6 +51,13 @@ def merge(idx: int, got: dict[int, Chunk], facts: MergeFacts,
     is returned, not raised, and kept until the chunk's turn comes. A rank-local update
     ``u`` gets the list form (``rank_local.merge_rank_local``)."""
     try:
+        if facts.kind == "sglang":
+            if u is not None and u.rank_local:
+                raise ChunkMismatch(f"chunk {idx}: rank-local mode is vLLM's (its workers "
+                                    "load their own ranks' tensors); SGLang has no such mode")
+            return sglang_merge.merge_chunk(
+                idx, got, {r: facts.gpu_uuids[r] for r in got}, packed=facts.packed,
+                transport=facts.transport, world_size=facts.world_size)
         if u is not None and u.rank_local:
             return merge_rank_local(idx, got, u.worker_of, facts.gpu_uuids, u.fill_handles,
                                     packed=facts.packed, transport=facts.transport,
@@ -78,9 +89,19 @@ def receive(u: Update, rank: int, msg: Chunk, now: float, size: int,
     got[rank] = msg
     u.first_arrival.setdefault(msg.index, now)
     u.last_progress = now
-    if _complete(u, msg.index, size):
+    if _complete(u, msg.index, size) and facts.kind is not None:
         u.merged[msg.index] = merge(msg.index, got, facts, u)
     return ""
+
+
+def merge_waiting(u: Update, size: int, facts: MergeFacts) -> None:
+    """Merge the complete chunks that arrived before the engine's kind was known (``facts``
+    now tells it): the first begin against an engine the table does not declare."""
+    if facts.kind is None:
+        return
+    for idx in sorted(u.pending):
+        if idx >= u.next_send and idx not in u.merged and _complete(u, idx, size):
+            u.merged[idx] = merge(idx, u.pending[idx], facts, u)
 
 
 def draft_out_of_order(u: Update, rank: int, msg: Chunk) -> str:

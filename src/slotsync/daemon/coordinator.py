@@ -100,9 +100,12 @@ from slotsync.daemon import (
     begin_agreement,
     chunk_window,
     dp_layout,
+    engine_kind,
     malformed,
     probe,
     recovery,
+    sglang_fence,
+    sglang_versions,
     vllm_versions,
 )
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
@@ -118,6 +121,7 @@ from slotsync.daemon.registration import (
     unlike_the_slot,
     wrong_protocol_or_slot,
 )
+from slotsync.daemon.sglang_routes import SESSION_OPEN
 from slotsync.daemon.update import (
     SENT_EVENTS,
     STAGE_INDEX,
@@ -402,8 +406,17 @@ class SlotCoordinator:
                 return self._out_of_step(u, now, error)
             self._failed_call = (route, error)
             if route == "version" and "HTTP " in error:  # no version: refused as unknown
+                if "HTTP 404" in error and u.kind_asked:  # SGLang has none (engine_kind.py)
+                    if self.engine.kind == "sglang":
+                        return self._advance(now)  # (its /server_info told already)
+                    if any(c.route == "server_info" for c in self._calls.values()):
+                        u.version_404 = error  # (/server_info decides)
+                        return self._advance(now)
                 return self._version_refused(
-                    now, None, vllm_versions.answer_refusal(error, self.engine_url or ""))
+                    now, None, engine_kind.declared_sglang_but(self.engine, self.engine_url
+                                                               or "", error)
+                    if self.engine.kind == "sglang" else
+                    vllm_versions.answer_refusal(error, self.engine_url or ""))
             if route == "finish_recover":
                 # Expected when the engine is not (or only partly) mid-update: vllm-contract.md
                 # "Per-worker state": finish tolerating the 500, then a full update.
@@ -411,29 +424,46 @@ class SlotCoordinator:
             if route == "resume":
                 # Weights are complete and the version is recorded; the engine stays paused.
                 return self._complete(now, resume_error=error)
-            if (route == "start_weight_update" and "already active" in error
-                    and not u.start_retried):
+            if (route == "start_weight_update" and not u.start_retried
+                    and ("already active" in error or SESSION_OPEN in error)):
                 # The engine holds a session nobody recorded (e.g. a daemon restarted without
                 # its state dir): end it, tolerating the 500, and start once more.
                 u.start_retried = True  # (phase stays starting: it may be mid-update)
                 self.engine.mid_update = True
                 u.stage = STAGE_INDEX["recover"]
                 return self._advance(now)
-            return self._fail(now, "engine", f"vLLM {route} failed: {error}", [])
+            who = "SGLang" if self.engine.kind == "sglang" else "vLLM"
+            return self._fail(now, "engine", f"{who} {route} failed: {error}", [])
         u.last_progress = now
         out: list[Action] = []
         if route == "check_replies":
             if not replies_in_step(result, self.size):
                 return self._out_of_step(u, now, f"check_health answered {result!r}")
             self.engine.replies_suspect = False
+        elif route == "version" and self.engine.kind == "sglang" and not u.kind_asked:
+            # (SglangClient's version step: GET /server_info's answer, engine_kind.py)
+            if not sglang_versions.looks_like_sglang(result):
+                return self._version_refused(now, None, engine_kind.declared_sglang_but(
+                    self.engine, self.engine_url or "", result))
+            return self._sglang_known(u, result, now)
         elif route == "version":
             text = vllm_versions.version_of(result)
-            refusal = vllm_versions.check_supported(text, self.engine_url or "the engine")
+            refusal = (vllm_versions.check_supported(text, self.engine_url or "the engine")
+                       or engine_kind.vllm_answered(self.engine, self.engine_url or ""))
             if refusal:
                 return self._version_refused(now, text if isinstance(text, str) else None,
                                              refusal)
             out += self._version_known(u, text)
-        elif route == "server_info":  # (a DP layout one endpoint cannot drive: dp_layout.py)
+            chunk_window.merge_waiting(u, self.size, self._merge_facts())
+        elif route == "server_info" and u.kind_asked and self.engine.kind != "vllm" and (
+                sglang_versions.looks_like_sglang(result)):
+            return self._sglang_known(u, result, now)
+        elif route == "server_info" and self.engine.kind != "sglang":
+            if u.version_404:  # (no /version and no SGLang: engine_kind.py)
+                return self._version_refused(
+                    now, None, vllm_versions.answer_refusal(u.version_404, self.engine_url
+                                                            or ""))
+            # (a DP layout one endpoint cannot drive: dp_layout.py)
             if dp_layout.check(self.engine, result, self.engine_url or "the engine"):
                 return self._fail(now, "begin", self.engine.dp_layout_refused, [])
         elif route == "get_world_size":
@@ -465,17 +495,23 @@ class SlotCoordinator:
             u.on(PhaseEvent.STARTED)
             u.engine_started_at = now
             self.engine.mid_update = True
+            if self.engine.kind == "sglang" and sglang_fence.needed(self.engine.sglang_version):
+                u.fence = sglang_fence.Fence()
             actions: list[Action] = [
                 Reply(self.ranks[r].identity, Ack(u.update_id, "begin")) for r in sorted(u.begun)
             ]
             return actions + self._advance(now)
         elif route == "update_weights":
-            acks: list[Action] = [  # acknowledged in index order (I3 per chunk)
-                Reply(i.identity, Ack(u.update_id, "chunk", idx))
-                for idx in chunk_window.returned(u, call.index) for i in self._by_rank()
-                if u.sent_count.get(i.rank, 0) > idx]  # (rank-local: the ranks that sent it)
-            return acks + self._advance(now)
+            due = chunk_window.returned(u, call.index)
+            if u.fence is not None:  # (SGLang: acked once proven, sglang_fence.py)
+                due = u.fence.on_chunk_reply(call.call_id, call.index, due)
+            return self._chunk_acks(u, due) + self._advance(now)
+        elif route == "prove_copies":
+            return self._chunk_acks(u, u.fence.on_proof(call.call_id) if u.fence else []
+                                    ) + self._advance(now)
         elif route == "finish_weight_update":
+            if u.fence is not None:  # (the end proves every chunk's copies, sglang_fence.py)
+                out += self._chunk_acks(u, u.fence.on_proof(call.call_id))
             u.on(PhaseEvent.FINISHED)
             self.engine.mid_update = False
             self.engine.needs_full_update = False
@@ -503,6 +539,28 @@ class SlotCoordinator:
         elif route == "resume":
             self.engine.paused = False
             return self._complete(now)
+        return out + self._advance(now)
+
+    def _chunk_acks(self, u: Update, due: list[int]) -> list[Action]:
+        """``Ack(chunk)`` of each of ``due`` (in index order, I3) to every rank that sent it
+        (rank-local: not every rank sends every chunk)."""
+        return [Reply(i.identity, Ack(u.update_id, "chunk", idx))
+                for idx in due for i in self._by_rank() if u.sent_count.get(i.rank, 0) > idx]
+
+    def _sglang_known(self, u: Update, info: Any, now: float) -> list[Action]:
+        """The engine is SGLang and ``info`` its ``/server_info``: check its version and
+        layout (before the pause), then merge the chunks that waited for the kind."""
+        first = self.engine.sglang_version is None and self.engine.kind != "sglang"
+        refusal = engine_kind.sglang_version_refusal(self.engine, info, self.size,
+                                                     self.engine_url or "the engine")
+        if refusal:
+            return self._fail(now, "begin", refusal, [])
+        chunk_window.merge_waiting(u, self.size, self._merge_facts())
+        out: list[Action] = []
+        if first and self.engine.declared_kind is None:
+            out.append(SlotEvent(self.slot, "engine_kind_detected", {
+                "engine": self.engine_url, "kind": "sglang",
+                "sglang_version": self.engine.sglang_version}, warning=False))
         return out + self._advance(now)
 
     def _version_known(self, u: Update, text: str) -> list[Action]:
@@ -778,7 +836,8 @@ class SlotCoordinator:
     def _merge_facts(self) -> chunk_window.MergeFacts:
         return chunk_window.MergeFacts(
             {r: i.gpu_uuid for r, i in self.ranks.items()}, bool(self.packed),
-            self.transport or "cuda", self.engine.world_size or self.size)
+            self.transport or "cuda", self.engine.world_size or self.size,
+            self.engine.known_kind)
 
     def _on_commit(self, rank: int, msg: Commit, now: float) -> list[Action]:
         u = self.current
@@ -801,6 +860,8 @@ class SlotCoordinator:
         event = SENT_EVENTS.get(route)
         if event is not None:
             u.on(event)
+        if u.fence is not None and route in sglang_fence.PROVING_STEPS:
+            u.fence.on_send(call.call_id)
         self.engine_calls[route] = self.engine_calls.get(route, 0) + 1
         return [call]
 
@@ -825,11 +886,17 @@ class SlotCoordinator:
         if mismatch is not None:  # I2: the engine never sees an inconsistent chunk
             return self._fail(now, "chunk", str(mismatch), [])  # ranks differ; none missing
         for idx, merged in ready:
-            # (the JSON text made at merge time, embedded as is by the client's encoder)
-            out += self._call(u, "update_weights",
-                              {"update_info": msgspec.Raw(merged.update_info_json)}, idx)
+            # (the JSON text made at merge time, embedded as is by the client's encoder;
+            # SGLang's is the whole /update_weights_from_tensor body, sglang_merge.py)
+            raw = msgspec.Raw(merged.update_info_json)
+            out += self._call(u, "update_weights", raw if merged.engine_kind == "sglang"
+                              else {"update_info": raw}, idx)
         if out or self._calls:
             return out
+        if u.fence is not None and u.fence.waiting() and not u.all_consumed(self.size):
+            # no chunk call is out to prove the loaded ones, and the publisher may wait for
+            # their regions: prove them with a call that loads nothing (sglang_fence.py)
+            return self._call(u, "prove_copies", {"ranks": self.size})
         if u.draft:
             return self._advance_draft(u, now)
         if u.all_consumed(self.size):
@@ -870,6 +937,8 @@ class SlotCoordinator:
             return self._call(u, "check_replies", {"method": "check_health"})
         out: list[Action] = []
         for route in step.stage.routes if step.stage else ():
+            if route in ("version", "server_info"):
+                u.kind_asked = self.engine.kind is None  # (engine_kind.py)
             body = ({"init_info": {"packed": self.packed}}
                     if route == "init_weight_transfer_engine" else
                     {"method": "supports_draft_weight_updates"} if route == "draft_support"

@@ -83,6 +83,9 @@ class EngineSession:
 
     ``draft``: the draft model's own target (``DraftTarget``, issue 18); the fields above
     are the main model's.
+    Its kind (issue 26, ``engine_kind.py``): ``kind`` ``"vllm"`` / ``"sglang"`` (None: not
+    known yet), ``declared_kind`` the engine table's, ``sglang_version`` SGLang's release
+    as its ``/server_info`` gave it, ``pause_mode`` the table's SGLang pause mode.
     Its vLLM version (``vllm_versions.py``): ``vllm_version`` the ``"version"`` text its
     ``GET /version`` gave (None: not asked yet, or no version came back), asked when the
     daemon first meets the engine and after a restart is suspected; ``version_refused`` why
@@ -121,6 +124,28 @@ class EngineSession:
     unreachable: str = ""
     unreachable_since: float | None = None
     last_answer_at: float | None = None
+    # issue 26: which engine this is (engine_kind.py)
+    kind: str | None = None
+    declared_kind: str | None = None
+    sglang_version: str | None = None
+    pause_mode: str = "in_place"
+
+    @property
+    def known_kind(self) -> str | None:
+        """``"vllm"`` or ``"sglang"`` once declared or told by the engine's answers; None
+        before (complete chunks wait for it: ``chunk_window.MergeFacts.kind``)."""
+        return self.kind or ("vllm" if self.vllm_version is not None else None)
+
+    @property
+    def engine_version(self) -> str | None:
+        """The version of the engine's own software the daemon knows (vLLM's or SGLang's)."""
+        return self.sglang_version if self.kind == "sglang" else self.vllm_version
+
+    def declare_kind(self, kind: str | None, pause_mode: str = "in_place") -> None:
+        """The engine table's ``kind`` (None: not declared) and SGLang pause mode."""
+        self.declared_kind, self.pause_mode = kind, pause_mode
+        self.kind = kind
+        self.sglang_version = None
 
     def take_over(self, old: EngineSession) -> None:
         """Take what a released slot knew of the same engine (paused, mid-update, out of step,
@@ -140,6 +165,7 @@ class EngineSession:
         self.version, self.gpu_uuids, self.last_ok_names = None, None, frozenset()
         self.draft = DraftTarget()
         self.vllm_version, self.version_refused, self.dp_layout_refused = None, "", ""
+        self.kind, self.sglang_version = self.declared_kind, None
 
     def new_process(self) -> None:
         """The engine is a process this daemon did not initialise (restarted at its URL): no

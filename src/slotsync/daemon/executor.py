@@ -23,6 +23,8 @@ from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, Update
 from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.metrics import Metrics
 from slotsync.daemon.mid_update_record import MidUpdateEngine, MidUpdateRecord
+from slotsync.daemon.sglang_client import SglangClient
+from slotsync.daemon.sglang_routes import Dialect
 from slotsync.daemon.slot_table import SlotTable
 from slotsync.daemon.vllm_client import EngineError, VllmClient
 from slotsync.protocol.wire import Error, FromDaemon, Registered
@@ -158,17 +160,23 @@ class ActionExecutor:
             log_event(log, logging.ERROR, "record_write_failed", path=str(self.record.path),
                       error=str(fut.exception()))
 
-    def _client(self, url: str) -> VllmClient:
-        client = self.clients.get(url)
+    def _client(self, url: str, kind: str | None = None) -> VllmClient:
+        """The engine's client, kept for the daemon's life: ``SglangClient`` for an SGLang
+        engine (issue 26), else ``VllmClient`` (an engine of unknown kind is asked as vLLM
+        is: ``engine_kind.py``)."""
+        key = f"sglang+{url}" if kind == "sglang" else url
+        client = self.clients.get(key)
         if client is None:
-            client = VllmClient(url, self._engine_timeout_s, self.metrics.observe_request)
-            self.clients[url] = client
+            cls = SglangClient if kind == "sglang" else VllmClient
+            client = cls(url, self._engine_timeout_s, self.metrics.observe_request)
+            self.clients[key] = client
         return client
 
     async def _engine_call(self, call: EngineCall) -> None:
         coord = self.table.coordinator(call.slot)
         url = coord.engine_url or ""
-        client = self._client(url)
+        engine = coord.engine
+        client = self._client(url, engine.kind)
         log_event(log, logging.DEBUG, "engine_call", slot=slot_text(call.slot),
                   update_id=call.update_id, route=call.route)
         err = await self.record_on_disk() if call.needs_record else ""
@@ -177,7 +185,11 @@ class ActionExecutor:
         else:
             lost = client.connection_errors
             try:
-                result = await client.call(call.route, call.body)
+                if isinstance(client, SglangClient):
+                    result = await client.call(call.route, call.body, Dialect(
+                        engine.sglang_version, engine.pause_mode))
+                else:
+                    result = await client.call(call.route, call.body)
                 ok, err = True, ""
             except EngineError as e:
                 result, ok, err = None, False, str(e)

@@ -41,6 +41,7 @@ from slotsync.daemon import rank_local, vllm_versions
 from slotsync.daemon.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk
 from slotsync.daemon.engine_session import EngineSession
 from slotsync.daemon.registration import RankInfo, uuid_mismatch
+from slotsync.daemon.sglang_fence import Fence
 from slotsync.protocol.wire import Chunk
 
 
@@ -224,6 +225,11 @@ class Update:
     # the publisher settings each begun rank declared (begin_agreement.SETTINGS):
     # setting -> rank -> value
     settings: dict[str, dict[int, int]] = field(default_factory=dict)
+    # issue 26 (engine_kind.py): the version stage went out before the engine's kind was
+    # known; GET /version's 404 while /server_info was still out; SGLang's buffer fence
+    kind_asked: bool = False
+    version_404: str = ""
+    fence: Fence | None = None
 
     def on(self, event: PhaseEvent) -> None:
         """Move the phase along ``TRANSITIONS`` (``DRAFT_TRANSITIONS`` for a round with a
@@ -432,7 +438,7 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
             # from the old one, both still at their checkpoint's weight version)
             if u.version_asked or not (
                     (u.new_session or not engine.initialized) if st.name == "version_again"
-                    else engine.vllm_version is None or engine.version_refused
+                    else engine.engine_version is None or engine.version_refused
                     or engine.dp_layout_refused or engine.session_suspect):
                 u.stage += 1
                 continue
@@ -440,7 +446,8 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
         if st.name == "init" and engine.initialized:
             u.stage += 1
             continue
-        if st.name == "draft" and (not u.draft or engine.draft.supported):
+        if st.name == "draft" and (not u.draft or engine.draft.supported
+                                   or engine.kind == "sglang"):  # (refused at the pause)
             u.stage += 1
             continue
         if st.name == "recover" and not (
@@ -458,7 +465,7 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
                                           engine_url))
                 if wrong:
                     return BeginStep(fail=wrong)
-                wrong = draft_refusal(u, engine)
+                wrong = sglang_refusal(u, engine, engine_url) or draft_refusal(u, engine)
                 if wrong:
                     return BeginStep(fail=wrong)
         u.stage += 1
@@ -482,4 +489,21 @@ def draft_refusal(u: Update, engine: EngineSession) -> str:
                 f"{u.update_id} has no draft part: "
                 "publish the draft model's tensors in full with this round "
                 "(Publisher.publish(..., draft=...))")
+    return ""
+
+
+def sglang_refusal(u: Update, engine: EngineSession, engine_url: str | None) -> str:
+    """Why update ``u`` must not pause an SGLang engine, or '': a draft part (SGLang loads a
+    draft through ``selector "draft"``, not built yet: docs/sglang-contract.md 7.6) or
+    rank-local mode (vLLM's workers only)."""
+    if engine.kind != "sglang":
+        return ""
+    if u.draft:
+        return (f"update {u.update_id} has a draft part, but engine {engine_url} is SGLang: "
+                "slotsyncd loads SGLang's draft model with its main weights only (selector "
+                "\"all\"); publish without draft=")
+    if u.rank_local:
+        return (f"update {u.update_id} is rank-local (vLLM's expert-parallel mode), but "
+                f"engine {engine_url} is SGLang, whose TP rank r reads rank r's entry: "
+                "publish without rank_local")
     return ""
