@@ -91,6 +91,8 @@ def render_table(status: dict) -> str:
         engine = s.get("engine_url") or "-"
         if s.get("engine_vllm_version"):  # (GET /version, once the daemon asked it)
             engine += f" (vLLM {s['engine_vllm_version']})"
+        elif s.get("engine_sglang_version"):  # (GET /server_info's version, issue 26)
+            engine += f" (SGLang {s['engine_sglang_version']})"
         rows.append([
             f"[{s['slot'][0]},{s['slot'][1]})", engine, ranks, s["state"],
             _engine_state(s), version, _last_update(s),

@@ -25,6 +25,7 @@ from slotsync import __version__
 from slotsync.daemon import spans
 from slotsync.daemon.coordinator import OMITTED_NAMES_POLICIES
 from slotsync.daemon.peer_wire import SpanPart
+from slotsync.daemon.sglang_routes import PAUSE_MODES
 from slotsync.protocol.wire import MAX_MESSAGE_BYTES_DEFAULT, check_engine_url, normalize_gpu_uuid
 
 SOCKET_NAME = "slotsyncd.sock"
@@ -53,6 +54,11 @@ def default_endpoint() -> str:
     return f"ipc://{os.path.join(default_runtime_dir(), SOCKET_NAME)}"
 
 
+ENGINE_KINDS = ("", "vllm", "sglang")
+"""An engine table entry's ``kind``: "" (not declared: the first begin asks the engine,
+``engine_kind.py``), ``vllm`` or ``sglang`` (issue 26)."""
+
+
 @dataclass(frozen=True)
 class EngineEntry:
     """One declared engine: its slot ``[slot_start, slot_start + slot_size)``, URL and,
@@ -69,6 +75,10 @@ class EngineEntry:
     owner: str = ""
     owner_address: str = ""
     parts: tuple[SpanPart, ...] = ()
+    # issue 26: the engine's kind ("vllm" or "sglang"; "" detects it at the first begin) and,
+    # for SGLang, the mode of its /pause_generation (sglang_routes.PAUSE_MODES)
+    kind: str = ""
+    pause_mode: str = "in_place"
 
     @property
     def spans_nodes(self) -> bool:
@@ -463,11 +473,11 @@ def _engine_table(path: Path, v: object) -> list[EngineEntry]:
     out = []
     for i, e in enumerate(v):
         if (not isinstance(e, dict) or not {"url", "slot_start", "slot_size"} <= set(e)
-                or not set(e) <= {"url", "slot_start", "slot_size", "gpu_uuids",
-                                  *spans.TOML_KEYS}):
+                or not set(e) <= {"url", "slot_start", "slot_size", "gpu_uuids", "kind",
+                                  "pause_mode", *spans.TOML_KEYS}):
             raise ConfigError(f"config file {path}: engines[{i}] must have url, slot_start, "
-                              f"slot_size and optionally gpu_uuids, owner, owner_address and "
-                              f"nodes; got {e!r}")
+                              f"slot_size and optionally gpu_uuids, kind, pause_mode, owner, "
+                              f"owner_address and nodes; got {e!r}")
         if not isinstance(e["url"], str) or not all(
             isinstance(e[k], int) and not isinstance(e[k], bool)
             for k in ("slot_start", "slot_size")
@@ -486,8 +496,20 @@ def _engine_table(path: Path, v: object) -> list[EngineEntry]:
             owner, address, parts = spans.parse_toml(e)
         except ValueError as err:
             raise ConfigError(f"config file {path}: engines[{i}]: {err}") from None
+        kind, pause_mode = e.get("kind", ""), e.get("pause_mode", "in_place")
+        if kind not in ENGINE_KINDS:
+            raise ConfigError(f"config file {path}: engines[{i}]: kind {kind!r}: use one of "
+                              f"{', '.join(repr(k) for k in ENGINE_KINDS[1:])} (or leave it "
+                              "out: the daemon asks the engine)")
+        if pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"config file {path}: engines[{i}]: pause_mode {pause_mode!r}: "
+                              f"use one of {', '.join(repr(m) for m in PAUSE_MODES)} (SGLang's "
+                              "/pause_generation modes)")
+        if "pause_mode" in e and kind != "sglang":
+            raise ConfigError(f"config file {path}: engines[{i}]: pause_mode is SGLang's; "
+                              "declare kind = \"sglang\" with it")
         out.append(EngineEntry(e["url"], e["slot_start"], e["slot_size"], norm, owner, address,
-                               parts))
+                               parts, kind, pause_mode))
     return out
 
 

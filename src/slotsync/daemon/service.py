@@ -62,13 +62,15 @@ log = logging.getLogger("slotsync.daemon")
 _EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def _engine_table(engines, roles: spans.Roles | None = None) -> tuple[dict, dict]:
-    """``config.engines`` as ``SlotTable.set_engine_table`` takes it: URLs and GPU UUIDs,
-    without the engines another node drives (``roles.relayed``)."""
+def _engine_table(engines, roles: spans.Roles | None = None) -> tuple[dict, dict, dict]:
+    """``config.engines`` as ``SlotTable.set_engine_table`` takes it: URLs, GPU UUIDs and
+    kinds (with SGLang's pause mode), without the engines another node drives
+    (``roles.relayed``)."""
     if roles is not None:
         engines = [e for e in engines if e.slot not in roles.relayed]
     return ({e.slot: e.url for e in engines},
-            {e.slot: tuple(e.gpu_uuids) for e in engines if e.gpu_uuids})
+            {e.slot: tuple(e.gpu_uuids) for e in engines if e.gpu_uuids},
+            {e.slot: (e.kind, e.pause_mode) for e in engines if e.kind})
 
 
 class Daemon:

@@ -90,9 +90,12 @@ class SlotTable:
     def set_engine_table(
         self, table: dict[tuple[int, int], str],
         gpu_uuids: dict[tuple[int, int], tuple[str, ...]] | None = None,
+        kinds: dict[tuple[int, int], tuple[str, str]] | None = None,
     ) -> list[str]:
         """Declare (or re-declare, on SIGHUP) the engine slots, their URLs and, where known,
-        their workers' GPU UUIDs (checked as a set against the ranks' before each pause).
+        their workers' GPU UUIDs (checked as a set against the ranks' before each pause) and
+        their kinds with SGLang's pause mode (``kinds``: slot -> (kind, pause_mode); a slot
+        not in it is detected at its first begin, ``engine_kind.py``).
 
         New slots are created empty; a changed URL applies to an idle slot at once and to a
         slot with an update in flight when that update ends; a slot no longer declared is
@@ -117,6 +120,13 @@ class SlotTable:
                     changes.append(f"slot [{key[0]}, {key[1]}) GPU UUIDs "
                                    f"{list(uuids) if uuids else 'not declared'}")
                 c.engine.declared_gpu_uuids = uuids
+            kind, pause_mode = (kinds or {}).get(key, ("", "in_place"))
+            if (kind or None, pause_mode) != (c.engine.declared_kind, c.engine.pause_mode):
+                if c.engine.declared_kind is not None or kind:
+                    changes.append(f"slot [{key[0]}, {key[1]}) engine kind "
+                                   f"{kind or 'not declared'}"
+                                   + (f", pause mode {pause_mode}" if kind == "sglang" else ""))
+                c.engine.declare_kind(kind or None, pause_mode)
         for key in sorted(set(self.declared) - set(table)):
             c = self.slots.get(key)
             if c is not None and not c.ranks and c.mid_update_state() is None:

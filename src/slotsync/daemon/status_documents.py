@@ -67,6 +67,10 @@ def slot_status(c: SlotCoordinator, now: float | None = None) -> dict[str, Any]:
         "engine_replies_out_of_step": c.engine.out_of_step,
         "engine_weight_version": c.engine.version,
         "engine_vllm_version": c.engine.vllm_version,
+        # issue 26: "vllm", "sglang" or null (not known yet), SGLang's release and pause mode
+        "engine_kind": c.engine.known_kind,
+        "engine_sglang_version": c.engine.sglang_version,
+        "engine_pause_mode": c.engine.pause_mode if c.engine.kind == "sglang" else None,
         "engine_gpu_uuids": list(c.engine.declared_gpu_uuids or c.engine.gpu_uuids or []),
         "last_update_names": len(c.engine.last_ok_names),
         # issue 18: the draft model, tracked apart from the main one
