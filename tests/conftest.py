@@ -155,22 +155,42 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    required = " (SLOTSYNC_REQUIRE_VLLM: a skipped vllm test fails)" if _require_vllm() else ""
+    required = "".join(f" ({env}: a skipped {m} test fails)" for m, (env, _) in
+                       REQUIRED.items() if _required(m))
     return f"engine under test: {os.environ.get(ENGINE_ENV) or 'reference'}{required}"
 
 
-def _require_vllm() -> bool:
-    return os.environ.get("SLOTSYNC_REQUIRE_VLLM", "") not in ("", "0")
+def sglang_importable() -> str:
+    """'' when SGLang's receive code (its serializer, ``SafeUnpickler``, ``patch_torch``,
+    ``tensor_bucket``) imports here, else why not (``scripts/test`` installs it, issue 26)."""
+    try:
+        import sglang.srt.utils.common  # noqa: F401
+        import sglang.srt.utils.patch_torch  # noqa: F401
+        import sglang.srt.weight_sync.tensor_bucket  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: not usable
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+REQUIRED = {"vllm": ("SLOTSYNC_REQUIRE_VLLM", vllm_importable),
+            "sglang": ("SLOTSYNC_REQUIRE_SGLANG", sglang_importable)}
+"""Marker -> (the environment variable under which a skip of a test so marked is a failure,
+what says why the engine's code cannot be imported)."""
+
+
+def _required(marker: str) -> bool:
+    return os.environ.get(REQUIRED[marker][0], "") not in ("", "0")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """A ``vllm``-marked test skips, saying why, where vLLM's code cannot be imported (the
     README's test command installs no vLLM); under ``SLOTSYNC_REQUIRE_VLLM=1`` that skip is a
     failure (below)."""
-    if item.get_closest_marker("vllm") is not None:
-        why = vllm_importable()
-        if why:
-            pytest.skip(f"vllm cannot be imported: {why}")
+    for marker, (_, importable) in REQUIRED.items():
+        if item.get_closest_marker(marker) is not None:
+            why = importable()
+            if why:
+                pytest.skip(f"{marker} cannot be imported: {why}")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -190,10 +210,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     vLLM's own code must run, not be skipped for lack of it."""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and _require_vllm() and item.get_closest_marker("vllm") is not None:
-        report.outcome = "failed"
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
-        report.longrepr = f"vllm-marked test skipped under SLOTSYNC_REQUIRE_VLLM=1: {reason}"
+    for marker, (env, _) in REQUIRED.items():
+        if report.skipped and _required(marker) and item.get_closest_marker(marker):
+            report.outcome = "failed"
+            reason = (report.longrepr[2] if isinstance(report.longrepr, tuple)
+                      else report.longrepr)
+            report.longrepr = f"{marker}-marked test skipped under {env}=1: {reason}"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -201,15 +223,17 @@ def pytest_make_collect_report(collector: pytest.Collector):
     """... and so is a test module skipped at import for lack of vLLM."""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and _require_vllm() and _for_lack_of_vllm(report.longrepr):
+    if report.skipped and any(_required(m) and _for_lack_of(m, report.longrepr)
+                              for m in REQUIRED):
         report.outcome = "failed"
 
 
-def _for_lack_of_vllm(longrepr: object) -> bool:
-    """Whether a skip's reason is that vLLM could not be imported (``pytest.importorskip``)."""
+def _for_lack_of(package: str, longrepr: object) -> bool:
+    """Whether a skip's reason is that ``package`` could not be imported
+    (``pytest.importorskip``)."""
     reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else longrepr
     text = str(reason)
-    return "import 'vllm" in text or "module named 'vllm" in text
+    return f"import '{package}" in text or f"module named '{package}" in text
 
 
 @pytest.fixture
