@@ -195,13 +195,17 @@ def _tail(n_ipc: int, n_ref: int, n_event: int) -> struct.Struct:
     return struct.Struct(f"<cicI{n_ipc}scicic" + f"cI{n_ref}sci" + event + "cc")
 
 
-def _shm_tail(h: ShmHandle) -> bytes:
-    """A shared-memory stand-in's opcodes after its layout: device 0, storage handle
-    ``SHM_HANDLE_PREFIX + segment``, the region's byte count and byte offset, requires_grad
-    False, ref-counter handle ``b""`` and offset 0, event handle None, event_sync_required
-    False, then TUPLE (closing the 15-tuple)."""
+_DEVICE_0 = _int(0)
+
+
+def _shm_tail(h: ShmHandle, device: bytes = _DEVICE_0) -> bytes:
+    """A shared-memory stand-in's opcodes after its layout: ``device`` (opcodes pushing slot
+    6: device index 0 for vLLM, which overwrites it; SGLang's writer passes the GPU UUID
+    string, ``sglang_pickle``), storage handle ``SHM_HANDLE_PREFIX + segment``, the region's
+    byte count and byte offset, requires_grad False, ref-counter handle ``b""`` and offset 0,
+    event handle None, event_sync_required False, then TUPLE (closing the 15-tuple)."""
     return b"".join((
-        _int(0), _bytes(SHM_HANDLE_PREFIX + h.segment.encode()), _int(h.nbytes),
+        device, _bytes(SHM_HANDLE_PREFIX + h.segment.encode()), _int(h.nbytes),
         _int(h.offset), _FALSE, _bytes(b""), _int(0), _NONE, _FALSE, _TUPLE,
     ))  # fmt: skip
 
@@ -315,6 +319,15 @@ class _Memo:
         self.prelude.append(build + b"r" + struct.pack("<I", i) + b"0")  # LONG_BINPUT
         return b"j" + struct.pack("<I", i)  # LONG_BINGET
 
+    def size(self, size: tuple[int, ...]) -> bytes:
+        """Opcodes that push ``torch.Size(size)`` from its memo slot (built in the prelude
+        the first time this pickle needs it). The caller sets ``torch.Size``'s bit in the
+        prelude mask (``_BIT``)."""
+        get_size = self.sizes.get(size)
+        if get_size is None:
+            get_size = self.sizes[size] = self.put(_size_ops(size))
+        return get_size
+
     def layout(
         self,
         tensor_class: str,
@@ -331,9 +344,7 @@ class _Memo:
         Raises:
             ValueError: a class or dtype outside the allow-list.
         """
-        get_size = self.sizes.get(size)
-        if get_size is None:
-            get_size = self.sizes[size] = self.put(_size_ops(size))
+        get_size = self.size(size)
         get_stride = self.strides.get(stride)
         if get_stride is None:
             get_stride = self.strides[stride] = self.put(_int_tuple(stride))
