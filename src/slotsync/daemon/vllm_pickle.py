@@ -186,13 +186,20 @@ def _layout_head(tensor_class: str, size_ops: bytes, stride_ops: bytes, storage_
     return head, mask
 
 
+def _after_device_format(n_ipc: int, n_ref: int, n_event: int) -> str:
+    """``struct`` format of a CUDA handle's opcodes after its device (slot 6): BINBYTES
+    handle, BININT storage bytes and offset, requires_grad, BINBYTES ref-counter handle,
+    BININT its offset, BINBYTES event handle (``n_event`` bytes; -1: NONE),
+    event_sync_required, TUPLE. (SGLang's writer puts a UUID string before it.)"""
+    event = "c" if n_event < 0 else f"cI{n_event}s"
+    return f"cI{n_ipc}scicic" + f"cI{n_ref}sci" + event + "cc"
+
+
 @lru_cache(maxsize=256)
 def _tail(n_ipc: int, n_ref: int, n_event: int) -> struct.Struct:
-    """Struct of a CUDA handle's opcodes after its layout: BININT device, BINBYTES handle,
-    BININT storage bytes and offset, requires_grad, BINBYTES ref-counter handle, BININT its
-    offset, BINBYTES event handle (``n_event`` bytes; -1: NONE), event_sync_required, TUPLE."""
-    event = "c" if n_event < 0 else f"cI{n_event}s"
-    return struct.Struct(f"<cicI{n_ipc}scicic" + f"cI{n_ref}sci" + event + "cc")
+    """Struct of a CUDA handle's opcodes after its layout: BININT device, then
+    ``_after_device_format``."""
+    return struct.Struct("<ci" + _after_device_format(n_ipc, n_ref, n_event))
 
 
 _DEVICE_0 = _int(0)
