@@ -186,22 +186,33 @@ def _layout_head(tensor_class: str, size_ops: bytes, stride_ops: bytes, storage_
     return head, mask
 
 
+def _after_device_format(n_ipc: int, n_ref: int, n_event: int) -> str:
+    """``struct`` format of a CUDA handle's opcodes after its device (slot 6): BINBYTES
+    handle, BININT storage bytes and offset, requires_grad, BINBYTES ref-counter handle,
+    BININT its offset, BINBYTES event handle (``n_event`` bytes; -1: NONE),
+    event_sync_required, TUPLE. (SGLang's writer puts a UUID string before it.)"""
+    event = "c" if n_event < 0 else f"cI{n_event}s"
+    return f"cI{n_ipc}scicic" + f"cI{n_ref}sci" + event + "cc"
+
+
 @lru_cache(maxsize=256)
 def _tail(n_ipc: int, n_ref: int, n_event: int) -> struct.Struct:
-    """Struct of a CUDA handle's opcodes after its layout: BININT device, BINBYTES handle,
-    BININT storage bytes and offset, requires_grad, BINBYTES ref-counter handle, BININT its
-    offset, BINBYTES event handle (``n_event`` bytes; -1: NONE), event_sync_required, TUPLE."""
-    event = "c" if n_event < 0 else f"cI{n_event}s"
-    return struct.Struct(f"<cicI{n_ipc}scicic" + f"cI{n_ref}sci" + event + "cc")
+    """Struct of a CUDA handle's opcodes after its layout: BININT device, then
+    ``_after_device_format``."""
+    return struct.Struct("<ci" + _after_device_format(n_ipc, n_ref, n_event))
 
 
-def _shm_tail(h: ShmHandle) -> bytes:
-    """A shared-memory stand-in's opcodes after its layout: device 0, storage handle
-    ``SHM_HANDLE_PREFIX + segment``, the region's byte count and byte offset, requires_grad
-    False, ref-counter handle ``b""`` and offset 0, event handle None, event_sync_required
-    False, then TUPLE (closing the 15-tuple)."""
+_DEVICE_0 = _int(0)
+
+
+def _shm_tail(h: ShmHandle, device: bytes = _DEVICE_0) -> bytes:
+    """A shared-memory stand-in's opcodes after its layout: ``device`` (opcodes pushing slot
+    6: device index 0 for vLLM, which overwrites it; SGLang's writer passes the GPU UUID
+    string, ``sglang_pickle``), storage handle ``SHM_HANDLE_PREFIX + segment``, the region's
+    byte count and byte offset, requires_grad False, ref-counter handle ``b""`` and offset 0,
+    event handle None, event_sync_required False, then TUPLE (closing the 15-tuple)."""
     return b"".join((
-        _int(0), _bytes(SHM_HANDLE_PREFIX + h.segment.encode()), _int(h.nbytes),
+        device, _bytes(SHM_HANDLE_PREFIX + h.segment.encode()), _int(h.nbytes),
         _int(h.offset), _FALSE, _bytes(b""), _int(0), _NONE, _FALSE, _TUPLE,
     ))  # fmt: skip
 
@@ -315,6 +326,15 @@ class _Memo:
         self.prelude.append(build + b"r" + struct.pack("<I", i) + b"0")  # LONG_BINPUT
         return b"j" + struct.pack("<I", i)  # LONG_BINGET
 
+    def size(self, size: tuple[int, ...]) -> bytes:
+        """Opcodes that push ``torch.Size(size)`` from its memo slot (built in the prelude
+        the first time this pickle needs it). The caller sets ``torch.Size``'s bit in the
+        prelude mask (``_BIT``)."""
+        get_size = self.sizes.get(size)
+        if get_size is None:
+            get_size = self.sizes[size] = self.put(_size_ops(size))
+        return get_size
+
     def layout(
         self,
         tensor_class: str,
@@ -331,9 +351,7 @@ class _Memo:
         Raises:
             ValueError: a class or dtype outside the allow-list.
         """
-        get_size = self.sizes.get(size)
-        if get_size is None:
-            get_size = self.sizes[size] = self.put(_size_ops(size))
+        get_size = self.size(size)
         get_stride = self.strides.get(stride)
         if get_stride is None:
             get_stride = self.strides[stride] = self.put(_int_tuple(stride))
