@@ -590,6 +590,42 @@ def test_faults(eng: EngineBox, segs: Segments) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# EngineBox's questions, asked of every impl
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["reference", "sglang-reference"])
+def test_engine_box_helpers_answer_for_every_impl(engines: Engines, impl: str) -> None:
+    """``EngineBox.stats`` / ``checksums`` / ``weight_version`` / ``is_paused`` ask each impl
+    through its own routes and answer in one shape (vLLM's contract: ``/weight_checker``,
+    ``/weight_info``, ``/is_paused``, as the vLLM-code engine answers them too -- not started
+    here, ~7 s; the SGLang engines': ``/_slotsync/checksums``, ``/model_info``,
+    ``/_slotsync/stats``)."""
+    if impl == "sglang-reference":
+        box = engines.get(impl, "0.5.23", weight_version="w0")
+    else:
+        box = EngineBox(2, impl_name=impl, model=model_file(list(model(0).items())))
+    try:
+        assert box.weight_version() == ("w0" if box.is_sglang else "default")
+        assert box.is_paused() is False
+        assert isinstance(box.stats()["paused"], bool) and len(box.stats()["workers"]) == 2
+        got = box.checksums()
+        assert len(got) == 2 and all(s == sums(model(0)) for s in got.values())
+        if box.is_sglang:
+            assert set(got) == {"tp0", "tp1"}
+            assert ok(box, "GET", "/server_info")["weight_version"] == "w0"
+            pause(box, "retract")
+        else:
+            ok(box, "POST", "/pause")
+        assert box.is_paused() is True
+        box.reset()
+        assert box.is_paused() is False
+    finally:
+        if not box.is_sglang:
+            box.close()
+
+
+# --------------------------------------------------------------------------------------------
 # the command line, and what is left behind
 # --------------------------------------------------------------------------------------------
 
