@@ -168,18 +168,6 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"engine under test: {os.environ.get(ENGINE_ENV) or 'reference'}{required}"
 
 
-def sglang_importable() -> str:
-    """'' when SGLang's receive code (its serializer, ``SafeUnpickler``, ``patch_torch``,
-    ``tensor_bucket``) imports here, else why not (``scripts/test`` installs it, issue 26)."""
-    try:
-        import sglang.srt.utils.common  # noqa: F401
-        import sglang.srt.utils.patch_torch  # noqa: F401
-        import sglang.srt.weight_sync.tensor_bucket  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means: not usable
-        return f"{type(e).__name__}: {e}"
-    return ""
-
-
 REQUIRED = {"vllm": ("SLOTSYNC_REQUIRE_VLLM", vllm_importable),
             "sglang": ("SLOTSYNC_REQUIRE_SGLANG", sglang_importable)}
 """Marker -> (the environment variable under which a skip of a test so marked is a failure,

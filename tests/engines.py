@@ -70,7 +70,10 @@ def vllm_importable() -> str:
 
 @functools.cache
 def sglang_importable() -> str:
-    """'' when the SGLang code the ``sglang`` engine runs imports here, else why not."""
+    """'' when SGLang's receive code (its serializer, ``SafeUnpickler``, ``patch_torch``,
+    ``tensor_bucket``) and body validation (``msgspec_utils``) import here, else why not
+    (``scripts/test`` installs it, issue 26; asked once). The ``sglang`` marker and the
+    ``sglang`` engine need it."""
     try:
         import sglang.srt.utils.common  # noqa: F401
         import sglang.srt.utils.msgspec_utils  # noqa: F401

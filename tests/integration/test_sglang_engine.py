@@ -28,7 +28,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("pydantic")
 
-from engines import EngineBox, model_file, sglang_importable  # noqa: E402
+from engines import EngineBox, model_file  # noqa: E402
 from sglang_payloads import (  # noqa: E402
     Segments,
     empty_entry,
@@ -54,13 +54,19 @@ EMBED = "model.embed_tokens.weight"
 UUIDS = [logical_gpu_uuid(0), logical_gpu_uuid(1)]
 VERSIONS = ("0.5.23", "0.5.21", "0.5.20")
 IMPLS = ("sglang", "sglang-reference")
-CONFIGS = [(i, v) for i in IMPLS for v in VERSIONS]
-ALL = pytest.mark.parametrize("config", CONFIGS, ids=[f"{i}-{v}" for i, v in CONFIGS])
-SESSIONS = pytest.mark.parametrize(
-    "config", [c for c in CONFIGS if c[1] != "0.5.20"],
-    ids=[f"{i}-{v}" for i, v in CONFIGS if v != "0.5.20"])
-LATEST = pytest.mark.parametrize("config", [(i, "0.5.23") for i in IMPLS],
-                                 ids=[f"{i}-0.5.23" for i in IMPLS])
+
+
+def configs(pairs: list[tuple[str, str]], name: str = "config") -> pytest.MarkDecorator:
+    """Parametrize ``name`` over (impl, version) pairs; the ``sglang`` impl's cases carry the
+    ``sglang`` marker (skipped, or failed under ``SLOTSYNC_REQUIRE_SGLANG``, without SGLang)."""
+    return pytest.mark.parametrize(name, [
+        pytest.param((i, v), id=f"{i}-{v}",
+                     marks=[pytest.mark.sglang] if i == "sglang" else [])
+        for i, v in pairs])
+
+
+ALL = configs([(i, v) for i in IMPLS for v in VERSIONS])
+LATEST = configs([(i, "0.5.23") for i in IMPLS])
 
 
 def model(seed: int) -> dict[str, torch.Tensor]:
@@ -80,13 +86,6 @@ def sums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _needs(impl: str) -> None:
-    if impl == "sglang":
-        why = sglang_importable()
-        if why:
-            pytest.skip(f"SGLang cannot be imported: {why}")
-
-
 class Engines:
     """One ``EngineBox`` per (impl, version, options), started on first use, kept for the
     module; every pid seen is remembered for the final leak check."""
@@ -96,7 +95,6 @@ class Engines:
         self.pids: set[int] = set()
 
     def get(self, impl: str, version: str, workers: int = 2, **options: Any) -> EngineBox:
-        _needs(impl)
         key = (impl, version, workers, tuple(sorted(options.items())))
         box = self.boxes.get(key)
         if box is None:
@@ -407,8 +405,7 @@ def test_flush_per_version(eng: EngineBox, segs: Segments) -> None:
     end(eng)
 
 
-@pytest.mark.parametrize("config", [(i, v) for i in IMPLS for v in ("0.5.21", "0.5.20")],
-                         ids=[f"{i}-{v}" for i in IMPLS for v in ("0.5.21", "0.5.20")])
+@configs([(i, v) for i in IMPLS for v in ("0.5.21", "0.5.20")])
 def test_failed_flush_after_an_update_kills_the_engine(eng: EngineBox,
                                                        segs: Segments) -> None:
     """0.5.20 / 0.5.21: ``assert flush_cache_success`` in the scheduler: the server dies."""
@@ -477,13 +474,13 @@ def test_bodies_are_validated_as_sglang_does(eng: EngineBox, segs: Segments) -> 
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl,version", [("sglang", "0.5.23"), ("sglang-reference", "0.5.21")])
-def test_dp_replicas_refused_with_a_500_and_auth(engines: Engines, segs: Segments, impl: str,
-                                                 version: str) -> None:
+@configs([("sglang", "0.5.23"), ("sglang-reference", "0.5.21")], "impl_version")
+def test_dp_replicas_refused_with_a_500_and_auth(engines: Engines, segs: Segments,
+                                                 impl_version: tuple[str, str]) -> None:
     """``dp_size > 1`` without attention DP: the route's assertion escapes (a bare 500,
     connection closed). An ``--api-key`` server wants ``Bearer`` on every route but
     ``/health`` (SGLang's ``decide_request_auth``)."""
-    box = engines.get(impl, version, workers=1, dp_size=2, api_key="k1")
+    box = engines.get(*impl_version, workers=1, dp_size=2, api_key="k1")
     info = ok(box, "GET", "/server_info")
     assert (info["dp_size"], info["enable_dp_attention"]) == (2, False)
     begin(box)
@@ -504,11 +501,12 @@ def test_dp_replicas_refused_with_a_500_and_auth(engines: Engines, segs: Segment
     conn.close()
 
 
-@pytest.mark.parametrize("impl,version", [("sglang-reference", "0.5.23"), ("sglang", "0.5.20")])
-def test_attention_dp_passes(engines: Engines, segs: Segments, impl: str,
-                             version: str) -> None:
+@configs([("sglang-reference", "0.5.23"), ("sglang", "0.5.20")], "impl_version")
+def test_attention_dp_passes(engines: Engines, segs: Segments,
+                             impl_version: tuple[str, str]) -> None:
     """``--dp-size 2 --enable-dp-attention`` passes the route's check in every version;
     0.5.23 reports it resolved (``dp_size`` 1, ``attn_dp_size`` 2)."""
+    impl, version = impl_version
     box = engines.get(impl, version, workers=1, dp_size=2, enable_dp_attention=True)
     info = ok(box, "GET", "/server_info")
     want = (1, 2, True) if version == "0.5.23" else (2, None, True)
