@@ -280,6 +280,11 @@ def test_session_rules_and_their_400s(eng: EngineBox, segs: Segments) -> None:
     assert ok(eng, "POST", "/update_weights_from_tensor",
               packed(t, segs, selector="draft"))["success"]
     assert eng.checksums() == held
+    # an update that loads nothing (the daemon's proving call: the pickle of [] per rank)
+    assert ok(eng, "POST", "/update_weights_from_tensor", update_body(
+        [b"\x80\x04]."] * 2, None, flush_cache=False)) == {"success": True,
+                                                           "message": "Success"}
+    assert eng.checksums() == held
     post_load = eng.stats()["workers"][0]["post_load_count"]
     end(eng)  # the session "loaded weights": no post_load_weights
     begin(eng)
