@@ -586,10 +586,24 @@ def test_faults(eng: EngineBox, segs: Segments) -> None:
     assert time.monotonic() - t0 >= 0.5
     ok(eng, "POST", "/_slotsync/fault", {"route": "pause_generation", "status": 500})
     assert call(eng, "POST", "/pause_generation", {}) == (500, "Internal Server Error")
+    ok(eng, "POST", "/_slotsync/fault", {"route": "update_weight_version", "status": 400,
+                                         "message": "no"})
+    assert call(eng, "POST", "/update_weight_version", {"new_version": "x"}) == (
+        400, {"success": False, "message": "Failed to update weight version: no"})
     faults = eng.stats()["faults"]
     assert all(f["fired"] == 1 for f in faults) and "exit" in faults[0]
     ok(eng, "POST", "/_slotsync/fault", {"route": "continue_generation", "exit": True})
     expect_death(eng, "POST", "/continue_generation", {})
+
+
+@LATEST
+def test_a_rank_raising_kills_the_engine(eng: EngineBox, segs: Segments) -> None:
+    """A ``workers: [1]`` fault raises inside rank 1's load: a scheduler exception."""
+    begin(eng)
+    ok(eng, "POST", "/_slotsync/fault", {"route": "update_weights_from_tensor",
+                                         "workers": [1], "message": "rank 1 broke"})
+    expect_death(eng, "POST", "/update_weights_from_tensor", packed(model(12), segs))
+    assert "TP rank 1: RuntimeError: rank 1 broke" in eng.eng.log_tail(20000)
 
 
 # --------------------------------------------------------------------------------------------

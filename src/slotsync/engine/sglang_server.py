@@ -93,9 +93,10 @@ Test-only routes (not SGLang's), under ``/_slotsync/``, no auth:
     ``pause_generation``, ...). ``hang_s`` delays the call (after validation); ``exit``
     kills the engine on that call as a scheduler exception would; ``workers: [i, ...]``
     makes those ranks raise inside the call (an exception on a rank: the engine dies after
-    the other ranks ran it); ``workers: null`` with ``status >= 400`` answers instead of the
-    call: ``{"success": false, "message"}`` with that status on the routes that answer so
-    (the weight routes, ``update_weight_version``), plain text on ``flush_cache``, a bare
+    the other ranks ran it; on a route that calls no rank, at once); ``workers: null`` with
+    ``status >= 400`` answers instead of the call: ``{"success": false, "message"}`` with
+    that status on the routes that answer so (the weight routes; ``update_weight_version``
+    prefixes ``Failed to update weight version:``), plain text on ``flush_cache``, a bare
     500 ``Internal Server Error`` elsewhere (or for status 500 anywhere: an exception
     escaping the route). Answers ``{"faults": [...]}``.
 ``POST /_slotsync/checksums``
@@ -151,6 +152,10 @@ HEALTH_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
 SUCCESS_ROUTES = frozenset({"update_weights_from_tensor", "begin_weight_update",
                             "end_weight_update", "update_weight_version"})
 """Routes whose answer is ``{"success", "message"}`` (a fault with a status answers so)."""
+RANK_ROUTES = frozenset({"update_weights_from_tensor", "begin_weight_update",
+                         "end_weight_update"})
+"""Routes that call the TP ranks (a ``workers`` fault raises inside them there; elsewhere it
+is an exception on a rank all the same: the engine dies)."""
 
 
 class SchedulerDied(Exception):
@@ -402,11 +407,16 @@ class SglangEngineApp:
         if getattr(f, "exit", False):
             await self._die(request, f"RuntimeError: {msg}")
         if f.workers is not None:
+            if route not in RANK_ROUTES:
+                await self._die(request, f"TP rank {f.workers[0]}: RuntimeError: {msg}")
             return None, {i: msg for i in f.workers}
         if f.status < 400:
             return None, None
         if f.status == 500:
             return internal_error(), None
+        if route == "update_weight_version":  # the route catches it (L1549-1556)
+            return success_body(False, f"Failed to update weight version: {msg}",
+                                status=f.status), None
         if route in SUCCESS_ROUTES:
             return success_body(False, msg, status=f.status), None
         if route == "flush_cache":
