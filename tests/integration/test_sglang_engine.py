@@ -8,6 +8,38 @@ code (``SafeUnpickler``, ``patch_torch``, ``FlattenedTensorBucket``) and validat
 SGLang's own ``msgspec_struct_pydantic_core_schema``; ``sglang-reference`` with slotsync's
 mirror. Tests of what differs per version run on each version; the deaths a scheduler
 exception causes run on 0.5.23 (the rule is the same in all three).
+
+What each test holds:
+
+* ``test_packed_and_unpacked_loads_land``: packed and unpacked chunks land on every rank
+  (checksums), each rank reads only its own entry (extra entries ignored, an empty bucket
+  loads nothing, another visible GPU's UUID accepted), ``weight_version`` reaches
+  ``/model_info``; the received tensors are freed in the call on 0.5.20, on the release
+  after the barrier on 0.5.21+;
+* ``test_session_rules_and_their_400s``: the three session 400s (0.5.21+), the 404s and the
+  session-less load of 0.5.20, ``selector="draft"`` loading nothing, an update of empty
+  lists, ``post_load_weights`` only after a session that loaded nothing;
+* ``test_pause_modes_and_the_writer_lock``: ``abort`` (default) / ``retract`` /
+  ``in_place``, requests held while paused, a weight call waiting for running requests,
+  ``update_weight_version``'s abort default;
+* ``test_flush_per_version``: ``/flush_cache``'s texts, ``timeout`` and "already in
+  progress", the retract flush refused on 0.5.20 only, 0.5.23's soft 400 after an update
+  (weights loaded, versions split);
+* ``test_failed_flush_after_an_update_kills_the_engine``: 0.5.20 / 0.5.21's ``assert``;
+* ``test_server_info_model_info_and_no_vllm_routes``: the keys per version, 404s for
+  ``/version`` and vLLM's routes, a 405;
+* ``test_bodies_are_validated_as_sglang_does``: SGLang's 400 ``ErrorResponse`` texts,
+  unknown fields ignored, lax coercion;
+* ``test_dp_replicas_refused_with_a_500_and_auth`` / ``test_attention_dp_passes``: the DP
+  assertion (bare 500, connection closed), attention DP resolved on 0.5.23, the API key;
+* ``test_scheduler_exception_kills_the_engine`` (8 causes) and
+  ``test_a_rank_raising_kills_the_engine``: connection reset, front and ranks gone, a new
+  ``startup_time`` and the initial version after a restart;
+* ``test_faults``, ``test_engine_box_helpers_answer_for_every_impl``, ``test_cli_refusals``,
+  ``test_zz_nothing_left_behind`` (no process, no ``/dev/shm`` segment left).
+
+Cost: ~30 s on 2 cores (11 s of it the engine zygote's imports, paid once per run; each
+engine, and each restart after a death, ~0.2 s forked from it).
 """
 
 from __future__ import annotations
