@@ -206,11 +206,12 @@ def raw_call(box: EngineBox, method: str, path: str, body: Any) -> tuple[int, by
     conn = http.client.HTTPConnection("127.0.0.1", box.eng.port, timeout=30)
     try:
         conn.request(method, path, body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json", **box.eng.auth_header})
+                     headers={"Content-Type": "application/json",
+                              **box.eng.auth_header(path)})
         resp = conn.getresponse()
         data = resp.read()
         try:
-            conn.request("GET", "/model_info", headers=box.eng.auth_header)
+            conn.request("GET", "/model_info", headers=box.eng.auth_header("/model_info"))
             conn.getresponse().read()
             closed = False
         except (ConnectionError, http.client.HTTPException):
@@ -511,13 +512,31 @@ def test_bodies_are_validated_as_sglang_does(eng: EngineBox, segs: Segments) -> 
 # --------------------------------------------------------------------------------------------
 
 
+def raw_status(box: EngineBox, method: str, path: str, key: str | None) -> int:
+    """The status of one call made with ``key`` as the bearer token (None: no header)."""
+    conn = http.client.HTTPConnection("127.0.0.1", box.eng.port, timeout=30)
+    try:
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        conn.request(method, path, body=b"{}" if method == "POST" else None, headers=headers)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    finally:
+        conn.close()
+
+
 @configs([("sglang", "0.5.23"), ("sglang-reference", "0.5.21")], "impl_version")
 def test_dp_replicas_refused_with_a_500_and_auth(engines: Engines, segs: Segments,
                                                  impl_version: tuple[str, str]) -> None:
     """``dp_size > 1`` without attention DP: the route's assertion escapes (a bare 500,
-    connection closed). An ``--api-key`` server wants ``Bearer`` on every route but
-    ``/health`` (SGLang's ``decide_request_auth``)."""
-    box = engines.get(*impl_version, workers=1, dp_size=2, api_key="k1")
+    connection closed). Keys (SGLang's ``decide_request_auth``): the weight routes want the
+    admin key when one is set, else the API key; the others the API key; ``/health`` none
+    (the second case has both keys)."""
+    impl, version = impl_version
+    keys = {"api_key": "k1"} if impl == "sglang" else {"api_key": "k1", "admin_api_key": "a1"}
+    box = engines.get(impl, version, workers=1, dp_size=2, **keys)
     info = ok(box, "GET", "/server_info")
     assert (info["dp_size"], info["enable_dp_attention"]) == (2, False)
     begin(box)
@@ -525,17 +544,16 @@ def test_dp_replicas_refused_with_a_500_and_auth(engines: Engines, segs: Segment
     status, text, closed = raw_call(box, "POST", "/update_weights_from_tensor", body)
     assert (status, text, closed) == (500, b"Internal Server Error", True)
     end(box)
-    auth = box.eng.sglang.pop("api_key")
-    try:
-        assert call(box, "GET", "/model_info") == (401, {"error": "Unauthorized"})
-        assert call(box, "POST", "/flush_cache") == (401, {"error": "Unauthorized"})
-        assert call(box, "GET", "/version") == (401, {"error": "Unauthorized"})
-    finally:
-        box.eng.sglang["api_key"] = auth
-    conn = http.client.HTTPConnection("127.0.0.1", box.eng.port, timeout=30)
-    conn.request("GET", "/health")
-    assert conn.getresponse().status == 200  # (after SGLang's 1 s wait for output)
-    conn.close()
+    admin = keys.get("admin_api_key", "k1")
+    for method, path, good in [("GET", "/model_info", "k1"), ("GET", "/version", "k1"),
+                               ("POST", "/flush_cache", admin),
+                               ("POST", "/continue_generation", admin)]:
+        assert raw_status(box, method, path, None) == 401, path
+        assert raw_status(box, method, path, "wrong") == 401, path
+        assert raw_status(box, method, path, good) in (200, 404), path
+        if admin != "k1":  # with both keys, each route takes its own only
+            assert raw_status(box, method, path, "a1" if good == "k1" else "k1") == 401
+    assert raw_status(box, "GET", "/health", None) == 200  # (after SGLang's 1 s wait)
 
 
 @configs([("sglang-reference", "0.5.23"), ("sglang", "0.5.20")], "impl_version")

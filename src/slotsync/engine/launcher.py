@@ -96,7 +96,7 @@ class ReferenceEngine:
             as a dict of their CLI names without ``--`` and with ``_`` (``sglang_version``,
             ``weight_version``, ``dp_size``, ``pp_size``, ``enable_dp_attention``,
             ``api_key``, ``admin_api_key``); ``api_key`` / ``admin_api_key`` also make
-            :meth:`request` send ``Authorization: Bearer`` (the admin key if given).
+            :meth:`request` send ``Authorization: Bearer`` (:meth:`auth_header`).
 
     The engine starts in the constructor unless ``start=False``; :meth:`stop` (also run by
     the context manager) terminates it, then kills it after a grace period.
@@ -215,11 +215,15 @@ class ReferenceEngine:
                 cmd += [flag, str(value)]
         return cmd
 
-    @property
-    def auth_header(self) -> dict[str, str]:
-        """``Authorization: Bearer <key>`` for an SGLang engine started with a key, else
-        ``{}``."""
-        key = self.sglang.get("admin_api_key") or self.sglang.get("api_key")
+    def auth_header(self, path: str) -> dict[str, str]:
+        """``Authorization: Bearer <key>`` for a call of ``path`` on an SGLang engine started
+        with keys, else ``{}``: SGLang's admin routes want the admin key when one is set, the
+        others the API key (``sglang_state.ADMIN_OPTIONAL_ROUTES``)."""
+        from slotsync.engine.sglang_state import ADMIN_OPTIONAL_ROUTES
+
+        route = path.split("?", 1)[0]
+        admin, api = self.sglang.get("admin_api_key"), self.sglang.get("api_key")
+        key = (admin or api) if route in ADMIN_OPTIONAL_ROUTES else api
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def log_tail(self, n_chars: int = 4000) -> str:
@@ -298,13 +302,13 @@ class ReferenceEngine:
         data = None if body is None else json.dumps(body).encode()
         if self.uds is not None:
             status, raw = _unix_request(self.uds, method, path, data, timeout,
-                                        self.auth_header)
+                                        self.auth_header(path))
             try:
                 return status, json.loads(raw) if raw else None
             except json.JSONDecodeError:
                 return status, raw.decode(errors="replace")
         req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers=self.auth_header)
+                                     headers=self.auth_header(path))
         if data is not None:
             req.add_header("Content-Type", "application/json")
         try:

@@ -49,18 +49,18 @@ import msgspec
 from aiohttp import web
 
 from slotsync.engine.http_shapes import CLOSE_AFTER
-from slotsync.engine.sglang_state import SglangVersion
+from slotsync.engine.sglang_state import ADMIN_OPTIONAL_ROUTES, SglangVersion
 
 ADMIN_OPTIONAL = "admin_optional"
 NORMAL = "normal"
-ROUTE_AUTH = {
-    "/pause_generation": ADMIN_OPTIONAL, "/continue_generation": ADMIN_OPTIONAL,
-    "/begin_weight_update": ADMIN_OPTIONAL, "/end_weight_update": ADMIN_OPTIONAL,
-    "/update_weights_from_tensor": ADMIN_OPTIONAL, "/update_weight_version": ADMIN_OPTIONAL,
-    "/flush_cache": ADMIN_OPTIONAL,
-}
-"""Routes marked ``@auth_level(AuthLevel.ADMIN_OPTIONAL)`` in http_server.py; every other
-route is ``NORMAL``."""
+
+
+def auth_level(path: str) -> str:
+    """The auth level of route ``path``: ``ADMIN_OPTIONAL`` for the routes of
+    ``sglang_state.ADMIN_OPTIONAL_ROUTES``, else ``NORMAL``."""
+    return ADMIN_OPTIONAL if path in ADMIN_OPTIONAL_ROUTES else NORMAL
+
+
 SGLANG_ROUTE_FILE = "sglang/srt/entrypoints/http_server.py"
 
 

@@ -127,11 +127,9 @@ from slotsync.engine.faults import Fault, FaultTable
 from slotsync.engine.http_shapes import CLOSE_AFTER
 from slotsync.engine.pool import WorkerPool
 from slotsync.engine.sglang_http import (
-    ADMIN_OPTIONAL,
-    NORMAL,
-    ROUTE_AUTH,
     BodyValidator,
     SchemaHelpers,
+    auth_level,
     internal_error,
     method_not_allowed,
     not_found,
@@ -288,12 +286,11 @@ class SglangEngineApp:
         status = 500
         try:
             if not request.path.startswith("/_slotsync/"):
-                level = ROUTE_AUTH.get(request.path, NORMAL)
                 decision = self.helpers.decide_auth(
                     method=request.method, path=request.path,
                     authorization_header=request.headers.get("Authorization"),
                     api_key=self.config.api_key, admin_api_key=self.config.admin_api_key,
-                    auth_level=level if level == ADMIN_OPTIONAL else NORMAL)
+                    auth_level=auth_level(request.path))
                 if not decision.allowed:
                     resp: web.StreamResponse = unauthorized(decision.error_status_code)
                     status = resp.status

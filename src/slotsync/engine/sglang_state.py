@@ -112,6 +112,14 @@ VERSIONS: dict[str, SglangVersion] = {
 }
 """The versions the SGLang engines pose as (``--sglang-version``)."""
 
+ADMIN_OPTIONAL_ROUTES = frozenset({
+    "/pause_generation", "/continue_generation", "/begin_weight_update",
+    "/end_weight_update", "/update_weights_from_tensor", "/update_weight_version",
+    "/flush_cache"})
+"""Routes marked ``@auth_level(AuthLevel.ADMIN_OPTIONAL)`` in http_server.py (the admin key
+when one is set, else the API key); every other route is ``NORMAL`` (the API key, when set)
+and ``/health*`` is always open (``srt/utils/auth.py`` ``decide_request_auth``)."""
+
 PAUSE_MODES = ("abort", "retract", "in_place")
 """``PauseGenerationReqInput.mode`` (io_struct.py L1946 / L1845 / L1762)."""
 
