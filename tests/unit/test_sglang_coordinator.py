@@ -396,3 +396,28 @@ def test_a_flush_that_fails_fails_the_round_before_any_weight_and_resumes_the_en
     assert h.engine.loads == 0 and "POST /begin_weight_update" not in h.engine.requests
     assert h.engine.requests[-1] == "POST /continue_generation" and not h.engine.paused
     assert not h.coord.engine.needs_full_update
+
+
+def test_a_failed_updates_error_waits_until_no_chunk_call_can_still_read_the_ranks_memory():
+    """Chunks 1 and 2 are queued at SGLang behind chunk 0, which fails: a rank told at once
+    frees its staging memory, and SGLang, mapping it for chunk 1, raises in its scheduler --
+    which kills the whole server. So the ranks are told once those calls returned."""
+    h = Harness("0.5.23", declare=True, chunks_in_flight=3)
+    h.register_all()
+    for r in range(2):
+        h.send(r, Begin(0, "v0"))
+    h.engine.hold = True
+    for k in range(3):
+        for r in range(2):
+            h.send(r, chunk(0, k, r))
+    while h.held[0].route != "update_weights":
+        h.release()
+    h.engine.fail["/update_weights_from_tensor"] = "refused"
+    h.release()  # chunk 0: 400
+    assert h.ended and h.ended[-1].outcome == "failed"  # (the update failed: metrics, log)
+    assert not any(isinstance(m, Error) for m in h.replies[0])  # ... the ranks not told yet
+    h.release()  # chunk 1 returned
+    assert not any(isinstance(m, Error) for m in h.replies[0])
+    h.release()  # chunk 2: the last that could read their memory
+    assert [m for m in h.replies[0] if isinstance(m, Error)][0].phase == "engine"
+    assert [m for m in h.replies[1] if isinstance(m, Error)]
