@@ -640,7 +640,8 @@ class SglangEngineApp:
         dp_ranks = args["dp_size"]
         info = {**args, "launch_command": self.config.launch_command,
                 "startup_time": self.startup_time,
-                "internal_states": [state] * dp_ranks, "version": self.config.reported_version or self.version.name}
+                "internal_states": [state] * dp_ranks,
+                "version": self.config.reported_version or self.version.name}
         if self.version.frontend_field:
             info["frontend"] = "python"
         info["kv_events"] = None
