@@ -1,10 +1,10 @@
 """What the SGLang daemon suites share (``tests/integration/test_sglang_daemon.py``,
-``tests/faults/test_sglang_faults.py``): the SGLang-code engine of a module (TP=2), the checks
-that a round landed, and an engine table declaring the engine."""
+``tests/faults/test_sglang_faults.py``): the SGLang-code engine (TP=2; the module's is
+conftest's ``sgl`` / ``fresh_sgl``), the checks that a round landed, and an engine table
+declaring the engine."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +19,6 @@ TP = 2
 
 def sglang_box(version: str, impl: str = "sglang", **sglang: Any) -> EngineBox:
     return EngineBox(TP, impl_name=impl, sglang={"sglang_version": version, **sglang})
-
-
-def module_engine() -> Iterator[EngineBox]:
-    """For a module fixture: SGLang 0.5.23's engine, TP=2, closed after the module."""
-    box = sglang_box("0.5.23")
-    yield box
-    box.close()
-
-
-def cleared(box: EngineBox) -> Iterator[EngineBox]:
-    """For a test fixture: ``box`` with faults cleared (and restarted if it died, a session
-    left open ended) before and after the test (``EngineBox.reset``)."""
-    box.reset()
-    yield box
-    box.reset()
 
 
 def assert_landed(box: EngineBox, k: int) -> None:

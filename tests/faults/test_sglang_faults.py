@@ -8,7 +8,6 @@ SGLang-code engine, trainer ranks in spawned processes: ``tests/sglang_rounds.py
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -18,8 +17,6 @@ from engines import EngineBox  # noqa: E402
 from sglang_rounds import (  # noqa: E402
     TP,
     assert_landed,
-    cleared,
-    module_engine,
     ok_rounds,
     sglang_box,
     table,
@@ -29,16 +26,6 @@ from spawned_ranks import rounds, run_ranks  # noqa: E402
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
-
-
-@pytest.fixture(scope="module")
-def sgl() -> Iterator[EngineBox]:
-    yield from module_engine()
-
-
-@pytest.fixture
-def fresh_sgl(sgl: EngineBox) -> Iterator[EngineBox]:
-    yield from cleared(sgl)
 
 
 @pytest.mark.parametrize("status", [400, 500])

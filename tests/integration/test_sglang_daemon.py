@@ -9,18 +9,13 @@ faults: ``tests/faults/test_sglang_faults.py``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 pytest.importorskip("torch")
 
-from engines import EngineBox  # noqa: E402
 from sglang_rounds import (  # noqa: E402
     TP,
     assert_landed,
-    cleared,
-    module_engine,
     ok_rounds,
     sglang_box,
     table,
@@ -30,16 +25,6 @@ from spawned_ranks import run_ranks  # noqa: E402
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
-
-
-@pytest.fixture(scope="module")
-def sgl() -> Iterator[EngineBox]:
-    yield from module_engine()
-
-
-@pytest.fixture
-def fresh_sgl(sgl: EngineBox) -> Iterator[EngineBox]:
-    yield from cleared(sgl)
 
 
 # ---------------------------------------------------------------- rounds

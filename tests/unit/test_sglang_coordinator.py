@@ -267,7 +267,9 @@ def test_on_0_5_21_a_chunk_is_acknowledged_only_once_a_later_call_proves_it():
     assert h.acks() == [("begin", -1), ("chunk", 0), ("chunk", 1), ("commit", -1)]
 
 
-def test_with_chunks_in_flight_a_reply_proves_only_chunks_answered_before_it_was_sent():
+def three_chunks_at_the_engine() -> Harness:
+    """SGLang 0.5.23, ``chunks_in_flight`` 3: an update whose three chunks' calls are all out
+    at once, unanswered (``Harness.held``), the begin's stages answered."""
     h = Harness("0.5.23", declare=True, chunks_in_flight=3)
     h.register_all()
     for r in range(2):
@@ -278,6 +280,11 @@ def test_with_chunks_in_flight_a_reply_proves_only_chunks_answered_before_it_was
             h.send(r, chunk(0, k, r))
     while h.held[0].route != "update_weights":  # the begin's stages
         h.release()
+    return h
+
+
+def test_with_chunks_in_flight_a_reply_proves_only_chunks_answered_before_it_was_sent():
+    h = three_chunks_at_the_engine()
     assert [c.route for c in h.held] == ["update_weights"] * 3  # all three out at once
     h.release()
     h.release()
@@ -402,16 +409,7 @@ def test_a_failed_updates_error_waits_until_no_chunk_call_can_still_read_the_ran
     """Chunks 1 and 2 are queued at SGLang behind chunk 0, which fails: a rank told at once
     frees its staging memory, and SGLang, mapping it for chunk 1, raises in its scheduler --
     which kills the whole server. So the ranks are told once those calls returned."""
-    h = Harness("0.5.23", declare=True, chunks_in_flight=3)
-    h.register_all()
-    for r in range(2):
-        h.send(r, Begin(0, "v0"))
-    h.engine.hold = True
-    for k in range(3):
-        for r in range(2):
-            h.send(r, chunk(0, k, r))
-    while h.held[0].route != "update_weights":
-        h.release()
+    h = three_chunks_at_the_engine()
     h.engine.fail["/update_weights_from_tensor"] = "refused"
     h.release()  # chunk 0: 400
     assert h.ended and h.ended[-1].outcome == "failed"  # (the update failed: metrics, log)
