@@ -419,3 +419,23 @@ def test_a_failed_updates_error_waits_until_no_chunk_call_can_still_read_the_ran
     h.release()  # chunk 2: the last that could read their memory
     assert [m for m in h.replies[0] if isinstance(m, Error)][0].phase == "engine"
     assert [m for m in h.replies[1] if isinstance(m, Error)]
+
+
+def test_status_names_the_engine_kind_version_and_pause_mode():
+    """``/status`` and ``slotsync status`` say the slot's engine is SGLang, which release and
+    which pause mode (issue 26); an engine of unknown kind says null."""
+    from slotsync import status_cli
+
+    h = Harness("0.5.21", pause_mode="retract", declare=True)
+    h.register_all()
+    doc = h.coord.status()
+    assert doc["engine_kind"] == "sglang" and doc["engine_sglang_version"] is None
+    h.round(0)
+    doc = h.coord.status()
+    assert (doc["engine_kind"], doc["engine_sglang_version"], doc["engine_pause_mode"]) == (
+        "sglang", "0.5.21", "retract")
+    table = status_cli.render_table({"slots": [doc]})
+    assert f"{URL} (SGLang 0.5.21)" in table, table
+    h = Harness()  # (not declared: unknown until its first begin)
+    h.register_all()
+    assert h.coord.status()["engine_kind"] is None
