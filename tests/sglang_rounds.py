@@ -34,10 +34,12 @@ def assert_landed(box: EngineBox, k: int) -> None:
     assert stats["paused"] is False and stats["session_open"] is False, stats
 
 
-def ok_rounds(ev: dict, n: int) -> None:
+def ok_rounds(ev: dict, n: int, box: EngineBox | None = None) -> None:
+    """Every rank's ``n`` rounds succeeded (else their messages, and ``box``'s engine log)."""
     for r in range(TP):
         got = rounds(ev, r)
-        assert [e["status"] for e in got] == ["ok"] * n, [e.get("message") for e in got]
+        assert [e["status"] for e in got] == ["ok"] * n, (
+            [e.get("message") for e in got], box.eng.log_tail(3000) if box else "")
 
 
 def table(tmp_path: Path, url: str, **keys: str) -> list[str]:

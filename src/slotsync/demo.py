@@ -346,7 +346,7 @@ def _n(k: int, noun: str) -> str:
 
 def _weight_version(engine) -> str:
     """The engine's weight version: vLLM's ``GET /weight_info``, SGLang's ``/model_info``."""
-    sglang = engine.impl.startswith("sglang")
+    sglang = getattr(engine, "impl", "reference").startswith("sglang")
     return engine.request("GET", "/model_info" if sglang else "/weight_info")[1][
         "weight_version"]
 
@@ -355,13 +355,14 @@ def _verify(engine, want: dict[str, str], version: str) -> tuple[bool, str]:
     """Compare every engine worker's checksums with the trainers' and check the version."""
     from slotsync.engine.checksum import checksums_by_worker
 
-    if engine.impl.startswith("sglang"):  # (its TP ranks' checksums: a test-only route)
+    sglang = getattr(engine, "impl", "reference").startswith("sglang")
+    if sglang:  # (its TP ranks' checksums: a test-only route)
         status, body = engine.request("POST", "/_slotsync/checksums")
     else:
         status, body = engine.request("POST", "/weight_checker", {"action": "checksum"})
     if status != 200:
         return False, f"MISMATCH: the engine's checksums answered {status}: {body}"
-    by_worker = body if engine.impl.startswith("sglang") else checksums_by_worker(body)
+    by_worker = body if sglang else checksums_by_worker(body)
     bad = []
     for worker, sums in by_worker.items():
         diff = [n for n, h in want.items() if sums.get(n) != h]

@@ -44,7 +44,7 @@ def test_a_failed_chunk_leaves_the_engine_paused_and_the_next_round_loads_everyt
         assert fresh_sgl.stats()["paused"] is True  # I4: never resumed on torn weights
         assert d.status()["slots"][0]["needs_full_update"] is True
         ev = run_ranks(d, fresh_sgl.url, True, [{"rounds": 1, "first_round": 2}] * TP)
-        ok_rounds(ev, 1)
+        ok_rounds(ev, 1, fresh_sgl)
         assert_landed(fresh_sgl, 2)
 
 
