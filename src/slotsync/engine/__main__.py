@@ -13,14 +13,27 @@ Two implementations (``--impl``):
   ``gpu_worker.Worker`` state machine over stand-ins for the engine core and the CUDA calls
   (``slotsync.engine.vllm_server``, ``slotsync.engine.vllm_worker``). Needs the vllm package
   and ``--model``.
+* ``sglang``: SGLang's weight-sync routes (``/pause_generation``,
+  ``/update_weights_from_tensor``, ``/begin_weight_update``, ...) with the rules of the SGLang
+  version given by ``--sglang-version`` (``slotsync.engine.sglang_server``), each TP rank a
+  worker process that reads its own payload entry through SGLang's own
+  ``normalize_serialized_named_tensor_payload``, ``SafeUnpickler``, ``patch_torch`` and
+  ``FlattenedTensorBucket`` over a CPU stand-in for the CUDA rebuild
+  (``slotsync.engine.sglang_worker``); bodies validated by SGLang's own
+  ``msgspec_struct_pydantic_core_schema`` / ``Base64Bytes``. Needs the sglang package
+  (``pip install --no-deps sglang``) and ``--model``.
+* ``sglang-reference``: the same routes and rules with slotsync's own payload parser and
+  validation helpers (needs pydantic, not SGLang).
 
-Both exit 2 with a message when what they need cannot be imported.
+All exit 2 with a message when what they need cannot be imported.
 
 Example::
 
     python -m slotsync.engine --port 8000 --workers 4 --device cpu
     python -m slotsync.engine --impl vllm --workers 2 --model m.safetensors
     python -m slotsync.engine --impl vllm --workers 4 --data-parallel-size 2 --model m.safetensors
+    python -m slotsync.engine --impl sglang --workers 2 --model m.safetensors \\
+        --sglang-version 0.5.21
     python -m slotsync.engine --port 8000 --workers 2 --device cuda --cuda-devices 0,0 \\
         --gpu-uuids $(python -c 'from slotsync.protocol.wire import logical_gpu_uuid as u; \\
         print(u(0) + "," + u(1))')
@@ -38,6 +51,14 @@ from collections.abc import Sequence
 
 from slotsync.engine.worker import WorkerSpec
 from slotsync.protocol.wire import logical_gpu_uuid, normalize_gpu_uuid
+
+IMPLS = ("reference", "vllm", "sglang", "sglang-reference")
+SGLANG_IMPLS = ("sglang", "sglang-reference")
+SGLANG_VERSIONS = ("0.5.20", "0.5.21", "0.5.23")
+SGLANG_OPTIONS = {"sglang_version": "0.5.23", "weight_version": "default", "dp_size": 1,
+                  "pp_size": 1, "enable_dp_attention": False, "api_key": None,
+                  "admin_api_key": None}
+"""The SGLang engines' options and their defaults (refused with another --impl)."""
 
 
 def _csv(text: str) -> list[str]:
@@ -61,10 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Engine speaking vLLM's weight-transfer HTTP contract: slotsync's "
         "reference engine, or vLLM's own router and worker code (--impl vllm).",
     )
-    p.add_argument("--impl", choices=("reference", "vllm"), default="reference",
+    p.add_argument("--impl", choices=IMPLS, default="reference",
                    help="reference: slotsync's reference engine (default); vllm: vLLM's own "
                    "router, handlers, uvicorn launcher and gpu_worker.Worker state machine "
-                   "(needs vllm and --model)")
+                   "(needs vllm and --model); sglang: SGLang's weight-sync routes with "
+                   "SGLang's own payload parser (needs sglang and --model); "
+                   "sglang-reference: the same routes with slotsync's own parser")
     p.add_argument("--receive", choices=("reference", "vllm"), default="reference",
                    help="reference engine only: how workers load an update; vllm: through "
                    "vLLM's IPCWeightTransferEngine.update_weights (needs "
@@ -132,6 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for the workers"
     )
+    g = p.add_argument_group("SGLang engines (--impl sglang | sglang-reference); --workers "
+                             "is the TP size")
+    g.add_argument("--sglang-version", choices=SGLANG_VERSIONS, default="0.5.23",
+                   help="the SGLang version whose routes and rules the engine follows "
+                   "(default 0.5.23)")
+    g.add_argument("--weight-version", default="default",
+                   help="the weight version at start (SGLang's --weight-version)")
+    g.add_argument("--dp-size", type=int, default=1,
+                   help="reported DP size (SGLang's --dp-size; > 1 without "
+                   "--enable-dp-attention refuses /update_weights_from_tensor with a 500)")
+    g.add_argument("--pp-size", type=int, default=1, help="reported PP size (--pp-size)")
+    g.add_argument("--enable-dp-attention", action="store_true",
+                   help="attention DP (SGLang's --enable-dp-attention)")
+    g.add_argument("--api-key", default=None, help="SGLang's --api-key")
+    g.add_argument("--admin-api-key", default=None, help="SGLang's --admin-api-key")
     return p
 
 
@@ -223,6 +261,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.discard or args.receive != "reference" or args.vllm_version is not None:
             parser.error("--discard, --receive and --vllm-version are reference-engine "
                          "options")
+    if args.impl in SGLANG_IMPLS:
+        _check_sglang_args(parser, args)
+    else:
+        given = [k for k, d in SGLANG_OPTIONS.items() if getattr(args, k) != d]
+        if given:
+            parser.error(f"--{given[0].replace('_', '-')} is an SGLang-engine option "
+                         "(--impl sglang | sglang-reference)")
     if args.parallel_config is not None and args.impl != "vllm":
         parser.error("--parallel-config is a vLLM-code engine option (--impl vllm): the "
                      "reference engine has no /server_info")
@@ -238,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     specs = build_specs(args)
     if args.impl == "vllm":
         _main_vllm(args, specs)
+        return
+    if args.impl in SGLANG_IMPLS:
+        _main_sglang(args, specs, argv)
         return
     if args.receive == "vllm":
         from slotsync.engine.vllm_receive import use_shim_path
@@ -358,6 +406,93 @@ def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
         raise SystemExit(1) from None
     except KeyboardInterrupt:
         client.shutdown()
+
+
+SGLANG_FRONT_IMPORTS = ("sglang.srt.utils.msgspec_utils", "sglang.srt.utils.auth",
+                        "sglang.srt.utils.common", "sglang.srt.utils.patch_torch",
+                        "sglang.srt.weight_sync.tensor_bucket")
+"""The SGLang modules ``--impl sglang`` runs (validation and auth in the front, the payload
+parser in every TP rank, which forks from the front)."""
+
+
+def _check_sglang_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what the SGLang engines do not take."""
+    if args.model is None:
+        parser.error(f"--impl {args.impl} needs --model (SGLang always serves a model)")
+    if args.device != "cpu":
+        parser.error(f"--impl {args.impl} runs on the CPU only (--device cpu)")
+    for opt, bad in [("--worker-models", args.worker_models is not None),
+                     ("--draft-model", args.draft_model is not None),
+                     ("--discard", args.discard), ("--receive", args.receive != "reference"),
+                     ("--vllm-version", args.vllm_version is not None),
+                     ("--parallel-config", args.parallel_config is not None),
+                     ("--data-parallel-size", args.data_parallel_size != 1),
+                     ("--cuda-devices", args.cuda_devices is not None)]:
+        if bad:
+            parser.error(f"{opt} is not an option of --impl {args.impl}")
+    if args.dp_size < 1 or args.pp_size < 1:
+        parser.error("--dp-size and --pp-size must be >= 1")
+
+
+def _main_sglang(args: argparse.Namespace, specs: list[WorkerSpec],
+                 argv: Sequence[str] | None) -> None:
+    """``--impl sglang | sglang-reference``: TP-rank workers, the SGLang routes' front."""
+    import time
+
+    t0 = time.perf_counter()
+    if args.impl == "sglang":
+        _require(SGLANG_FRONT_IMPORTS, "--impl sglang")
+    else:
+        _require(["pydantic", "pydantic_core"], "--impl sglang-reference")
+    from slotsync.engine.pool import WorkerPool
+    from slotsync.engine.sglang_http import mirror_helpers, sglang_helpers
+    from slotsync.engine.sglang_payload import ReferenceParser, SglangCodeParser
+    from slotsync.engine.sglang_server import ServerConfig, SglangEngineApp, serve
+    from slotsync.engine.sglang_state import VERSIONS
+    from slotsync.engine.sglang_worker import SglangWorkerSpec, sglang_worker_main
+
+    uuids = tuple(str(s.gpu_uuid) for s in specs)
+    code = args.impl == "sglang"
+    helpers = sglang_helpers() if code else mirror_helpers()
+    front_parser = SglangCodeParser() if code else ReferenceParser(uuids)
+    wspecs = [SglangWorkerSpec(s.index, "cpu", uuids[s.index], uuids, str(s.model_path),
+                               "sglang" if code else "reference") for s in specs]
+    pool = WorkerPool(wspecs, startup_timeout_s=args.startup_timeout,
+                      target=sglang_worker_main)
+    t_ranks = time.perf_counter()
+    config = ServerConfig(
+        impl=args.impl, model_path=str(args.model), tp_size=len(specs), dp_size=args.dp_size,
+        pp_size=args.pp_size, enable_dp_attention=args.enable_dp_attention,
+        weight_version=args.weight_version, api_key=args.api_key,
+        admin_api_key=args.admin_api_key, host=args.host,
+        port=0 if args.uds else args.port,
+        launch_command=" ".join(["python -m slotsync.engine",
+                                 *(sys.argv[1:] if argv is None else argv)]))
+    # SGLang's startup phases (srt/observability/startup_time.py): measured here, so they
+    # differ from one start to the next as a real server's do
+    startup_time = {"load_weight": t_ranks - t0, "kv_cache_allocation": 0.0,
+                    "scheduler_e2e": t_ranks - t0,
+                    "tokenizer_e2e": time.perf_counter() - t0, "cuda_graph": {}}
+    engine = SglangEngineApp(pool, VERSIONS[args.sglang_version], helpers, front_parser,
+                             config, startup_time)
+    for w in pool.workers:
+        print(f"[slotsync.engine] TP rank {w.spec.index}: {w.device} gpu_uuid={w.gpu_uuid} "
+              f"(parser {wspecs[w.spec.index].parser})", file=sys.stderr, flush=True)
+    where = f"unix://{args.uds}" if args.uds else f"http://{args.host}:{args.port}"
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        runner(serve(engine, args.host, args.port, args.uds, where))
+    except OSError as e:
+        print(f"[slotsync.engine] cannot listen on {where}: {e.strerror}", file=sys.stderr)
+        pool.close()
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        pass
 
 
 async def _serve(app, args: argparse.Namespace, where: str, world_size: int) -> None:

@@ -7,6 +7,9 @@ Example::
         eng.gpu_uuids                                          # logical UUIDs of workers 0, 1
     with ReferenceEngine(workers=2, impl="vllm", model="m.safetensors") as eng:
         ...                                                    # vLLM's own router and workers
+    with ReferenceEngine(workers=2, impl="sglang", model="m.safetensors",
+                         sglang_version="0.5.21") as eng:
+        ...                                                    # SGLang's routes, TP=2
 """
 
 from __future__ import annotations
@@ -41,12 +44,20 @@ def use_zygote(zygote: Any) -> None:
 
 
 class EngineStartError(RuntimeError):
-    """The engine subprocess exited or did not answer ``/get_world_size`` in time."""
+    """The engine subprocess exited or did not answer its readiness route in time."""
+
+
+IMPLS = ("reference", "vllm", "sglang", "sglang-reference")
+SGLANG_IMPLS = ("sglang", "sglang-reference")
+READY_ROUTE = {"sglang": "/model_info", "sglang-reference": "/model_info"}
+"""The route whose 200 says an engine is up: ``/get_world_size`` (vLLM's), or SGLang's
+``/model_info`` (answered by the tokenizer alone; SGLang has no ``/get_world_size``)."""
 
 
 class ReferenceEngine:
     """``python -m slotsync.engine`` in a subprocess on a loopback port (the reference engine,
-    or with ``impl="vllm"`` the vLLM-code engine; the class keeps its name for both).
+    or with ``impl="vllm"`` the vLLM-code engine, or with ``impl="sglang"`` /
+    ``"sglang-reference"`` an SGLang engine; the class keeps its name for all).
 
     Args:
         workers: number of worker processes (= ``/get_world_size``).
@@ -62,7 +73,8 @@ class ReferenceEngine:
             :meth:`start`,
             deleted by :meth:`stop`).
         discard: start the engine with ``--discard`` (validate updates, load nothing).
-        impl: ``"reference"`` or ``"vllm"`` (``--impl``; ``"vllm"`` needs ``model``).
+        impl: ``"reference"``, ``"vllm"``, ``"sglang"`` or ``"sglang-reference"`` (``--impl``;
+            every impl but ``"reference"`` needs ``model``).
         receive: reference engine: ``"reference"`` or ``"vllm"`` (``--receive``).
         executor_replies: ``impl="vllm"``: ``"vllm"`` or ``"all"`` (``--executor-replies``);
             None: the engine's default.
@@ -80,6 +92,11 @@ class ReferenceEngine:
         uds: serve on this Unix socket path instead of ``host:port`` (``--uds``, like
             ``vllm serve --uds``): :attr:`url` is then ``unix://<path>`` and :meth:`request`
             goes over the socket (a stale socket file there is removed at start).
+        sglang: ``impl="sglang"`` / ``"sglang-reference"`` only: the SGLang engines' options
+            as a dict of their CLI names without ``--`` and with ``_`` (``sglang_version``,
+            ``weight_version``, ``dp_size``, ``pp_size``, ``enable_dp_attention``,
+            ``api_key``, ``admin_api_key``); ``api_key`` / ``admin_api_key`` also make
+            :meth:`request` send ``Authorization: Bearer`` (:meth:`auth_header`).
 
     The engine starts in the constructor unless ``start=False``; :meth:`stop` (also run by
     the context manager) terminates it, then kills it after a grace period.
@@ -108,9 +125,13 @@ class ReferenceEngine:
         vllm_version: str | None = None,
         parallel_config: dict[str, Any] | None = None,
         uds: str | os.PathLike[str] | None = None,
+        sglang: dict[str, Any] | None = None,
     ) -> None:
-        if impl not in ("reference", "vllm"):
-            raise ValueError(f"impl must be 'reference' or 'vllm', not {impl!r}")
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, not {impl!r}")
+        if sglang and impl not in SGLANG_IMPLS:
+            raise ValueError(f"sglang options need impl sglang or sglang-reference, not {impl!r}")
+        self.sglang = dict(sglang or {})
         self.workers = workers
         self.data_parallel_size = data_parallel_size
         self.worker_models = ([str(m) for m in worker_models] if worker_models is not None
@@ -186,7 +207,24 @@ class ReferenceEngine:
             cmd += ["--vllm-version", self.vllm_version]
         if self.parallel_config is not None:
             cmd += ["--parallel-config", json.dumps(self.parallel_config)]
+        for key, value in self.sglang.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                cmd.append(flag)
+            elif value not in (None, False):
+                cmd += [flag, str(value)]
         return cmd
+
+    def auth_header(self, path: str) -> dict[str, str]:
+        """``Authorization: Bearer <key>`` for a call of ``path`` on an SGLang engine started
+        with keys, else ``{}``: SGLang's admin routes want the admin key when one is set, the
+        others the API key (``sglang_state.ADMIN_OPTIONAL_ROUTES``)."""
+        from slotsync.engine.sglang_state import ADMIN_OPTIONAL_ROUTES
+
+        route = path.split("?", 1)[0]
+        admin, api = self.sglang.get("admin_api_key"), self.sglang.get("api_key")
+        key = (admin or api) if route in ADMIN_OPTIONAL_ROUTES else api
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def log_tail(self, n_chars: int = 4000) -> str:
         """The last ``n_chars`` characters of the subprocess's output."""
@@ -230,6 +268,7 @@ class ReferenceEngine:
             raise
 
     def _wait_ready(self) -> None:
+        route = READY_ROUTE.get(self.impl, "/get_world_size")
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             rc = self.proc.poll()
@@ -240,7 +279,7 @@ class ReferenceEngine:
                     f"tail:\n{tail}"
                 )
             try:
-                status, _ = self.request("GET", "/get_world_size", timeout=2.0)
+                status, _ = self.request("GET", route, timeout=2.0)
                 if status == 200:
                     return
             except OSError:
@@ -248,7 +287,7 @@ class ReferenceEngine:
             if time.monotonic() > deadline:
                 tail = self.log_tail()
                 raise EngineStartError(
-                    f"{self.impl} engine did not answer {self.url}/get_world_size within "
+                    f"{self.impl} engine did not answer {self.url}{route} within "
                     f"{self.startup_timeout_s:.0f} s; output tail:\n{tail}"
                 )
             time.sleep(0.1)
@@ -262,12 +301,14 @@ class ReferenceEngine:
         """
         data = None if body is None else json.dumps(body).encode()
         if self.uds is not None:
-            status, raw = _unix_request(self.uds, method, path, data, timeout)
+            status, raw = _unix_request(self.uds, method, path, data, timeout,
+                                        self.auth_header(path))
             try:
                 return status, json.loads(raw) if raw else None
             except json.JSONDecodeError:
                 return status, raw.decode(errors="replace")
-        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers=self.auth_header(path))
         if data is not None:
             req.add_header("Content-Type", "application/json")
         try:
@@ -307,7 +348,7 @@ class ReferenceEngine:
 
 
 def _unix_request(path: str, method: str, route: str, data: bytes | None,
-                  timeout: float) -> tuple[int, bytes]:
+                  timeout: float, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """One HTTP/1.1 call over the Unix socket ``path``: ``(status, body)``. Connection
     errors raise ``OSError``."""
     import http.client
@@ -326,8 +367,10 @@ def _unix_request(path: str, method: str, route: str, data: bytes | None,
 
     conn = _Conn("localhost", timeout=timeout)
     try:
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        conn.request(method, route, body=data, headers=headers)
+        hdrs = dict(headers or {})
+        if data is not None:
+            hdrs["Content-Type"] = "application/json"
+        conn.request(method, route, body=data, headers=hdrs)
         resp = conn.getresponse()
         return resp.status, resp.read()
     except http.client.HTTPException as e:
