@@ -14,6 +14,13 @@ file in ``DEST``                                       what it is
 =====================================================  ========================================
 ``sglang/srt/utils/patch_torch.py``                    copied unchanged
 ``sglang/srt/weight_sync/tensor_bucket.py``            copied unchanged
+``sglang/srt/utils/msgspec_utils.py``,                 copied unchanged: the SGLang-code
+``sglang/srt/utils/auth.py``                           engine's front validates bodies and
+                                                       decides auth with them
+                                                       (``Base64Bytes``,
+                                                       ``msgspec_struct_pydantic_core_schema``,
+                                                       ``decide_request_auth``; they need
+                                                       msgspec and pydantic_core)
 ``sglang/srt/utils/common.py``                         **extracted**: the exact source of
                                                        ``SafeUnpickler``,
                                                        ``MultiprocessingSerializer``,
@@ -86,8 +93,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-COPIED = ("srt/utils/patch_torch.py", "srt/weight_sync/tensor_bucket.py")
-"""Copied unchanged (paths inside the sglang package)."""
+COPIED = ("srt/utils/patch_torch.py", "srt/weight_sync/tensor_bucket.py",
+          "srt/utils/msgspec_utils.py", "srt/utils/auth.py")
+"""Copied unchanged (paths inside the sglang package). The last two are the engine front's
+(``slotsync.engine.sglang_http``: SGLang's body validation and auth decision; they import
+only the standard library, msgspec and pydantic_core)."""
 
 ROOTS = ("SafeUnpickler", "MultiprocessingSerializer", "normalize_serialized_named_tensor_payload",
          "normalize_serialized_named_tensor_payloads", "_looks_like_pickle_payload")
@@ -125,6 +135,7 @@ CHECK = textwrap.dedent('''\
                                          normalize_serialized_named_tensor_payloads)
     from sglang.srt.utils import patch_torch
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    import sglang.srt.utils.auth, sglang.srt.utils.msgspec_utils
     from slotsync.daemon import sglang_pickle
     from slotsync.protocol.wire import CudaIpcHandle
     bad = [n for n, m in sys.modules.items()

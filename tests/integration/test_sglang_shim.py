@@ -4,8 +4,9 @@ The shim is built from the installed sglang (0.5.23, ``scripts/test``) into ``tm
 own check (a fresh interpreter, ``PYTHONPATH`` = the shim: every ``sglang`` module from the
 shim; slotsync's packed, unpacked and empty pickles through SGLang's normalization,
 ``SafeUnpickler``, ``_rebuild_cuda_tensor_modified`` and ``FlattenedTensorBucket``) must pass;
-the copied files are byte-identical, and every segment of the extracted ``common.py`` is the
-real file's lines at the range its header names.
+the copied files (``patch_torch.py``, ``tensor_bucket.py``, and the engine front's
+``msgspec_utils.py`` and ``auth.py``) are byte-identical, and every segment of the extracted
+``common.py`` is the real file's lines at the range its header names.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def test_shim_is_sglangs_code_and_loads_slotsyncs_pickles(tmp_path: Path) -> Non
     assert out.returncode == 0, out.stderr
     assert "checked:" in out.stdout and str(tmp_path) in out.stdout
     src = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])  # type: ignore
-    for rel in ("srt/utils/patch_torch.py", "srt/weight_sync/tensor_bucket.py"):
+    for rel in _tool().COPIED:
         assert (tmp_path / "sglang" / rel).read_bytes() == (src / rel).read_bytes(), rel
     real = (src / "srt" / "utils" / "common.py").read_text().splitlines(keepends=True)
     shim = (tmp_path / "sglang" / "srt" / "utils" / "common.py").read_text()
