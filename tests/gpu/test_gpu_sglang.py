@@ -120,10 +120,11 @@ def _engine(env: dict[str, str], version: str, *, tp: int = TP, real_uuid: bool 
 
 
 def _checksums(eng: ReferenceEngine) -> dict[int, dict[str, str]]:
-    """Every TP rank's ``{name: checksum}`` (the engine's ``/_slotsync/checksums``)."""
-    status, body = eng.request("GET", "/_slotsync/checksums")
+    """Every TP rank's ``{name: checksum}`` (the engine's ``POST /_slotsync/checksums``,
+    ``{"tp<r>": {...}}``)."""
+    status, body = eng.request("POST", "/_slotsync/checksums")
     assert status == 200, body
-    return {int(r): sums for r, sums in body["checksums"].items()}
+    return {int(r.removeprefix("tp")): sums for r, sums in body.items()}
 
 
 def _wrong_ranks(eng: ReferenceEngine, k: int, tp: int = TP) -> list[int]:
@@ -207,7 +208,10 @@ def test_rounds_land_on_every_tp_rank(shim_env, version):
                   f"{TP} TP ranks on cuda:0 in {time.monotonic() - t0:.1f} s; checksums equal "
                   f"on every TP rank after each round; engine calls {_calls(d)}")
         stats = eng.request("GET", "/_slotsync/stats")[1]
-        assert all(w["device"] == "cuda:0" and w["parser"] == "sglang" for w in stats["ranks"])
+        assert all(w["device"] == "cuda:0" and w["parser"] == "sglang" and w["uuid_standin"]
+                   and w["copy_stream"] for w in stats["workers"]), stats["workers"]
+        if shim_env:
+            assert all(w["sglang_file"].startswith(str(SHIM)) for w in stats["workers"])
         slot = d.status()["slots"][0]
         assert slot["updates_succeeded"] == 2 * ROUNDS and slot["state"] == "idle"
 
@@ -218,7 +222,7 @@ def test_one_tp_rank_under_the_gpus_real_uuid(shim_env):
         for k, packed in ((1, True), (2, False)):
             _round(d, eng, k, packed, tp=1, real_uuid=True)
             assert _wrong_ranks(eng, k, tp=1) == [], f"round {k}"
-        w = eng.request("GET", "/_slotsync/stats")[1]["ranks"][0]
+        w = eng.request("GET", "/_slotsync/stats")[1]["workers"][0]
         assert w["uuid_standin"] is False, w
         print(f"TP=1 under the real UUID {w['gpu_uuid']}: 2 rounds, checksums equal")
 
