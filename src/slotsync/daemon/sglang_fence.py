@@ -21,8 +21,11 @@ checksums, so a torch or SGLang that drops this fails loudly.
   update of no tensor (``sglang_routes``, step ``prove_copies``).
 
 Acks stay in index order (I3): a chunk is acknowledged once it and every chunk before it is
-proven. A failed update acknowledges nothing more (the ranks get the error; a later full update
-re-sends every tensor, loaded after any stale copy, as SGLang's scheduler is sequential).
+proven. A failed update acknowledges nothing more, and its ranks get the error only once no
+chunk call of it is left at SGLang (``SlotCoordinator._fail``): a rank told earlier frees its
+memory, and a queued call mapping it would raise in SGLang's scheduler, which kills the
+server. A copy still running when they are told reads memory a later full update overwrites
+(SGLang's scheduler is sequential), so it cannot leave torn weights behind.
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ SGLANG_IMPLS = ("sglang", "sglang-reference")
 SGLANG_VERSIONS = ("0.5.20", "0.5.21", "0.5.23")
 SGLANG_OPTIONS = {"sglang_version": "0.5.23", "weight_version": "default", "dp_size": 1,
                   "pp_size": 1, "enable_dp_attention": False, "api_key": None,
-                  "admin_api_key": None, "copy_sleep_cycles": None,
-                  "free_received": "version"}
+                  "admin_api_key": None, "reported_version": None,
+                  "copy_sleep_cycles": None, "free_received": "version"}
 """The SGLang engines' options and their defaults (refused with another --impl)."""
 
 
@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pp-size", type=int, default=1, help="reported PP size (--pp-size)")
     g.add_argument("--enable-dp-attention", action="store_true",
                    help="attention DP (SGLang's --enable-dp-attention)")
+    g.add_argument("--reported-version", default=None,
+                   help="the version /server_info reports (default: --sglang-version's; a "
+                   "test gives an unsupported one, e.g. 0.5.22, to see it refused)")
     g.add_argument("--api-key", default=None, help="SGLang's --api-key")
     g.add_argument("--admin-api-key", default=None, help="SGLang's --admin-api-key")
     g.add_argument("--copy-sleep-cycles", type=_csv, default=None, metavar="N[,N...]",
@@ -501,6 +504,7 @@ def _main_sglang(args: argparse.Namespace, specs: list[WorkerSpec],
         pp_size=args.pp_size, enable_dp_attention=args.enable_dp_attention,
         weight_version=args.weight_version, api_key=args.api_key,
         admin_api_key=args.admin_api_key, host=args.host,
+        reported_version=args.reported_version or "",
         port=0 if args.uds else args.port,
         launch_command=" ".join(["python -m slotsync.engine",
                                  *(sys.argv[1:] if argv is None else argv)]))

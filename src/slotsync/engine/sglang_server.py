@@ -199,6 +199,8 @@ class ServerConfig:
         api_key, admin_api_key: ``--api-key`` / ``--admin-api-key``, or None.
         host, port: where it listens (``port`` 0 with ``--uds``).
         launch_command: the command line.
+        reported_version: the ``version`` ``/server_info`` reports ('' : the followed
+            version's own; a test gives another to see the daemon refuse it).
     """
 
     impl: str
@@ -208,6 +210,7 @@ class ServerConfig:
     pp_size: int = 1
     enable_dp_attention: bool = False
     weight_version: str = "default"
+    reported_version: str = ""
     api_key: str | None = None
     admin_api_key: str | None = None
     host: str = "127.0.0.1"
@@ -650,7 +653,8 @@ class SglangEngineApp:
         dp_ranks = args["dp_size"]
         info = {**args, "launch_command": self.config.launch_command,
                 "startup_time": self.startup_time,
-                "internal_states": [state] * dp_ranks, "version": self.version.name}
+                "internal_states": [state] * dp_ranks,
+                "version": self.config.reported_version or self.version.name}
         if self.version.frontend_field:
             info["frontend"] = "python"
         info["kv_events"] = None
