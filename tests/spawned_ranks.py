@@ -39,12 +39,14 @@ VLLM_TRAINER_MODULES = ["vllm.distributed.weight_transfer.factory",
 def run_ranks(daemon: Any, engine_url: str, packed: bool, scripts: list[dict],
               timeout_s: float = 90.0,
               on_event: Callable[[dict], None] | None = None,
-              daemon_of: Callable[[int], Any] | None = None) -> dict[int, list[dict]]:
+              daemon_of: Callable[[int], Any] | None = None,
+              target: Callable[..., None] = run_rank) -> dict[int, list[dict]]:
     """Run one process per script (rank = index, one engine slot ``(0, len(scripts))``) against
     ``daemon`` (a ``DaemonProcess``); returns ``{rank: [reports]}`` (trainer_script's dicts).
     ``on_event(report)`` is called for each report as it arrives (to act mid-round).
     ``daemon_of(rank)``: each rank's own node's daemon (engines over several nodes), instead
-    of ``daemon`` for all.
+    of ``daemon`` for all. ``target``: the rank's function, ``run_rank``'s arguments (a
+    wrapper of it in a module of ``tests/``, e.g. ``garbage_on_ack.garbage_rank``).
 
     Raises:
         AssertionError: a rank did not report ``exit`` within ``timeout_s`` seconds.
@@ -52,7 +54,7 @@ def run_ranks(daemon: Any, engine_url: str, packed: bool, scripts: list[dict],
     ctx = rank_context()
     q = ctx.Queue()
     n = len(scripts)
-    procs = [ctx.Process(target=run_rank, args=(
+    procs = [ctx.Process(target=target, args=(
         r, (daemon_of(r) if daemon_of else daemon).endpoint, (0, n), engine_url, packed,
         scripts[r], q)) for r in range(n)]
     for p in procs:

@@ -52,6 +52,11 @@ Keys added for issue 14's scenarios:
 Key added for issue 18's draft sessions:
 
 * ``draft``: ``publish`` each round with ``make_draft_tensors(k)`` as its draft part.
+
+Key added for issue 26 E (SGLang on one GPU):
+
+* ``gpu_uuid``: with ``cuda``, ``"real"`` publishes under the GPU's own UUID instead of the
+  logical one (an engine of one TP rank on that GPU, whose UUID lookup then runs unchanged).
 """
 
 from __future__ import annotations
@@ -99,7 +104,9 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
     url = script.get("engine_url", engine_url)
     time.sleep(script.get("register_delay_s", 0))
     cuda = script.get("cuda", False)
+    uuid = None if script.get("gpu_uuid") == "real" else "logical"
     pub = rank_publisher(endpoint, rank, slot, url, device="cuda:0" if cuda else None,
+                         gpu_uuid=uuid,
                          packed=packed, staging_bytes=40_000,
                          staging_buffers=script.get("staging_buffers", 4),
                          timeout_s=script.get("timeout_s", 20.0),

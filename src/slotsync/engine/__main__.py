@@ -18,10 +18,12 @@ Two implementations (``--impl``):
   version given by ``--sglang-version`` (``slotsync.engine.sglang_server``), each TP rank a
   worker process that reads its own payload entry through SGLang's own
   ``normalize_serialized_named_tensor_payload``, ``SafeUnpickler``, ``patch_torch`` and
-  ``FlattenedTensorBucket`` over a CPU stand-in for the CUDA rebuild
-  (``slotsync.engine.sglang_worker``); bodies validated by SGLang's own
+  ``FlattenedTensorBucket`` over a CPU stand-in for the CUDA rebuild, or with ``--device
+  cuda`` over torch's own (real CUDA IPC; copies on a stream of the rank's own, as SGLang's
+  ``schedule_stream``) (``slotsync.engine.sglang_worker``); bodies validated by SGLang's own
   ``msgspec_struct_pydantic_core_schema`` / ``Base64Bytes``. Needs the sglang package
-  (``pip install --no-deps sglang``) and ``--model``.
+  (``pip install --no-deps sglang``), or ``SLOTSYNC_SGLANG_SHIM=DIR`` (the folder
+  ``tools/sglang_shim.py`` builds), and ``--model``.
 * ``sglang-reference``: the same routes and rules with slotsync's own payload parser and
   validation helpers (needs pydantic, not SGLang).
 
@@ -34,6 +36,8 @@ Example::
     python -m slotsync.engine --impl vllm --workers 4 --data-parallel-size 2 --model m.safetensors
     python -m slotsync.engine --impl sglang --workers 2 --model m.safetensors \\
         --sglang-version 0.5.21
+    SLOTSYNC_SGLANG_SHIM=build/sglang-shim python -m slotsync.engine --impl sglang \\
+        --workers 1 --device cuda --model m.safetensors
     python -m slotsync.engine --port 8000 --workers 2 --device cuda --cuda-devices 0,0 \\
         --gpu-uuids $(python -c 'from slotsync.protocol.wire import logical_gpu_uuid as u; \\
         print(u(0) + "," + u(1))')
@@ -57,7 +61,8 @@ SGLANG_IMPLS = ("sglang", "sglang-reference")
 SGLANG_VERSIONS = ("0.5.20", "0.5.21", "0.5.23")
 SGLANG_OPTIONS = {"sglang_version": "0.5.23", "weight_version": "default", "dp_size": 1,
                   "pp_size": 1, "enable_dp_attention": False, "api_key": None,
-                  "admin_api_key": None, "reported_version": None}
+                  "admin_api_key": None, "reported_version": None,
+                  "copy_sleep_cycles": None, "free_received": "version"}
 """The SGLang engines' options and their defaults (refused with another --impl)."""
 
 
@@ -173,6 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "test gives an unsupported one, e.g. 0.5.22, to see it refused)")
     g.add_argument("--api-key", default=None, help="SGLang's --api-key")
     g.add_argument("--admin-api-key", default=None, help="SGLang's --admin-api-key")
+    g.add_argument("--copy-sleep-cycles", type=_csv, default=None, metavar="N[,N...]",
+                   help="tests, --device cuda: GPU clock cycles of torch.cuda._sleep queued on "
+                   "each TP rank's copy stream before each weight copy (one value for every "
+                   "rank, or one per rank), so that the copies finish late (issue 26's "
+                   "garbage test)")
+    g.add_argument("--free-received", choices=("version", "after-barrier"),
+                   default="version",
+                   help="tests: when the TP ranks free the received tensors: as the SGLang "
+                   "version does (default; 0.5.20 before the TP barrier, 0.5.21+ after it), "
+                   "or after the barrier whatever the version (a 0.5.20 engine that frees "
+                   "late: the garbage test's negative control)")
     return p
 
 
@@ -422,17 +438,31 @@ def _check_sglang_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     """Refuse what the SGLang engines do not take."""
     if args.model is None:
         parser.error(f"--impl {args.impl} needs --model (SGLang always serves a model)")
-    if args.device != "cpu":
-        parser.error(f"--impl {args.impl} runs on the CPU only (--device cpu)")
+    if args.device != "cpu" and args.impl != "sglang":
+        parser.error(f"--impl {args.impl} runs on the CPU only (--device cpu); --impl "
+                     "sglang runs on CUDA too")
+    if args.copy_sleep_cycles is not None:
+        if args.device == "cpu":
+            parser.error("--copy-sleep-cycles needs --device cuda")
+        try:
+            cycles = [int(c) for c in args.copy_sleep_cycles]
+        except ValueError:
+            parser.error(f"--copy-sleep-cycles {args.copy_sleep_cycles}: not integers")
+        if len(cycles) not in (1, args.workers) or min(cycles) < 0:
+            parser.error(f"--copy-sleep-cycles: one value >= 0, or one per TP rank "
+                         f"({args.workers}), not {args.copy_sleep_cycles}")
+        args.copy_sleep_cycles = cycles * args.workers if len(cycles) == 1 else cycles
     for opt, bad in [("--worker-models", args.worker_models is not None),
                      ("--draft-model", args.draft_model is not None),
                      ("--discard", args.discard), ("--receive", args.receive != "reference"),
                      ("--vllm-version", args.vllm_version is not None),
                      ("--parallel-config", args.parallel_config is not None),
                      ("--data-parallel-size", args.data_parallel_size != 1),
-                     ("--cuda-devices", args.cuda_devices is not None)]:
+                     ("--cuda-devices", args.cuda_devices is not None
+                      and args.device == "cpu")]:
         if bad:
-            parser.error(f"{opt} is not an option of --impl {args.impl}")
+            parser.error(f"{opt} is not an option of --impl {args.impl}"
+                         + (" on the CPU" if opt == "--cuda-devices" else ""))
     if args.dp_size < 1 or args.pp_size < 1:
         parser.error("--dp-size and --pp-size must be >= 1")
 
@@ -444,6 +474,9 @@ def _main_sglang(args: argparse.Namespace, specs: list[WorkerSpec],
 
     t0 = time.perf_counter()
     if args.impl == "sglang":
+        from slotsync.engine.sglang_payload import use_shim_path
+
+        use_shim_path()  # $SLOTSYNC_SGLANG_SHIM: SGLang's code where sglang is not installed
         _require(SGLANG_FRONT_IMPORTS, "--impl sglang")
     else:
         _require(["pydantic", "pydantic_core"], "--impl sglang-reference")
@@ -454,12 +487,15 @@ def _main_sglang(args: argparse.Namespace, specs: list[WorkerSpec],
     from slotsync.engine.sglang_state import VERSIONS
     from slotsync.engine.sglang_worker import SglangWorkerSpec, sglang_worker_main
 
-    uuids = tuple(str(s.gpu_uuid) for s in specs)
+    # (on CUDA a rank without --gpu-uuids answers to its GPU's own UUID, found by the rank)
+    uuids = tuple(None if s.gpu_uuid is None else str(s.gpu_uuid) for s in specs)
     code = args.impl == "sglang"
     helpers = sglang_helpers() if code else mirror_helpers()
     front_parser = SglangCodeParser() if code else ReferenceParser(uuids)
-    wspecs = [SglangWorkerSpec(s.index, "cpu", uuids[s.index], uuids, str(s.model_path),
-                               "sglang" if code else "reference") for s in specs]
+    sleep = args.copy_sleep_cycles or [0] * len(specs)
+    wspecs = [SglangWorkerSpec(s.index, str(s.device), uuids[s.index], uuids,
+                               str(s.model_path), "sglang" if code else "reference",
+                               copy_sleep_cycles=sleep[s.index]) for s in specs]
     pool = WorkerPool(wspecs, startup_timeout_s=args.startup_timeout,
                       target=sglang_worker_main)
     t_ranks = time.perf_counter()
@@ -478,7 +514,7 @@ def _main_sglang(args: argparse.Namespace, specs: list[WorkerSpec],
                     "scheduler_e2e": t_ranks - t0,
                     "tokenizer_e2e": time.perf_counter() - t0, "cuda_graph": {}}
     engine = SglangEngineApp(pool, VERSIONS[args.sglang_version], helpers, front_parser,
-                             config, startup_time)
+                             config, startup_time, free_received=args.free_received)
     for w in pool.workers:
         print(f"[slotsync.engine] TP rank {w.spec.index}: {w.device} gpu_uuid={w.gpu_uuid} "
               f"(parser {wspecs[w.spec.index].parser})", file=sys.stderr, flush=True)

@@ -248,7 +248,8 @@ class ReferenceEngine:
         if self.uds is not None and Path(self.uds).is_socket():
             Path(self.uds).unlink()  # (a killed engine's: vLLM's server binds without removing)
         if (_zygote is not None and self.device == "cpu"
-                and "SLOTSYNC_VLLM_SHIM" not in env):  # (the zygote imported the real vLLM)
+                and "SLOTSYNC_VLLM_SHIM" not in env  # (the zygote imported the real vLLM,
+                and "SLOTSYNC_SGLANG_SHIM" not in env):  # and the real SGLang)
             self.proc = _zygote.spawn(self.command(), env, self.log_path)
             try:
                 self._wait_ready()

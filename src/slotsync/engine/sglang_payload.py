@@ -12,7 +12,9 @@ The two parsers, the only difference between the two SGLang engines:
   ``FlattenedTensorMetadata`` (``srt/weight_sync/tensor_bucket.py``). The CUDA rebuild is
   SGLang's ``_rebuild_cuda_tensor_modified`` over slotsync's CPU stand-in
   (``slotsync.engine.sglang_standin.install_sglang_cpu_standin``, installed once per worker
-  process).
+  process), or on a GPU over torch's own ``rebuild_cuda_tensor`` (``sglang_worker``). Where no
+  sglang is installed, ``SLOTSYNC_SGLANG_SHIM`` names the folder ``tools/sglang_shim.py``
+  built (:func:`use_shim_path`).
 * :class:`ReferenceParser` (``--impl sglang-reference``, no SGLang needed): a mirror of the
   normalization, an unpickler with slotsync's own exact allow-list (the globals of
   docs/sglang-contract.md table 3.6, no other), a mirror of ``_device_from_maybe_uuid``
@@ -36,14 +38,30 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 import pickle
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from slotsync.engine.shm import is_shm_args, rebuild_shm_tensor
+
+SHIM_ENV = "SLOTSYNC_SGLANG_SHIM"
+"""A folder ``python tools/sglang_shim.py DIR`` wrote: SGLang's receive code where no sglang
+is installed (the GPU machine, issue 26 E); put first on ``sys.path`` by :func:`use_shim_path`."""
+
+
+def use_shim_path() -> str | None:
+    """Prepend ``$SLOTSYNC_SGLANG_SHIM`` to ``sys.path`` (once), if set; returns it. The
+    engine's front calls it before importing SGLang's modules (its spawned CUDA ranks get
+    its ``sys.path``, and call it again)."""
+    d = os.environ.get(SHIM_ENV)
+    if d and d not in sys.path:
+        sys.path.insert(0, d)
+    return d or None
 
 
 class PayloadParser(Protocol):
@@ -275,11 +293,25 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
 class SglangModel:
     """One TP rank's copy of the model: the safetensors file's tensors by name (as SGLang's
     parameters, on the rank's device), with a model's ``load_weights`` end (see the module
-    docstring)."""
+    docstring).
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    ``before_copy`` (tests only, issue 26 E): called before each weight copy into a parameter
+    (the GPU garbage test queues ``torch.cuda._sleep`` there, on the copy stream, so that the
+    copies finish late); None: nothing.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor],
+                 before_copy: Callable[[], None] | None = None) -> None:
         self.params = tensors
         self.bytes_loaded = 0
+        self.before_copy = before_copy
+
+    def copy_in(self, param: torch.Tensor, tensor: torch.Tensor) -> None:
+        """``before_copy``, then :func:`default_weight_loader` (counts the bytes)."""
+        if self.before_copy is not None:
+            self.before_copy()
+        default_weight_loader(param, tensor)
+        self.bytes_loaded += tensor.numel() * tensor.element_size()
 
     def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         return self.params.items()
@@ -289,9 +321,7 @@ class SglangModel:
         :func:`default_weight_loader`; returns the names loaded."""
         loaded = set()
         for name, tensor in weights:
-            param = self.params[name]
-            default_weight_loader(param, tensor)
-            self.bytes_loaded += tensor.numel() * tensor.element_size()
+            self.copy_in(self.params[name], tensor)
             loaded.add(name)
         return loaded
 
@@ -312,8 +342,7 @@ def update_weights_from_tensor(model: SglangModel, parser: PayloadParser, named_
     named_tensors = [(name, tensor.to(device)) for name, tensor in named_tensors]
     if load_format == "direct":
         for name, tensor in named_tensors:  # _model_load_weights_direct (L436-439)
-            default_weight_loader(dict(model.named_parameters())[name], tensor)
-            model.bytes_loaded += tensor.numel() * tensor.element_size()
+            model.copy_in(dict(model.named_parameters())[name], tensor)
     elif load_format is None:
         model.load_weights(named_tensors)
     else:

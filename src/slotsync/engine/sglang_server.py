@@ -75,14 +75,16 @@ tokenizer's ``running_phase_sigquit_handler`` (tokenizer_manager.py L4072-4082:
 Test-only routes (not SGLang's), under ``/_slotsync/``, no auth:
 
 ``GET /_slotsync/stats``
-    ``{"impl", "pid", "sglang_version", "helpers", "world_size", "tp_size", "dp_size", "pp_size",
+    ``{"impl", "pid", "sglang_version", "helpers", "free_received", "frees_before_barrier",
+    "world_size", "tp_size", "dp_size", "pp_size",
     "paused" (the tokenizer's flag), "engine_paused" (the scheduler's), "pause_mode",
     "weight_version" (``/model_info``'s), "scheduler_weight_version", "session_open",
     "session_selector", "requests": {"held", "waiting", "running", "finished", "aborted"},
     "flush_pending", "counts": {"pause_count", "continue_count", "begin_count", "end_count",
     "update_count", "flush_count", "flush_refused", "abort_all_count", "version_updates"},
     "route_counts", "faults", "startup_time", "workers": [{"index", "tp_rank", "gpu_uuid",
-    "pid", "device", "parser", "active" (the session is open: replicated on every rank),
+    "pid", "device", "parser", "uuid_standin", "sglang_file", "copy_stream",
+    "copy_sleep_cycles", "active" (the session is open: replicated on every rank),
     "begin_count", "end_count", "post_load_count", "load_calls", "update_count",
     "release_count", "bytes_loaded", "load_seconds", "num_weights", "held_tensors",
     "last_error"}, ...]}``.
@@ -226,12 +228,24 @@ class SglangEngineApp:
         parser: the payload parser's front half (``normalize``).
         config: the start options.
         startup_time: ``/server_info``'s ``startup_time`` (measured at start).
+        free_received: ``"version"``: the TP ranks free the received tensors where
+            ``version`` does (``frees_before_barrier``); ``"after-barrier"`` (tests): after
+            the TP barrier whatever the version -- a 0.5.20 engine freeing as 0.5.21+ does,
+            whose replies then no longer prove every rank's copies (the GPU garbage test's
+            negative control, issue 26 E).
     """
 
     def __init__(self, pool: WorkerPool, version: SglangVersion, helpers: SchemaHelpers,
-                 parser: Any, config: ServerConfig, startup_time: dict[str, Any]) -> None:
+                 parser: Any, config: ServerConfig, startup_time: dict[str, Any],
+                 free_received: str = "version") -> None:
+        if free_received not in ("version", "after-barrier"):
+            raise ValueError(f"free_received must be 'version' or 'after-barrier', not "
+                             f"{free_received!r}")
         self.pool = pool
         self.version = version
+        self.free_received = free_received
+        self.frees_before_barrier = (version.frees_before_barrier
+                                     and free_received == "version")
         self.helpers = helpers
         self.parser = parser
         self.config = config
@@ -537,7 +551,6 @@ class SglangEngineApp:
         entries = self.parser.normalize(obj.serialized_named_tensors)
         if not self.state.is_pause:
             await self._writer_lock()
-        v = self.version
         load_target = getattr(obj, "selector", "all") != "draft"
 
         async def update() -> tuple[bool, str]:
@@ -547,11 +560,11 @@ class SglangEngineApp:
             await self._ranks("update_weights_from_tensor", {
                 "entries": entries, "load_format": obj.load_format,
                 "load_target": load_target,
-                "free_before_reply": v.frees_before_barrier}, inject)
+                "free_before_reply": self.frees_before_barrier}, inject)
             success, message = self.state.after_load(obj.weight_version, obj.flush_cache)
             # the TP barrier has passed (every rank answered); 0.5.21+: the handler returns,
             # each rank frees the received tensors, rank 0 then replies
-            if not v.frees_before_barrier:
+            if not self.frees_before_barrier:
                 futs = await self.pool.submit("release")
                 ok, why = await futs[0]
                 if not ok:
@@ -720,7 +733,9 @@ class SglangEngineApp:
         session = s.session
         return web.json_response({
             "impl": self.config.impl, "pid": os.getpid(), "sglang_version": self.version.name,
-            "helpers": self.helpers.origin, "world_size": self.pool.world_size,
+            "helpers": self.helpers.origin, "free_received": self.free_received,
+            "frees_before_barrier": self.frees_before_barrier,
+            "world_size": self.pool.world_size,
             "tp_size": self.config.tp_size, "dp_size": self.config.dp_size,
             "pp_size": self.config.pp_size, "paused": s.is_pause,
             "engine_paused": s.engine_paused, "pause_mode": s.pause_mode,

@@ -20,6 +20,22 @@ barrier, weight_updater.py L241 / L226) it is kept in :attr:`SglangWorkerHost.he
 :meth:`SglangWorkerHost.release`, which the front sends to every rank once all of them
 answered (the TP barrier).
 
+On a GPU (``--device cuda``, ``--impl sglang`` only; issue 26 E) the rank is what SGLang's
+scheduler process is to the weights: its model on ``cuda:<i>``; a stream of its own made
+current for the process's life, as SGLang's scheduler creates ``schedule_stream``
+(``srt/managers/scheduler.py`` L1159, 0.5.23: ``device_module.Stream(priority=0)``) and runs
+its whole event loop inside ``StreamContext(schedule_stream)`` (L2008) -- so the copies into
+the parameters are queued on it, and freeing the received tensors (torch's IPC deleter
+synchronizes the *current* stream, contract 5.2) waits for exactly those copies; the CUDA
+tensors rebuilt by SGLang's ``_rebuild_cuda_tensor_modified`` over torch's own
+``rebuild_cuda_tensor`` (a real CUDA IPC mapping; no CPU stand-in). SGLang maps the UUID in
+each pickle to a device with ``str(torch.cuda.get_device_properties(i).uuid)``; a rank whose
+UUID is not its GPU's own (several TP ranks on one GPU under logical UUIDs,
+``wire.logical_gpu_uuid``) gets the one stand-in ``slotsync.engine.cuda_standin.install``:
+``get_device_properties(<its device>).uuid`` answers its UUID, every other property and
+device stays real. ``copy_sleep_cycles`` (tests only) queues ``torch.cuda._sleep`` on that
+stream before each weight copy, so the copies finish late (the garbage test).
+
 The process speaks the pool's worker protocol (``slotsync.engine.pool``); an exception
 answers ``("err", text)``, which the front treats as SGLang's "Scheduler hit an exception"
 (the engine dies). ``inject="<message>"`` (test faults) raises ``RuntimeError(message)``
@@ -29,6 +45,7 @@ inside the call.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -45,19 +62,23 @@ class SglangWorkerSpec:
 
     Attributes:
         index: the TP rank (= the worker's index and its entry in ``serialized_named_tensors``).
-        device: ``"cpu"`` (the engine runs on CPU only).
-        gpu_uuid: this rank's GPU UUID (torch format).
-        gpu_uuids: every rank's GPU UUID, in device-index order (what the rank sees).
+        device: ``"cpu"``, or ``"cuda:<i>"`` (``parser`` ``"sglang"`` only).
+        gpu_uuid: this rank's GPU UUID (torch format); on CUDA None means the GPU's own.
+        gpu_uuids: every rank's GPU UUID, in device-index order (what the rank sees; the CPU
+            stand-in's devices).
         model_path: safetensors file of the model.
         parser: ``"sglang"`` (SGLang's code) or ``"reference"``.
+        copy_sleep_cycles: CUDA only, tests: GPU clock cycles of ``torch.cuda._sleep``
+            queued on the copy stream before each weight copy (0: none).
     """
 
     index: int
     device: str
-    gpu_uuid: str
-    gpu_uuids: tuple[str, ...]
+    gpu_uuid: str | None
+    gpu_uuids: tuple[str | None, ...]
     model_path: str
     parser: str
+    copy_sleep_cycles: int = 0
 
 
 class SglangWorkerHost:
@@ -70,22 +91,61 @@ class SglangWorkerHost:
 
         self.spec = spec
         self.index = spec.index
-        self.gpu_uuid = spec.gpu_uuid
         self.device = torch.device(spec.device)
-        if spec.parser == "sglang":
-            from slotsync.engine.sglang_standin import install_sglang_cpu_standin
-
-            install_sglang_cpu_standin(spec.gpu_uuids)  # for the process's life
+        self.uuid_standin = False
+        self.stream: Any = None
+        before_copy = None
+        if self.device.type == "cuda":
+            if spec.parser != "sglang":
+                raise ValueError("a CUDA TP rank reads its payload with SGLang's own code "
+                                 "(parser 'sglang')")
+            self.gpu_uuid = self._cuda_rank(spec.gpu_uuid)
             self.parser: Any = SglangCodeParser()
+            if spec.copy_sleep_cycles > 0:
+                cycles = spec.copy_sleep_cycles
+
+                def before_copy() -> None:
+                    torch.cuda._sleep(cycles)  # on the current (copy) stream
         else:
-            self.parser = ReferenceParser(spec.gpu_uuids)
-        self.model = SglangModel(load_file(spec.model_path, device=str(self.device)))
+            if spec.gpu_uuid is None:
+                raise ValueError("a CPU TP rank needs its (logical) GPU UUID")
+            self.gpu_uuid = spec.gpu_uuid
+            if spec.parser == "sglang":
+                from slotsync.engine.sglang_standin import install_sglang_cpu_standin
+
+                install_sglang_cpu_standin(spec.gpu_uuids)  # for the process's life
+                self.parser = SglangCodeParser()
+            else:
+                self.parser = ReferenceParser(spec.gpu_uuids)
+        self.model = SglangModel(load_file(spec.model_path, device=str(self.device)),
+                                 before_copy)
         self.held: Any = None
         self.held_tensors = 0
         self.counts = {"begin_count": 0, "end_count": 0, "post_load_count": 0,
                        "load_calls": 0, "update_count": 0, "release_count": 0}
         self.last_error: str | None = None
         self.load_seconds = 0.0
+
+    def _cuda_rank(self, gpu_uuid: str | None) -> str:
+        """Set up a CUDA rank (module docstring): its device, its copy stream made current for
+        the process's life, the UUID stand-in if its UUID is not the GPU's own. Returns its
+        UUID."""
+        from slotsync.engine.sglang_payload import use_shim_path
+
+        use_shim_path()  # (a spawned rank has the front's sys.path already)
+        torch.cuda.set_device(self.device)
+        # SGLang: schedule_stream = device_module.Stream(priority=0) (scheduler.py L1159),
+        # the event loop inside StreamContext(schedule_stream) (L2008)
+        self.stream = torch.cuda.Stream(self.device, priority=0)
+        torch.cuda.set_stream(self.stream)
+        own = str(torch.cuda.get_device_properties(self.device).uuid)
+        if gpu_uuid is None or gpu_uuid == own:
+            return own
+        from slotsync.engine import cuda_standin
+
+        cuda_standin.install(self.device, gpu_uuid)
+        self.uuid_standin = True
+        return gpu_uuid
 
     def _inject(self, inject: str | None) -> None:
         if inject is not None:
@@ -159,7 +219,13 @@ class SglangWorkerHost:
         return {
             "index": self.index, "tp_rank": self.index, "pid": os.getpid(),
             "gpu_uuid": self.gpu_uuid,
-            "device": str(self.device), "parser": self.parser.name, **self.counts,
+            "device": str(self.device), "parser": self.parser.name,
+            "uuid_standin": self.uuid_standin,
+            # (where SGLang's code came from: the installed sglang, or the shim)
+            "sglang_file": getattr(sys.modules.get("sglang.srt.utils.patch_torch"),
+                                   "__file__", None),
+            "copy_stream": None if self.stream is None else self.stream.cuda_stream,
+            "copy_sleep_cycles": self.spec.copy_sleep_cycles, **self.counts,
             "bytes_loaded": self.model.bytes_loaded, "load_seconds": self.load_seconds,
             "num_weights": len(self.model.params), "held_tensors": self.held_tensors,
             "last_error": self.last_error,
