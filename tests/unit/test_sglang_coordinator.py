@@ -416,9 +416,11 @@ def test_a_failed_updates_error_waits_until_no_chunk_call_can_still_read_the_ran
     assert not any(isinstance(m, Error) for m in h.replies[0])  # ... the ranks not told yet
     h.release()  # chunk 1 returned
     assert not any(isinstance(m, Error) for m in h.replies[0])
+    h.send(1, Commit(0, 3))  # rank 1 commits the failed update: its answer waits too
+    assert not any(isinstance(m, Error) for m in h.replies[1])
     h.release()  # chunk 2: the last that could read their memory
     assert [m for m in h.replies[0] if isinstance(m, Error)][0].phase == "engine"
-    assert [m for m in h.replies[1] if isinstance(m, Error)]
+    assert len([m for m in h.replies[1] if isinstance(m, Error)]) == 2  # (and the commit's)
 
 
 def test_status_names_the_engine_kind_version_and_pause_mode():

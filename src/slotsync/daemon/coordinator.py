@@ -772,7 +772,13 @@ class SlotCoordinator:
         else:
             cur = "none" if u is None else str(u.update_id)
             text = f"{what} for update {update_id}, but the update in flight is {cur}"
-        return self._rank_error(rank, phase, text, update_id)
+        out = self._rank_error(rank, phase, text, update_id)
+        if self._held_errors and self._failed is not None and self._failed[0] == update_id:
+            # (SGLang: the failed update's errors wait for its calls at the engine, _fail; a
+            # chunk or commit of it arriving meanwhile must not free the rank's memory first)
+            self._held_errors += out
+            return []
+        return out
 
     def _on_begin(self, rank: int, msg: Begin, now: float) -> list[Action]:
         u = self.current
