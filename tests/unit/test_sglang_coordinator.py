@@ -441,3 +441,13 @@ def test_status_names_the_engine_kind_version_and_pause_mode():
     h = Harness()  # (not declared: unknown until its first begin)
     h.register_all()
     assert h.coord.status()["engine_kind"] is None
+
+
+def test_a_declared_vllm_url_that_serves_sglang_is_refused_saying_what_to_declare():
+    h = Harness("0.5.23")
+    h.table.set_engine_table({(0, 2): URL}, None, {(0, 2): ("vllm", "in_place")})
+    h.register_all()
+    h.round(0)
+    err = [m for m in h.replies[0] if isinstance(m, Error)][0]
+    assert err.phase == "begin" and 'declares kind = "vllm"' in err.message, err.message
+    assert 'declare kind = "sglang"' in err.message and not h.engine.paused

@@ -423,7 +423,8 @@ class SlotCoordinator:
                     now, None, engine_kind.declared_sglang_but(self.engine, self.engine_url
                                                                or "", error)
                     if self.engine.kind == "sglang" else
-                    vllm_versions.answer_refusal(error, self.engine_url or ""))
+                    vllm_versions.answer_refusal(error, self.engine_url or "")
+                    + engine_kind.declared_vllm_hint(self.engine, error))
             if route == "finish_recover":
                 # Expected when the engine is not (or only partly) mid-update: vllm-contract.md
                 # "Per-worker state": finish tolerating the 500, then a full update.

@@ -60,5 +60,16 @@ def declared_sglang_but(engine: EngineSession, engine_url: str, answer: Any) -> 
     refusal, naming what came back."""
     shown = (sorted(answer)[:6] if isinstance(answer, dict) else repr(answer)[:100])
     return (f"engine {engine_url} is declared kind = \"sglang\" in the engine table, but its "
-            f"GET /server_info gave no SGLang server arguments (got {shown}): is it an SGLang "
-            "server (python -m sglang.launch_server)?")
+            f"GET /server_info gave no SGLang server arguments (got {shown}): it is not an "
+            "SGLang server (python -m sglang.launch_server) -- a vLLM one? Fix the table's "
+            "kind or url, or leave kind out for the daemon to tell")
+
+
+def declared_vllm_hint(engine: EngineSession, error: str) -> str:
+    """What to add to a refusal for lack of ``GET /version`` when the table declares vLLM:
+    SGLang has no ``/version`` (a 404), so the engine may be SGLang."""
+    if engine.declared_kind == "vllm" and "HTTP 404" in error:
+        return ("; the engine table declares kind = \"vllm\", but SGLang answers GET "
+                "/version with 404: if it is SGLang, declare kind = \"sglang\" (or leave "
+                "kind out for the daemon to tell)")
+    return ""

@@ -343,8 +343,9 @@ def _check_alignment(names: Sequence[str], dtype_names: Sequence[str], starts: S
                     f"{where.format(base + start)}, not a multiple of its {item}-byte "
                     f"elements: SGLang's FlattenedTensorBucket.reconstruct_tensors "
                     f"(.view(torch.{dtype})) would raise in the scheduler, which kills the "
-                    "server; the publisher must align each tensor's start "
-                    "(docs/sglang-contract.md 7.3)", tensor=name)
+                    "server. Packed chunks lie back to back (the wire's layout): publish "
+                    "this model with packed=False (docs/sglang.md, 'The trainer')",
+                    tensor=name)
 
 
 def _packed_entry(handle: Handle, device: bytes, names: Sequence[str],

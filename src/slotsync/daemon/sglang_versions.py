@@ -100,8 +100,8 @@ def check_supported(text: Any, engine_url: str) -> str:
         return ""
     shown = repr(text) if text is not None else "no version"
     return (f"engine {engine_url} runs SGLang {shown}, which slotsyncd does not speak: "
-            f"supported SGLang releases are {', '.join(SUPPORTED)} (docs/sglang.md, "
-            "'Supported versions'); a release whose weight-update code was not read may "
+            f"supported SGLang releases are {', '.join(SUPPORTED)} "
+            "(docs/sglang-versions.md); a release whose weight-update code was not read may "
             "free the received tensors elsewhere, and the buffer fence would not hold")
 
 
