@@ -211,8 +211,8 @@ class SlotCoordinator:
         # overtake each other before they reach its engine core).
         self._orphans: dict[int, str] = {}  # call id -> route
         # SGLang: a failed update's errors to its ranks, held until no call of it that may
-        # still read their memory is at the engine (_fail)
-        self._held_errors: list[Action] = []
+        # still read their memory is at the engine (_fail, sglang_fence.HeldErrors)
+        self._held_errors = sglang_fence.HeldErrors()
         # After a failed update that paused (or may have paused) an engine whose weights are
         # intact: once the orphans returned, ask /is_paused and resume it (_maintain).
         self._reconcile = False
@@ -398,11 +398,7 @@ class SlotCoordinator:
                 orphan_route = self._orphans.pop(call_id)
                 if not ok:
                     self.engine.note_reply_trouble(orphan_route, error, self.size)
-                released: list[Action] = []
-                if self._held_errors and not any(r in sglang_fence.PROVING_STEPS
-                                                 for r in self._orphans.values()):
-                    released, self._held_errors = self._held_errors, []
-                return released + self._advance(now)
+                return self._held_errors.release(self._orphans) + self._advance(now)
             return []
         u = self.current
         assert u is not None and u.update_id == call.update_id  # else it would be an orphan
@@ -413,18 +409,12 @@ class SlotCoordinator:
                 return self._out_of_step(u, now, error)
             self._failed_call = (route, error)
             if route == "version" and "HTTP " in error:  # no version: refused as unknown
-                if "HTTP 404" in error and u.kind_asked:  # SGLang has none (engine_kind.py)
-                    if self.engine.kind == "sglang":
-                        return self._advance(now)  # (its /server_info told already)
-                    if any(c.route == "server_info" for c in self._calls.values()):
-                        u.version_404 = error  # (/server_info decides)
-                        return self._advance(now)
-                return self._version_refused(
-                    now, None, engine_kind.declared_sglang_but(self.engine, self.engine_url
-                                                               or "", error)
-                    if self.engine.kind == "sglang" else
-                    vllm_versions.answer_refusal(error, self.engine_url or "")
-                    + engine_kind.declared_vllm_hint(self.engine, error))
+                refusal = engine_kind.version_failure(
+                    self.engine, u, error, self.engine_url or "",
+                    any(c.route == "server_info" for c in self._calls.values()))
+                if not refusal:  # (SGLang has no /version: its /server_info tells)
+                    return self._advance(now)
+                return self._version_refused(now, None, refusal)
             if route == "finish_recover":
                 # Expected when the engine is not (or only partly) mid-update: vllm-contract.md
                 # "Per-worker state": finish tolerating the 500, then a full update.
@@ -448,11 +438,7 @@ class SlotCoordinator:
             if not replies_in_step(result, self.size):
                 return self._out_of_step(u, now, f"check_health answered {result!r}")
             self.engine.replies_suspect = False
-        elif route == "version" and self.engine.kind == "sglang" and not u.kind_asked:
-            # (SglangClient's version step: GET /server_info's answer, engine_kind.py)
-            if not sglang_versions.looks_like_sglang(result):
-                return self._version_refused(now, None, engine_kind.declared_sglang_but(
-                    self.engine, self.engine_url or "", result))
+        elif engine_kind.sglang_answer(self.engine, u, route, result):
             return self._sglang_known(u, result, now)
         elif route == "version":
             text = vllm_versions.version_of(result)
@@ -463,9 +449,6 @@ class SlotCoordinator:
                                              refusal)
             out += self._version_known(u, text)
             chunk_window.merge_waiting(u, self.size, self._merge_facts())
-        elif route == "server_info" and u.kind_asked and self.engine.kind != "vllm" and (
-                sglang_versions.looks_like_sglang(result)):
-            return self._sglang_known(u, result, now)
         elif route == "server_info" and self.engine.kind != "sglang":
             if u.version_404:  # (no /version and no SGLang: engine_kind.py)
                 return self._version_refused(
@@ -558,6 +541,9 @@ class SlotCoordinator:
     def _sglang_known(self, u: Update, info: Any, now: float) -> list[Action]:
         """The engine is SGLang and ``info`` its ``/server_info``: check its version and
         layout (before the pause), then merge the chunks that waited for the kind."""
+        if not sglang_versions.looks_like_sglang(info):  # (declared SGLang, answered not)
+            return self._version_refused(now, None, engine_kind.declared_sglang_but(
+                self.engine, self.engine_url or "", info))
         first = self.engine.sglang_version is None and self.engine.kind != "sglang"
         refusal = engine_kind.sglang_version_refusal(self.engine, info, self.size,
                                                      self.engine_url or "the engine")
@@ -773,13 +759,8 @@ class SlotCoordinator:
         else:
             cur = "none" if u is None else str(u.update_id)
             text = f"{what} for update {update_id}, but the update in flight is {cur}"
-        out = self._rank_error(rank, phase, text, update_id)
-        if self._held_errors and self._failed is not None and self._failed[0] == update_id:
-            # (SGLang: the failed update's errors wait for its calls at the engine, _fail; a
-            # chunk or commit of it arriving meanwhile must not free the rank's memory first)
-            self._held_errors += out
-            return []
-        return out
+        failed = self._failed is not None and self._failed[0] == update_id
+        return self._held_errors.late(self._rank_error(rank, phase, text, update_id), failed)
 
     def _on_begin(self, rank: int, msg: Begin, now: float) -> list[Action]:
         u = self.current
@@ -1051,14 +1032,8 @@ class SlotCoordinator:
             self._reconcile = False  # (another engine from now on)
             self.set_engine_url(self._pending_url)
         actions: list[Action] = [Reply(i.identity, err) for i in self._by_rank()]
-        if self.engine.kind == "sglang" and any(
-                r in sglang_fence.PROVING_STEPS for r in self._orphans.values()):
-            # SGLang may still map and read the ranks' memory for a chunk call queued behind
-            # the failed one, and any error in its scheduler (a segment or CUDA allocation
-            # already freed) kills the whole server: the ranks keep their memory until those
-            # calls returned (docs/sglang-contract.md 5.3; a call is bounded by the engine
-            # timeout)
-            self._held_errors, actions = actions, []
+        if self.engine.kind == "sglang":  # (until no call of it reads their memory)
+            actions = self._held_errors.hold(actions, self._orphans)
         actions.append(UpdateEnded(self.slot, self.engine_url or "", u.update_id,
                                    u.weight_version, "failed", now - u.started_at,
                                    u.next_index, u.consumed_bytes, message))

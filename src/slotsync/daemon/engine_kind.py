@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from slotsync.daemon import sglang_versions
+from slotsync.daemon import sglang_versions, vllm_versions
 from slotsync.daemon.engine_session import EngineSession
+from slotsync.daemon.update import Update
 
 
 def sglang_version_refusal(engine: EngineSession, info: Any, slot_size: int,
@@ -43,6 +44,34 @@ def sglang_version_refusal(engine: EngineSession, info: Any, slot_size: int,
         return refusal
     engine.dp_layout_refused = sglang_versions.layout_refusal(info, slot_size, engine_url)
     return engine.dp_layout_refused
+
+
+def version_failure(engine: EngineSession, u: Update, error: str, engine_url: str,
+                    server_info_out: bool) -> str:
+    """``GET /version`` of update ``u`` answered ``error`` (an HTTP status): '' when the
+    begin goes on -- asked while the kind was unknown, a 404 is SGLang's answer, and
+    ``/server_info`` (``server_info_out``: still out; then ``u.version_404`` keeps the error
+    for it) tells -- else the refusal (no version: the table above)."""
+    if "HTTP 404" in error and u.kind_asked:
+        if engine.kind == "sglang":
+            return ""  # (its /server_info told already)
+        if server_info_out:
+            u.version_404 = error
+            return ""
+    if engine.kind == "sglang":
+        return declared_sglang_but(engine, engine_url, error)
+    return vllm_versions.answer_refusal(error, engine_url) + declared_vllm_hint(engine, error)
+
+
+def sglang_answer(engine: EngineSession, u: Update, route: str, result: Any) -> bool:
+    """Whether the version stage's answer ``result`` to ``route`` is SGLang's
+    ``/server_info`` to take (``SlotCoordinator._sglang_known``): the version step of an
+    engine known as SGLang (``SglangClient`` asks ``/server_info``), or ``/server_info``
+    asked while the kind was unknown that looks like SGLang's."""
+    if route == "version":
+        return engine.kind == "sglang" and not u.kind_asked
+    return (route == "server_info" and u.kind_asked and engine.kind != "vllm"
+            and sglang_versions.looks_like_sglang(result))
 
 
 def vllm_answered(engine: EngineSession, engine_url: str) -> str:

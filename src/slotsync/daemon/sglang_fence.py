@@ -30,7 +30,9 @@ server. A copy still running when they are told reads memory a later full update
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from slotsync.daemon import sglang_versions
 
@@ -82,3 +84,40 @@ class Fence:
     def waiting(self) -> bool:
         """Some loaded chunk is not yet proven (its region stays with the daemon)."""
         return bool(self.unproven)
+
+
+@dataclass
+class HeldErrors:
+    """A failed update's errors to its ranks, held while a chunk call of it is still at
+    SGLang (``SlotCoordinator._fail``): a rank told frees its memory, SGLang mapping it for a
+    queued chunk raises in its scheduler, and that kills the whole server
+    (docs/sglang-contract.md 2.7; each call is bounded by the engine timeout). ``actions``:
+    the held replies, in order."""
+
+    actions: list[Any] = field(default_factory=list)
+
+    def hold(self, actions: list[Any], at_engine: Mapping[int, str]) -> list[Any]:
+        """The failed update's ``actions`` (its errors to the ranks), with its calls still
+        at the engine ``at_engine`` (call id -> step): those to send now; the rest are held
+        while a step that reads the ranks' memory (``PROVING_STEPS``) is among them."""
+        if any(step in PROVING_STEPS for step in at_engine.values()):
+            self.actions = list(actions)
+            return []
+        return actions
+
+    def release(self, at_engine: Mapping[int, str]) -> list[Any]:
+        """A call of the failed update returned (``at_engine``: those left): the held
+        replies once none of them reads the ranks' memory, else nothing."""
+        if self.actions and not any(step in PROVING_STEPS for step in at_engine.values()):
+            out, self.actions = self.actions, []
+            return out
+        return []
+
+    def late(self, out: list[Any], of_failed: bool) -> list[Any]:
+        """A chunk or commit answered ``out`` (an error); ``of_failed``: it belongs to the
+        failed update. Held with the rest while they are held, so that it does not free the
+        rank's memory first; else ``out``."""
+        if self.actions and of_failed:
+            self.actions += out
+            return []
+        return out
