@@ -985,3 +985,86 @@ def test_staging_that_cannot_be_allocated_fails_before_the_begin(
                            r"1125899906842624 bytes .* on /dev/shm"):
             pub.publish([("w", torch.zeros(2))], weight_version="v")
     assert daemon.of_type(wire.Begin) == []
+
+
+def test_the_begins_manifest_is_each_rounds_own_when_digests_are_kept(
+        make_daemon: Callable[..., FakeDaemon], endpoint: str) -> None:
+    """The per-tensor digests kept across rounds (manifest_cache.py, issue 27) give exactly
+    ``manifest_of`` of each round's tensors: the same round twice, then one tensor reshaped
+    (the digest at its position changes), then a renamed one; an iterator with
+    ``manifest=`` as a list of torch dtypes and another with vLLM's dtype names agree."""
+    from slotsync.protocol.manifest import DIGEST_BYTES, manifest_of
+    from slotsync.protocol.publisher import _entries
+
+    daemon = make_daemon()
+    named = _tensors()
+    reshaped = [*named[:2], ("model.layers.0.idx", named[2][1].view(2, 5)), *named[3:]]
+    renamed = [*named[:4], ("model.final_norm.weight", named[4][1])]
+    rounds = [named, named, reshaped, renamed]
+    with _publisher(endpoint) as pub:
+        for i, tensors in enumerate(rounds):
+            pub.publish(tensors, weight_version=f"v{i}")
+        spelled = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in named]
+        pub.publish(iter(named), weight_version="v4", manifest=spelled)
+    sent = [b.manifest for b in daemon.of_type(wire.Begin)]
+    want = [manifest_of(_entries([(n, t.dtype, t.shape) for n, t in ts]))
+            for ts in [*rounds, named]]
+    assert sent == want
+    assert sent[0] == sent[1] == sent[4]
+    differ = [i for i in range(len(named))
+              if sent[0][i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]
+              != sent[2][i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]]
+    assert differ == [2]
+    assert sent[3][:4 * DIGEST_BYTES] == sent[0][:4 * DIGEST_BYTES] and sent[3] != sent[0]
+
+
+def test_digest_cache_stays_bounded_when_names_change_every_round() -> None:
+    from slotsync.protocol.manifest import manifest_of
+    from slotsync.protocol.manifest_cache import DigestCache
+    from slotsync.protocol.publisher import _entries
+
+    cache = DigestCache(lambda e: _entries((e,))[0], max_entries=10)
+    for r in range(5):
+        m = [(f"round{r}.t{i}", torch.float32, (i + 1,)) for i in range(6)]
+        assert cache.manifest(m) == manifest_of(_entries(m))
+        assert len(cache) <= 10
+    big = [(f"t{i}", "float32", [2]) for i in range(25)]  # one manifest over the bound
+    assert cache.manifest(big) == manifest_of(_entries(big)) and len(cache) == 25
+    with pytest.raises(ValueError, match="complex64|dtype"):
+        cache.manifest([("z", torch.complex64, (1,))])
+
+
+def test_publish_holds_the_garbage_collector_and_gives_it_back(
+        make_daemon: Callable[..., FakeDaemon], endpoint: str) -> None:
+    """No cyclic collection during a round (gc_hold.py; issue 27: a full collection of the
+    trainer's objects every few rounds while the engine waited): the collector is off while
+    publish consumes the tensors, on again after -- also after a failed round -- and one the
+    caller had turned off stays off."""
+    import gc
+
+    seen: list[bool] = []
+
+    def watched() -> Iterator[tuple[str, torch.Tensor]]:
+        for item in _tensors():
+            seen.append(gc.isenabled())
+            yield item
+
+    def fail_chunk_1(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Chunk) and msg.index == 1:
+            return [wire.Error(update_id=msg.update_id, phase="chunk", message="refused")]
+        return happy(msg)
+
+    assert gc.isenabled()
+    make_daemon(fail_chunk_1)
+    with _publisher(endpoint, staging_bytes=300) as pub:
+        with pytest.raises(SlotsyncError, match="refused"):
+            pub.publish(watched(), weight_version="v0")
+        assert seen and not any(seen) and gc.isenabled()
+        gc.disable()
+        try:
+            seen.clear()
+            with pytest.raises(SlotsyncError, match="refused"):
+                pub.publish(watched(), weight_version="v1")
+            assert seen and not any(seen) and not gc.isenabled()
+        finally:
+            gc.enable()

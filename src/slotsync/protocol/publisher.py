@@ -70,9 +70,10 @@ from slotsync.protocol.chunking import MessageBound, cut
 from slotsync.protocol.connect_check import check_endpoint
 from slotsync.protocol.errors import SlotsyncError
 from slotsync.protocol.export import dtype_name, gpu_uuid_of
+from slotsync.protocol.gc_hold import held_during
 from slotsync.protocol.inputs import MAX_STAGING_BUFFERS, check_version
 from slotsync.protocol.link import DaemonLink
-from slotsync.protocol.manifest import manifest_of
+from slotsync.protocol.manifest_cache import DigestCache
 from slotsync.protocol.pipeline import ChunkPipeline
 from slotsync.protocol.session import (
     MAX_UNACKED_CHUNKS,
@@ -302,7 +303,8 @@ class Publisher:
         # held by the thread inside publish / begin / send_chunk / commit (see _one_thread)
         self._busy = threading.RLock()
         # the open update's (name, dtype, shape) list, if its begin sent a manifest
-        self._begin_entries: list[tuple[str, str, tuple[int, ...]]] | None = None
+        self._begin_manifest: Manifest | None = None
+        self._digests = DigestCache(lambda e: _entries((e,))[0])  # kept across rounds
         self._last_commit: wire.Ack | None = None  # the last update's Ack(commit)
         self._exporter = ChunkExporter(self.transport, self.device, rank, staging_bytes,
                                        staging_buffers)  # staging memory, exports
@@ -441,7 +443,8 @@ class Publisher:
             # (never registered, or the daemon went away since: register with the one that
             # listens now, or say why none does)
             self.register()
-        entries = _entries(manifest) if manifest is not None else None
+        if manifest is not None and not isinstance(manifest, Sequence):
+            manifest = list(manifest)
         extra = None
         if self.rank_local and draft:
             # (a draft part's names are not in the rank-local begin's declared tensors; the
@@ -449,6 +452,7 @@ class Publisher:
             raise ValueError(f"rank {self.rank}: a draft part (draft=) is not supported in "
                              "rank-local mode yet (docs/rank-local.md)")
         if self.rank_local:
+            entries = _entries(manifest) if manifest is not None else None
             if not entries:
                 raise ValueError(
                     f"rank {self.rank}: rank-local mode declares the update's tensors in its "
@@ -457,10 +461,10 @@ class Publisher:
             extra = {"rank_local": True, "worker_rank": self.worker_rank,
                      "names": [e[0] for e in entries], "dtype_names": [e[1] for e in entries],
                      "shapes": [list(e[2]) for e in entries]}
-        self._begin_entries = entries
+        self._begin_manifest = manifest
         begin = self._session.begin(
-            weight_version, manifest_of(entries) if entries and not extra else b"", extra,
-            draft=draft)
+            weight_version, self._digests.manifest(manifest) if manifest and not extra else b"",
+            extra, draft=draft)
         self._send(begin)
         return begin.update_id
 
@@ -593,6 +597,7 @@ class Publisher:
             self._end_update()
 
     @_one_thread
+    @held_during  # no full collection while the engine waits (gc_hold.py)
     def publish(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
@@ -811,12 +816,14 @@ class Publisher:
             self.abort(f"the daemon refused a message: {err.phase}: {err.message}")
         elif action is ErrorAction.END:
             self._end_update()
-        entries = self._begin_entries
-        if err.tensor_index >= 0 and entries is not None:  # the begins' manifests part there
+        manifest = self._begin_manifest
+        if err.tensor_index >= 0 and manifest is not None:  # the begins' manifests part there
             i = err.tensor_index
-            mine = (f"this rank's tensor #{i} is {entries[i][0]!r} ({entries[i][1]}, shape "
-                    f"{list(entries[i][2])})" if i < len(entries)
-                    else f"this rank sends only {len(entries)} tensors")
+            if i < len(manifest):
+                name, dt, shape = _entries((manifest[i],))[0]
+                mine = f"this rank's tensor #{i} is {name!r} ({dt}, shape {list(shape)})"
+            else:
+                mine = f"this rank sends only {len(manifest)} tensors"
             err = msgspec.structs.replace(err, message=f"{err.message}; {mine}")
         return to_exception(err)
 
