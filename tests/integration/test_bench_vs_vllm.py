@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 from slotsync.bench import vs_vllm  # noqa: E402
 from slotsync.bench.cli import build_parser  # noqa: E402
@@ -117,3 +117,8 @@ def test_refuses_bad_modes_and_a_buffer_smaller_than_a_tensor():
     assert "exceeds vLLM's packed buffer" in _refusal(
         "--device", "cpu", "--vllm-buffer-mb", "1", "--layers", "1", "--experts", "4"
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+def test_refuses_cuda_without_a_gpu():
+    assert "no CUDA device is visible" in _refusal("--device", "cuda")

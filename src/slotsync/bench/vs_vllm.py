@@ -290,7 +290,7 @@ def _rank_main(device: str, model: Qwen3MoeConfig, gpu_uuid: str, cmds: Any, res
             def metadata(self) -> list[ParamMeta]:
                 return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in named]
 
-            def __iter__(self):  # noqa: ANN204 - vLLM's signature
+            def __iter__(self) -> Any:
                 return iter(named)
 
         results.put(("ready", 0, sum(t.numel() * t.element_size() for _, t in named)))
@@ -318,8 +318,8 @@ def _rank_main(device: str, model: Qwen3MoeConfig, gpu_uuid: str, cmds: Any, res
                     0,
                     (0, 1),
                     url,
-                    device=device,
-                    gpu_uuid=None,
+                    device="cuda:0" if device == "cuda" else "cpu",
+                    gpu_uuid=None,  # CUDA: the GPU's real UUID, as vLLM's trainer sends
                     packed=packed,
                     timeout_s=timeout_s,
                 )
