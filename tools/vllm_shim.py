@@ -1,9 +1,12 @@
 """Make vLLM's IPC receive path importable where the vllm wheel cannot be installed.
 
 ``python tools/vllm_shim.py DEST`` copies ``vllm/distributed/weight_transfer/{base,ipc_engine,
-packed_tensor}.py`` -- plain Python, vLLM's own code, unchanged -- from the vllm installed in
-this interpreter into ``DEST/vllm/distributed/weight_transfer/``, and writes small stand-ins for
-the vLLM modules those three import (``vllm/__init__.py`` itself is not run):
+packed_tensor,clients}.py`` -- plain Python, vLLM's own code, unchanged -- from the vllm
+installed in this interpreter into ``DEST/vllm/distributed/weight_transfer/``, and writes small
+stand-ins for the vLLM modules those four import (``vllm/__init__.py`` itself is not run).
+``clients.py`` (``HTTPVLLMWeightSyncClient``, the trainer's side of the HTTP routes) imports only
+``base.py`` at load time, and ``requests`` / ``pybase64`` when it posts; ``slotsync bench
+vs-vllm`` drives vLLM's ``IPCTrainerWeightTransferEngine`` through it:
 
 ==================================================  ===========================================
 module                                              stand-in
@@ -52,13 +55,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-COPIED = ("base.py", "ipc_engine.py", "packed_tensor.py")
+COPIED = ("base.py", "ipc_engine.py", "packed_tensor.py", "clients.py")
 
 STANDINS: dict[str, str] = {
     "vllm/distributed/__init__.py": '"""slotsync shim: package marker."""\n',
     "vllm/distributed/weight_transfer/__init__.py": (
-        '"""slotsync shim: vLLM\'s base.py, ipc_engine.py and packed_tensor.py only (the real\n'
-        '__init__ also imports clients and factory, which are not copied)."""\n'
+        '"""slotsync shim: vLLM\'s base.py, ipc_engine.py, packed_tensor.py and clients.py only\n'
+        '(the real __init__ also imports them and factory, which is not copied)."""\n'
     ),
     "vllm/config/__init__.py": '"""slotsync shim: only the two config modules below."""\n',
     "vllm/config/weight_transfer.py": textwrap.dedent('''\
@@ -150,6 +153,7 @@ CHECK = textwrap.dedent('''\
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     dest = os.path.realpath(sys.argv[1])
     import vllm.distributed.weight_transfer.ipc_engine as ipc
+    import vllm.distributed.weight_transfer.clients  # noqa: F401
     bad = [n for n, m in sys.modules.items()
            if (n == "vllm" or n.startswith("vllm.") or n == "pybase64")
            and not os.path.realpath(getattr(m, "__file__", "") or "").startswith(dest)]
@@ -212,7 +216,7 @@ def build(dest: Path) -> list[Path]:
     init = root / "__init__.py"
     init.write_text(
         '"""slotsync shim of vLLM: vllm/distributed/weight_transfer/{base,ipc_engine,\n'
-        'packed_tensor}.py copied unchanged from vLLM ' + version + ' at\n'
+        'packed_tensor,clients}.py copied unchanged from vLLM ' + version + ' at\n'
         + str(src) + ',\nthe rest stand-ins (tools/vllm_shim.py in slotsync).\n\n'
         + "\n".join(digests) + '\n"""\n\n'
         f'__version__ = "{version.split()[0]}+slotsync-shim"\n'

@@ -45,7 +45,7 @@ def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_shim_holds_vllms_files_unchanged(shim: Path) -> None:
     src = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])  # type: ignore
-    for name in ("base.py", "ipc_engine.py", "packed_tensor.py"):
+    for name in ("base.py", "ipc_engine.py", "packed_tensor.py", "clients.py"):
         copied = shim / "vllm" / "distributed" / "weight_transfer" / name
         assert copied.read_bytes() == (src / "distributed" / "weight_transfer" / name
                                        ).read_bytes()

@@ -54,7 +54,7 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``control``, ``gpu``, ``hop``, ``oversize``, ``fsdp-gather`` and ``ep``
+    """Add the ``control``, ``gpu``, ``hop``, ``vs-vllm``, ``oversize``, ``fsdp-gather`` and ``ep``
     subcommands to ``p`` (``slotsync bench``); the last three forward their options to their
     module's ``main``."""
     sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
@@ -130,6 +130,13 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "over two nodes' daemons (issue 25 I; CPU)", description=hop.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     hop.add_arguments(h, positive_int, nonneg_int)
+    from slotsync.bench import vs_vllm
+
+    v = sub.add_parser("vs-vllm", help="slotsync vs vLLM's own IPCTrainerWeightTransferEngine "
+                       "into vLLM's receive path, packed and unpacked (GPU; --device cpu: dry "
+                       "run)", description=vs_vllm.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    vs_vllm.add_arguments(v, positive_int)
     for name, module, text in _FORWARDED:
         f = sub.add_parser(name, help=text, add_help=False, prefix_chars="\0")
         f.add_argument("forwarded", nargs=argparse.REMAINDER,
@@ -177,12 +184,17 @@ def main_from_args(args: argparse.Namespace) -> int:
         from slotsync.bench.hop import main_from_args as hop_main
 
         return hop_main(args)
+    if args.bench_command == "vs-vllm":
+        from slotsync.bench.vs_vllm import main_from_args as vs_vllm_main
+
+        return vs_vllm_main(args)
     for name, module, _ in _FORWARDED:
         if args.bench_command == name:
             import importlib
 
             return importlib.import_module(module).main(args.forwarded)
-    print("usage: slotsync bench {control,gpu,hop,oversize,fsdp-gather,ep} ...  (see --help)",
+    print("usage: slotsync bench {control,gpu,hop,vs-vllm,oversize,fsdp-gather,ep} ...  (see "
+          "--help)",
           file=sys.stderr)
     return 2
 
