@@ -159,7 +159,7 @@ def handle_from_reduce_args(args: Sequence[object]) -> CudaIpcHandle:
     Unpacked, the publisher calls this once per tensor and chunk, so the parts that repeat
     across tensors (the classes' names and allow-list check, the dtype's name, each distinct
     size and stride as a tuple of ints) are looked up, not recomputed, and the record is built
-    positionally (the saving: BENCHMARKS.md, "Control plane: where the time goes").
+    positionally (the saving: BENCHMARKS.md, "Unpacked control plane on this 2-core machine").
 
     Raises:
         ValueError: not 15 fields, or a class / dtype outside wire.py's allow-lists.
