@@ -178,6 +178,37 @@ def test_handle_from_reduce_args_rejects_other_classes() -> None:
         handle_from_reduce_args(_fake_reduce_args()[:3])
 
 
+def test_handle_from_reduce_args_memos_give_the_records_of_a_fresh_conversion(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Class names, dtype names and dims are memoized across calls: every form of a size
+    # (torch.Size, tuple, list) still gives a plain tuple of ints, a cached class pair does
+    # not let another storage class through, and the dims memo stays bounded.
+    from slotsync.protocol import export
+
+    first = handle_from_reduce_args(_fake_reduce_args())
+    for size, stride in ((torch.Size([2, 3]), (3, 1)), ((2, 3), [3, 1]), ([2, 3], (3, 1))):
+        args = list(_fake_reduce_args())
+        args[1], args[2] = size, stride
+        h = handle_from_reduce_args(args)
+        assert h == first
+        assert type(h.size) is tuple and type(h.stride) is tuple
+        assert all(type(d) is int for d in (*h.size, *h.stride))
+
+    class MyStorage(torch.storage.TypedStorage):
+        pass
+
+    with pytest.raises(ValueError, match="storage class .*MyStorage is not allowed"):
+        handle_from_reduce_args(_fake_reduce_args(storage_cls=MyStorage))
+    monkeypatch.setattr(export, "_DIMS_MEMO_MAX", 4)
+    export._DIMS_MEMO.clear()
+    for k in range(1, 20):
+        args = list(_fake_reduce_args())
+        args[1], args[2] = torch.Size([k]), (1,)
+        assert handle_from_reduce_args(args).size == (k,)
+        assert len(export._DIMS_MEMO) <= 4
+
+
 def test_class_names_are_allow_listed() -> None:
     # the mapping f"{cls.__module__}.{cls.__qualname__}" gives exactly wire.py's names
     for cls in (torch.Tensor, torch.nn.Parameter):

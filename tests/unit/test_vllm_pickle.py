@@ -194,6 +194,41 @@ def test_unpacked_fast_path_equals_torch_pickle_for_every_variant():
     assert next(iter(got[0])) is next(iter(got[1]))
 
 
+def test_unpacked_repeated_handle_bytes_are_written_at_most_twice_per_rank():
+    # A rank's IPC and ref-counter handles that repeat (tensors of one CUDA allocation; one
+    # ref-counter file) come from the memo after their first use: inline once, built once
+    # in the prelude. Repeats need not be consecutive, a value may change and come back,
+    # another rank with the same value gets its own slot, and a 256-byte handle (BINBYTES,
+    # not SHORT_BINBYTES) takes the same way. The objects equal torch's own pickle's.
+    a, b, c, big = b"A" * 66, b"B" * 66, b"C" * 66, b"D" * 256
+    ref0, ref1 = b"/torch_9_ref0", b"/torch_9_ref1"
+    ipcs0 = [a, b, a, a, c, b, big, big]
+    refs0 = [ref0, ref0, ref1, ref0, ref0, ref1, ref0, ref0]
+    hs0 = [record(ipc_handle=i, ref_counter_handle=r, event_handle=bytes([k]) * 64,
+                  storage_size_bytes=4096, device=0)
+           for k, (i, r) in enumerate(zip(ipcs0, refs0, strict=True))]
+    hs1 = [record(ipc_handle=bytes([k]) * 66, ref_counter_handle=ref0, event_handle=None,
+                  storage_size_bytes=4096, device=7) for k in range(8)]
+    ours = pickle_unpacked(["u0", "u1"], [hs0, hs1])
+    got = pickle.loads(ours)
+    assert got == [{"u0": torch_args(hs0[i]), "u1": torch_args(hs1[i])} for i in range(8)]
+    for value, most in ((a, 2), (b, 2), (big, 2), (c, 1), (ref1, 2), (ref0, 4)):
+        assert ours.count(value) == most, value[:8]
+    assert got[2]["u0"][7] is got[3]["u0"][7] and got[4]["u1"][11] is got[7]["u1"][11]
+    assert len(got[6]["u0"][7]) == 256
+    # vLLM's own parse_update_info takes it (what /update_weights does with it)
+    import os
+
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    ipc = pytest.importorskip("vllm.distributed.weight_transfer.ipc_engine")
+    engine = object.__new__(ipc.IPCWeightTransferEngine)
+    engine.packed = False
+    info = engine.parse_update_info({
+        "names": [f"w{i}" for i in range(8)], "dtype_names": ["bfloat16"] * 8,
+        "shapes": [[2, 3]] * 8, "ipc_handles_pickled": b64(ours)})
+    assert info.ipc_handles == got
+
+
 def test_unpacked_memo_beyond_256_slots():
     # More distinct shapes than 1-byte memo slots: LONG_BINPUT / LONG_BINGET.
     hs = [record(size=(k + 1,), stride=(k + 2,), storage_size_bytes=4096) for k in range(300)]

@@ -412,6 +412,21 @@ def pickle_unpacked(
     ))  # fmt: skip
 
 
+_PUSH_BYTES = (*(b"C" + bytes([n]) for n in range(256)), b"B" + struct.pack("<I", 256))
+"""Index ``n``: the opcode and length that push ``n`` bytes, up to ``wire``'s 256-byte cap on
+handle byte strings (SHORT_BINBYTES below 256, BINBYTES at 256)."""
+
+
+@lru_cache(maxsize=1024)
+def _short_tail(n_ipc_ops: int, n_ref_ops: int, n_event_ops: int) -> struct.Struct:
+    """Struct of an unpacked handle's opcodes after its layout (``_rank_fragments``):
+    BININT1 device; the ``n_ipc_ops`` bytes of opcodes pushing the IPC handle (inline or
+    from the memo); BININT storage bytes and offset; requires_grad; the ``n_ref_ops`` bytes
+    pushing the ref-counter handle (alike); BININT its offset; the ``n_event_ops`` bytes
+    pushing the event handle; event_sync_required; TUPLE."""
+    return struct.Struct(f"<cB{n_ipc_ops}scicic{n_ref_ops}sci{n_event_ops}scc")
+
+
 def _rank_fragments(key: bytes, hs: Sequence[Handle], memo: _Memo) -> tuple[list[bytes], int]:
     """One rank's part of an unpacked pickle: for each handle, its dict key ``key`` (opcodes
     that push the rank's GPU UUID) followed by its args; and the mask of the globals used.
@@ -421,12 +436,25 @@ def _rank_fragments(key: bytes, hs: Sequence[Handle], memo: _Memo) -> tuple[list
     tensor of one shape) is looked up once per distinct layout and kept with ``key`` in
     front; the rest is one ``struct.pack``, as in ``_fragment``. No ``_fragment`` cache:
     unpacked exports are fresh every round, it would never hit.
+
+    Every worker of the engine base64-decodes and unpickles the whole list, and the front
+    and the daemon move it, so the pickle is kept small where that costs little per handle:
+    the device as BININT1, byte strings as SHORT_BINBYTES (``_PUSH_BYTES``), and the rank's IPC and
+    ref-counter handles, when one repeats, from the memo: the first time inline, from the
+    second on from a slot the prelude fills (``_Memo.put``). Every handle of a rank carries
+    the same ref-counter handle (torch's shared-memory file of IPC ref counters), and tensors
+    of one CUDA allocation the same IPC memory handle. The repeats then unpickle to one
+    bytes object, equal to the inline one (``rebuild_cuda_tensor`` reads them by value).
     """
     out: list[bytes] = []
     append = out.append
     mask = 0
     heads: dict[tuple, bytes] = {}  # layout -> key + layout opcodes
-    pack, lens = None, None  # the tail struct's pack for the handle byte lengths ``lens``
+    ipc_seen: dict[bytes, bytes] = {}  # IPC handle -> memo reference (b"": seen once)
+    ref_seen: dict[bytes, bytes] = {}  # ref-counter handle -> the same
+    last_rch, last_ref = None, b""  # the handle before's, and its memo reference if any
+    short = _PUSH_BYTES
+    pack, lens = None, None  # the tail struct's pack for the opcode lengths ``lens``
     for h in hs:
         if type(h) is not CudaIpcHandle:  # not a handle (TypeError) or shm among cuda ones
             if type(h) is ShmHandle:
@@ -444,25 +472,40 @@ def _rank_fragments(key: bytes, hs: Sequence[Handle], memo: _Memo) -> tuple[list
         dev, size, off, rc = (
             h.device, h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_offset
         )
-        if (dev | size | off | rc) >= _2_31:  # all NonNeg (wire); LONG1 needed: rare
+        ipc, rch, evh = h.ipc_handle, h.ref_counter_handle, h.event_handle
+        if (size | off | rc) >= _2_31 or dev > 255:  # all NonNeg (wire); LONG1 needed: rare
             append(key + _fragment.__wrapped__(h)[0])
             continue
-        ipc, rch, evh = h.ipc_handle, h.ref_counter_handle, h.event_handle
-        n = (len(ipc), len(rch), -1 if evh is None else len(evh))
-        if n != lens:
-            lens, pack = n, _tail(*n).pack
-        if evh is None:
-            tail = pack(  # type: ignore[misc]
-                b"J", dev, b"B", n[0], ipc, b"J", size, b"J", off,
-                _TRUE if h.requires_grad else _FALSE, b"B", n[1], rch, b"J", rc,
-                _NONE, _TRUE if h.event_sync_required else _FALSE, _TUPLE,
-            )  # fmt: skip
+        got = ipc_seen.get(ipc)
+        if got:
+            ipc_op = got
         else:
-            tail = pack(  # type: ignore[misc]
-                b"J", dev, b"B", n[0], ipc, b"J", size, b"J", off,
-                _TRUE if h.requires_grad else _FALSE, b"B", n[1], rch, b"J", rc,
-                b"B", n[2], evh, _TRUE if h.event_sync_required else _FALSE, _TUPLE,
-            )  # fmt: skip
+            ipc_op = short[len(ipc)] + ipc
+            if got is None:
+                ipc_seen[ipc] = b""
+            else:
+                ipc_op = ipc_seen[ipc] = memo.put(ipc_op)
+        if rch == last_rch and last_ref:
+            ref_op = last_ref
+        else:
+            got = ref_seen.get(rch)
+            if got:
+                ref_op = got
+            else:
+                ref_op = short[len(rch)] + rch
+                if got is None:
+                    ref_seen[rch] = b""
+                else:
+                    ref_op = ref_seen[rch] = memo.put(ref_op)
+            last_rch, last_ref = rch, ref_seen[rch]
+        evh_op = _NONE if evh is None else short[len(evh)] + evh
+        n = (len(ipc_op), len(ref_op), len(evh_op))
+        if n != lens:
+            lens, pack = n, _short_tail(*n).pack
+        tail = pack(  # type: ignore[misc]
+            b"K", dev, ipc_op, b"J", size, b"J", off, _TRUE if h.requires_grad else _FALSE,
+            ref_op, b"J", rc, evh_op, _TRUE if h.event_sync_required else _FALSE, _TUPLE,
+        )  # fmt: skip
         append(head + tail)
     return out, mask
 

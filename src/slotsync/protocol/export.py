@@ -99,6 +99,55 @@ def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+_ALLOWED_CLASS_NAMES: dict[tuple[type, type], tuple[str, str]] = {}
+"""(tensor class, storage class) -> their allowed qualified names, for every pair
+``handle_from_reduce_args`` accepted so far (one export per tensor: unpacked, every tensor of
+every round passes there)."""
+
+_DIMS_MEMO: dict[object, tuple[int, ...]] = {}
+"""A size or stride seen by ``handle_from_reduce_args`` -> the same dims as a tuple of ints
+(a ``torch.Size`` and the equal tuple of ints are one key). Bounded by ``_DIMS_MEMO_MAX``."""
+
+_DIMS_MEMO_MAX = 65536
+
+
+def _dims(xs: object) -> tuple[int, ...]:
+    """``xs`` (a ``torch.Size``, a tuple or list of ints) as a tuple of ints, memoized."""
+    try:
+        dims = _DIMS_MEMO.get(xs)
+    except TypeError:  # unhashable (a list): converted every time
+        return tuple(int(d) for d in xs)  # type: ignore[attr-defined]
+    if dims is None:
+        dims = tuple(int(d) for d in xs)  # type: ignore[attr-defined]
+        if len(_DIMS_MEMO) >= _DIMS_MEMO_MAX:
+            _DIMS_MEMO.clear()
+        _DIMS_MEMO[xs] = dims
+    return dims
+
+
+def _class_names(tensor_cls: type, storage_cls: type) -> tuple[str, str]:
+    """Qualified names of a tensor and a storage class, checked against wire.py's
+    allow-lists.
+
+    Raises:
+        ValueError: a class outside the allow-lists.
+    """
+    key = (tensor_cls, storage_cls)
+    names = _ALLOWED_CLASS_NAMES.get(key)
+    if names is None:
+        tensor_class, storage_class = _qualified(tensor_cls), _qualified(storage_cls)
+        if tensor_class not in TENSOR_CLASSES:
+            raise ValueError(
+                f"tensor class {tensor_class} is not allowed (allowed: {TENSOR_CLASSES})"
+            )
+        if storage_class not in STORAGE_CLASSES:
+            raise ValueError(
+                f"storage class {storage_class} is not allowed (allowed: {STORAGE_CLASSES})"
+            )
+        names = _ALLOWED_CLASS_NAMES[key] = (tensor_class, storage_class)
+    return names
+
+
 def handle_from_reduce_args(args: Sequence[object]) -> CudaIpcHandle:
     """Build a ``CudaIpcHandle`` from ``reduce_tensor(t)[1]`` of a CUDA tensor.
 
@@ -106,6 +155,11 @@ def handle_from_reduce_args(args: Sequence[object]) -> CudaIpcHandle:
     elements, storage class, dtype, device index, CUDA IPC memory handle bytes, storage bytes,
     storage byte offset, requires_grad, ref-counter handle, ref-counter offset, event handle,
     event_sync_required) -- see ``rebuild_cuda_tensor``.
+
+    Unpacked, the publisher calls this once per tensor and chunk, so the parts that repeat
+    across tensors (the classes' names and allow-list check, the dtype's name, each distinct
+    size and stride as a tuple of ints) are looked up, not recomputed, and the record is built
+    positionally (the saving: BENCHMARKS.md, "Unpacked control plane on this 2-core machine").
 
     Raises:
         ValueError: not 15 fields, or a class / dtype outside wire.py's allow-lists.
@@ -118,30 +172,23 @@ def handle_from_reduce_args(args: Sequence[object]) -> CudaIpcHandle:
     (tensor_cls, size, stride, storage_offset, storage_cls, dtype, device, ipc_handle,
      storage_size_bytes, storage_offset_bytes, requires_grad, ref_counter_handle,
      ref_counter_offset, event_handle, event_sync_required) = args
-    tensor_class = _qualified(tensor_cls)  # type: ignore[arg-type]
-    storage_class = _qualified(storage_cls)  # type: ignore[arg-type]
-    if tensor_class not in TENSOR_CLASSES:
-        raise ValueError(f"tensor class {tensor_class} is not allowed (allowed: {TENSOR_CLASSES})")
-    if storage_class not in STORAGE_CLASSES:
-        raise ValueError(
-            f"storage class {storage_class} is not allowed (allowed: {STORAGE_CLASSES})"
-        )
+    tensor_class, storage_class = _class_names(tensor_cls, storage_cls)  # type: ignore[arg-type]
     return CudaIpcHandle(
-        tensor_class=tensor_class,  # type: ignore[arg-type]
-        size=tuple(int(d) for d in size),  # type: ignore[attr-defined]
-        stride=tuple(int(d) for d in stride),  # type: ignore[attr-defined]
-        storage_offset=int(storage_offset),  # type: ignore[call-overload]
-        storage_class=storage_class,  # type: ignore[arg-type]
-        dtype=dtype_name(dtype),  # type: ignore[arg-type]
-        device=int(device),  # type: ignore[call-overload]
-        ipc_handle=bytes(ipc_handle),  # type: ignore[call-overload]
-        storage_size_bytes=int(storage_size_bytes),  # type: ignore[call-overload]
-        storage_offset_bytes=int(storage_offset_bytes),  # type: ignore[call-overload]
-        requires_grad=bool(requires_grad),
-        ref_counter_handle=bytes(ref_counter_handle),  # type: ignore[call-overload]
-        ref_counter_offset=int(ref_counter_offset),  # type: ignore[call-overload]
-        event_handle=None if event_handle is None else bytes(event_handle),  # type: ignore[call-overload]
-        event_sync_required=bool(event_sync_required),
+        tensor_class,  # type: ignore[arg-type]
+        _dims(size),
+        _dims(stride),
+        int(storage_offset),  # type: ignore[call-overload]
+        storage_class,  # type: ignore[arg-type]
+        DTYPE_NAME_MEMO.get(dtype) or dtype_name(dtype),  # type: ignore[arg-type]
+        int(device),  # type: ignore[call-overload]
+        bytes(ipc_handle),  # type: ignore[call-overload]
+        int(storage_size_bytes),  # type: ignore[call-overload]
+        int(storage_offset_bytes),  # type: ignore[call-overload]
+        bool(requires_grad),
+        bytes(ref_counter_handle),  # type: ignore[call-overload]
+        int(ref_counter_offset),  # type: ignore[call-overload]
+        None if event_handle is None else bytes(event_handle),  # type: ignore[call-overload]
+        bool(event_sync_required),
     )
 
 
