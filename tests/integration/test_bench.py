@@ -134,6 +134,12 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path, capsys):
     assert "| unpacked (chunks <= 2 MiB) |" in text and "median of rounds 2..2" in text
     assert "| packed 2 MiB x 3 regions (2 MiB each) |" in text
     assert "`chunks_in_flight = 3`" in text and "of which device wait s" in text
+    # issue 27: the engine is preloaded (not counted) and each row says its first and slowest
+    # later round against its median
+    assert "engine preloaded: one update of the first configuration, not counted" in text
+    row = next(line for line in text.splitlines() if line.startswith("| packed 2 MiB x 3"))
+    first, slowest = (float(x) for x in row.split("|")[6:8])
+    assert first > 0 and slowest >= 1.0
 
 
 def test_bench_control_tiny_packed_with_two_regions_and_section(tmp_path, capsys):

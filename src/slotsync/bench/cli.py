@@ -483,7 +483,9 @@ def gpu_main(args: argparse.Namespace) -> int:
               "its weight in one batched copy, a chunk answered once its copy is done; "
               "unpacked: each tensor mapped and copied). Unlike vLLM, it prepares a chunk "
               "already waiting while the previous chunk's copy runs, and does not run "
-              "`load_weights`: a faster engine than vLLM, so that slotsync's own cost shows")
+              "`load_weights`: a faster engine than vLLM, so that slotsync's own cost shows; "
+              "preloaded by one uncounted update before the configurations, as a served "
+              "engine holds its checkpoint's weights")
     counted = (f"median of rounds 2..{args.rounds}" if args.rounds > 1
                else "one round, warm-up included (use --rounds 2 or more)")
     _say(out, f"- round = begin .. commit ack, slowest rank; {counted}")
@@ -498,21 +500,26 @@ def gpu_main(args: argparse.Namespace) -> int:
     _say(out)
     total = res.ranks * res.nbytes_per_rank
     rows = [["plain D2D copy (`dst.copy_(src)`, best of 5)", "1", f"{res.copy_s:.4f}",
-             f"{total / res.copy_s / 1e9:.0f}", "1.0"]]
+             f"{total / res.copy_s / 1e9:.0f}", "1.0", "", ""]]
     for row in res.rows:
         cfg, m = row.config, statistics.median(row.rounds)
         n = cfg.staging_bytes // MiB
         name = f"{cfg.label} ({n} MiB each)" if cfg.packed else f"unpacked (chunks <= {n} MiB)"
         rows.append([name, str(row.chunks),
                      f"{m:.4f}", f"{total / m / 1e9:.1f}", f"**{m / res.copy_s:.1f}**",
+                     f"{row.first_s / m:.1f}", f"{max(row.rounds) / m:.2f}",
                      f"{row.export_s:.4f}", f"{row.engine_load_s:.4f}",
                      f"{row.engine_sync_s:.4f}", f"{row.engine_call_s:.4f}"])
     _say(out, table(["path", "chunks/round", "seconds/round", "GB/s", "x copy",
+                     "first round / median", "slowest later round / median",
                      "publisher export s", "engine load s", "of which device wait s",
                      "engine calls s"], rows))
     _say(out)
-    _say(out, "publisher export: rank 0's time laying chunks out, copying into the staging "
-              "buffer (or exporting each tensor), synchronizing and exporting, per round; "
+    _say(out, "first round: each configuration's first, with a fresh daemon and publisher "
+              "(the engine was preloaded, see above); slowest later round: the slowest of "
+              "the counted rounds. publisher export: rank 0's time laying chunks out, "
+              "copying into the staging buffer (or exporting each tensor), synchronizing "
+              "and exporting, per round; "
               "engine load: mean per worker and round inside `update_weights` (parse, map, "
               "copy, synchronize), and of that the wait for the device's copies; engine calls: "
               "the daemon's `/update_weights` calls per round, end to end (the load plus HTTP, "
