@@ -136,7 +136,7 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path, capsys):
     assert "`chunks_in_flight = 3`" in text and "of which device wait s" in text
     # issue 27: the engine is preloaded (not counted) and each row says its first and slowest
     # later round against its median
-    assert "engine preloaded: one update of the first configuration, not counted" in text
+    assert "engine preloaded: two updates of the first configuration, not counted" in text
     row = next(line for line in text.splitlines() if line.startswith("| packed 2 MiB x 3"))
     first, slowest = (float(x) for x in row.split("|")[6:8])
     assert first > 0 and slowest >= 1.0

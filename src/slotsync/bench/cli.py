@@ -484,7 +484,7 @@ def gpu_main(args: argparse.Namespace) -> int:
               "unpacked: each tensor mapped and copied). Unlike vLLM, it prepares a chunk "
               "already waiting while the previous chunk's copy runs, and does not run "
               "`load_weights`: a faster engine than vLLM, so that slotsync's own cost shows; "
-              "preloaded by one uncounted update before the configurations, as a served "
+              "preloaded by two uncounted updates before the configurations, as a served "
               "engine holds its checkpoint's weights")
     counted = (f"median of rounds 2..{args.rounds}" if args.rounds > 1
                else "one round, warm-up included (use --rounds 2 or more)")

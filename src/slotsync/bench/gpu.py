@@ -216,8 +216,8 @@ def run_gpu(
     preload: bool = True,
 ) -> GpuResult:
     """Run every configuration (a fresh daemon each, run with ``--chunks-in-flight
-    chunks_in_flight``; one engine for all) and the copy floor. With ``preload``, one update of
-    the first configuration goes to the engine first, through a daemon of its own, and is not
+    chunks_in_flight``; one engine for all) and the copy floor. With ``preload``, two updates
+    of the first configuration go to the engine first, through a daemon of its own, and are not
     counted: a served engine holds its checkpoint's weights and has run its kernels, while the
     reference engine creates each weight at the first update that carries it and builds its
     copy plans at the second. Each configuration's first round then is slotsync's own cold
@@ -269,9 +269,12 @@ def run_gpu(
         if preload and configs:
             with DaemonProcess(args=["--log-level", "warning"]) as d:
                 for c in cmds:
-                    c.put(("run", d.endpoint, engine.url, configs[0], 1))
+                    c.put(("run", d.endpoint, engine.url, configs[0], 2))
+                collect("warm")
+                for c in cmds:
+                    c.put(("continue",))
                 collect("done")
-            log("  engine preloaded: one update of the first configuration, not counted")
+            log("  engine preloaded: two updates of the first configuration, not counted")
         for cfg in configs:
             load0 = _engine_seconds(engine)
             with DaemonProcess(args=["--log-level", "warning", "--chunks-in-flight",
