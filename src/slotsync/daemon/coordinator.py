@@ -1002,6 +1002,10 @@ class SlotCoordinator:
                 call = self._maintenance_call(nxt, {"init_info": {"packed": self.packed}})
                 self._warm.out[call.call_id] = nxt
                 return [call]
+            if nxt is not None:  # a begin waited: its version stages have their answers
+                self.current.version_asked = True  # (it inits the engine itself)
+                # (its chunks waited for the engine's kind: engine_kind.py)
+                chunk_window.merge_waiting(self.current, self.size, self._merge_facts())
             return self._advance(now)  # (a begin may have waited for the warm start)
         if call.route == "get_world_size" and self.claims is not None:  # (claim_check.py)
             held, why = self.claims.answer(ok, result, self.slot, self.engine_url or "")

@@ -609,7 +609,8 @@ class Publisher:
         """One whole update: begin, chunks of at most ``staging_bytes`` in iteration order,
         commit. Chunking is deterministic (``chunking.cut``), so ranks that iterate the same
         names and sizes cut identical chunks. On any exception the update is aborted (best
-        effort) and the exception re-raised.
+        effort) and the exception re-raised. Python's cyclic garbage collector is held off
+        while it runs (``gc_hold.py``, docs/publisher.md).
 
         Args:
             named_tensors: ``(name, tensor)`` pairs, consumed lazily (a generator is fine), or
