@@ -113,7 +113,8 @@ def test_refuses_without_vllms_trainer_code(tmp_path):
 
 
 def test_refuses_bad_modes_and_a_buffer_smaller_than_a_tensor():
-    assert "--modes takes packed,unpacked" in _refusal(*TINY, "--modes", "packd")
+    assert "--modes takes packed, unpacked or both (comma-separated), got 'packd'" in _refusal(
+        *TINY, "--modes", "packd")
     assert "exceeds vLLM's packed buffer" in _refusal(
         "--device", "cpu", "--vllm-buffer-mb", "1", "--layers", "1", "--experts", "4"
     )

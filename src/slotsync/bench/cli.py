@@ -507,7 +507,8 @@ def gpu_main(args: argparse.Namespace) -> int:
         name = f"{cfg.label} ({n} MiB each)" if cfg.packed else f"unpacked (chunks <= {n} MiB)"
         rows.append([name, str(row.chunks),
                      f"{m:.4f}", f"{total / m / 1e9:.1f}", f"**{m / res.copy_s:.1f}**",
-                     f"{row.first_s / m:.1f}", f"{max(row.rounds) / m:.2f}",
+                     f"{row.first_s / m:.2f}" if args.rounds > 1 else "",
+                     f"{max(row.rounds) / m:.2f}" if args.rounds > 1 else "",
                      f"{row.export_s:.4f}", f"{row.engine_load_s:.4f}",
                      f"{row.engine_sync_s:.4f}", f"{row.engine_call_s:.4f}"])
     _say(out, table(["path", "chunks/round", "seconds/round", "GB/s", "x copy",

@@ -479,14 +479,15 @@ def main_from_args(
     engine's checksums cannot match the rank's."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("packed", "unpacked") for m in modes):
-        _refuse("--modes takes packed,unpacked")
+        _refuse(f"--modes takes packed, unpacked or both (comma-separated), got {args.modes!r}")
     model = Qwen3MoeConfig(
         layers=args.layers, experts=args.experts, vocab=args.vocab, hidden=args.hidden
     )
     specs = qwen3_moe_specs(model)
     nbytes = sum(s.nbytes for s in specs)
     buffer_bytes = args.vllm_buffer_mb * MiB if args.vllm_buffer_mb else None
-    if max(s.nbytes for s in specs) > (buffer_bytes or VLLM_DEFAULT_BUFFER):
+    if "packed" in modes and max(s.nbytes for s in specs) > (buffer_bytes
+                                                              or VLLM_DEFAULT_BUFFER):
         _refuse(
             "the largest tensor exceeds vLLM's packed buffer (vLLM refuses it): raise "
             "--vllm-buffer-mb or lower --vocab/--hidden"

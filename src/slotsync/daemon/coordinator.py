@@ -107,7 +107,6 @@ from slotsync.daemon import (
     sglang_fence,
     sglang_versions,
     vllm_versions,
-    warm_start,
 )
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
 from slotsync.daemon.claim_check import ClaimCheck
@@ -167,8 +166,6 @@ class SlotCoordinator:
         omitted_names: ``"warn"`` or ``"refuse"`` (see ``OMITTED_NAMES_POLICIES``).
         max_message_bytes: the daemon's frame cap in bytes, told to each rank in
             ``Registered`` (0: unknown).
-        warm_start_on: once every rank registered, make the first begin's version, server
-            info and init calls (``warm_start.py``).
 
     Raises:
         ValueError: ``chunks_in_flight`` < 1, or an unknown ``omitted_names`` policy.
@@ -177,7 +174,6 @@ class SlotCoordinator:
     def __init__(
         self, start: int, size: int, timeouts: Timeouts | None = None, daemon_version: str = "",
         chunks_in_flight: int = 3, omitted_names: str = "warn", max_message_bytes: int = 0,
-        warm_start_on: bool = False,
     ) -> None:
         if chunks_in_flight < 1:
             raise ValueError(f"chunks_in_flight must be >= 1, got {chunks_in_flight}")
@@ -221,8 +217,6 @@ class SlotCoordinator:
         # intact: once the orphans returned, ask /is_paused and resume it (_maintain).
         self._reconcile = False
         self._maintenance: dict[int, EngineCall] = {}  # its calls in flight
-        # the first begin's calls made once the slot is complete (warm_start.py, issue 27)
-        self._warm = warm_start.WarmStart(tried=not warm_start_on)
         self._pending_url: str | None = None  # engine table reload during an update
         # an undeclared slot's claim, checked against its engine (SlotTable sets it)
         self.claims: ClaimCheck | None = None
@@ -360,8 +354,7 @@ class SlotCoordinator:
                 ),
             )
         )
-        actions += self._advance(now)  # a begin may have waited for this rank
-        return actions + self._warm_start()
+        return actions + self._advance(now)  # a begin may have waited for this rank
 
     def on_message(self, rank: int, msg: Begin | Chunk | Commit | Abort, now: float) -> list:
         """A registered rank of this slot sent ``msg``. Returns actions."""
@@ -975,38 +968,15 @@ class SlotCoordinator:
         self._reconcile = False
         return [self._maintenance_call("is_paused")]
 
-    def _maintenance_call(self, route: str, body: Any = None) -> EngineCall:
+    def _maintenance_call(self, route: str) -> EngineCall:
         self._call_id += 1
-        call = EngineCall(self._call_id, self.next_update_id - 1, route, body, self.slot)
+        call = EngineCall(self._call_id, self.next_update_id - 1, route, None, self.slot)
         self._maintenance[call.call_id] = call
         self.engine_calls[route] = self.engine_calls.get(route, 0) + 1
         return call
 
-    def _warm_start(self) -> list[Action]:
-        """Every rank registered, nothing in flight: the first begin's version, server-info
-        and init calls now (``warm_start.py``)."""
-        if (self._warm.tried or len(self.ranks) < self.size or self.current is not None
-                or self._calls or self._maintenance or self._orphans or self._reconcile
-                or not warm_start.wanted(self.engine)):
-            return []
-        calls = [self._maintenance_call(route) for route in warm_start.FIRST_CALLS]
-        self._warm.start({c.call_id: c.route for c in calls})
-        return list(calls)
-
     def _on_maintenance_result(self, call: EngineCall, ok: bool, result: Any, error: str,
                                now: float) -> list[Action]:
-        if call.call_id in self._warm.out:
-            nxt = self._warm.answer(self.engine, self.engine_url or "", call.call_id, ok,
-                                    result, error, self.size)
-            if nxt is not None and self.current is None:
-                call = self._maintenance_call(nxt, {"init_info": {"packed": self.packed}})
-                self._warm.out[call.call_id] = nxt
-                return [call]
-            if nxt is not None:  # a begin waited: its version stages have their answers
-                self.current.version_asked = True  # (it inits the engine itself)
-                # (its chunks waited for the engine's kind: engine_kind.py)
-                chunk_window.merge_waiting(self.current, self.size, self._merge_facts())
-            return self._advance(now)  # (a begin may have waited for the warm start)
         if call.route == "get_world_size" and self.claims is not None:  # (claim_check.py)
             held, why = self.claims.answer(ok, result, self.slot, self.engine_url or "")
             if why:

@@ -97,7 +97,6 @@ class Daemon:
             config.slot_release_s,
             config.max_message_bytes,
             check_claims=True,  # (claim_check.py)
-            warm_start=True,  # (warm_start.py)
         )
         self.metrics.watch(self.table)  # slot/rank/in-flight gauges read the table per scrape
         self.endpoint = config.endpoint()

@@ -52,9 +52,6 @@ class SlotTable:
             ``/get_world_size``, and an engine with fewer workers than the slot is refused
             (``claim_check.py``; the daemon sets it, the unit tests' scripted engines mostly
             do not).
-        warm_start: once every rank of a slot registered, its engine's version, server info
-            and init are asked before the first begin (``warm_start.py``; the daemon sets it,
-            the unit tests' scripted engines mostly do not).
 
     Shutting down, the adapter calls ``on_drain``: from then on registrations and begins
     are refused (``draining``).
@@ -63,11 +60,10 @@ class SlotTable:
     def __init__(self, timeouts: Timeouts | None = None, daemon_version: str = "",
                  chunks_in_flight: int = 3, omitted_names: str = "warn",
                  slot_release_s: float = 60.0, max_message_bytes: int = 0,
-                 check_claims: bool = False, warm_start: bool = False) -> None:
+                 check_claims: bool = False) -> None:
         self.timeouts = timeouts or Timeouts()
         self.daemon_version = daemon_version
         self.chunks_in_flight = chunks_in_flight
-        self.warm_start = warm_start
         self.omitted_names = omitted_names
         self.slot_release_s = slot_release_s
         self.max_message_bytes = max_message_bytes
@@ -83,7 +79,7 @@ class SlotTable:
     def _coordinator(self, start: int, size: int) -> SlotCoordinator:
         return SlotCoordinator(start, size, self.timeouts, self.daemon_version,
                                self.chunks_in_flight, self.omitted_names,
-                               self.max_message_bytes, self.warm_start)
+                               self.max_message_bytes)
 
     def on_drain(self) -> list[Action]:
         """The daemon is shutting down gracefully: refuse new registrations and updates (the

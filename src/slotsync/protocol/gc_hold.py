@@ -36,7 +36,9 @@ _holders = 0  # threads inside collections_held() that found the collector enabl
 def collections_held() -> Iterator[None]:
     """Disable the cyclic collector for the ``with`` body if it is enabled; enable it again
     when the last holder leaves (nested and concurrent holders -- several publishers in one
-    process -- count). A collector the caller had disabled stays disabled and untouched."""
+    process -- count). A collector disabled before the first holder entered stays disabled
+    and untouched; one that another thread disables while a holder is inside is enabled again
+    when the last holder leaves (the collector has one switch for the whole process)."""
     global _holders
     with _lock:
         if _holders == 0 and not gc.isenabled():
