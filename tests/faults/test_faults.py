@@ -206,8 +206,8 @@ def recover(pool, d, engine, packed: bool, k: int, slot=SLOT_A) -> str:
     """Policy 3: a full round by fresh processes for every rank of the slot succeeds.
 
     Where the daemon finds the engine's executor replies out of step (vLLM's
-    MultiprocExecutor after a worker's failure, gh-58242: it checks with check_health before
-    its first executor call after one), it refuses the round, before the pause, with a
+    MultiprocExecutor after a worker's failure, gh-58242: it asks each worker's rpc_rank
+    before its first executor call after one), it refuses the round, before the pause, with a
     message to restart the engine, and keeps refusing until it sees a new session. Then the
     operator's move is made here -- the engine is restarted -- and the round is run again;
     it must succeed (a full update into the new session). The ranks begin only once all of
@@ -1359,6 +1359,18 @@ def eng_draft(box_draft):
     box_draft.reset()
 
 
+def chunks_settled(engine, daemon, before: int) -> None:
+    """Wait until every chunk call the daemon sent (``/status`` ``engine_calls``) reached the
+    engine (``route_counts``: ``before`` at the test's start) and ran there: the ranks are
+    told of a failure at once, while the chunks already sent behind the failed one are still
+    at the engine. One engine-core call then returns after them (vLLM's engine core runs
+    utility calls one at a time, in arrival order)."""
+    sent = slot_status(daemon)["engine_calls"].get("update_weights", 0)
+    assert wait_for(lambda: engine_stats(engine)["route_counts"].get("update_weights", 0)
+                    - before >= sent), (sent, engine_stats(engine)["route_counts"])
+    assert engine.request("GET", "/is_paused")[0] == 200
+
+
 def assert_draft_weights(engine, k: int) -> None:
     """Every worker's draft model holds make_draft_tensors(k) exactly."""
     want = {n: tensor_checksum(t) for n, t in make_draft_tensors(k)}
@@ -1376,6 +1388,7 @@ def test_draft_session_fault(rec, pool, eng_draft, daemon, name):
     draft recovers both and resumes."""
     eng, body = eng_draft, DRAFT_FAULTS[name]
     row = rec.row(f"draft session: {name}", "packed", f"engine fault {body}")
+    chunks_before = engine_stats(eng)["route_counts"].get("update_weights", 0)
     eng.request("POST", "/_slotsync/fault", body)
     run = pool.start(daemon.endpoint, [job(r, SLOT_A, eng.url, True, draft=True)
                                        for r in (0, 1)])
@@ -1394,6 +1407,7 @@ def test_draft_session_fault(rec, pool, eng_draft, daemon, name):
     # On vLLM's code the draft chunks behind the failed one were already at the engine and
     # fail there (their memory was given back): a worker's reply is left queued (vLLM
     # gh-58242), so no executor call answers truly until the engine restarts.
+    chunks_settled(eng, daemon, chunks_before)
     stale = bool(engine_stats(eng).get("unread_replies"))
     if not stale:
         assert_weights(eng, 1)  # the main session finished: its weights and version are in

@@ -598,6 +598,11 @@ def test_multiproc_executor_leaves_later_replies_unread(model_path: Path) -> Non
         status, body = request(eng, "POST", "/collective_rpc", rpc)
         assert status == 500 and message(body) == WRAP.format(
             ALREADY_ACTIVE + ". Call finish_weight_update first.")
+        # each worker's rpc_rank (WorkerWrapperBase, as vLLM's WorkerProc holds it): no other
+        # call answers it, so the stale success (check_health's null) shows -- the daemon's
+        # replies check (engine_session.CHECK_REPLIES)
+        ranks = {"method": "__getattribute__", "args": ["rpc_rank"]}
+        assert request(eng, "POST", "/collective_rpc", ranks) == (200, {"results": ["0", None]})
 
 
 def test_impl_vllm_refuses_without_model_or_vllm(tmp_path: Path) -> None:

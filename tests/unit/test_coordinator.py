@@ -103,6 +103,17 @@ def chunk(update_id: int, index: int, rank: int, packed: bool = True, dtype: str
     return Chunk(update_id, index, list(names), [dtype] * len(names), shapes, sizes, handles)
 
 
+def rpc_answer(body: object, worker: int) -> object:
+    """Worker ``worker``'s reply to vLLM's dev-mode ``POST /collective_rpc`` ``body`` as the
+    router sends it back: ``check_health`` -> None; ``__getattribute__("rpc_rank")`` on the
+    ``WorkerWrapperBase`` -> its rank, ``str()``'d."""
+    assert isinstance(body, dict), body
+    if body["method"] == "check_health":
+        return None
+    assert body == {"method": "__getattribute__", "args": ["rpc_rank"]}, body
+    return str(worker)
+
+
 @dataclass
 class ScriptedEngine:
     """Answers EngineCalls like a vLLM server: keeps paused/active state and a call log."""
@@ -149,8 +160,9 @@ class ScriptedEngine:
             return True, {"is_sleeping": self.paused or self.asleep}, ""
         if r == "is_paused":
             return True, {"is_paused": self.paused}, ""
-        if r == "check_replies":  # /collective_rpc check_health: one null per worker
-            return True, {"results": [None] * self.world_size}, ""
+        if r == "check_replies":  # /collective_rpc: what vLLM's router answers the method
+            return True, {"results": [rpc_answer(call.body, w)
+                                      for w in range(self.world_size)]}, ""
         if r == "init_weight_transfer_engine":
             self.packed = call.body["init_info"]["packed"]
         if r == "pause":
@@ -1339,6 +1351,7 @@ class MultiprocEngine:
     active: list = field(default_factory=list)
     queues: list = field(default_factory=list)
     hold: bool = False
+    rpc_body: object = None
 
     def __post_init__(self):
         self.restart()
@@ -1357,8 +1370,8 @@ class MultiprocEngine:
         if route == "init_weight_transfer_engine":
             self.packed[w] = True
             return True, None
-        if route == "check_health":
-            return True, None
+        if route == "collective_rpc":
+            return True, rpc_answer(self.rpc_body, w)
         if route == "start_weight_update":
             if self.active[w]:
                 return False, "start_weight_update called while a weight update is already active"
@@ -1404,7 +1417,8 @@ class MultiprocEngine:
         if r == "resume":
             self.paused = False
             return True, {"status": "resumed"}, ""
-        route = "check_health" if r == "check_replies" else r
+        route = "collective_rpc" if r == "check_replies" else r
+        self.rpc_body = call.body
         inject = self.fail.get((r, nth), {})
         for w in range(self.workers):
             self.queues[w].append(self._worker(w, route, inject.get(w)))
@@ -1451,7 +1465,7 @@ def test_failed_finish_recovers_starting_first_so_replies_stay_in_step():
 
 def test_replies_out_of_step_are_found_and_the_engine_must_be_restarted():
     """Every worker fails chunk 0 (say, a payload none can read): worker 0's error is raised,
-    worker 1's stays queued. The next round's first executor call is check_health: it reads
+    worker 1's stays queued. The next round's first executor call is the check: it reads
     the stale error, so the daemon knows every later call would read another's reply. It
     says so before the pause and keeps refusing until the engine restarted; then a full
     update recovers it."""
@@ -1476,6 +1490,26 @@ def test_replies_out_of_step_are_found_and_the_engine_must_be_restarted():
     h.round(4, n_chunks=1)
     assert h.coord.last_version == "v4" and h.engine.unread() == [0, 0]
     assert h.coord.engine.out_of_step is None
+
+
+def test_a_stale_success_reply_is_not_taken_for_the_check():
+    """Worker 0 fails chunk 0 (say, its rank already gave back that memory), worker 1 loads
+    it: worker 1's reply -- a success, null like check_health's -- stays queued. The check
+    must not take it for its own: it asks each worker's rank (``rpc_rank``), which no
+    earlier call answers, so the stale null shows and the round is refused before the
+    pause (on check_health alone the round went on with every reply one call late)."""
+    h = _multiproc_harness()
+    h.round(0, n_chunks=1)
+    h.engine.fail[("update_weights", 1)] = {0: "[Errno 2] No such file or directory"}
+    h.round(1, n_chunks=1)
+    assert h.engine.unread() == [0, 1] and h.coord.engine.replies_suspect
+    h.engine.calls.clear()
+    h.engine.fail.clear()
+    h.round(2, n_chunks=1)
+    err = next(m for m in h.replies[0] if isinstance(m, Error) and m.update_id == 2)
+    assert "replies are out of step" in err.message and "Restart the engine" in err.message
+    assert h.engine.calls == [*PROBES, *ASKED, "check_replies"]  # nothing else reached it
+    assert h.coord.last_version == "v0" and h.coord.status()["state"] == "failed"
 
 
 def test_start_that_reached_no_worker_leaves_the_engine_intact():

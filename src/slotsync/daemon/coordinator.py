@@ -111,6 +111,7 @@ from slotsync.daemon import (
 from slotsync.daemon.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
 from slotsync.daemon.claim_check import ClaimCheck
 from slotsync.daemon.engine_session import (
+    CHECK_REPLIES,
     EngineSession,
     out_of_step_found,
     replies_in_step,
@@ -436,7 +437,7 @@ class SlotCoordinator:
         out: list[Action] = []
         if route == "check_replies":
             if not replies_in_step(result, self.size):
-                return self._out_of_step(u, now, f"check_health answered {result!r}")
+                return self._out_of_step(u, now, f"it answered {result!r}")
             self.engine.replies_suspect = False
         elif engine_kind.sglang_answer(self.engine, u, route, result):
             return self._sglang_known(u, result, now)
@@ -656,8 +657,7 @@ class SlotCoordinator:
         self.next_update_id = max(self.next_update_id, old.next_update_id)
 
     def _out_of_step(self, u: Update, now: float, answer: str) -> list[Action]:
-        """check_health did not get one clean answer per worker: the engine's executor
-        replies are out of step (``engine_session.out_of_step_found``); the update fails."""
+        """The check found the executor's replies out of step: the update fails."""
         self.engine.out_of_step = out_of_step_found(self.engine_url, answer)
         return self._fail(now, "engine", self.engine.out_of_step, [])
 
@@ -929,7 +929,7 @@ class SlotCoordinator:
         if step.fail:
             return self._fail(now, "begin", step.fail, [])
         if step.check:  # the first executor call after a worker's failure checks the replies
-            return self._call(u, "check_replies", {"method": "check_health"})
+            return self._call(u, "check_replies", CHECK_REPLIES)
         out: list[Action] = []
         for route in step.stage.routes if step.stage else ():
             if route in ("version", "server_info"):

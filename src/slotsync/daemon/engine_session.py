@@ -70,8 +70,8 @@ class EngineSession:
     vLLM's MultiprocExecutor reads the workers' replies in rank order and raises at the first
     failure, leaving later workers' replies queued: the next call then reads them as its own
     (vLLM gh-58242, PR 57846 open). After a worker's failure the next executor call is a
-    harmless check_health (``replies_suspect``); a stale error answering it means the replies
-    are out of step until the engine restarts (``out_of_step``: why).
+    harmless check (``replies_suspect``, ``CHECK_REPLIES``): a stale reply answering it means
+    the replies are out of step until the engine restarts (``out_of_step``: why).
 
     ``recover_first``: end a half-open session before the start (finish first), or start first
     and end the session only where a worker says it is already active: after a failed finish
@@ -207,26 +207,37 @@ def start_reached_none(error: str, size: int) -> bool:
     return size == 1 or WORKER_FAILED not in error
 
 
+CHECK_REPLIES: dict[str, Any] = {"method": "__getattribute__", "args": ["rpc_rank"]}
+"""The ``check_replies`` call's body (vLLM's dev-mode ``POST /collective_rpc``): each worker
+answers its rank in the executor, ``WorkerWrapperBase.rpc_rank`` (vLLM 0.32
+``v1/worker/worker_base.py``; ``WorkerProc`` runs ``getattr(self.worker, method)(*args)`` on
+that wrapper, ``v1/serial_utils.py`` ``run_method``; the router answers ``str()`` of an int).
+A reply no other call gets: a stale one shows. ``check_health`` could not tell: vLLM's
+``Worker.check_health`` returns None, as do start / update_weights / finish, so a success
+left queued behind an earlier worker's failure passed for its answer (the round then read
+every reply one call late)."""
+
+
 def replies_in_step(result: Any, size: int) -> bool:
-    """The ``check_replies`` call (vLLM's ``check_health`` through the executor) got one clean
-    answer per worker (``size``: the engine's workers): ``{"results": [None] * size}``, or,
-    from an engine of D data-parallel replicas, ``[None] * (size // D)``: vLLM 0.32's
-    ``DPLBAsyncMPClient`` runs the call on every replica and answers replica 0's results
-    only (``core_client.py`` ``call_utility_async``)."""
+    """The ``check_replies`` call (``CHECK_REPLIES``) got each worker's own answer, its rank
+    (``size``: the engine's workers): ``{"results": ["0", "1", ..., str(size - 1)]}``, or,
+    from an engine of D data-parallel replicas, the ranks of replica 0's ``size // D``
+    workers: vLLM 0.32's ``DPLBAsyncMPClient`` runs the call on every replica and answers
+    replica 0's results only (``core_client.py`` ``call_utility_async``)."""
     results = result.get("results") if isinstance(result, dict) else None
     return (isinstance(results, list) and len(results) > 0 and size % len(results) == 0
-            and all(r is None for r in results))
+            and results == [str(i) for i in range(len(results))])
 
 
 def out_of_step_found(engine_url: str, answer: str) -> str:
-    """Why ``EngineSession.out_of_step`` is set when check_health did not get one clean answer
-    per worker (``answer``: what it got, cut to 300 characters): a worker's reply to an
+    """Why ``EngineSession.out_of_step`` is set when the check did not get each worker's own
+    answer (``answer``: what it got, cut to 300 characters): a worker's reply to an
     earlier call is still queued, so every later call would read another call's reply (vLLM
     gh-58242). Nothing but a restart puts it right."""
     return (
         f"engine {engine_url}'s executor replies are out of step: after a worker's "
-        f"failure, check_health read a reply to an earlier call ({answer[:300]}); vLLM "
-        "0.32's MultiprocExecutor leaves later workers' replies queued when one fails "
-        "(vLLM gh-58242, fixed by PR 57846), and every later call would take another "
-        "call's reply for its own. Restart the engine: the daemon then initialises it and "
-        "sends a full update")
+        f"failure, the check (each worker's rpc_rank) read a reply to an earlier call "
+        f"({answer[:300]}); vLLM 0.32's MultiprocExecutor leaves later workers' replies "
+        "queued when one fails (vLLM gh-58242, fixed by PR 57846), and every later call "
+        "would take another call's reply for its own. Restart the engine: the daemon then "
+        "initialises it and sends a full update")

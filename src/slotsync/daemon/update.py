@@ -421,7 +421,7 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
     * ``init`` is skipped for an initialised engine; ``recover`` unless the engine may be
       mid-update and must finish first (``recover_first``) or a start met a session;
     * the first executor stage after a worker's failure (``replies_suspect``) first checks
-      the replies line up (``check_health``);
+      the replies line up (``engine_session.CHECK_REPLIES``);
     * stages that touch generation wait for every rank's begin (a rank that never comes fails
       the begin with the engine still serving) and a first chunk (an update of no chunk is
       refused); the pause fails on ranks' GPU UUIDs unlike the engine's (I2).

@@ -48,8 +48,9 @@ ROUTES: dict[str, tuple[str, str]] = {
     "is_sleeping": ("GET", "/is_sleeping"),
     "weight_info": ("GET", "/weight_info"),
     "weight_checker": ("POST", "/weight_checker"),
-    # vLLM's dev-mode /collective_rpc, only ever with {"method": "check_health"}: after a
-    # worker's failure, whether the executor's replies still line up (coordinator)
+    # vLLM's dev-mode /collective_rpc, only ever with engine_session.CHECK_REPLIES (each
+    # worker's rpc_rank): after a worker's failure, whether the executor's replies still
+    # line up (coordinator)
     "check_replies": ("POST", "/collective_rpc"),
     # vLLM's GET /version (serve/instrumentator/basic.py): {"version": VLLM_VERSION}
     "version": ("GET", "/version"),

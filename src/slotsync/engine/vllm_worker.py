@@ -214,6 +214,15 @@ class VllmWorkerHost:
             vllm_config.weight_transfer_config, vllm_config, self.device, model
         )
         self.worker = w
+        # vLLM's WorkerProc holds a WorkerWrapperBase (v1/executor/multiproc_executor.py
+        # ``self.worker = wrapper``): /collective_rpc's method is looked up on it, and its
+        # __getattr__ forwards what it lacks to the Worker. rpc_rank: the worker's rank in its
+        # engine core's executor (with DP, each replica's own: its TP rank).
+        from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+        self.wrapper = object.__new__(WorkerWrapperBase)
+        self.wrapper.rpc_rank, self.wrapper.global_rank = spec.rank, spec.rank
+        self.wrapper.worker = w
         self._fault: str | None = None
         self._install_fault_hooks()
         self.counts = {k: 0 for k in ("init_count", "start_count", "finish_count",
@@ -387,8 +396,10 @@ def _draft_digests(host: VllmWorkerHost) -> dict[str, str] | str:
 
 def _call(host: VllmWorkerHost, method: str, kwargs: dict[str, Any]) -> Any:
     """Run one request: the host's method of that name, else (``/collective_rpc`` with any
-    method) vLLM's ``Worker`` method of that name, as vLLM's ``WorkerProc`` does
-    (``getattr(self.worker, method)``: an unknown name is its ``AttributeError``).
+    method) what vLLM's ``WorkerProc`` runs (``getattr(self.worker, method)`` on its
+    ``WorkerWrapperBase``, which forwards other names to the ``Worker``: e.g.
+    ``check_health``, or ``__getattribute__("rpc_rank")``; an unknown name is its
+    ``AttributeError``).
     ``_args``: positional arguments; ``inject``: a test fault, raised at once for a Worker
     method."""
     args = kwargs.pop("_args", ())
@@ -396,7 +407,7 @@ def _call(host: VllmWorkerHost, method: str, kwargs: dict[str, Any]) -> Any:
     if fn is not None and not method.startswith("_"):
         return getattr(host, method)(*args, **kwargs)
     inject = kwargs.pop("inject", None)
-    target = getattr(host.worker, method)
+    target = getattr(host.wrapper, method)
     if inject is not None:
         raise RuntimeError(inject)
     return target(*args, **kwargs)

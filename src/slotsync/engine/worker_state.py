@@ -295,7 +295,10 @@ class WorkerState:
             inject: str | None = None) -> Any:
         """``POST /collective_rpc``'s worker part: the vLLM ``Worker`` methods this worker
         has (``check_health``: healthy while it runs; ``supports_draft_weight_updates``:
-        whether a draft model is set up; vLLM 0.32 ``gpu_worker.py``).
+        whether a draft model is set up; vLLM 0.32 ``gpu_worker.py``), and
+        ``__getattribute__("rpc_rank")`` on vLLM's ``WorkerWrapperBase`` (its rank in the
+        executor: here its index, which is that rank for every worker whose answer is shown,
+        those of DP replica 0).
 
         Raises:
             AttributeError: another name, with vLLM's ``getattr(worker, method)`` text.
@@ -304,6 +307,8 @@ class WorkerState:
             raise RuntimeError(inject)
         if method == "check_health":
             return None
+        if method == "__getattribute__" and list(args or ()) == ["rpc_rank"]:
+            return self.index
         if method == "supports_draft_weight_updates":  # (issue 18: a draft model is set up)
             return self.draft_loader is not None
         raise AttributeError(f"'Worker' object has no attribute '{method}'")
