@@ -1469,18 +1469,8 @@ def test_replies_out_of_step_are_found_and_the_engine_must_be_restarted():
     the stale error, so the daemon knows every later call would read another's reply. It
     says so before the pause and keeps refusing until the engine restarted; then a full
     update recovers it."""
-    h = _multiproc_harness()
-    h.round(0, n_chunks=1)
-    h.engine.fail[("update_weights", 1)] = {0: "boom", 1: "boom"}
-    h.round(1, n_chunks=1)
-    assert h.engine.unread() == [0, 1] and h.coord.engine.replies_suspect
-    h.engine.calls.clear()
-    h.engine.fail.clear()
-    h.round(2, n_chunks=1)
-    err = next(m for m in h.replies[0] if isinstance(m, Error) and m.update_id == 2)
-    assert "replies are out of step" in err.message and "Restart the engine" in err.message
+    h, err = _round_after_a_queued_reply({0: "boom", 1: "boom"})
     assert "gh-58242" in err.message
-    assert h.engine.calls == [*PROBES, *ASKED, "check_replies"]  # nothing else reached it
     h.engine.calls.clear()
     h.round(3, n_chunks=1)
     assert h.engine.calls == PROBES and "out of step" in h.last(0).message
@@ -1492,15 +1482,13 @@ def test_replies_out_of_step_are_found_and_the_engine_must_be_restarted():
     assert h.coord.engine.out_of_step is None
 
 
-def test_a_stale_success_reply_is_not_taken_for_the_check():
-    """Worker 0 fails chunk 0 (say, its rank already gave back that memory), worker 1 loads
-    it: worker 1's reply -- a success, null like check_health's -- stays queued. The check
-    must not take it for its own: it asks each worker's rank (``rpc_rank``), which no
-    earlier call answers, so the stale null shows and the round is refused before the
-    pause (on check_health alone the round went on with every reply one call late)."""
+def _round_after_a_queued_reply(fails: dict[int, str]) -> tuple[Harness, Error]:
+    """Round 1's chunk fails on the workers in ``fails`` (worker -> error) and leaves worker
+    1's reply queued; round 2 is refused before the pause by the replies check alone.
+    Returns the harness and round 2's Error to rank 0."""
     h = _multiproc_harness()
     h.round(0, n_chunks=1)
-    h.engine.fail[("update_weights", 1)] = {0: "[Errno 2] No such file or directory"}
+    h.engine.fail[("update_weights", 1)] = fails
     h.round(1, n_chunks=1)
     assert h.engine.unread() == [0, 1] and h.coord.engine.replies_suspect
     h.engine.calls.clear()
@@ -1509,6 +1497,16 @@ def test_a_stale_success_reply_is_not_taken_for_the_check():
     err = next(m for m in h.replies[0] if isinstance(m, Error) and m.update_id == 2)
     assert "replies are out of step" in err.message and "Restart the engine" in err.message
     assert h.engine.calls == [*PROBES, *ASKED, "check_replies"]  # nothing else reached it
+    return h, err
+
+
+def test_a_stale_success_reply_is_not_taken_for_the_check():
+    """Worker 0 fails chunk 0 (say, its rank already gave back that memory), worker 1 loads
+    it: worker 1's reply -- a success, null like check_health's -- stays queued. The check
+    must not take it for its own: it asks each worker's rank (``rpc_rank``), which no
+    earlier call answers, so the stale null shows and the round is refused before the
+    pause (on check_health alone the round went on with every reply one call late)."""
+    h, _ = _round_after_a_queued_reply({0: "[Errno 2] No such file or directory"})
     assert h.coord.last_version == "v0" and h.coord.status()["state"] == "failed"
 
 
