@@ -204,6 +204,7 @@ def test_bench_refuses_bad_arguments_before_starting_anything(args, want):
 
 @pytest.mark.parametrize(("name", "prog"), [("oversize", "slotsync.bench.oversize"),
                                             ("fsdp-gather", "slotsync.bench.fsdp_gather"),
+                                            ("gather", "slotsync.bench.gather_kernel"),
                                             ("ep", "slotsync.bench.ep")])
 def test_bench_forwards_to_the_issue_17_benchmarks(name, prog):
     """``slotsync bench oversize`` / ``fsdp-gather`` hand their options to the module's own
@@ -214,6 +215,20 @@ def test_bench_forwards_to_the_issue_17_benchmarks(name, prog):
     bad = subprocess.run([sys.executable, "-m", "slotsync", "bench", name, "--no-such-flag"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--no-such-flag" in bad.stderr, bad.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+@pytest.mark.parametrize(("args", "want"), [
+    ([], "needs a CUDA device and Triton"),
+    (["--chunk-mib", "512,0"], "must be positive integers"),
+])
+def test_bench_gather_refuses_what_it_cannot_run(args, want):
+    """``slotsync bench gather`` (the copy kernels, issue 27) needs a GPU: without one, and
+    with a bad chunk size, it says so in one line and exits 2."""
+    out = subprocess.run([sys.executable, "-m", "slotsync", "bench", "gather", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and want in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("engine", ["reference", pytest.param("vllm", marks=pytest.mark.vllm)])

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from slotsync.protocol import wire
 from slotsync.protocol.export import (
@@ -350,6 +352,8 @@ def test_cuda_pack_gathers_with_one_kernel_and_falls_back_bit_exactly() -> None:
                             (on_cpu, False)):
         plan = plan_pack(buf, items)
         assert (plan.table is not None) == gathered
+        if gathered:  # (1 << 22 bf16: many pieces of PIECE_BYTES)
+            assert plan.table.shape[0] > len(items)
         run_pack(plan)
         torch.cuda.synchronize()
         want = torch.cat([raw_bytes(t).to("cuda") for _, t in items])
@@ -369,3 +373,33 @@ def test_gather_table_is_kept_for_the_same_tensors_and_refuses_unaligned_ones() 
     assert other is not t and other.tolist() == [[4096, 0, 2], [8200, 2, 1]]
     assert gather.gather_table([4096, 8196], [16, 8], torch.device("cpu")) is None
     assert gather.gather_table([4096, 3], [16, 0], torch.device("cpu")).tolist() == [[4096, 0, 2]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(words=st.lists(st.integers(0, 3 * (64 << 10) // 8 + 3), max_size=6),
+       gaps=st.lists(st.integers(0, 5), min_size=6, max_size=6))
+def test_piece_rows_copy_each_tensor_once_back_to_back(words: list[int], gaps: list[int]
+                                                       ) -> None:
+    """The kernel's rows, run on the CPU as the kernel runs them (each row: ``n`` words from
+    its address to its offset), rebuild the tensors back to back, whatever their sizes
+    (several pieces, exactly one, empty); no row is longer than ``PIECE_BYTES``."""
+    import numpy as np
+
+    from slotsync.protocol import gather
+
+    arena = np.arange(sum(words) + sum(gaps), dtype=np.int64) * 7 + 3  # distinct words
+    base, addrs, at = 1 << 20, [], 0
+    for n, gap in zip(words, gaps, strict=False):
+        at += gap
+        addrs.append(base + 8 * at)
+        at += n
+    rows = gather.piece_rows(addrs, [8 * n for n in words])
+    assert rows is not None
+    out = np.full(sum(words), -1, dtype=np.int64)
+    for addr, off, n in rows.tolist():
+        assert 0 < n <= gather.PIECE_BYTES // 8
+        assert (out[off : off + n] == -1).all()  # no word written twice
+        out[off : off + n] = arena[(addr - base) // 8 : (addr - base) // 8 + n]
+    want = [arena[(a - base) // 8 : (a - base) // 8 + n] for a, n in zip(addrs, words,
+                                                                         strict=True)]
+    assert np.array_equal(out, np.concatenate([*want, np.zeros(0, np.int64)]))

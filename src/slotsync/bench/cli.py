@@ -54,9 +54,9 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``control``, ``gpu``, ``hop``, ``vs-vllm``, ``oversize``, ``fsdp-gather`` and ``ep``
-    subcommands to ``p`` (``slotsync bench``); the last three forward their options to their
-    module's ``main``."""
+    """Add the ``control``, ``gpu``, ``hop``, ``vs-vllm``, ``oversize``, ``fsdp-gather``,
+    ``gather`` and ``ep`` subcommands to ``p`` (``slotsync bench``); the last four forward
+    their options to their module's ``main``."""
     sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
     c = sub.add_parser("control", help="control plane on CPU: slotsync vs in-trainer baseline",
                        description=__doc__)
@@ -150,6 +150,9 @@ _FORWARDED = (
      "it (GPU; --device cpu: dry run)"),
     ("fsdp-gather", "slotsync.bench.fsdp_gather",
      "FSDP2 shards gathered straight into staging vs full_tensor() + copy (CPU, Gloo)"),
+    ("gather", "slotsync.bench.gather_kernel",
+     "the packed copy kernels (publisher's gather, engine's scatter) vs one plain copy of the "
+     "same bytes (GPU)"),
     ("ep", "slotsync.bench.ep",
      "an EP round in rank-local mode vs every expert to every worker (GPU; --device cpu "
      "--tiny: dry run)"),
@@ -193,8 +196,8 @@ def main_from_args(args: argparse.Namespace) -> int:
             import importlib
 
             return importlib.import_module(module).main(args.forwarded)
-    print("usage: slotsync bench {control,gpu,hop,vs-vllm,oversize,fsdp-gather,ep} ...  (see "
-          "--help)",
+    print("usage: slotsync bench {control,gpu,hop,vs-vllm,oversize,fsdp-gather,gather,ep} ...  "
+          "(see --help)",
           file=sys.stderr)
     return 2
 

@@ -92,6 +92,18 @@ def add_arguments(p: argparse.ArgumentParser, positive_int: Callable[[str], int]
         "DEFAULT_PACKED_BUFFER_SIZE_BYTES, 1 GiB)",
     )
     p.add_argument(
+        "--slotsync-staging-mb",
+        type=positive_int,
+        default=None,
+        help="slotsync's staging_bytes in MiB (default: Publisher's own, 512 MiB)",
+    )
+    p.add_argument(
+        "--slotsync-regions",
+        type=positive_int,
+        default=None,
+        help="slotsync's staging_buffers (default: Publisher's own, 4)",
+    )
+    p.add_argument(
         "--timeout-s",
         type=float,
         default=600.0,
@@ -103,6 +115,17 @@ def add_arguments(p: argparse.ArgumentParser, positive_int: Callable[[str], int]
         metavar="FILE",
         help="also rewrite the 'vs-vllm' section of FILE (e.g. BENCHMARKS.md); default: print only",
     )
+
+
+def slotsync_publisher_kw(args: argparse.Namespace) -> dict[str, int]:
+    """The ``Publisher`` keyword arguments ``--slotsync-staging-mb`` / ``--slotsync-regions``
+    set (empty: its defaults)."""
+    kw = {}
+    if getattr(args, "slotsync_staging_mb", None):
+        kw["staging_bytes"] = args.slotsync_staging_mb * MiB
+    if getattr(args, "slotsync_regions", None):
+        kw["staging_buffers"] = args.slotsync_regions
+    return kw
 
 
 def _refuse(text: str) -> NoReturn:
@@ -130,10 +153,11 @@ def vllm_trainer_missing() -> str:
     return f"{where} lacks {', '.join(lacking)}" if lacking else ""
 
 
-def check_can_run(device: str, nbytes: int, buffer_bytes: int) -> None:
+def check_can_run(device: str, nbytes: int, buffer_bytes: int,
+                  staging: int = SLOTSYNC_STAGING) -> None:
     """Refuse, before starting anything, a run that cannot work here: vLLM's trainer code not
     found, no CUDA for ``--device cuda``, or the trainer's and the engine's copies of
-    ``nbytes`` plus vLLM's buffer (``buffer_bytes``) and slotsync's default staging beyond the
+    ``nbytes`` plus vLLM's buffer (``buffer_bytes``) and slotsync's staging (``staging``) beyond the
     device's (or, on CPU, this machine's) free memory. Raises SystemExit(2) after one line
     saying what to change."""
     why = vllm_trainer_missing()
@@ -145,7 +169,7 @@ def check_can_run(device: str, nbytes: int, buffer_bytes: int) -> None:
             "build/vllm-shim), carry it over and run with "
             "SLOTSYNC_VLLM_SHIM=$PWD/build/vllm-shim"
         )
-    need = 2 * nbytes + buffer_bytes + SLOTSYNC_STAGING
+    need = 2 * nbytes + buffer_bytes + staging
     if device == "cuda":
         import torch
 
@@ -256,10 +280,10 @@ def _rank_main(device: str, model: Qwen3MoeConfig, gpu_uuid: str, cmds: Any, res
     """The trainer rank: holds the weights, runs each round's send and its checksums.
 
     Commands (tuples on ``cmds``): ``("setup", mode, endpoint, engine_url, buffer_bytes,
-    timeout_s)`` -> ``"setup"`` with facts of vLLM's code; ``("round", system, seed, version,
-    corrupt)`` -> ``"sent"`` ``(seconds, chunks)`` then ``"sums"`` ``{name: sha256}``;
-    ``("teardown",)`` -> ``"teardown"``; ``("stop",)``. Any exception: ``"error"`` with the
-    traceback."""
+    timeout_s, publisher_kw)`` -> ``"setup"`` with facts of vLLM's code; ``("round", system,
+    seed, version, corrupt)`` -> ``"sent"`` ``(seconds, chunks)`` then ``"sums"``
+    ``{name: sha256}``; ``("teardown",)`` -> ``"teardown"``; ``("stop",)``. Any exception:
+    ``"error"`` with the traceback."""
     standin = None
     named: list[tuple[str, Any]] = []
     pub = None
@@ -302,7 +326,7 @@ def _rank_main(device: str, model: Qwen3MoeConfig, gpu_uuid: str, cmds: Any, res
             if cmd[0] == "stop":
                 return
             if cmd[0] == "setup":
-                _, mode, endpoint, url, buffer_bytes, timeout_s = cmd
+                _, mode, endpoint, url, buffer_bytes, timeout_s, publisher_kw = cmd
                 packed = mode == "packed"
                 buffer_bytes = buffer_bytes or packed_tensor.DEFAULT_PACKED_BUFFER_SIZE_BYTES
                 client = _vllm_client(url, timeout_s)
@@ -322,6 +346,7 @@ def _rank_main(device: str, model: Qwen3MoeConfig, gpu_uuid: str, cmds: Any, res
                     gpu_uuid=None,  # CUDA: the GPU's real UUID, as vLLM's trainer sends
                     packed=packed,
                     timeout_s=timeout_s,
+                    **publisher_kw,
                 )
                 pub.register()
                 results.put(
@@ -430,13 +455,17 @@ def run_mode(
     timeout_s: float,
     log: Callable[[str], None],
     corrupt: tuple[str, str, int] | None = None,
+    publisher_kw: dict[str, int] | None = None,
 ) -> dict[str, SystemRounds]:
-    """One mode's interleaved rounds (a fresh daemon); returns each system's rounds."""
+    """One mode's interleaved rounds (a fresh daemon); returns each system's rounds.
+    ``publisher_kw``: slotsync's ``staging_bytes`` / ``staging_buffers`` where not its
+    defaults."""
     from slotsync.testing.processes import DaemonProcess
 
     out = {s: SystemRounds() for s in SYSTEMS}
     with DaemonProcess(args=["--log-level", "warning"]) as d:
-        cmds.put(("setup", mode, d.endpoint, engine.url, buffer_bytes, timeout_s))
+        cmds.put(("setup", mode, d.endpoint, engine.url, buffer_bytes, timeout_s,
+                  publisher_kw or {}))
         facts = collect("setup")
         log(
             f"{mode}: vLLM's {facts['ipc_engine']}, packed_buffer_size_bytes "
@@ -492,7 +521,9 @@ def main_from_args(
             "the largest tensor exceeds vLLM's packed buffer (vLLM refuses it): raise "
             "--vllm-buffer-mb or lower --vocab/--hidden"
         )
-    check_can_run(args.device, nbytes, buffer_bytes or VLLM_DEFAULT_BUFFER)
+    kw = slotsync_publisher_kw(args)
+    check_can_run(args.device, nbytes, buffer_bytes or VLLM_DEFAULT_BUFFER,
+                  kw.get("staging_bytes", 512 * MiB) * kw.get("staging_buffers", 4))
     lines: list[str] = []
 
     def say(line: str = "") -> None:
@@ -527,9 +558,12 @@ def main_from_args(
         f"{'' if buffer_bytes else ', its default'}) over `HTTPVLLMWeightSyncClient` to the "
         "engine, between `POST /pause?mode=keep` and `POST /resume`"
     )
+    staging = (f"{kw.get('staging_buffers', 4)} staging regions of "
+               f"{kw.get('staging_bytes', 512 * MiB) // MiB} MiB")
     say(
-        "- slotsync: `Publisher.publish` with its defaults (packed: 4 staging regions of "
-        "512 MiB) through `slotsyncd` with its defaults (it pauses, loads, finishes, resumes)"
+        f"- slotsync: `Publisher.publish` with {'these settings' if kw else 'its defaults'} "
+        f"(packed: {staging}) through `slotsyncd` with its defaults (it pauses, loads, "
+        "finishes, resumes)"
     )
     say(
         f"- round: the rank's wall time of that call (start of the send to the engine holding "
@@ -652,6 +686,7 @@ def _run(
                 timeout_s=args.timeout_s,
                 log=lambda s: say("- " + s),
                 corrupt=corrupt,
+                publisher_kw=slotsync_publisher_kw(args),
             )
             for m in modes
         }

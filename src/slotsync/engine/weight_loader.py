@@ -391,7 +391,7 @@ class WeightLoader:
             if plan.table is not None and plan.dsts:
                 if self._copies:
                     self.overlapped_chunks += 1
-                gather.scatter_from(src, plan.table, max(plan.splits) * 8)
+                gather.scatter_from(src, plan.table)
                 if self.defer_copy_wait:
                     done = torch.cuda.Event()
                     done.record(torch.cuda.current_stream(self.device))

@@ -298,8 +298,7 @@ class PackPlan(NamedTuple):
     flat sources in that dtype, in order (zero-byte tensors left out).
 
     With ``table`` (CUDA with Triton, see ``gather``), ``srcs`` are the tensors themselves,
-    held so they outlive the copy, and one kernel copies them by address; ``largest`` is the
-    longest source in bytes.
+    held so they outlive the copy, and one kernel copies them by address, piece by piece.
 
     With ``steps`` (a chunk holding DTensors, ``plan_sharded``), ``srcs`` is empty and
     ``run_pack`` runs the steps in order instead; ``dst`` is uint8."""
@@ -309,7 +308,6 @@ class PackPlan(NamedTuple):
     dst: torch.Tensor | None
     srcs: list[torch.Tensor]
     table: torch.Tensor | None = None
-    largest: int = 0
     steps: list[PackStep] | None = None
 
 
@@ -393,8 +391,7 @@ def plan_pack(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
             if table.shape[0] == 0:
                 return PackPlan(layout, total, None, [])
             # the tensors ride along in srcs so that they outlive the kernel
-            return PackPlan(layout, total, buf[:total].view(torch.int64), tensors, table,
-                            max(layout.tensor_sizes))
+            return PackPlan(layout, total, buf[:total].view(torch.int64), tensors, table)
     flats = [(t if t.is_contiguous() else t.contiguous()).view(-1) for _, t in named_tensors]
     if 0 in layout.tensor_sizes:
         flats = [f for f, n in zip(flats, layout.tensor_sizes, strict=True) if n]
@@ -421,7 +418,7 @@ def run_pack(plan: PackPlan) -> None:
             run_step(step)
         return
     if plan.table is not None:
-        gather.gather_into(plan.dst, plan.table, plan.largest)
+        gather.gather_into(plan.dst, plan.table)
         return
     _copy_into(plan.dst, plan.srcs)
 
