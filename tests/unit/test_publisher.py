@@ -1068,3 +1068,53 @@ def test_publish_holds_the_garbage_collector_and_gives_it_back(
             assert seen and not any(seen) and not gc.isenabled()
         finally:
             gc.enable()
+
+
+@pytest.mark.parametrize(("transport", "packed", "warmed"), [
+    ("cuda", True, True), ("cuda", False, False), ("shm", True, False)])
+def test_the_copy_kernel_is_compiled_at_register_for_a_packed_cuda_rank(
+        monkeypatch: pytest.MonkeyPatch, transport: str, packed: bool, warmed: bool) -> None:
+    """Issue 27 C: a packed rank on CUDA compiles the gather kernel at ``register()``, not in
+    its first publish (inside the engine's pause); unpacked or shared memory has no kernel."""
+    from slotsync.protocol import gather
+    from slotsync.protocol.chunk_export import ChunkExporter
+
+    calls: list[tuple[torch.device, bool]] = []
+    monkeypatch.setattr(gather, "available", lambda: True)
+    monkeypatch.setattr(gather, "warm_up", lambda dev, *, scatter: calls.append((dev, scatter)))
+    dev = torch.device("cuda", 0) if transport == "cuda" else torch.device("cpu")
+    ChunkExporter(transport, dev, 0, 1 << 20, 2).warm_up(packed)  # (allocates nothing)
+    assert calls == ([(dev, False)] if warmed else [])
+
+
+def test_a_kernel_that_cannot_compile_at_register_is_logged_not_raised(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The warm-up only starts later work early: its failure leaves the first chunk to
+    compile (or refuse) the kernel as before, with a warning naming the rank."""
+    from slotsync.protocol import gather
+    from slotsync.protocol.chunk_export import ChunkExporter
+
+    def broken(dev: torch.device, *, scatter: bool) -> None:
+        raise RuntimeError("ptxas fatal")
+
+    monkeypatch.setattr(gather, "available", lambda: True)
+    monkeypatch.setattr(gather, "warm_up", broken)
+    ChunkExporter("cuda", torch.device("cuda", 0), 3, 1 << 20, 2).warm_up(True)
+    assert "rank 3: could not compile the packed copy kernel" in caplog.text
+    assert "ptxas fatal" in caplog.text
+
+
+def test_register_warms_the_exporter_before_it_registers(
+        make_daemon: Callable[..., FakeDaemon], endpoint: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Publisher.register`` asks its exporter to warm up (with the publisher's mode) before
+    the registration goes out, so that the first publish finds the kernel compiled."""
+    from slotsync.protocol.chunk_export import ChunkExporter
+
+    seen: list[tuple[bool, bool]] = []
+    monkeypatch.setattr(ChunkExporter, "warm_up",
+                        lambda self, packed: seen.append((packed, pub.registered is None)))
+    make_daemon()
+    with _publisher(endpoint, packed=False) as pub:
+        pub.register()
+        assert seen == [(False, True)] and pub.registered is not None

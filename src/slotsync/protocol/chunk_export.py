@@ -11,11 +11,12 @@ commit's ack (design.md I3).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
-from slotsync.protocol import wire
+from slotsync.protocol import gather, wire
 from slotsync.protocol.export import (
     PackedLayout,
     ShmSegment,
@@ -30,6 +31,8 @@ from slotsync.protocol.export_ledger import ExportLedger
 from slotsync.protocol.staging import CudaStagingBuffer, ShmStagingBuffer, StagingBuffer
 
 __all__ = ["ChunkExporter"]
+
+log = logging.getLogger(__name__)
 
 
 class ChunkExporter:
@@ -69,6 +72,21 @@ class ChunkExporter:
                 self.segments.append(buf.segment)
             self._staging = buf
         return self._staging
+
+    def warm_up(self, packed: bool) -> None:
+        """Compile the packed copy kernel for the rank's GPU now (``gather.warm_up``: Triton's
+        import and compile, or its on-disk cache, ~0.5 s once per process), so that the first
+        publish does not pay it inside the engine's pause (issue 27 C). Only for a packed
+        publisher on CUDA with Triton; a failure is logged, not raised: the kernel is then
+        compiled, or refused, at the first chunk as before."""
+        if not (packed and self.transport == "cuda" and gather.available()):
+            return
+        try:
+            gather.warm_up(self.device, scatter=False)
+        except Exception as e:  # noqa: BLE001 - only an early start of later work
+            log.warning("rank %d: could not compile the packed copy kernel ahead of the first "
+                        "publish (%s: %s); it is compiled at the first chunk instead",
+                        self.rank, type(e).__name__, e)
 
     def allocate(self) -> None:
         """Allocate this update's staging memory (before the begin, so that a size that does

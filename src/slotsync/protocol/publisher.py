@@ -344,7 +344,9 @@ class Publisher:
 
     def register(self) -> wire.Registered:
         """Register this rank with the daemon (protocol version, rank, GPU UUID, slot, engine
-        URL, mode, transport, hostname, pid) and wait for ``Registered``.
+        URL, mode, transport, hostname, pid) and wait for ``Registered``. A packed rank on
+        CUDA first compiles its copy kernel (``ChunkExporter.warm_up``), which its first
+        publish would otherwise pay inside the engine's pause.
 
         Raises:
             SlotsyncError: the daemon refused (``Error(phase="register")``; a rank another
@@ -358,6 +360,7 @@ class Publisher:
         if self.update_id is not None:
             raise RuntimeError(f"cannot register while update {self.update_id} is open")
         held_until = time.monotonic() + self.liveness_s
+        self._exporter.warm_up(self.packed)  # (before the first publish's pause: issue 27 C)
         while True:
             try:
                 return self._register_once()
