@@ -193,6 +193,7 @@ def test_profile_chunk_prints_the_split():
     (["control", "--report", "/tmp"], "--report /tmp is a folder"),
     (["hop", "--ranks", "3"], "--ranks must be even and >= 2 (half on each node), got 3"),
     (["hop", "--rounds", "1"], "--rounds 1 leaves no counted round after --warmup 1"),
+    (["vs-vllm", "--slotsync-regions", "9"], "--slotsync-regions: invalid choice: 9"),
 ])
 def test_bench_refuses_bad_arguments_before_starting_anything(args, want):
     report = [] if "--report" in args else ["--report", ""]
@@ -219,15 +220,32 @@ def test_bench_forwards_to_the_issue_17_benchmarks(name, prog):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
 @pytest.mark.parametrize(("args", "want"), [
-    ([], "needs a CUDA device and Triton"),
-    (["--chunk-mib", "512,0"], "must be positive integers"),
+    ([], "slotsync bench gather: needs a CUDA device and Triton"),
+    (["--chunk-mib", "512,0"], "argument --chunk-mib: must be >= 1, got 0"),
+    (["--chunk-mib", "512,,1024"], "argument --chunk-mib: '512,,1024' has an empty entry"),
+    (["--layers", "49"], "argument --layers: must be 1..48, got 49"),
+    (["--repeat", "0"], "argument --repeat: must be >= 1, got 0"),
 ])
 def test_bench_gather_refuses_what_it_cannot_run(args, want):
     """``slotsync bench gather`` (the copy kernels, issue 27) needs a GPU: without one, and
-    with a bad chunk size, it says so in one line and exits 2."""
+    with an option out of range, it says so in one line naming the option, and exits 2."""
     out = subprocess.run([sys.executable, "-m", "slotsync", "bench", "gather", *args],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and want in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+@pytest.mark.parametrize(("name", "dry_run"), [("oversize", "--device cpu"),
+                                               ("ep", "--device cpu --tiny")])
+def test_gpu_benchmarks_without_a_gpu_name_their_dry_run(name, dry_run):
+    """``bench oversize`` / ``bench ep`` default to ``--device cuda``: on a machine without
+    CUDA they say so in one line naming their CPU dry run, exit 2, before starting anything
+    (they used to start ranks and end in a CUDA traceback)."""
+    out = subprocess.run([sys.executable, "-m", "slotsync", "bench", name],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"no CUDA device is visible (use {dry_run} " in out.stderr
     assert "Traceback" not in out.stderr
 
 

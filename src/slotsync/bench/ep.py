@@ -46,6 +46,7 @@ from typing import Any
 
 from slotsync.bench.gpu import collect_replies
 from slotsync.bench.model import Qwen3MoeConfig, TensorSpec, qwen3_moe_specs
+from slotsync.bench.report import refuse_without_cuda
 
 MiB = 1 << 20
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
@@ -303,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.ranks < 1 or args.rounds < 1 or args.warmup < 0 or (args.layers or 1) < 1:
         p.error("--ranks, --rounds and --layers must be >= 1, --warmup >= 0")
+    refuse_without_cuda(p, args.device, "--device cpu --tiny")
     return run(args)
+
 
 
 if __name__ == "__main__":

@@ -52,7 +52,9 @@ def run(layers: int, chunk_mibs: list[int], repeat: int, log: Callable[[str], No
     """Measure and print; True when every check passed.
 
     Raises:
-        RuntimeError: no CUDA device, or Triton missing (the kernels need both).
+        NoGpu: no CUDA device, or Triton missing (the kernels need both).
+        RuntimeError: a chunk the kernel cannot take (unaligned tensors), or the GPU's own
+            errors (out of memory, a failed compile).
     """
     import torch
 
@@ -60,8 +62,7 @@ def run(layers: int, chunk_mibs: list[int], repeat: int, log: Callable[[str], No
     from slotsync.protocol import gather
 
     if not torch.cuda.is_available() or not gather.available():
-        raise RuntimeError("slotsync bench gather needs a CUDA device and Triton (the copy "
-                           "kernels run on the GPU only)")
+        raise NoGpu("needs a CUDA device and Triton (the copy kernels run on the GPU only)")
     dev = torch.device("cuda", torch.cuda.current_device())
     specs = qwen3_moe_specs(Qwen3MoeConfig(layers=layers))
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -146,25 +147,49 @@ def _one_size(tensors: dict, specs: list, cap: int, repeat: int, dev: object,
     return ok
 
 
+def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[lo, hi]``, else an error naming the value."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(
+                f"must be {lo}..{hi}, got {v}" if hi is not None else f"must be >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
+def _mib_list(text: str) -> list[int]:
+    """``--chunk-mib``: comma-separated positive integers, none empty."""
+    parts = text.split(",")
+    if any(not x.strip() for x in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty entry")
+    return [_int_in(1)(x.strip()) for x in parts]
+
+
+class NoGpu(RuntimeError):
+    """No CUDA device or no Triton: the kernels cannot run here."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Command line: 0 when every check passed, 1 on a mismatch, 2 without a GPU."""
+    """Command line: 0 when every check passed, 1 on a mismatch, 2 for options it refuses or
+    without a GPU (a failure on the GPU itself raises)."""
     p = argparse.ArgumentParser(prog="slotsync bench gather", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=16, help="Qwen3-30B-A3B layers (default 16)")
-    p.add_argument("--chunk-mib", default="512,1024",
+    p.add_argument("--layers", type=_int_in(1, 48), default=16,
+                   help="Qwen3-30B-A3B layers, 1..48 (default 16: 21.2 GB)")
+    p.add_argument("--chunk-mib", type=_mib_list, default=[512, 1024],
                    help="comma-separated chunk sizes in MiB (default 512,1024)")
-    p.add_argument("--repeat", type=int, default=5, help="timed passes, best kept (default 5)")
+    p.add_argument("--repeat", type=_int_in(1), default=5,
+                   help="timed passes, best kept (default 5)")
     args = p.parse_args(argv)
     try:
-        mibs = [int(x) for x in args.chunk_mib.split(",") if x.strip()]
-        if not mibs or min(mibs) <= 0 or args.layers <= 0 or args.repeat <= 0:
-            raise ValueError
-    except ValueError:
-        p.error(f"--chunk-mib {args.chunk_mib!r}, --layers and --repeat must be positive "
-                "integers")
-    try:
-        return 0 if run(args.layers, mibs, args.repeat) else 1
-    except RuntimeError as e:
+        return 0 if run(args.layers, args.chunk_mib, args.repeat) else 1
+    except NoGpu as e:
         print(f"slotsync bench gather: {e}", file=sys.stderr)
         return 2
 

@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from slotsync.bench.report import refuse_without_cuda
+
 MiB = 1 << 20
 
 
@@ -175,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--shim", default=os.fspath(Path.cwd() / "build" / "vllm-shim"),
                    help="the vLLM shim folder (tools/vllm_shim.py) if vllm is not installed")
-    return run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    refuse_without_cuda(p, args.device, "--device cpu")
+    return run(args)
+
 
 
 if __name__ == "__main__":

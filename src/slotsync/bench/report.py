@@ -7,6 +7,7 @@ machines) live side by side in one file.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
@@ -75,3 +76,14 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
+
+
+def refuse_without_cuda(p: argparse.ArgumentParser, device: str, dry_run: str) -> None:
+    """A GPU benchmark's ``--device cuda`` (its default) on a machine without CUDA: one line
+    naming ``dry_run`` (the options of its CPU dry run), exit 2 -- instead of a traceback
+    from the first CUDA call."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        p.exit(2, f"{p.prog}: no CUDA device is visible (use {dry_run} for the same path on "
+                  "CPU, a dry run)\n")

@@ -13,8 +13,9 @@ rounds interleaved A/B/B/A:
   with ``packed_buffer_size_bytes`` = vLLM's ``DEFAULT_PACKED_BUFFER_SIZE_BYTES``, 1 GiB) over
   vLLM's ``HTTPVLLMWeightSyncClient`` (``clients.py``) straight to the engine's URL, with the
   ``POST /pause?mode=keep`` before and ``POST /resume`` after that a trainer adds;
-* **slotsync**: ``Publisher.publish`` with its defaults (packed: 4 staging regions of 512 MiB;
-  ``packed=False`` for unpacked) through a ``slotsyncd`` with its defaults, which pauses,
+* **slotsync**: ``Publisher.publish`` with its defaults (packed: 4 staging regions of 512 MiB,
+  or ``--slotsync-staging-mb`` / ``--slotsync-regions``; ``packed=False`` for unpacked)
+  through a ``slotsyncd`` with its defaults, which pauses,
   loads, finishes and resumes.
 
 A round is the wall time, in the rank, of that one call: from the start of the send to the
@@ -74,9 +75,12 @@ def add_arguments(p: argparse.ArgumentParser, positive_int: Callable[[str], int]
         default=6,
         help="Qwen3-30B-A3B layers kept (default 6 of 48: 2,361 tensors, 8.7 GB)",
     )
-    p.add_argument("--experts", type=positive_int, default=128)
-    p.add_argument("--vocab", type=positive_int, default=151936)
-    p.add_argument("--hidden", type=positive_int, default=2048)
+    p.add_argument("--experts", type=positive_int, default=128,
+                   help="experts per layer (default 128, Qwen3-30B-A3B's)")
+    p.add_argument("--vocab", type=positive_int, default=151936,
+                   help="vocabulary size (default 151936, Qwen3-30B-A3B's)")
+    p.add_argument("--hidden", type=positive_int, default=2048,
+                   help="hidden size (default 2048, Qwen3-30B-A3B's)")
     p.add_argument(
         "--rounds",
         type=positive_int,
@@ -99,9 +103,11 @@ def add_arguments(p: argparse.ArgumentParser, positive_int: Callable[[str], int]
     )
     p.add_argument(
         "--slotsync-regions",
-        type=positive_int,
+        type=int,
+        choices=range(1, 9),
+        metavar="{1..8}",
         default=None,
-        help="slotsync's staging_buffers (default: Publisher's own, 4)",
+        help="slotsync's staging_buffers, 1..8 (default: Publisher's own, 4)",
     )
     p.add_argument(
         "--timeout-s",
