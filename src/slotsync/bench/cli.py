@@ -17,33 +17,17 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 from slotsync.bench.control import SYSTEMS, Phase, SystemTimes, median, ms, p99, run_session
 from slotsync.bench.model import Qwen3MoeConfig, chunk_specs, qwen3_moe_specs, uniform_specs
-from slotsync.bench.report import command_line, machine_line, table, update_section
+from slotsync.bench.report import command_line, int_arg, machine_line, table, update_section
 
 MiB = 1 << 20
 
 
-def _int_at_least(lowest: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``lowest``, else an error naming the value."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if v < lowest:
-            raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {v}")
-        return v
-
-    return parse
-
-
-positive_int = _int_at_least(1)
-nonneg_int = _int_at_least(0)
+positive_int = int_arg(1)
+nonneg_int = int_arg(0)
 
 
 def _ints(text: str) -> list[int]:

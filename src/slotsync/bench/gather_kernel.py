@@ -25,6 +25,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from slotsync.bench.report import int_arg
+
+if TYPE_CHECKING:
+    import torch
 
 MiB = 1 << 20
 REGIONS = 4
@@ -82,7 +88,7 @@ def run(layers: int, chunk_mibs: list[int], repeat: int, log: Callable[[str], No
     return ok
 
 
-def _one_size(tensors: dict, specs: list, cap: int, repeat: int, dev: object,
+def _one_size(tensors: dict, specs: list, cap: int, repeat: int, dev: torch.device,
               log: Callable[[str], None]) -> bool:
     """``run`` for chunks of ``cap`` bytes; True when both checks passed."""
     import torch
@@ -147,28 +153,12 @@ def _one_size(tensors: dict, specs: list, cap: int, repeat: int, dev: object,
     return ok
 
 
-def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer in ``[lo, hi]``, else an error naming the value."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if v < lo or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(
-                f"must be {lo}..{hi}, got {v}" if hi is not None else f"must be >= {lo}, got {v}")
-        return v
-
-    return parse
-
-
 def _mib_list(text: str) -> list[int]:
     """``--chunk-mib``: comma-separated positive integers, none empty."""
     parts = text.split(",")
     if any(not x.strip() for x in parts):
         raise argparse.ArgumentTypeError(f"{text!r} has an empty entry")
-    return [_int_in(1)(x.strip()) for x in parts]
+    return [int_arg(1)(x.strip()) for x in parts]
 
 
 class NoGpu(RuntimeError):
@@ -180,11 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     without a GPU (a failure on the GPU itself raises)."""
     p = argparse.ArgumentParser(prog="slotsync bench gather", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=_int_in(1, 48), default=16,
+    p.add_argument("--layers", type=int_arg(1, 48), default=16,
                    help="Qwen3-30B-A3B layers, 1..48 (default 16: 21.2 GB)")
     p.add_argument("--chunk-mib", type=_mib_list, default=[512, 1024],
                    help="comma-separated chunk sizes in MiB (default 512,1024)")
-    p.add_argument("--repeat", type=_int_in(1), default=5,
+    p.add_argument("--repeat", type=int_arg(1), default=5,
                    help="timed passes, best kept (default 5)")
     args = p.parse_args(argv)
     try:

@@ -182,6 +182,5 @@ def main(argv: list[str] | None = None) -> int:
     return run(args)
 
 
-
 if __name__ == "__main__":
     raise SystemExit(main())

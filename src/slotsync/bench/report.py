@@ -1,4 +1,5 @@
-"""BENCHMARKS.md upkeep: machine facts and named sections the bench commands rewrite.
+"""BENCHMARKS.md upkeep: machine facts and named sections the bench commands rewrite; and
+what the bench commands' own command lines share (``int_arg``, ``refuse_without_cuda``).
 
 Each command owns one section between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``;
 re-running it replaces only that section, so the control and GPU results (made on different
@@ -13,6 +14,7 @@ import platform
 import re
 import shlex
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -87,3 +89,21 @@ def refuse_without_cuda(p: argparse.ArgumentParser, device: str, dry_run: str) -
     if device == "cuda" and not torch.cuda.is_available():
         p.exit(2, f"{p.prog}: no CUDA device is visible (use {dry_run} for the same path on "
                   "CPU, a dry run)\n")
+
+
+def int_arg(lowest: int, highest: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``lowest`` (and <= ``highest``, if given), else an
+    error naming the value."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if highest is not None and not lowest <= v <= highest:
+            raise argparse.ArgumentTypeError(f"must be {lowest}..{highest}, got {v}")
+        if v < lowest:
+            raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {v}")
+        return v
+
+    return parse

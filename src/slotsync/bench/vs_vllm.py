@@ -580,7 +580,7 @@ def main_from_args(
         "worker are compared with the rank's"
     )
     say()
-    res = _run(args, modes, model, buffer_bytes, say, mp_context, corrupt)
+    res = _run(args, modes, model, buffer_bytes, say, mp_context, corrupt, kw)
     rows = []
     ratios: dict[str, float] = {}
     for mode, by_sys in res.items():
@@ -654,8 +654,10 @@ def _run(
     say: Callable[[str], None],
     mp_context: Any,
     corrupt: tuple[str, str, int] | None,
+    publisher_kw: dict[str, int],
 ) -> dict[str, dict[str, SystemRounds]]:
-    """Start the rank and the engine, run every mode, stop both."""
+    """Start the rank and the engine, run every mode (slotsync's ``Publisher`` with
+    ``publisher_kw``), stop both."""
     from slotsync.engine.launcher import ReferenceEngine
     from slotsync.engine.vllm_receive import SHIM_ENV
     from slotsync.protocol.wire import logical_gpu_uuid
@@ -694,7 +696,7 @@ def _run(
                 timeout_s=args.timeout_s,
                 log=lambda s: say("- " + s),
                 corrupt=corrupt,
-                publisher_kw=slotsync_publisher_kw(args),
+                publisher_kw=publisher_kw,
             )
             for m in modes
         }
