@@ -103,7 +103,7 @@ def receive(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
     imported, from vllm or from the shim in ``build/vllm-shim``."""
     if request.param == "reference":
         return "reference", {}
-    from slotsync.engine.vllm_receive import receive_env
+    from slotsync.engine.reference.vllm_receive import receive_env
 
     env = receive_env(Path(__file__).resolve().parents[1] / "build" / "vllm-shim")
     if env is None:

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from slotsync.protocol import wire
-from slotsync.protocol.link import DaemonLink
+from slotsync.protocol.rank.link import DaemonLink
 
 
 class WireRank(DaemonLink):
@@ -54,7 +54,7 @@ class WireRank(DaemonLink):
 def shm_chunks(names_tensors, packed: bool, rank: int):
     """Export ``[(name, tensor)]`` into one shared-memory segment; returns ``(segment,
     Chunk field dict without update_id/index)`` for hand-built wire messages."""
-    from slotsync.protocol.export import ShmSegment, pack_into
+    from slotsync.protocol.rank.export import ShmSegment, pack_into
 
     total = sum(t.numel() * t.element_size() for _, t in names_tensors)
     seg = ShmSegment(total, rank=rank)

@@ -6,11 +6,11 @@ packed chunk's staging region may be refilled from then on (``pipeline.ChunkPipe
 ``region_of(k, regions)`` is refilled once chunk ``k``'s ack is taken); an unpacked chunk's
 tensors are the trainer's to change. So an engine whose copies out of that memory were still
 running when the ack came would load garbage, and its checksums would differ from the
-trainers'. The daemon's SGLang fence (``daemon/sglang_fence.py``) exists to make that
+trainers'. The daemon's SGLang fence (``daemon/sglang/fence.py``) exists to make that
 impossible; this rank checks it does.
 
 Where: every reply the publisher reads goes through ``PublisherSession.receive``
-(``protocol/session.py``), the awaited ack and the ones that come early alike, before the
+(``protocol/rank/session.py``), the awaited ack and the ones that come early alike, before the
 pipeline can take it; :func:`install` wraps that method in this process only (the rank's,
 not ``publisher.py``): after a chunk ``Ack`` of the open update it fills the chunk's memory
 with ``0xFF`` bytes (NaN as a float, an invalid ``bool``) on the rank's GPU and waits for the
@@ -48,9 +48,9 @@ def install(rank: int, results: Any) -> None:
     import torch
 
     from slotsync.protocol import wire
-    from slotsync.protocol.export_ledger import ExportLedger
-    from slotsync.protocol.session import PublisherSession, region_of
-    from slotsync.protocol.staging import StagingBuffer
+    from slotsync.protocol.rank.export_ledger import ExportLedger
+    from slotsync.protocol.rank.session import PublisherSession, region_of
+    from slotsync.protocol.rank.staging import StagingBuffer
 
     buffers: list[StagingBuffer] = []
     # unpacked chunk index -> its memory: its CUDA tensors, or its shared-memory segment

@@ -3,7 +3,8 @@
 test_multi_node_faults.py``) share.
 
 * :class:`Cluster`: two "nodes" (``netns.Nodes``: network namespaces on one switch), a
-  CURVE key pair per node (``slotsync.daemon.peer_keys.make_keys``), one ``slotsyncd`` inside
+  CURVE key pair per node (``slotsync.daemon.node_links.peer_keys.make_keys``), one ``slotsyncd``
+  inside
   each node (``DaemonProcess(netns=...)``), each with its own TOML engine table declaring the
   one 8-worker engine: owner ``node0`` (its daemon listens for peers on
   ``tcp://<node 0's address>:9461``), ranks ``[0, 4)`` on node0 and ``[4, 8)`` on node1.
@@ -32,9 +33,9 @@ from netns import Nodes
 from state_readers import checksums_in_worker_order, engine_stats, wait_for
 from trainer_script import make_tensors
 
-from slotsync.daemon.peer_keys import make_keys
+from slotsync.daemon.node_links.peer_keys import make_keys
 from slotsync.engine.checksum import tensor_checksum
-from slotsync.protocol.publisher import Publisher
+from slotsync.protocol.rank.publisher import Publisher
 from slotsync.protocol.wire import logical_gpu_uuid
 from slotsync.testing.processes import DaemonProcess
 

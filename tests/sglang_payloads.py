@@ -1,6 +1,6 @@
 """Test-only writer of SGLang ``serialized_named_tensors`` entries over shared memory, for the
 SGLang engines' tests (``tests/integration/test_sglang_engine.py``). Not the daemon's writer
-(``slotsync.daemon.sglang_pickle``): a few opcodes, written from docs/sglang-contract.md 3.5
+(``slotsync.daemon.sglang.tensor_pickle``): a few opcodes, written from docs/sglang-contract.md 3.5
 (its appendix's ``sgl_pickle.py``), with slotsync's shared-memory stand-in in the 15
 arguments (``slotsync.engine.shm``: storage handle ``b"slotsync.shm:" + segment``, the
 region's byte count and offset, ``False``, ``b""``, ``0``, ``None``, ``False``) and the
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from slotsync.protocol.shm_segment import ShmSegment
+from slotsync.protocol.rank.shm_segment import ShmSegment
 
 SHM_PREFIX = b"slotsync.shm:"
 REBUILD = ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified")

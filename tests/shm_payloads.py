@@ -1,7 +1,7 @@
 """Shared-memory payloads for the engine tests (``tests/integration/test_engine.py``,
 ``test_vllm_shim.py``): segments a test writes tensors into, and vLLM's ``update_info`` for
 an unpacked or a packed chunk built on them with the daemon's own pickle writer
-(``slotsync.daemon.vllm_pickle``). The ``segs`` fixture is in ``conftest.py``."""
+(``slotsync.daemon.vllm.ipc_pickle``). The ``segs`` fixture is in ``conftest.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from slotsync.daemon.vllm_pickle import b64, pickle_packed, pickle_unpacked
+from slotsync.daemon.vllm.ipc_pickle import b64, pickle_packed, pickle_unpacked
 from slotsync.protocol.wire import ShmHandle
 
 

@@ -24,7 +24,7 @@ def rank_context() -> mp.context.BaseContext:
     rank of those tests imported it anew, ~12 s of CPU each, a dozen ranks a run. (A module
     that fails to import is skipped by the forkserver; the rank then imports it itself.)"""
     ctx = mp.get_context("forkserver")
-    preload = ["torch", "trainer_script", "slotsync.protocol.publisher"]
+    preload = ["torch", "trainer_script", "slotsync.protocol.rank.publisher"]
     if importlib.util.find_spec("vllm") is not None:
         preload += VLLM_TRAINER_MODULES
     ctx.set_forkserver_preload(preload)

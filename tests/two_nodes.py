@@ -9,7 +9,7 @@ import os
 import tempfile
 from contextlib import ExitStack
 
-from slotsync.daemon.peer_keys import make_keys
+from slotsync.daemon.node_links.peer_keys import make_keys
 from slotsync.testing.ports import free_port
 from slotsync.testing.processes import DaemonProcess
 

@@ -59,7 +59,8 @@ builtin, so a later SGLang whose serializer needs something new is not silently 
 
 Then it imports the result in a fresh interpreter with ``PYTHONPATH=DEST`` (and this repository's
 ``src``) and checks that every ``sglang`` module loaded (and ``pybase64``) comes from ``DEST``
-(an installed sglang is shadowed), and that pickles written by ``slotsync.daemon.sglang_pickle``
+(an installed sglang is shadowed), and that pickles written by
+``slotsync.daemon.sglang.tensor_pickle``
 (a packed bucket of three dtypes, an unpacked list, an empty bucket) go through the shim's
 ``normalize_serialized_named_tensor_payloads``, ``MultiprocessingSerializer.deserialize``
 (``SafeUnpickler``), ``_rebuild_cuda_tensor_modified`` (the UUID mapped to device index 0 by
@@ -96,7 +97,7 @@ from pathlib import Path
 COPIED = ("srt/utils/patch_torch.py", "srt/weight_sync/tensor_bucket.py",
           "srt/utils/msgspec_utils.py", "srt/utils/auth.py")
 """Copied unchanged (paths inside the sglang package). The last two are the engine front's
-(``slotsync.engine.sglang_http``: SGLang's body validation and auth decision; they import
+(``slotsync.engine.sglang.http``: SGLang's body validation and auth decision; they import
 only the standard library, msgspec and pydantic_core)."""
 
 ROOTS = ("SafeUnpickler", "MultiprocessingSerializer", "normalize_serialized_named_tensor_payload",

@@ -36,7 +36,7 @@ every ``vllm`` module loaded comes from ``DEST`` (the installed vllm, if any, is
 that ``parse_update_info`` unpickles a handle (``--no-check`` skips this).
 
 Use it on the GPU machine: ``SLOTSYNC_VLLM_SHIM=DEST python -m slotsync.engine --receive vllm``
-(``slotsync.engine.vllm_receive``). ``DEST`` is build output (``build/vllm-shim/`` is
+(``slotsync.engine.reference.vllm_receive``). ``DEST`` is build output (``build/vllm-shim/`` is
 git-ignored).
 
 Exit status: 0 on success, 1 when the check fails, 2 when no vllm is installed here.

@@ -284,7 +284,7 @@ def _actor(node_id: str):
 def _key_pairs(nodes: list[str]) -> dict[str, tuple[bytes, bytes]]:
     """node id -> (public key file, secret key file) bytes, made by ``slotsync keys``'
     ``make_keys`` in a folder removed before returning."""
-    from slotsync.daemon.peer_keys import make_keys
+    from slotsync.daemon.node_links.peer_keys import make_keys
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="slotsync-keys-") as d:

@@ -101,7 +101,7 @@ def _rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str]
     from safetensors.torch import load_file
 
     from slotsync.engine.checksum import tensor_checksum
-    from slotsync.protocol.groups import new_slot_groups
+    from slotsync.protocol.rank.groups import new_slot_groups
     from slotsync.protocol.topology import SlotTopology
 
     try:
@@ -476,7 +476,7 @@ class _ApiSender:
             WeightTransferTrainerFactory,
         )
 
-        from slotsync.engine.vllm_model import SafetensorsModel
+        from slotsync.engine.vllm.model import SafetensorsModel
         from slotsync.integrations.vllm import SlotsyncTrainerInitInfo
 
         info = SlotsyncTrainerInitInfo(

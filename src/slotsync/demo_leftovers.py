@@ -26,7 +26,7 @@ OWNER_FILE = "pid"
 ``/proc/<pid>/stat``, clock ticks since boot; ``-`` where there is no ``/proc``)."""
 RANK_PIDS_FILE = "rank-pids"
 """In a demo's folder: its trainer ranks' pids, one a line (their shared-memory segments are
-``/dev/shm/slotsync-<pid>-*``: ``slotsync.protocol.shm_segment.SHM_PREFIX``)."""
+``/dev/shm/slotsync-<pid>-*``: ``slotsync.protocol.rank.shm_segment.SHM_PREFIX``)."""
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "slotsync-"
 

@@ -32,8 +32,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 
 
 def main_from_args(args: argparse.Namespace) -> int:
-    from slotsync.daemon.peer_keys import make_keys
-    from slotsync.daemon.spans import check_node_name
+    from slotsync.daemon.node_links.peer_keys import make_keys
+    from slotsync.daemon.node_links.spans import check_node_name
 
     folder = Path(args.dir)
     if len(set(args.nodes)) != len(args.nodes):

@@ -1,6 +1,6 @@
 """``slotsync status``'s part for engines over several nodes (issue 25 E): the peer links and
 the slots this node's ranks feed but another node's daemon drives. Pure functions of the
-``/status`` document's ``peers`` and ``relayed_slots`` (``daemon/service.py``)."""
+``/status`` document's ``peers`` and ``relayed_slots`` (``daemon/service/server.py``)."""
 
 from __future__ import annotations
 

@@ -148,7 +148,7 @@ def test_unit_settings():
 
 
 def test_stop_timeout_exceeds_the_daemons_shutdown_grace():
-    from slotsync.daemon.config import Config
+    from slotsync.daemon.service.config import Config
 
     grace = getattr(Config(), "shutdown_grace_s", 60.0)
     example = tomllib.loads((DEPLOY / "slotsyncd.toml").read_text()).get("shutdown_grace_s", 0)
@@ -233,7 +233,7 @@ def test_daemon_runs_under_memory_deny_write_execute(tmp_path):
 
 
 def _load(path: Path):
-    from slotsync.daemon.config import load_config
+    from slotsync.daemon.service.config import load_config
 
     res = load_config(["--config", str(path)])
     return res[0] if isinstance(res, tuple) else res  # (config, check_only) or config
@@ -255,7 +255,7 @@ def test_example_config_lists_every_option():
     """Every option of ``Config`` appears in the example, set or commented out."""
     from dataclasses import fields
 
-    from slotsync.daemon.config import Config
+    from slotsync.daemon.service.config import Config
 
     text = (DEPLOY / "slotsyncd.toml").read_text()
     internal = {"config_file", "sources"}  # set by the loader, not options
@@ -316,8 +316,8 @@ def test_example_engine_over_two_nodes_parses_on_both_nodes_when_uncommented(tmp
     (key paths pointed at keys made by ``slotsync keys``' ``make_keys``): both nodes' daemons
     accept it, node0 owns the engine and node1 relays to node0's peer_listen, and the two
     declarations have no difference (the owner would refuse one that has)."""
-    from slotsync.daemon import spans
-    from slotsync.daemon.peer_keys import load_keys, make_keys
+    from slotsync.daemon.node_links import spans
+    from slotsync.daemon.node_links.peer_keys import load_keys, make_keys
 
     _clean_env(monkeypatch)
     text = (DEPLOY / "slotsyncd.toml").read_text()

@@ -124,7 +124,7 @@ def test_the_pod_shares_the_socket_folder_and_mounts_config_and_keys_read_only()
 
 
 def test_the_service_resolves_to_the_owner_pod_at_the_engine_tables_owner_address():
-    from slotsync.daemon import spans
+    from slotsync.daemon.node_links import spans
 
     docs = _docs()
     svc = docs["Service", "slotsync-owner"]
@@ -147,9 +147,9 @@ def test_each_pods_daemon_accepts_the_configmap_as_the_pod_would_start(tmp_path,
     """The ConfigMap's file with each pod's environment (the node name from the downward
     API, its key pair's path, the owner's listener): ``load_config`` accepts it on the owner
     node and on the other node, which own and relay the engine."""
-    from slotsync.daemon import spans
-    from slotsync.daemon.config import load_config
-    from slotsync.daemon.peer_keys import load_keys, make_keys
+    from slotsync.daemon.node_links import spans
+    from slotsync.daemon.node_links.peer_keys import load_keys, make_keys
+    from slotsync.daemon.service.config import load_config
 
     for k in list(os.environ):
         if k.startswith("SLOTSYNC_"):

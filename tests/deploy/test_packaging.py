@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_editable_install_imports_the_src_tree():
-    import slotsync.daemon.coordinator as c
-    import slotsync.engine.server as s
+    import slotsync.daemon.core.coordinator as c
+    import slotsync.engine.reference.server as s
     import slotsync.protocol.wire as w
 
     assert Path(w.__file__).parent == ROOT / "src" / "slotsync" / "protocol"
@@ -33,8 +33,8 @@ def test_wheel_installs_and_runs(tmp_path):
                     "-q", "-w", str(dist), str(ROOT)], check=True)
     (wheel,) = dist.glob("slotsync-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for want in ("slotsync/protocol/wire.py", "slotsync/daemon/service.py",
-                 "slotsync/engine/worker.py", "slotsync/cli.py",
+    for want in ("slotsync/protocol/wire.py", "slotsync/daemon/service/server.py",
+                 "slotsync/engine/reference/worker.py", "slotsync/cli.py",
                  "slotsync/testing/processes.py", "slotsync/testing/ranks.py"):
         assert want in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
@@ -45,7 +45,7 @@ def test_wheel_installs_and_runs(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
                     str(target), str(wheel)], check=True)
     env = {**os.environ, "PYTHONPATH": str(target)}
-    code = ("import slotsync.daemon.service, slotsync.protocol.wire, sys; "
+    code = ("import slotsync.daemon.service.server, slotsync.protocol.wire, sys; "
             "print(slotsync.protocol.wire.__file__); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, cwd=tmp_path, check=True).stdout.split()

@@ -709,7 +709,7 @@ def test_unreadable_socket_folder_is_named_at_once(rec):
     with DaemonProcess(runtime_dir=str(rt), args=FAST) as d:
         # (imports first, as this user; then, when root, drop to nobody, whom the 0770
         # root-owned folder refuses)
-        code = ("import os, sys, time; from slotsync.protocol.publisher import Publisher\n"
+        code = ("import os, sys, time; from slotsync.protocol.rank.publisher import Publisher\n"
                 "from slotsync.protocol.errors import SlotsyncError\n"
                 "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
                 "p = Publisher(sys.argv[1], 0, (0, 2), 'http://127.0.0.1:1', transport='shm', "

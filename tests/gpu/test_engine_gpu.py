@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from slotsync.daemon.vllm_pickle import b64, pickle_packed, pickle_unpacked
+from slotsync.daemon.vllm.ipc_pickle import b64, pickle_packed, pickle_unpacked
 from slotsync.engine.checksum import tensor_checksum
 from slotsync.engine.launcher import ReferenceEngine
 from slotsync.protocol.wire import CudaIpcHandle, logical_gpu_uuid
@@ -241,9 +241,9 @@ def test_queued_chunks_overlap_yet_each_answer_waits_for_its_copy() -> None:
     every region as soon as the answers are in, and the weights keep the chunks' values."""
     import asyncio
 
-    from slotsync.engine.server import WorkerPool
-    from slotsync.engine.worker import WorkerSpec
-    from slotsync.protocol import gather
+    from slotsync.engine.reference.server import WorkerPool
+    from slotsync.engine.reference.worker import WorkerSpec
+    from slotsync.protocol.rank import gather
 
     if not gather.available():
         pytest.skip("the deferred wait is the scatter kernel's (needs Triton)")

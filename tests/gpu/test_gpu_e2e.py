@@ -64,7 +64,7 @@ def test_cuda_ipc_rounds_land_in_every_worker(packed, receive):
         if packed and path == "reference":
             # round 3 re-sent round 2's chunks: each was copied out through the plan the
             # worker kept (one scatter kernel with Triton), and the checksums above are its
-            from slotsync.protocol import gather
+            from slotsync.protocol.rank import gather
 
             assert all(w["planned_chunks"] >= 2 for w in stats["workers"]), stats["workers"]
             if gather.available():

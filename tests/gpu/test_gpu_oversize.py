@@ -38,7 +38,7 @@ ROUNDS = 3
 
 @pytest.fixture(scope="module")
 def vllm_env() -> dict[str, str]:
-    from slotsync.engine.vllm_receive import receive_env
+    from slotsync.engine.reference.vllm_receive import receive_env
 
     env = receive_env(ROOT / "build" / "vllm-shim")
     if env is None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from slotsync.daemon import main as daemon_main
-from slotsync.daemon.config import Config, default_runtime_dir, filesystem_type, load_config
+from slotsync.daemon.service.config import Config, default_runtime_dir, filesystem_type, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 _RUNTIME_VARS = ("SLOTSYNC_RUNTIME_DIR", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR")

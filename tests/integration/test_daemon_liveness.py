@@ -178,7 +178,7 @@ def test_a_publisher_timeout_says_which_rank_the_daemon_waits_for(tmp_path):
     import torch
 
     from slotsync.protocol.errors import SlotsyncTimeout
-    from slotsync.protocol.publisher import Publisher
+    from slotsync.protocol.rank.publisher import Publisher
 
     with DaemonProcess(runtime_dir=str(tmp_path), args=["--begin-timeout-s", "60"]) as d, \
             Publisher(d.endpoint, 0, (0, 2), "http://127.0.0.1:1", transport="shm",

@@ -1,4 +1,4 @@
-"""Data-parallel layouts end to end (issue 25 D, ``daemon/dp_layout.py``): a real slotsyncd,
+"""Data-parallel layouts end to end (issue 25 D, ``daemon/vllm/dp_layout.py``): a real slotsyncd,
 trainer ranks in spawned processes, and the vLLM-code engine serving vLLM 0.32's own
 ``GET /server_info`` handler (``vllm.entrypoints.serve.dev.server_info.api_router``) and
 ``/get_world_size``, over a ``VllmConfig`` whose parallel config has the fields ``vllm serve``'s

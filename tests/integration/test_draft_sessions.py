@@ -25,7 +25,7 @@ from state_readers import engine_checksums, engine_stats, slot_status  # noqa: E
 
 from slotsync.engine.checksum import tensor_checksum  # noqa: E402
 from slotsync.protocol.errors import SlotsyncError  # noqa: E402
-from slotsync.protocol.publisher import Publisher  # noqa: E402
+from slotsync.protocol.rank.publisher import Publisher  # noqa: E402
 from slotsync.testing.processes import DaemonProcess  # noqa: E402
 from slotsync.testing.tensors import make_draft_tensors, make_tensors  # noqa: E402
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 
 # The vLLM-code engine's worker turns on torch's deterministic fill of uninitialized memory
-# (slotsync/engine/vllm_worker.py, so that what layerwise reload leaves unset shows in a
+# (slotsync/engine/vllm/worker.py, so that what layerwise reload leaves unset shows in a
 # checksum); torch 2.13 has no fill for this dtype ("fill_empty_deterministic_" not
 # implemented for 'Float4_e2m1fn_x2'), raised in materialize_meta_tensor's empty_strided.
 # That is our test engine's setting, not vLLM's code: left out there until the worker fills

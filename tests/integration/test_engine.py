@@ -3,7 +3,7 @@
 One 2-worker CPU engine serves the whole module (each worker process imports torch, so
 engines are expensive on a small machine); ``clean`` brings it back to a known state before
 each test. Handles are the CPU shared-memory stand-in (``ShmHandle``), pickled by the daemon's
-own writer (``slotsync.daemon.vllm_pickle``), keyed by each worker's logical GPU UUID.
+own writer (``slotsync.daemon.vllm.ipc_pickle``), keyed by each worker's logical GPU UUID.
 
 Over ~500 lines on purpose: it holds one thing, the reference engine's contract tests, on the
 one module-scoped engine they share (issue 16).
@@ -479,8 +479,8 @@ def test_worker_pool_matches_queued_answers_to_their_calls() -> None:
     answer, a failing one fails alone; a worker that dies fails every call still waiting."""
     import asyncio
 
-    from slotsync.engine.server import CollectiveRpcError, WorkerPool
-    from slotsync.engine.worker import WorkerSpec
+    from slotsync.engine.reference.server import CollectiveRpcError, WorkerPool
+    from slotsync.engine.reference.worker import WorkerSpec
 
     pool = WorkerPool([WorkerSpec(i, "cpu", logical_gpu_uuid(i), None) for i in range(2)],
                       startup_timeout_s=90)

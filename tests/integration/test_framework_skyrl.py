@@ -89,7 +89,7 @@ def _rank(rank: int, endpoint: str, url: str, port: int, q: Any) -> None:
     )
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from slotsync.engine.vllm_model import SafetensorsModel
+    from slotsync.engine.vllm.model import SafetensorsModel
     from slotsync.integrations.vllm import (
         SlotsyncTrainerInitInfo,
         SlotsyncTrainerWeightTransferEngine,

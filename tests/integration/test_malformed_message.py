@@ -12,8 +12,8 @@ from aiohttp import web
 from fake_http_engine import serve_engine
 from test_daemon_liveness import Rank
 
-from slotsync.daemon.config import Config
-from slotsync.daemon.service import Daemon
+from slotsync.daemon.service.config import Config
+from slotsync.daemon.service.server import Daemon
 from slotsync.protocol import wire
 
 

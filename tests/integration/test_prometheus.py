@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from slotsync.daemon.coordinator import SlotState, Timeouts
-from slotsync.daemon.metrics import Metrics
-from slotsync.daemon.slot_table import SlotTable
+from slotsync.daemon.core.coordinator import SlotState, Timeouts
+from slotsync.daemon.core.slot_table import SlotTable
+from slotsync.daemon.service.metrics import Metrics
 from slotsync.engine.launcher import free_port
 from slotsync.protocol.wire import PROTOCOL_VERSION, Begin, Register
 
@@ -118,7 +118,7 @@ def test_table_gauges_are_read_at_scrape_time(monkeypatch):
 
     _register(table, 1, 0, 2, now)
     table.on_message(a, Begin(0, "v1"), now)  # slot [0, 2) starts an update at t=1000
-    monkeypatch.setattr("slotsync.daemon.metrics.time.monotonic", lambda: now + 42.5)
+    monkeypatch.setattr("slotsync.daemon.service.metrics.time.monotonic", lambda: now + 42.5)
     text = generate_latest(m.registry).decode()
     assert _sample(text, 'slotsync_slots{state="updating"}') == 1
     assert _sample(text, "slotsync_updates_in_flight") == 1
@@ -127,7 +127,7 @@ def test_table_gauges_are_read_at_scrape_time(monkeypatch):
 
 
 def test_update_ended_and_build_info():
-    from slotsync.daemon.coordinator import UpdateEnded
+    from slotsync.daemon.core.coordinator import UpdateEnded
 
     m = Metrics("1.2.3")
     m.update_ended(UpdateEnded((0, 2), "http://e:1", 0, "v1", "success", 1.5, 3, 1000))

@@ -16,7 +16,7 @@ worker table, a rank's GPU UUID not in the table, a worker without an entry, a s
 that disagrees, no worker table at all, a rank that never begins.
 
 Every test runs on both engines (the reference engine already takes the list form,
-``engine/server.py`` ``update_weights``, empty entries included; both start from the
+``engine/reference/server.py`` ``update_weights``, empty entries included; both start from the
 checkpoint, so a worker keeps what it is not sent). The reference engine reports its workers'
 GPU UUIDs itself, so its misordered table is refused as unlike that report.
 """
@@ -38,7 +38,7 @@ from state_readers import checksums_in_worker_order, engine_checksums, engine_st
 
 from slotsync.engine.checksum import tensor_checksum  # noqa: E402
 from slotsync.protocol.errors import SlotsyncError  # noqa: E402
-from slotsync.protocol.publisher import Publisher  # noqa: E402
+from slotsync.protocol.rank.publisher import Publisher  # noqa: E402
 from slotsync.protocol.wire import logical_gpu_uuid  # noqa: E402
 from slotsync.testing.processes import DaemonProcess  # noqa: E402
 
@@ -253,7 +253,7 @@ def test_a_source_holding_part_of_the_model_publishes_rank_locally_through_vllms
         WeightTransferTrainerFactory,
     )
 
-    from slotsync.engine.vllm_model import SafetensorsModel
+    from slotsync.engine.vllm.model import SafetensorsModel
     from slotsync.integrations.vllm import SlotsyncTrainerInitInfo
 
     class EpSource(ModuleSource):

@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 
-from slotsync.daemon.config import Config
 from slotsync.daemon.launcher import DaemonProcess
-from slotsync.daemon.peer_auth import decide, parse_peer
+from slotsync.daemon.service.config import Config
+from slotsync.daemon.service.peer_auth import decide, parse_peer
 
 NOBODY = 65534
 
@@ -134,7 +134,7 @@ def test_engine_behind_a_unix_socket(uds_engine):
 
     from spawned_ranks import rounds, run_ranks
 
-    from slotsync.daemon.vllm_client import VllmClient
+    from slotsync.daemon.vllm.client import VllmClient
 
     async def world_size():
         c = VllmClient(uds_engine, timeout_s=10)
@@ -155,7 +155,7 @@ PUBLISHER_AS_OTHER_USER = textwrap.dedent("""
     import os, sys, time
     import torch  # noqa: F401  (imports read files: before dropping privileges)
     from slotsync.protocol.errors import SlotsyncError
-    from slotsync.protocol.publisher import Publisher
+    from slotsync.protocol.rank.publisher import Publisher
     os.setgroups([]); os.setgid(65534); os.setuid(65534)
     pub = Publisher(sys.argv[1], 0, (0, 1), "http://127.0.0.1:1", transport="shm",
                     timeout_s=30)

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from slotsync.daemon.config import Config, EngineEntry, load_config
 from slotsync.daemon.launcher import DaemonProcess, DaemonStartError
+from slotsync.daemon.service.config import Config, EngineEntry, load_config
 
 FAST = ["--begin-timeout-s", "20", "--chunk-timeout-s", "20"]
 
@@ -418,8 +418,8 @@ async def test_inflight_record_is_written_beside_the_begin_calls_not_before_star
     from aiohttp import web
     from fake_http_engine import serve_engine
 
-    from slotsync.daemon.service import Daemon
-    from slotsync.protocol.publisher import Publisher
+    from slotsync.daemon.service.server import Daemon
+    from slotsync.protocol.rank.publisher import Publisher
 
     calls: dict[str, float] = {}
 
@@ -469,7 +469,7 @@ async def test_inflight_record_is_written_beside_the_begin_calls_not_before_star
 def test_publisher_reregisters_after_daemon_restart_and_checks_the_frame_cap(tmp_path):
     torch = pytest.importorskip("torch")
     from slotsync.engine.launcher import ReferenceEngine
-    from slotsync.protocol.publisher import Publisher
+    from slotsync.protocol.rank.publisher import Publisher
 
     rt = str(tmp_path / "rt")
     named = [(f"w{i}", torch.full((4,), float(i))) for i in range(3)]

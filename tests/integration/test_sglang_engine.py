@@ -71,7 +71,7 @@ from sglang_payloads import (  # noqa: E402
 )
 
 from slotsync.engine.checksum import tensor_checksum  # noqa: E402
-from slotsync.engine.sglang_state import (  # noqa: E402
+from slotsync.engine.sglang.state import (  # noqa: E402
     FLUSH_REFUSED,
     NO_SESSION,
     SESSION_OPEN,

@@ -20,7 +20,7 @@ from state_readers import checksums_in_worker_order, engine_checksums, engine_st
 from test_draft_sessions import draft_sums_by_worker, want  # noqa: E402
 from two_nodes import TwoNodes  # noqa: E402
 
-from slotsync.protocol.publisher import Publisher  # noqa: E402
+from slotsync.protocol.rank.publisher import Publisher  # noqa: E402
 from slotsync.testing.tensors import make_draft_tensors, make_tensors  # noqa: E402
 
 pytestmark = pytest.mark.slow

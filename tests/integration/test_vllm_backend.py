@@ -36,7 +36,7 @@ from vllm.distributed.weight_transfer import (  # noqa: E402
 )
 
 from slotsync.engine.checksum import tensor_checksum  # noqa: E402
-from slotsync.engine.vllm_model import SafetensorsModel  # noqa: E402
+from slotsync.engine.vllm.model import SafetensorsModel  # noqa: E402
 from slotsync.integrations.vllm import SlotsyncTrainerInitInfo  # noqa: E402
 from slotsync.protocol.errors import SlotsyncError  # noqa: E402
 from slotsync.protocol.topology import SlotTopology, TopologyError  # noqa: E402

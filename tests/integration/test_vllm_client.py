@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torch")  # the reference engine's workers need torch
 
-from slotsync.daemon.vllm_client import EngineError, VllmClient, error_message  # noqa: E402
+from slotsync.daemon.vllm.client import EngineError, VllmClient, error_message  # noqa: E402
 from slotsync.engine.launcher import free_port  # noqa: E402
 
 

@@ -2,9 +2,9 @@
 
 Its routes are vLLM 0.32's own router and exception handlers under vLLM's uvicorn launcher,
 and each worker runs vLLM's ``gpu_worker.Worker`` weight-update methods,
-``IPCWeightTransferEngine`` and layerwise reload (``slotsync.engine.vllm_worker``). These tests
+``IPCWeightTransferEngine`` and layerwise reload (``slotsync.engine.vllm.worker``). These tests
 assert what that code does -- where it differs from ``shared/vllm-contract.md``, the test says
-so. Handles are shared-memory exports (``slotsync.protocol.export.ShmSegment``) merged by the
+so. Handles are shared-memory exports (``slotsync.protocol.rank.export.ShmSegment``) merged by the
 daemon's own ``merge_chunk``.
 
 One 2-worker CPU engine (``--executor-replies all``: every worker's reply of each call is
@@ -36,10 +36,10 @@ pytest.importorskip("vllm.v1.worker.gpu_worker")
 pytest.importorskip("vllm.distributed.weight_transfer.ipc_engine")
 torch = pytest.importorskip("torch")
 
-from slotsync.daemon.aggregation import merge_chunk  # noqa: E402
+from slotsync.daemon.core.aggregation import merge_chunk  # noqa: E402
 from slotsync.engine.checksum import checksums_by_worker, tensor_checksum  # noqa: E402
 from slotsync.engine.launcher import ReferenceEngine  # noqa: E402
-from slotsync.protocol.export import ShmSegment  # noqa: E402
+from slotsync.protocol.rank.export import ShmSegment  # noqa: E402
 from slotsync.protocol.wire import Chunk, logical_gpu_uuid  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -26,7 +26,7 @@ from shm_payloads import Segments, packed_info, sample_tensors, unpacked_info  #
 
 from slotsync.engine.checksum import tensor_checksum  # noqa: E402
 from slotsync.engine.launcher import ReferenceEngine  # noqa: E402
-from slotsync.engine.vllm_receive import SHIM_ENV, receive_env  # noqa: E402
+from slotsync.engine.reference.vllm_receive import SHIM_ENV, receive_env  # noqa: E402
 from slotsync.protocol.wire import ShmHandle  # noqa: E402
 
 pytestmark = pytest.mark.vllm

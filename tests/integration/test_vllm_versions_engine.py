@@ -130,7 +130,7 @@ async def test_client_refuses_a_version_answer_that_is_not_json(body, says):
     came back, not a None the daemon would have to guess about."""
     from aiohttp import web
 
-    from slotsync.daemon.vllm_client import EngineError, VllmClient
+    from slotsync.daemon.vllm.client import EngineError, VllmClient
 
     async def version(_request: web.Request) -> web.Response:
         return web.Response(text=body, content_type="text/html")

@@ -1,5 +1,5 @@
 """Without an engine table, a wrong slot claim is refused at registration against a real
-daemon (issue 24, daemon/claim_check.py): its engine reports fewer workers than the slot, the
+daemon (issue 24, daemon/core/claim_check.py): its engine reports fewer workers than the slot, the
 ranks are told both numbers and the URL, and the right claim registers at once after."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from aiohttp import web
 from fake_http_engine import serve_engine
 from test_daemon_liveness import Rank
 
-from slotsync.daemon.config import Config
-from slotsync.daemon.service import Daemon
+from slotsync.daemon.service.config import Config
+from slotsync.daemon.service.server import Daemon
 from slotsync.protocol import wire
 
 

@@ -1,5 +1,5 @@
 """Publisher settings the ranks of a slot must share are declared in the begin and checked
-before the pause (issue 24, daemon/begin_agreement.py); the publisher declares only what its
+before the pause (issue 24, daemon/core/begin_agreement.py); the publisher declares only what its
 daemon compares (``Registered.begin_settings``).
 
 Driven through the scripted engine and harness of test_coordinator.py (no sockets, no clock).
@@ -10,7 +10,7 @@ from __future__ import annotations
 from test_coordinator import Harness, chunk
 
 from slotsync.protocol import wire
-from slotsync.protocol.session import PublisherSession
+from slotsync.protocol.rank.session import PublisherSession
 from slotsync.protocol.topology import EngineSlot
 from slotsync.protocol.wire import Begin, Error, Registered
 

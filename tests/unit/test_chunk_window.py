@@ -1,16 +1,16 @@
 """The pure parts the coordinator wires together (issue 16): the chunk window
-(``daemon/chunk_window.py``), the begin driver (``update.begin_step``) and the engine check
+(``daemon/core/chunk_window.py``), the begin driver (``update.begin_step``) and the engine check
 after a failed update (``recovery.engine_check``), each without a coordinator."""
 
 from __future__ import annotations
 
 import pytest
 
-from slotsync.daemon import chunk_window, recovery
-from slotsync.daemon.aggregation import ChunkMismatch
-from slotsync.daemon.engine_session import EngineSession
-from slotsync.daemon.registration import RankInfo
-from slotsync.daemon.update import BEGIN_STAGES, Update, begin_step
+from slotsync.daemon.core import chunk_window, recovery
+from slotsync.daemon.core.aggregation import ChunkMismatch
+from slotsync.daemon.core.engine_session import EngineSession
+from slotsync.daemon.core.registration import RankInfo
+from slotsync.daemon.core.update import BEGIN_STAGES, Update, begin_step
 from slotsync.protocol.wire import Chunk, ShmHandle
 
 FACTS = chunk_window.MergeFacts({0: "GPU-0", 1: "GPU-1"}, True, "shm", 2)

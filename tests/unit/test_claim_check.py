@@ -1,6 +1,6 @@
 """Without an engine table, a slot claim whose engine has fewer workers than the slot is
 refused at registration, before the slot is locked to it, naming both numbers and the URL;
-the right claim registers afterwards (issue 24, daemon/claim_check.py). Before, the wrong
+the right claim registers afterwards (issue 24, daemon/core/claim_check.py). Before, the wrong
 claim registered, held the slot, and locked the right claim out until its begin failed.
 
 Driven through the scripted engine of test_coordinator.py (no sockets, no clock), with engine
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from test_coordinator import URL, EngineCall, Harness, Reply, UpdateEnded, reg
 
-from slotsync.daemon.slot_table import SlotTable
+from slotsync.daemon.core.slot_table import SlotTable
 from slotsync.protocol.wire import Error, Registered
 
 

@@ -23,8 +23,8 @@ import time
 import pytest
 import zmq
 
-from slotsync.protocol.connect_check import check_endpoint
 from slotsync.protocol.errors import SlotsyncError
+from slotsync.protocol.rank.connect_check import check_endpoint
 
 BOUND_S = 5.0  # "well within 1 s", loosely: the machine running the tests may be loaded
 ROOT = os.geteuid() == 0
@@ -57,7 +57,7 @@ def owner_group(p: str) -> str:
 
 _AS_NOBODY = r"""
 import json, os, sys, time
-from slotsync.protocol.connect_check import check_endpoint
+from slotsync.protocol.rank.connect_check import check_endpoint
 from slotsync.protocol.errors import SlotsyncError
 uid, gid = int(sys.argv[2]), int(sys.argv[3])
 try:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import msgspec
 import pytest
 
-from slotsync.daemon.coordinator import (
+from slotsync.daemon.core.coordinator import (
     EngineCall,
     Reply,
     SlotCoordinator,
@@ -56,7 +56,7 @@ from slotsync.daemon.coordinator import (
     Timeouts,
     UpdateEnded,
 )
-from slotsync.daemon.slot_table import SlotTable
+from slotsync.daemon.core.slot_table import SlotTable
 from slotsync.protocol.wire import (
     NOT_REGISTERED,
     PROTOCOL_VERSION,
@@ -74,7 +74,8 @@ from slotsync.protocol.wire import (
 
 URL = "http://engine:8000"
 PROBES = ["get_world_size", "weight_info", "is_sleeping"]  # every begin's first stage (I9)
-# the engine's vLLM version and DP layout are asked together (vllm_versions.py, dp_layout.py):
+# the engine's vLLM version and DP layout are asked together (daemon/vllm/versions.py,
+# daemon/vllm/dp_layout.py):
 # first at the first begin, later ones do not
 ASKED = ["version", "server_info"]
 FIRST = [*ASKED, *PROBES]
@@ -353,7 +354,7 @@ def _answer_begin(h: Harness) -> None:
 @pytest.mark.parametrize("in_flight", [1, 2])
 def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monkeypatch,
                                                                             in_flight):
-    import slotsync.daemon.chunk_window as chunk_window  # (merge-ahead lives there)
+    import slotsync.daemon.core.chunk_window as chunk_window  # (merge-ahead lives there)
 
     merges: list[int] = []
     merged: dict[int, bytes] = {}  # the update_info JSON text, made at merge time
@@ -1803,7 +1804,7 @@ def test_engine_a_dead_job_left_paused_stays_failed_in_metrics_and_status_after_
     # slotsync_slots{state="failed"}, while the engine stayed paused)
     from prometheus_client import generate_latest
 
-    from slotsync.daemon.metrics import Metrics
+    from slotsync.daemon.service.metrics import Metrics
     from slotsync.status_cli import render_table
 
     h = Harness(timeouts=Timeouts(100, 100, 100))

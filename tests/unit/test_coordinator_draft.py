@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from test_coordinator import Harness, ScriptedEngine, chunk
 
-from slotsync.daemon.coordinator import EngineCall, SlotState
+from slotsync.daemon.core.coordinator import EngineCall, SlotState
 from slotsync.protocol.wire import Ack, Begin, Chunk, Commit, Error
 
 NO_DRAFT = ("HTTP 500: Draft model weight update requested, but no draft model is "

@@ -1,4 +1,4 @@
-"""Data-parallel layouts one API server cannot drive (issue 25 D, ``daemon/dp_layout.py``).
+"""Data-parallel layouts one API server cannot drive (issue 25 D, ``daemon/vllm/dp_layout.py``).
 
 The rule on ``/server_info?config_format=json`` answers shaped exactly as vLLM 0.32 writes
 them (``HYBRID_NODE_1``: vLLM's own dump, see below), and the coordinator's use of it: a
@@ -19,11 +19,11 @@ import json
 import pytest
 from test_coordinator import URL, Harness
 
-from slotsync.daemon import dp_layout
-from slotsync.daemon.dp_layout import DpLayout
-from slotsync.daemon.engine_session import EngineSession
-from slotsync.daemon.update import BEGIN_STAGES
-from slotsync.daemon.vllm_client import ABSENT_IS_NONE, ROUTES
+from slotsync.daemon.core.engine_session import EngineSession
+from slotsync.daemon.core.update import BEGIN_STAGES
+from slotsync.daemon.vllm import dp_layout
+from slotsync.daemon.vllm.client import ABSENT_IS_NONE, ROUTES
+from slotsync.daemon.vllm.dp_layout import DpLayout
 from slotsync.protocol.wire import Error
 
 # vLLM 0.32's parallel_config of node 1 of a 2-node hybrid-LB deployment (`vllm serve
@@ -288,7 +288,7 @@ async def test_client_answers_none_for_a_server_without_server_info() -> None:
     information, not an error; a 500 is an error; a 2xx body that is not JSON is None."""
     from aiohttp import web
 
-    from slotsync.daemon.vllm_client import EngineError, VllmClient
+    from slotsync.daemon.vllm.client import EngineError, VllmClient
 
     answers = iter([(404, '{"detail":"Not Found"}'), (500, "boom"), (200, "<html>")])
     seen: list[str] = []

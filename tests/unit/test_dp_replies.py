@@ -9,7 +9,7 @@ reply in the list is not, a success (null) included.
 
 from __future__ import annotations
 
-from slotsync.daemon.engine_session import replies_in_step
+from slotsync.daemon.core.engine_session import replies_in_step
 
 
 def ranks(n: int) -> dict:

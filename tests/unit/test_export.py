@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slotsync.protocol import wire
-from slotsync.protocol.export import (
+from slotsync.protocol.rank.export import (
     ShmSegment,
     ShmStagingBuffer,
     cuda_ipc_handle,
@@ -186,7 +186,7 @@ def test_handle_from_reduce_args_memos_give_the_records_of_a_fresh_conversion(
     # Class names, dtype names and dims are memoized across calls: every form of a size
     # (torch.Size, tuple, list) still gives a plain tuple of ints, a cached class pair does
     # not let another storage class through, and the dims memo stays bounded.
-    from slotsync.protocol import export
+    from slotsync.protocol.rank import export
 
     first = handle_from_reduce_args(_fake_reduce_args())
     for size, stride in ((torch.Size([2, 3]), (3, 1)), ((2, 3), [3, 1]), ([2, 3], (3, 1))):
@@ -228,7 +228,7 @@ def test_cuda_ipc_handle_refuses_cpu_tensor() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_ipc_handle_real() -> None:
-    from slotsync.protocol.export import CudaStagingBuffer, gpu_uuid_of
+    from slotsync.protocol.rank.export import CudaStagingBuffer, gpu_uuid_of
 
     t = torch.arange(6, dtype=torch.bfloat16, device="cuda").view(2, 3)
     h = cuda_ipc_handle(t)
@@ -273,7 +273,7 @@ def test_cuda_staging_region_ready_waits_for_that_regions_copy() -> None:
     """Copies into two regions are queued back to back; ``ready(slot)`` returns once that
     region's copy is done (read here from another stream, which does not wait for the
     copying one, as the engine's process does not) and ``copied(slot)`` says so."""
-    from slotsync.protocol.export import CudaStagingBuffer
+    from slotsync.protocol.rank.export import CudaStagingBuffer
 
     n = 64 << 20  # 256 MiB of float32 per region: long enough to still run after the launch
     big = [("a", torch.full((n // 4,), 1.5, device="cuda"))]
@@ -300,7 +300,7 @@ def test_pack_copies_as_wide_integers_when_aligned_and_bytes_otherwise() -> None
     """The batched copy moves one element per thread: aligned chunks are copied as int64
     (8x fewer elements than bytes), any odd size or address falls back to a narrower type,
     and the bytes in the buffer are the same either way."""
-    from slotsync.protocol.export import copy_width, pack_into, plan_pack
+    from slotsync.protocol.rank.export import copy_width, pack_into, plan_pack
 
     assert copy_width([16, 8, 24], [0, 64]) == (8, torch.int64)
     assert copy_width([16, 12], [0]) == (4, torch.int32)
@@ -336,8 +336,8 @@ def test_cuda_pack_gathers_with_one_kernel_and_falls_back_bit_exactly() -> None:
     gather (``plan.table``), tensors of every size class included; a chunk it cannot take
     (odd sizes, a non-contiguous or CPU tensor) is packed by ``torch.cat``. Either way the
     buffer holds each tensor's raw bytes back to back."""
-    from slotsync.protocol import gather
-    from slotsync.protocol.export import plan_pack, run_pack
+    from slotsync.protocol.rank import gather
+    from slotsync.protocol.rank.export import plan_pack, run_pack
 
     g = torch.Generator(device="cuda").manual_seed(1)
     big = [(f"w{i}", torch.randn(n, device="cuda", generator=g).to(torch.bfloat16))
@@ -364,7 +364,7 @@ def test_cuda_pack_gathers_with_one_kernel_and_falls_back_bit_exactly() -> None:
 def test_gather_table_is_kept_for_the_same_tensors_and_refuses_unaligned_ones() -> None:
     """A round re-publishes the same tensors: their chunk's table is found, not rebuilt and
     uploaded again; other addresses or sizes get their own. Unaligned pieces get none."""
-    from slotsync.protocol import gather
+    from slotsync.protocol.rank import gather
 
     t = gather.gather_table([4096, 8192], [16, 8], torch.device("cpu"))
     assert t is not None and t.tolist() == [[4096, 0, 2], [8192, 2, 1]]
@@ -385,7 +385,7 @@ def test_piece_rows_copy_each_tensor_once_back_to_back(words: list[int], gaps: l
     (several pieces, exactly one, empty); no row is longer than ``PIECE_BYTES``."""
     import numpy as np
 
-    from slotsync.protocol import gather
+    from slotsync.protocol.rank import gather
 
     arena = np.arange(sum(words) + sum(gaps), dtype=np.int64) * 7 + 3  # distinct words
     base, addrs, at = 1 << 20, [], 0

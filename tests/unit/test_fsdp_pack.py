@@ -145,7 +145,7 @@ def _raw(t: Any) -> bytes:
 def _mixed_cases(rank: int) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, init_device_mesh
 
-    from slotsync.protocol import export
+    from slotsync.protocol.rank import export
 
     mesh = init_device_mesh("cpu", (WORLD,))
     items, fulls = _mixed_chunk(mesh)
@@ -245,7 +245,7 @@ def _fully_shard_and_checks(rank: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from slotsync.protocol import export, inputs
+    from slotsync.protocol.rank import export, inputs
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 1),
@@ -311,7 +311,7 @@ def _bad_layout(rank: int) -> dict[str, Any]:
     enters the collective alone): refused, not mis-packed."""
     from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
-    from slotsync.protocol import export
+    from slotsync.protocol.rank import export
 
     mesh = init_device_mesh("cpu", (WORLD,))
     local = torch.ones((1, 1, 2)[rank], 3)  # 1 + 1 + 2 of 4 rows: torch.chunk gives 2 + 2 + 0

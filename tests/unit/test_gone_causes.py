@@ -54,7 +54,7 @@ def test_publisher_close_says_goodbye(make_daemon: Callable[..., FakeDaemon],  #
 
 
 def test_the_close_of_a_stopped_process_is_a_missed_heartbeat_and_of_a_running_one_is_not():
-    from slotsync.daemon.liveness import closed_why, process_state
+    from slotsync.daemon.service.liveness import closed_why, process_state
 
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

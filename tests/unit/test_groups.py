@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from slotsync.protocol.groups import new_slot_groups
+from slotsync.protocol.rank.groups import new_slot_groups
 from slotsync.protocol.topology import SlotTopology
 
 WORLD = 4

@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from slotsync import cli
-from slotsync.daemon.peer_keys import load_keys
+from slotsync.daemon.node_links.peer_keys import load_keys
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str, str]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from slotsync.daemon.liveness import ConnectionBook
-from slotsync.daemon.logs import RateLimiter
+from slotsync.daemon.service.liveness import ConnectionBook
+from slotsync.daemon.service.logs import RateLimiter
 from slotsync.protocol.liveness import heartbeat_options, peer_pid
 
 
@@ -74,7 +74,7 @@ def test_peer_watch_reports_a_process_that_exits_once():
     import subprocess
     import sys
 
-    from slotsync.daemon.liveness import PeerWatch
+    from slotsync.daemon.service.liveness import PeerWatch
 
     async def main() -> list[int]:
         ended: list[int] = []

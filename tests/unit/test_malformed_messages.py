@@ -1,5 +1,5 @@
 """A registered rank's frame that fails validation is answered at once and fails its update
-with that cause, every rank told (issue 24, daemon/malformed.py). Before, it was answered
+with that cause, every rank told (issue 24, daemon/core/malformed.py). Before, it was answered
 with a decode error naming no rank and the slot's update went on, to fail later with an
 unrelated cause or at a deadline naming ranks as missing what they did send.
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from slotsync.daemon.registration import RankInfo, rank_held
-from slotsync.daemon.slot_table import SlotTable
-from slotsync.daemon.update import Timeouts
-from slotsync.protocol.session import Awaited
-from slotsync.protocol.waits import DaemonWaits
+from slotsync.daemon.core.registration import RankInfo, rank_held
+from slotsync.daemon.core.slot_table import SlotTable
+from slotsync.daemon.core.update import Timeouts
+from slotsync.protocol.rank.session import Awaited
+from slotsync.protocol.rank.waits import DaemonWaits
 from slotsync.protocol.wire import PROTOCOL_VERSION, Register, logical_gpu_uuid
 
 
@@ -56,7 +56,7 @@ def test_a_rank_without_a_hostname_is_named_without_a_dangling_on():
     why = rank_held(_info(3, ""), b"other", claim, 999)
     assert "registered by pid 25574, which is still connected; pid 999 claims it" in why, why
     assert " on ," not in why and " on )" not in why
-    from slotsync.daemon.registration import process_text  # (new with issue 24)
+    from slotsync.daemon.core.registration import process_text  # (new with issue 24)
 
     assert process_text(25574, "") == "pid 25574"
     assert process_text(25574, "host-a") == "pid 25574 on host-a"

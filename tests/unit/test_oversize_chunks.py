@@ -21,11 +21,12 @@ import msgspec
 import pytest
 import torch
 
-from slotsync.protocol import chunk_export, inputs, staging, wire
-from slotsync.protocol.chunk_export import ChunkExporter
-from slotsync.protocol.pipeline import ChunkPipeline
-from slotsync.protocol.session import Awaited, PublisherSession
-from slotsync.protocol.staging import CudaStagingBuffer, StagingBuffer
+from slotsync.protocol import wire
+from slotsync.protocol.rank import chunk_export, inputs, staging
+from slotsync.protocol.rank.chunk_export import ChunkExporter
+from slotsync.protocol.rank.pipeline import ChunkPipeline
+from slotsync.protocol.rank.session import Awaited, PublisherSession
+from slotsync.protocol.rank.staging import CudaStagingBuffer, StagingBuffer
 from slotsync.protocol.topology import EngineSlot
 
 NEXT = 5

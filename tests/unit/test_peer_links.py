@@ -1,15 +1,14 @@
-"""The peer links' state machines, both sides (issue 25 B/C; ``daemon/owner_links.py``,
-``daemon/relay.py``): what each event returns, with no socket in sight."""
+"""The peer links' state machines, both sides (issue 25 B/C; ``daemon/node_links/owner_links.py``,
+``daemon/node_links/relay.py``): what each event returns, with no socket in sight."""
 
 from __future__ import annotations
 
 import msgspec
 
-from slotsync.daemon import spans
-from slotsync.daemon.config import EngineEntry
-from slotsync.daemon.owner_links import OwnerLinks
-from slotsync.daemon.peer_state import RanksGone, ReplyRank, SendPeer, ToRank, ToTable
-from slotsync.daemon.peer_wire import (
+from slotsync.daemon.node_links import spans
+from slotsync.daemon.node_links.owner_links import OwnerLinks
+from slotsync.daemon.node_links.peer_state import RanksGone, ReplyRank, SendPeer, ToRank, ToTable
+from slotsync.daemon.node_links.peer_wire import (
     PEER_PROTOCOL_VERSION,
     Deliver,
     Gone,
@@ -25,7 +24,8 @@ from slotsync.daemon.peer_wire import (
     relayed_identity,
     split_relayed,
 )
-from slotsync.daemon.relay import RelayLinks
+from slotsync.daemon.node_links.relay import RelayLinks
+from slotsync.daemon.service.config import EngineEntry
 from slotsync.protocol.wire import PROTOCOL_VERSION, Begin, Error, Register, encode
 
 ENTRY = EngineEntry("http://10.0.0.1:8000", 0, 8, (), "node0", "tcp://10.0.0.1:9461",

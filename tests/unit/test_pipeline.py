@@ -1,4 +1,4 @@
-"""The copy pipeline's ordering rules (``protocol/pipeline.py``) without a socket: a fake
+"""The copy pipeline's ordering rules (``protocol/rank/pipeline.py``) without a socket: a fake
 channel stands in for the daemon, shared-memory staging for the GPU. Each test fails if the
 order of copies, sends and ack waits breaks."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from slotsync.protocol import wire
-from slotsync.protocol.chunk_export import ChunkExporter
-from slotsync.protocol.pipeline import ChunkPipeline
-from slotsync.protocol.session import MAX_UNACKED_CHUNKS, Awaited, PublisherSession
-from slotsync.protocol.staging import StagingBuffer
+from slotsync.protocol.rank.chunk_export import ChunkExporter
+from slotsync.protocol.rank.pipeline import ChunkPipeline
+from slotsync.protocol.rank.session import MAX_UNACKED_CHUNKS, Awaited, PublisherSession
+from slotsync.protocol.rank.staging import StagingBuffer
 from slotsync.protocol.topology import EngineSlot
 
 NEXT = 3

@@ -24,8 +24,8 @@ import zmq
 
 from slotsync.protocol import wire
 from slotsync.protocol.errors import SlotsyncError, SlotsyncTimeout
-from slotsync.protocol.pipeline import ChunkPipeline
-from slotsync.protocol.publisher import Publisher, PublishStats
+from slotsync.protocol.rank.pipeline import ChunkPipeline
+from slotsync.protocol.rank.publisher import Publisher, PublishStats
 
 Script = Callable[[wire.ToDaemon], list[wire.FromDaemon]]
 ENGINE = "http://127.0.0.1:8000"
@@ -171,7 +171,7 @@ def test_happy_path(make_daemon: Callable[..., FakeDaemon], endpoint: str,
     with _publisher(endpoint, packed=packed, staging_bytes=staging) as pub:
         reg = pub.register()
         assert reg.next_update_id == NEXT_ID
-        with caplog.at_level(logging.DEBUG, logger="slotsync.protocol.publisher"):
+        with caplog.at_level(logging.DEBUG, logger="slotsync.protocol.rank.publisher"):
             stats = pub.publish(iter(named), weight_version="step-1")
         assert isinstance(stats, PublishStats)
         total = sum(len(_raw(t)) for _, t in named)
@@ -511,7 +511,7 @@ def test_publish_lays_out_the_next_chunk_before_sending_the_one_being_copied(
     acknowledged), chunk k+1's copy is launched before chunk k is sent, so the copies run back
     to back; when it is not (acks still due, or one region), chunk k is sent first and then the
     ack awaited. ``send_chunk`` still sends at once."""
-    from slotsync.protocol.staging import ShmStagingBuffer, StagingBuffer
+    from slotsync.protocol.rank.staging import ShmStagingBuffer, StagingBuffer
 
     events: list[tuple[str, int]] = []
     plan, launch = ShmStagingBuffer.plan, StagingBuffer.launch
@@ -570,9 +570,9 @@ def test_publish_sends_chunks_while_the_begin_is_in_flight_and_gives_them_back_i
     until the engine has started), packed and unpacked alike; the begin's ack is awaited
     before any chunk's. If the begin fails, the exports sent meanwhile are given back, each
     once (``release_unconsumed``), since no engine will map them."""
-    from slotsync.protocol import export_ledger
-    from slotsync.protocol.chunk_export import ChunkExporter
-    from slotsync.protocol.staging import ShmStagingBuffer
+    from slotsync.protocol.rank import export_ledger
+    from slotsync.protocol.rank.chunk_export import ChunkExporter
+    from slotsync.protocol.rank.staging import ShmStagingBuffer
 
     events: list[str] = []
     released: list[int] = []
@@ -629,7 +629,7 @@ def test_publish_sends_a_chunk_from_within_the_next_chunks_layout_once_copied(
 ) -> None:
     """Laying out a chunk of thousands of tensors takes milliseconds: the chunk copied before
     it goes out from within that layout as soon as its copy is done, not after it."""
-    from slotsync.protocol import staging
+    from slotsync.protocol.rank import staging
 
     events: list[str] = []
     plan, send = staging.plan_pack, ChunkPipeline._send_chunk_message
@@ -890,8 +890,8 @@ def test_failed_update_gives_back_the_exports_the_engine_never_acknowledged(
     every failed packed update kept its staging block). When an update fails, the publisher
     gives back the exports of every chunk the engine did not acknowledge -- each once -- and
     none of those it acknowledged; a successful update gives back nothing."""
-    from slotsync.protocol import export_ledger
-    from slotsync.protocol.staging import ShmStagingBuffer
+    from slotsync.protocol.rank import export_ledger
+    from slotsync.protocol.rank.staging import ShmStagingBuffer
 
     released: list[int] = []
     monkeypatch.setattr(export_ledger, "release_unconsumed",
@@ -994,7 +994,7 @@ def test_the_begins_manifest_is_each_rounds_own_when_digests_are_kept(
     (the digest at its position changes), then a renamed one; an iterator with
     ``manifest=`` as a list of torch dtypes and another with vLLM's dtype names agree."""
     from slotsync.protocol.manifest import DIGEST_BYTES, manifest_of
-    from slotsync.protocol.publisher import _entries
+    from slotsync.protocol.rank.publisher import _entries
 
     daemon = make_daemon()
     named = _tensors()
@@ -1020,8 +1020,8 @@ def test_the_begins_manifest_is_each_rounds_own_when_digests_are_kept(
 
 def test_digest_cache_stays_bounded_when_names_change_every_round() -> None:
     from slotsync.protocol.manifest import manifest_of
-    from slotsync.protocol.manifest_cache import DigestCache
-    from slotsync.protocol.publisher import _entries
+    from slotsync.protocol.rank.manifest_cache import DigestCache
+    from slotsync.protocol.rank.publisher import _entries
 
     cache = DigestCache(lambda e: _entries((e,))[0], max_entries=10)
     for r in range(5):
@@ -1076,8 +1076,8 @@ def test_the_copy_kernel_is_compiled_at_register_for_a_packed_cuda_rank(
         monkeypatch: pytest.MonkeyPatch, transport: str, packed: bool, warmed: bool) -> None:
     """Issue 27 C: a packed rank on CUDA compiles the gather kernel at ``register()``, not in
     its first publish (inside the engine's pause); unpacked or shared memory has no kernel."""
-    from slotsync.protocol import gather
-    from slotsync.protocol.chunk_export import ChunkExporter
+    from slotsync.protocol.rank import gather
+    from slotsync.protocol.rank.chunk_export import ChunkExporter
 
     calls: list[tuple[torch.device, bool]] = []
     monkeypatch.setattr(gather, "available", lambda: True)
@@ -1091,8 +1091,8 @@ def test_a_kernel_that_cannot_compile_at_register_is_logged_not_raised(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The warm-up only starts later work early: its failure leaves the first chunk to
     compile (or refuse) the kernel as before, with a warning naming the rank."""
-    from slotsync.protocol import gather
-    from slotsync.protocol.chunk_export import ChunkExporter
+    from slotsync.protocol.rank import gather
+    from slotsync.protocol.rank.chunk_export import ChunkExporter
 
     def broken(dev: torch.device, *, scatter: bool) -> None:
         raise RuntimeError("ptxas fatal")
@@ -1109,7 +1109,7 @@ def test_register_warms_the_exporter_before_it_registers(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``Publisher.register`` asks its exporter to warm up (with the publisher's mode) before
     the registration goes out, so that the first publish finds the kernel compiled."""
-    from slotsync.protocol.chunk_export import ChunkExporter
+    from slotsync.protocol.rank.chunk_export import ChunkExporter
 
     seen: list[tuple[bool, bool]] = []
     monkeypatch.setattr(ChunkExporter, "warm_up",

@@ -1,14 +1,14 @@
-"""The publisher's update state machine (``protocol/session.py``), without sockets or a GPU:
+"""The publisher's update state machine (``protocol/rank/session.py``), without sockets or a GPU:
 messages in, decisions out."""
 
 from __future__ import annotations
 
 import pytest
 
-from slotsync.protocol import session as ps
 from slotsync.protocol import wire
 from slotsync.protocol.chunking import MessageBound, cut, cuts_before
 from slotsync.protocol.errors import SlotsyncError
+from slotsync.protocol.rank import session as ps
 from slotsync.protocol.topology import EngineSlot
 
 NEXT = 7

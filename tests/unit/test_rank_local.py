@@ -1,4 +1,4 @@
-"""Rank-local payloads (issue 18 A, daemon/rank_local.py): the list-form ``update_info`` the
+"""Rank-local payloads (issue 18 A, daemon/core/rank_local.py): the list-form ``update_info`` the
 coordinator builds, one entry per engine worker, and each refusal before the pause.
 
 Driven through the same scripted engine and harness as test_coordinator.py (no sockets, no
@@ -14,15 +14,15 @@ import msgspec
 import pytest
 from test_coordinator import URL, Harness
 
-from slotsync.daemon.rank_local import (
+from slotsync.daemon.core.rank_local import (
     chunk_refusal,
     merge_rank_local,
     shared_refusal,
     table_refusal,
 )
-from slotsync.daemon.vllm_pickle import pickle_unpacked
+from slotsync.daemon.vllm.ipc_pickle import pickle_unpacked
 from slotsync.protocol import wire
-from slotsync.protocol.publisher import _rank_local_args
+from slotsync.protocol.rank.publisher import _rank_local_args
 from slotsync.protocol.topology import EngineSlot
 from slotsync.protocol.wire import Ack, Begin, Chunk, Commit, Error, ShmHandle, logical_gpu_uuid
 
@@ -274,7 +274,7 @@ def test_rank_local_publisher_refuses_an_iterator_without_a_manifest_before_send
     refused before anything is allocated or sent (no daemon is needed to see it)."""
     import torch
 
-    from slotsync.protocol.publisher import Publisher
+    from slotsync.protocol.rank.publisher import Publisher
 
     with Publisher("ipc:///nonexistent/slotsyncd.sock", 0, (0, 1), "http://127.0.0.1:1",
                    transport="shm", rank_local=True) as pub:
@@ -297,8 +297,8 @@ def test_rank_local_on_a_vllm_without_list_form_is_refused_before_the_pause():
 def test_draft_round_on_a_vllm_without_draft_sessions_is_refused():
     """update.draft_refusal names the missing feature where the version lacks draft
     sessions (0.26+); with 0.32 the draft part may go."""
-    from slotsync.daemon.engine_session import EngineSession
-    from slotsync.daemon.update import Update, draft_refusal
+    from slotsync.daemon.core.engine_session import EngineSession
+    from slotsync.daemon.core.update import Update, draft_refusal
 
     u = Update(0, "v1", 0.0, {0}, 0.0, draft=True)
     e = EngineSession()

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from test_coordinator import chunk, ident, reg
 
-from slotsync.daemon.actions import EngineCall, Reply, UpdateEnded
-from slotsync.daemon.coordinator import SlotState
-from slotsync.daemon.sglang_routes import EMPTY_UPDATE, Dialect, answer, plan
-from slotsync.daemon.slot_table import SlotTable
-from slotsync.daemon.update import Timeouts
+from slotsync.daemon.core.actions import EngineCall, Reply, UpdateEnded
+from slotsync.daemon.core.coordinator import SlotState
+from slotsync.daemon.core.slot_table import SlotTable
+from slotsync.daemon.core.update import Timeouts
+from slotsync.daemon.sglang.routes import EMPTY_UPDATE, Dialect, answer, plan
 from slotsync.protocol.wire import Ack, Begin, Commit, Error
 
 pytest.importorskip("msgspec")
@@ -56,7 +56,7 @@ class ScriptedSglang:
 
     def http(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         empty = isinstance(body, dict) and body.get("serialized_named_tensors") == [
-            EMPTY_UPDATE] * self.tp_size  # (a proving call: sglang_fence.py)
+            EMPTY_UPDATE] * self.tp_size  # (a proving call: daemon/sglang/fence.py)
         self.requests.append(f"{method} {path.split('?')[0]}" + (" (none)" if empty else ""))
         self.bodies.append(body)
         p = path.split("?")[0]
@@ -188,7 +188,7 @@ class Harness:
 
 UPDATE, PROVE = "POST /update_weights_from_tensor", "POST /update_weights_from_tensor (none)"
 # (this harness answers at once: after each chunk's reply the next chunk has not come yet, so
-# the daemon proves the loaded one with an update of no tensor, sglang_fence.py)
+# the daemon proves the loaded one with an update of no tensor, daemon/sglang/fence.py)
 ROUND_0523 = ["POST /pause_generation", "POST /begin_weight_update", UPDATE, PROVE, UPDATE,
               PROVE, "POST /end_weight_update", "POST /update_weight_version",
               "POST /continue_generation"]
@@ -239,7 +239,7 @@ def test_sglang_0_5_20_has_no_session_and_its_replies_prove_their_own_chunk():
 def test_on_0_5_21_a_chunk_is_acknowledged_only_once_a_later_call_proves_it():
     """SGLang 0.5.21+ answers a chunk before TP ranks other than 0 freed (and so synced) its
     tensors: chunk k's region goes back only after the reply of a call sent after k's reply
-    arrived -- chunk k+1's, the end's, or a proving call (sglang_fence.py)."""
+    arrived -- chunk k+1's, the end's, or a proving call (daemon/sglang/fence.py)."""
     h = Harness("0.5.21", declare=True)
     h.register_all()
     for r in range(2):

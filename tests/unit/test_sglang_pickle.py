@@ -1,4 +1,5 @@
-"""The daemon's SGLang pickles (``slotsync.daemon.sglang_pickle``), loaded by SGLang's own code.
+"""The daemon's SGLang pickles (``slotsync.daemon.sglang.tensor_pickle``), loaded by SGLang's own
+code.
 
 What each test proves (docs/sglang-contract.md section 8, tests 1-4):
 
@@ -25,7 +26,7 @@ What each test proves (docs/sglang-contract.md section 8, tests 1-4):
   ``test_serialized_named_tensors_ranks``, ``test_check_uuid``: the other refusals, each
   naming the tensor or rank.
 * Every SGLang test runs against 0.5.20 and 0.5.21 too (``sglang_code`` fixture).
-* ``test_standin_installs_and_undoes``: ``slotsync.engine.sglang_standin`` makes SGLang's own
+* ``test_standin_installs_and_undoes``: ``slotsync.engine.sglang.standin`` makes SGLang's own
   UUID lookup see the faked GPUs, and undoing it gives torch back.
 * ``test_daemon_module_does_not_import_torch``: design.md I6 for this module.
 
@@ -72,8 +73,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from slotsync.daemon import sglang_pickle
-from slotsync.daemon.sglang_pickle import (
+from slotsync.daemon.sglang import tensor_pickle as sglang_pickle
+from slotsync.daemon.sglang.tensor_pickle import (
     PACKED_LOAD_FORMAT,
     WRITABLE_GLOBALS,
     SglangPayloadError,
@@ -249,7 +250,7 @@ def sglang_installed() -> Any:
 def standin(sglang_installed: Any) -> Any:
     """slotsync's CPU stand-in installed: faked GPUs ``UUIDS``, SGLang's patch applied, the
     saved original rebuild mapping shared memory."""
-    from slotsync.engine.sglang_standin import install_sglang_cpu_standin, installed
+    from slotsync.engine.sglang.standin import install_sglang_cpu_standin, installed
 
     install_sglang_cpu_standin(UUIDS)
     yield
@@ -284,7 +285,7 @@ def seen(sglang_code: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     ``devices``, argument 6 as torch's (stand-in) rebuild received it."""
     from torch.multiprocessing import reductions
 
-    from slotsync.engine.sglang_standin import rebuild_original
+    from slotsync.engine.sglang.standin import rebuild_original
 
     out = SimpleNamespace(globals=set(), devices=[])
     find_class = sglang_code.SafeUnpickler.find_class
@@ -540,7 +541,7 @@ def test_standin_installs_and_undoes(sglang_installed: Any) -> None:
 
     from torch.multiprocessing import reductions
 
-    from slotsync.engine import sglang_standin
+    from slotsync.engine.sglang import standin as sglang_standin
 
     active = sglang_standin.installed()  # the module's, if a test installed it already
     if active is not None:
@@ -762,7 +763,7 @@ def test_serialized_named_tensors_ranks() -> None:
 
 
 def test_daemon_module_does_not_import_torch() -> None:
-    code = ("import sys; import slotsync.daemon.sglang_pickle; "
+    code = ("import sys; import slotsync.daemon.sglang.tensor_pickle; "
             "print('torch' in sys.modules, 'sglang' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from slotsync.daemon import sglang_versions as sv
-from slotsync.daemon.config import Config, ConfigError, read_config_file
-from slotsync.daemon.sglang_routes import Dialect, NotAnSglangStep, plan
+from slotsync.daemon.service.config import Config, ConfigError, read_config_file
+from slotsync.daemon.sglang import versions as sv
+from slotsync.daemon.sglang.routes import Dialect, NotAnSglangStep, plan
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

@@ -7,9 +7,9 @@ import logging
 
 from two_nodes import node_config
 
-from slotsync.daemon.config import read_config_file
-from slotsync.daemon.peer_keys import make_keys
-from slotsync.daemon.service import Daemon
+from slotsync.daemon.node_links.peer_keys import make_keys
+from slotsync.daemon.service.config import read_config_file
+from slotsync.daemon.service.server import Daemon
 
 
 def _daemon(tmp_path, node: str) -> Daemon:

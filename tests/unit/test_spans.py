@@ -1,4 +1,5 @@
-"""Engines over several nodes in the engine table (issue 25 A; ``daemon/spans.py``): parsing,
+"""Engines over several nodes in the engine table (issue 25 A; ``daemon/node_links/spans.py``):
+parsing,
 the checks that name what is wrong, each daemon's role, and the difference two nodes'
 declarations make at connection."""
 
@@ -6,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from slotsync.daemon import spans
-from slotsync.daemon.config import EngineEntry, read_config_file
-from slotsync.daemon.peer_keys import make_keys
-from slotsync.daemon.peer_wire import SpanPart
+from slotsync.daemon.node_links import spans
+from slotsync.daemon.node_links.peer_keys import make_keys
+from slotsync.daemon.node_links.peer_wire import SpanPart
+from slotsync.daemon.service.config import EngineEntry, read_config_file
 
 URL = "http://10.0.0.1:8000"
 
@@ -104,7 +105,7 @@ def test_difference_names_what_differs():
 def test_key_files_are_checked_with_the_configuration(tmp_path):
     """--check-config refuses what the daemon would refuse at start (fresh-user trial: the
     public half, another node's pair, a missing owner key all passed the check)."""
-    from slotsync.daemon.config import Config
+    from slotsync.daemon.service.config import Config
 
     make_keys("node0", tmp_path / "pub")
     make_keys("node1", tmp_path / "pub")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from test_peer_links import ENTRY, _hello, _owner, _register, _relay
 
-from slotsync.daemon.peer_wire import Ping, Pong, Relay, Welcome
+from slotsync.daemon.node_links.peer_wire import Ping, Pong, Relay, Welcome
 from slotsync.status_cli import render_table
 
 

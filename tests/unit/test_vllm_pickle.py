@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from slotsync.daemon.vllm_pickle import b64, pickle_packed, pickle_unpacked
+from slotsync.daemon.vllm.ipc_pickle import b64, pickle_packed, pickle_unpacked
 from slotsync.protocol.wire import CudaIpcHandle, ShmHandle
 
 torch = pytest.importorskip("torch")
@@ -135,8 +135,8 @@ def test_rebuild_cuda_tensor_accepts_the_args_signature():
 
 
 def test_daemon_never_imports_torch():
-    code = ("import sys, slotsync.daemon.service, slotsync.daemon.main, "
-            "slotsync.daemon.vllm_pickle; print('torch' in sys.modules)")
+    code = ("import sys, slotsync.daemon.service.server, slotsync.daemon.main, "
+            "slotsync.daemon.vllm.ipc_pickle; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -282,7 +282,7 @@ def test_vllms_own_receive_path_maps_the_shm_stand_in():
 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     ipc = pytest.importorskip("vllm.distributed.weight_transfer.ipc_engine")
-    from slotsync.daemon.aggregation import merge_chunk
+    from slotsync.daemon.core.aggregation import merge_chunk
     from slotsync.engine import cuda_standin
     from slotsync.protocol.wire import Chunk
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from test_coordinator import URL, EventLog, Harness
 
-from slotsync.daemon import vllm_versions
-from slotsync.daemon.engine_session import EngineSession
-from slotsync.daemon.registration import RankInfo
-from slotsync.daemon.update import Update, begin_step
-from slotsync.daemon.vllm_versions import (
+from slotsync.daemon.core.engine_session import EngineSession
+from slotsync.daemon.core.registration import RankInfo
+from slotsync.daemon.core.update import Update, begin_step
+from slotsync.daemon.vllm import versions as vllm_versions
+from slotsync.daemon.vllm.versions import (
     FEATURES,
     SUPPORTED_MAX,
     SUPPORTED_MIN,
@@ -292,7 +292,7 @@ def test_slotsync_status_shows_the_engines_vllm_version() -> None:
 def test_engine_flag_poses_as_a_version_on_the_reference_engine_only(tmp_path) -> None:
     from slotsync.engine.__main__ import build_parser, main
     from slotsync.engine.launcher import ReferenceEngine
-    from slotsync.engine.server import EMULATED_VLLM_VERSION
+    from slotsync.engine.reference.server import EMULATED_VLLM_VERSION
 
     assert EMULATED_VLLM_VERSION == "0.32.0"
     assert build_parser().parse_args(["--vllm-version", "0.25.0"]).vllm_version == "0.25.0"

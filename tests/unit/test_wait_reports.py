@@ -20,7 +20,7 @@ from test_publisher import (  # noqa: F401 -- the fixtures
     make_daemon,
 )
 
-from slotsync.daemon.coordinator import Timeouts
+from slotsync.daemon.core.coordinator import Timeouts
 from slotsync.protocol import wire
 from slotsync.protocol.errors import SlotsyncTimeout
 from slotsync.protocol.wire import Begin, Error, Query, Waiting
@@ -110,7 +110,7 @@ def test_registration_warns_when_timeout_s_is_shorter_than_the_daemons_deadlines
         return happy(msg)
 
     make_daemon(deadlines)
-    with caplog.at_level(logging.WARNING, "slotsync.protocol.publisher"), \
+    with caplog.at_level(logging.WARNING, "slotsync.protocol.rank.publisher"), \
             _publisher(endpoint, timeout_s=20.0) as pub:
         pub.register()
     assert ("rank 1: timeout_s=20 s is shorter than slotsyncd's begin deadline (60 s)"

@@ -55,7 +55,7 @@ from slotsync.bench.model import (
     qwen3_moe_specs,
     uniform_specs,
 )
-from slotsync.protocol.link import DaemonLink
+from slotsync.protocol.rank.link import DaemonLink
 
 SYSTEMS = ("slotsync", "baseline")
 
@@ -218,8 +218,8 @@ def _rank_session(rank: int, plan: SessionPlan) -> dict[str, dict[str, dict[str,
     import torch.distributed as dist
 
     from slotsync.protocol import wire
-    from slotsync.protocol.export import handle_from_reduce_args
-    from slotsync.protocol.publisher import MAX_UNACKED_CHUNKS
+    from slotsync.protocol.rank.export import handle_from_reduce_args
+    from slotsync.protocol.rank.publisher import MAX_UNACKED_CHUNKS
 
     slot = rank // plan.ranks_per_slot
     start = slot * plan.ranks_per_slot

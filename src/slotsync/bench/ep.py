@@ -86,7 +86,7 @@ def _rank_main(rank: int, ranks: int, device: str, cfg: Qwen3MoeConfig, cmds: An
         import torch
 
         from slotsync.engine.checksum import tensor_checksum
-        from slotsync.protocol.publisher import Publisher
+        from slotsync.protocol.rank.publisher import Publisher
         from slotsync.protocol.wire import logical_gpu_uuid
 
         dev = torch.device(device)

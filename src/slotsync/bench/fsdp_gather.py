@@ -82,7 +82,7 @@ def _round(mode: str, items: list[tuple[str, Any]], region: torch.Tensor,
            limit: int) -> tuple[float, int, str]:
     """One round of ``mode``: (seconds, peak kB above the start, sha256 of the last chunk)."""
     from slotsync.protocol.chunking import cut
-    from slotsync.protocol.export import nbytes_of, plan_pack, run_pack
+    from slotsync.protocol.rank.export import nbytes_of, plan_pack, run_pack
 
     def source() -> Any:
         for name, t in items:
@@ -110,7 +110,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, q: An
     import torch.distributed as dist
     from torch.distributed.tensor import init_device_mesh
 
-    from slotsync.protocol.export import ShmSegment
+    from slotsync.protocol.rank.export import ShmSegment
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

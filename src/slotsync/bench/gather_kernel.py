@@ -65,7 +65,7 @@ def run(layers: int, chunk_mibs: list[int], repeat: int, log: Callable[[str], No
     import torch
 
     from slotsync.bench.model import Qwen3MoeConfig, qwen3_moe_specs
-    from slotsync.protocol import gather
+    from slotsync.protocol.rank import gather
 
     if not torch.cuda.is_available() or not gather.available():
         raise NoGpu("needs a CUDA device and Triton (the copy kernels run on the GPU only)")
@@ -94,8 +94,8 @@ def _one_size(tensors: dict, specs: list, cap: int, repeat: int, dev: torch.devi
     import torch
 
     from slotsync.bench.model import chunk_specs
-    from slotsync.protocol import gather
-    from slotsync.protocol.export import plan_pack, run_pack
+    from slotsync.protocol.rank import gather
+    from slotsync.protocol.rank.export import plan_pack, run_pack
 
     mib = cap // MiB
     ok = True

@@ -136,8 +136,8 @@ def with_barrier_broken(barrier: Any) -> None:
 def _rank_session(rank: int, plan: HopPlan, barrier: Any, results: Any) -> dict[str, Any]:
     from slotsync.bench.fake_exports import FakeExports
     from slotsync.protocol import wire
-    from slotsync.protocol.export import handle_from_reduce_args
-    from slotsync.protocol.publisher import MAX_UNACKED_CHUNKS
+    from slotsync.protocol.rank.export import handle_from_reduce_args
+    from slotsync.protocol.rank.publisher import MAX_UNACKED_CHUNKS
 
     chunks = chunk_specs(_specs(plan), plan.staging_bytes)
     fake = FakeExports(rank)
@@ -281,7 +281,7 @@ def run_hop(ranks: int = 16, *, packed: bool = True, staging_bytes: int = 512 * 
         RuntimeError: a rank failed (its traceback in the message), timed out, or the peer
             link did not come up.
     """
-    from slotsync.daemon.peer_keys import make_keys
+    from slotsync.daemon.node_links.peer_keys import make_keys
     from slotsync.engine.launcher import ReferenceEngine
     from slotsync.testing.ports import free_port
     from slotsync.testing.processes import DaemonProcess

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from slotsync.daemon.launcher import DaemonProcess
     from slotsync.engine.checksum import checksums_by_worker, tensor_checksum
     from slotsync.engine.launcher import ReferenceEngine
-    from slotsync.engine.vllm_receive import receive_env
+    from slotsync.engine.reference.vllm_receive import receive_env
     from slotsync.protocol import Publisher
     from slotsync.protocol.wire import logical_gpu_uuid
 

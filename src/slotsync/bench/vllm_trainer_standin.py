@@ -18,7 +18,7 @@ vLLM's call                                                 stand-in
                                                             the receive side
 ``torch.empty(n, dtype=torch.uint8, device="cuda")``        a uint8 tensor over a POSIX
 (``packed_ipc_producer``: its one IPC buffer)               shared-memory segment
-                                                            (``slotsync.protocol.shm_segment``),
+                                                            (``slotsync.protocol.rank.shm_segment``),
                                                             one per size, reused by later
                                                             rounds as CUDA's caching allocator
                                                             reuses the block
@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from slotsync.protocol.shm_segment import ShmSegment
+from slotsync.protocol.rank.shm_segment import ShmSegment
 
 SHM_HANDLE_PREFIX = b"slotsync.shm:"
 """Slot 7 of a shared-memory stand-in (``slotsync.engine.shm``) starts with these bytes."""

@@ -5,7 +5,7 @@ layers: ``--layers``; on ``cuda:0``, or with ``--device cpu`` in POSIX shared me
 reference engine (``python -m slotsync.engine --receive vllm``, 1 worker) loads every chunk
 through vLLM's own receive path: ``IPCWeightTransferEngine.update_weights`` --
 ``receive_weights``, packed through ``packed_ipc_consumer`` and the engine's
-``PackedBufferImporter`` -- into its weights in place (``slotsync.engine.vllm_receive``).
+``PackedBufferImporter`` -- into its weights in place (``slotsync.engine.reference.vllm_receive``).
 Per mode (packed, unpacked) the same rank sends the same weights to that engine by two systems,
 rounds interleaved A/B/B/A:
 
@@ -144,7 +144,7 @@ def vllm_trainer_missing() -> str:
     """Why vLLM's trainer side (``vllm/distributed/weight_transfer/{ipc_engine,packed_tensor,
     clients}.py``) cannot be found here -- from ``$SLOTSYNC_VLLM_SHIM`` first, then the
     installed vllm -- or '' (found by file, without importing vLLM: that takes ~10 s)."""
-    from slotsync.engine.vllm_receive import use_shim_path
+    from slotsync.engine.reference.vllm_receive import use_shim_path
 
     shim = use_shim_path()
     if shim and not os.path.isdir(os.path.join(shim, "vllm")):
@@ -297,7 +297,7 @@ def _rank_main(device: str, model: Qwen3MoeConfig, gpu_uuid: str, cmds: Any, res
     pub = None
     try:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        from slotsync.engine.vllm_receive import use_shim_path
+        from slotsync.engine.reference.vllm_receive import use_shim_path
 
         use_shim_path()
         import torch
@@ -659,7 +659,7 @@ def _run(
     """Start the rank and the engine, run every mode (slotsync's ``Publisher`` with
     ``publisher_kw``), stop both."""
     from slotsync.engine.launcher import ReferenceEngine
-    from slotsync.engine.vllm_receive import SHIM_ENV
+    from slotsync.engine.reference.vllm_receive import SHIM_ENV
     from slotsync.protocol.wire import logical_gpu_uuid
 
     dev = args.device

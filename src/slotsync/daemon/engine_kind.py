@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from slotsync.daemon import sglang_versions, vllm_versions
-from slotsync.daemon.engine_session import EngineSession
-from slotsync.daemon.update import Update
+from slotsync.daemon.core.engine_session import EngineSession
+from slotsync.daemon.core.update import Update
+from slotsync.daemon.sglang import versions as sglang_versions
+from slotsync.daemon.vllm import versions as vllm_versions
 
 
 def sglang_version_refusal(engine: EngineSession, info: Any, slot_size: int,

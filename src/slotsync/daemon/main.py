@@ -7,9 +7,9 @@ import json
 import os
 import sys
 
-from slotsync.daemon.config import Config, load_config
-from slotsync.daemon.logs import configure_logging
-from slotsync.daemon.service import Daemon
+from slotsync.daemon.service.config import Config, load_config
+from slotsync.daemon.service.logs import configure_logging
+from slotsync.daemon.service.server import Daemon
 
 
 async def serve(config: Config) -> int:

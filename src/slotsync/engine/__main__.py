@@ -2,25 +2,28 @@
 
 Two implementations (``--impl``):
 
-* ``reference`` (default): slotsync's reference engine (aiohttp front ``slotsync.engine.server``,
-  workers ``slotsync.engine.worker``). ``--receive vllm`` makes its workers load every update
+* ``reference`` (default): slotsync's reference engine (aiohttp front
+``slotsync.engine.reference.server``,
+  workers ``slotsync.engine.reference.worker``). ``--receive vllm`` makes its workers load every
+  update
   through vLLM's own ``IPCWeightTransferEngine.update_weights`` (``parse_update_info``,
-  ``receive_weights``, ``PackedBufferImporter``; ``slotsync.engine.vllm_receive``): for the GPU
+  ``receive_weights``, ``PackedBufferImporter``; ``slotsync.engine.reference.vllm_receive``): for
+  the GPU
   machine, where only ``vllm/distributed/weight_transfer`` can be made importable
   (``tools/vllm_shim.py``; ``SLOTSYNC_VLLM_SHIM=DIR`` puts such a folder first on the
   workers' ``sys.path``).
 * ``vllm``: vLLM's own router, exception handlers, uvicorn launcher and per-worker
   ``gpu_worker.Worker`` state machine over stand-ins for the engine core and the CUDA calls
-  (``slotsync.engine.vllm_server``, ``slotsync.engine.vllm_worker``). Needs the vllm package
+  (``slotsync.engine.vllm.server``, ``slotsync.engine.vllm.worker``). Needs the vllm package
   and ``--model``.
 * ``sglang``: SGLang's weight-sync routes (``/pause_generation``,
   ``/update_weights_from_tensor``, ``/begin_weight_update``, ...) with the rules of the SGLang
-  version given by ``--sglang-version`` (``slotsync.engine.sglang_server``), each TP rank a
+  version given by ``--sglang-version`` (``slotsync.engine.sglang.server``), each TP rank a
   worker process that reads its own payload entry through SGLang's own
   ``normalize_serialized_named_tensor_payload``, ``SafeUnpickler``, ``patch_torch`` and
   ``FlattenedTensorBucket`` over a CPU stand-in for the CUDA rebuild, or with ``--device
   cuda`` over torch's own (real CUDA IPC; copies on a stream of the rank's own, as SGLang's
-  ``schedule_stream``) (``slotsync.engine.sglang_worker``); bodies validated by SGLang's own
+  ``schedule_stream``) (``slotsync.engine.sglang.worker``); bodies validated by SGLang's own
   ``msgspec_struct_pydantic_core_schema`` / ``Base64Bytes``. Needs the sglang package
   (``pip install --no-deps sglang``), or ``SLOTSYNC_SGLANG_SHIM=DIR`` (the folder
   ``tools/sglang_shim.py`` builds), and ``--model``.
@@ -53,7 +56,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from slotsync.engine.worker import WorkerSpec
+from slotsync.engine.reference.worker import WorkerSpec
 from slotsync.protocol.wire import logical_gpu_uuid, normalize_gpu_uuid
 
 IMPLS = ("reference", "vllm", "sglang", "sglang-reference")
@@ -307,12 +310,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         _main_sglang(args, specs, argv)
         return
     if args.receive == "vllm":
-        from slotsync.engine.vllm_receive import use_shim_path
+        from slotsync.engine.reference.vllm_receive import use_shim_path
 
         use_shim_path()  # SLOTSYNC_VLLM_SHIM, as the workers will
         _require(["vllm.distributed.weight_transfer.ipc_engine"], "--receive vllm")
 
-    from slotsync.engine.server import EngineApp, WorkerPool
+    from slotsync.engine.reference.server import EngineApp, WorkerPool
 
     pool = WorkerPool(specs, startup_timeout_s=args.startup_timeout,
                       data_parallel_size=args.data_parallel_size)
@@ -342,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 VLLM_WORKER_IMPORTS = ("vllm.v1.worker.gpu_worker", "vllm.config", "vllm.config.weight_transfer",
-                       "vllm.distributed.weight_transfer", "slotsync.engine.vllm_model")
+                       "vllm.distributed.weight_transfer", "slotsync.engine.vllm.model")
 """What a vLLM-code worker imports as it starts (``VllmWorkerHost``): imported once by the
 front when the workers fork from it."""
 
@@ -371,7 +374,7 @@ def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
             failed.append(e)
 
     from slotsync.engine.pool import WorkerPool, start_method
-    from slotsync.engine.vllm_worker import VllmWorkerSpec, vllm_worker_main
+    from slotsync.engine.vllm.worker import VllmWorkerSpec, vllm_worker_main
 
     dp = args.data_parallel_size
     vspecs = [VllmWorkerSpec(s.index, s.device, s.gpu_uuid, str(s.model_path), len(specs) // dp,
@@ -396,7 +399,7 @@ def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
     if failed:
         pool.close()
         raise failed[0]
-    from slotsync.engine.vllm_server import VllmEngineClient, build_app, serve
+    from slotsync.engine.vllm.server import VllmEngineClient, build_app, serve
 
     try:
         client = VllmEngineClient(pool, replies=args.executor_replies,
@@ -474,18 +477,18 @@ def _main_sglang(args: argparse.Namespace, specs: list[WorkerSpec],
 
     t0 = time.perf_counter()
     if args.impl == "sglang":
-        from slotsync.engine.sglang_payload import use_shim_path
+        from slotsync.engine.sglang.payload import use_shim_path
 
         use_shim_path()  # $SLOTSYNC_SGLANG_SHIM: SGLang's code where sglang is not installed
         _require(SGLANG_FRONT_IMPORTS, "--impl sglang")
     else:
         _require(["pydantic", "pydantic_core"], "--impl sglang-reference")
     from slotsync.engine.pool import WorkerPool
-    from slotsync.engine.sglang_http import mirror_helpers, sglang_helpers
-    from slotsync.engine.sglang_payload import ReferenceParser, SglangCodeParser
-    from slotsync.engine.sglang_server import ServerConfig, SglangEngineApp, serve
-    from slotsync.engine.sglang_state import VERSIONS
-    from slotsync.engine.sglang_worker import SglangWorkerSpec, sglang_worker_main
+    from slotsync.engine.sglang.http import mirror_helpers, sglang_helpers
+    from slotsync.engine.sglang.payload import ReferenceParser, SglangCodeParser
+    from slotsync.engine.sglang.server import ServerConfig, SglangEngineApp, serve
+    from slotsync.engine.sglang.state import VERSIONS
+    from slotsync.engine.sglang.worker import SglangWorkerSpec, sglang_worker_main
 
     # (on CUDA a rank without --gpu-uuids answers to its GPU's own UUID, found by the rank)
     uuids = tuple(None if s.gpu_uuid is None else str(s.gpu_uuid) for s in specs)

@@ -1,4 +1,5 @@
-"""vLLM's HTTP shapes for the reference engine's aiohttp front (``slotsync.engine.server``):
+"""vLLM's HTTP shapes for the reference engine's aiohttp front
+(``slotsync.engine.reference.server``):
 error bodies, 400 validation texts, request-body reading.
 
 Rules, from vLLM 0.32 ``vllm/entrypoints/serve/exception_handling/`` (its handlers) and the

@@ -219,7 +219,7 @@ class ReferenceEngine:
         """``Authorization: Bearer <key>`` for a call of ``path`` on an SGLang engine started
         with keys, else ``{}``: SGLang's admin routes want the admin key when one is set, the
         others the API key (``sglang_state.ADMIN_OPTIONAL_ROUTES``)."""
-        from slotsync.engine.sglang_state import ADMIN_OPTIONAL_ROUTES
+        from slotsync.engine.sglang.state import ADMIN_OPTIONAL_ROUTES
 
         route = path.split("?", 1)[0]
         admin, api = self.sglang.get("admin_api_key"), self.sglang.get("api_key")

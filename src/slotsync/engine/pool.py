@@ -3,8 +3,8 @@
 Each worker is one process (forked on CPU, spawned on CUDA: :func:`start_method`) serving
 ``(method, kwargs)`` requests over a ``multiprocessing`` pipe, one at a time, in the order
 they were written; it answers each with ``("ok", result)`` or ``("err", message)``. The
-reference engine's workers run ``slotsync.engine.worker.worker_main``; the vLLM-code
-engine's run ``slotsync.engine.vllm_worker.vllm_worker_main``.
+reference engine's workers run ``slotsync.engine.reference.worker.worker_main``; the vLLM-code
+engine's run ``slotsync.engine.vllm.worker.vllm_worker_main``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from slotsync.engine.worker import WorkerSpec, worker_main
+from slotsync.engine.reference.worker import WorkerSpec, worker_main
 
 Kwargs = dict[str, Any] | None
 """Keyword arguments of a worker call, the same for every worker."""

@@ -2,7 +2,7 @@
 
 The daemon writes a ``ShmHandle`` (``slotsync.protocol.wire``) into ``ipc_handles_pickled``
 as a 15-tuple shaped exactly like ``torch.multiprocessing.reductions.reduce_tensor(t)[1]`` of
-a CUDA tensor (``slotsync.daemon.vllm_pickle``), so that vLLM's own receive code
+a CUDA tensor (``slotsync.daemon.vllm.ipc_pickle``), so that vLLM's own receive code
 (``list_args = list(args); list_args[6] = device_index; rebuild_cuda_tensor(*list_args)``,
 vLLM 0.32 ``ipc_engine.IPCWeightTransferEngine.receive_weights`` and
 ``packed_tensor.packed_ipc_consumer``) takes it unchanged:

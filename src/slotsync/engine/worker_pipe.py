@@ -6,8 +6,8 @@ with ``("ok", result)`` or ``("err", str(exception))`` -- what vLLM's ``WorkerPr
 (``str(output)``; an ``AssertionError`` without a message gives ``""``) -- until
 ``("exit", {})`` (answered ``("ok", None)``) or until the parent goes away.
 
-Used by the reference worker (``slotsync.engine.worker``) and the vLLM-code worker
-(``slotsync.engine.vllm_worker``).
+Used by the reference worker (``slotsync.engine.reference.worker``) and the vLLM-code worker
+(``slotsync.engine.vllm.worker``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from slotsync.protocol.export import materialize
+from slotsync.protocol.rank.export import materialize
 
 __all__ = ["FSDP2Source", "ParamMeta"]
 

@@ -62,8 +62,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-from slotsync.protocol.export import dtype_name
-from slotsync.protocol.publisher import (
+from slotsync.protocol.rank.export import dtype_name
+from slotsync.protocol.rank.publisher import (
     DEFAULT_STAGING_BUFFERS,
     DEFAULT_STAGING_BYTES,
     Publisher,
@@ -362,7 +362,7 @@ class SlotsyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[SlotsyncTr
 
 
 def _default_endpoint() -> str:
-    from slotsync.daemon.config import default_endpoint  # pure Python, no daemon started
+    from slotsync.daemon.service.config import default_endpoint  # pure Python, no daemon started
 
     return default_endpoint()
 

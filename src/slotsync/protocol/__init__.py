@@ -16,23 +16,23 @@ from slotsync.protocol.topology import EngineSlot, SlotTopology, TopologyError
 from slotsync.protocol.wire import PROTOCOL_VERSION, logical_gpu_uuid, normalize_gpu_uuid
 
 if TYPE_CHECKING:
-    from slotsync.protocol.export import (
+    from slotsync.protocol.rank.export import (
         ShmSegment,
         StagingBuffer,
         cuda_ipc_handle,
         gpu_uuid_of,
     )
-    from slotsync.protocol.groups import new_slot_groups
-    from slotsync.protocol.publisher import Publisher, PublishStats
+    from slotsync.protocol.rank.groups import new_slot_groups
+    from slotsync.protocol.rank.publisher import Publisher, PublishStats
 
 _LAZY = {
-    "Publisher": "slotsync.protocol.publisher",
-    "PublishStats": "slotsync.protocol.publisher",
-    "new_slot_groups": "slotsync.protocol.groups",
-    "cuda_ipc_handle": "slotsync.protocol.export",
-    "gpu_uuid_of": "slotsync.protocol.export",
-    "ShmSegment": "slotsync.protocol.export",
-    "StagingBuffer": "slotsync.protocol.export",
+    "Publisher": "slotsync.protocol.rank.publisher",
+    "PublishStats": "slotsync.protocol.rank.publisher",
+    "new_slot_groups": "slotsync.protocol.rank.groups",
+    "cuda_ipc_handle": "slotsync.protocol.rank.export",
+    "gpu_uuid_of": "slotsync.protocol.rank.export",
+    "ShmSegment": "slotsync.protocol.rank.export",
+    "StagingBuffer": "slotsync.protocol.rank.export",
 }
 
 __all__ = [

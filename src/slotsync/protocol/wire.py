@@ -309,7 +309,7 @@ class Begin(msgspec.Struct, tag="begin", forbid_unknown_fields=True, omit_defaul
     (``Publisher(staging_bytes=...)``), which decides where its chunks are cut. Outside
     rank-local mode every rank of a slot must declare the same one, or the update is refused
     before the pause naming the setting, both values and the ranks
-    (``daemon/begin_agreement.py``). A publisher declares it only to a daemon that lists it
+    (``daemon/core/begin_agreement.py``). A publisher declares it only to a daemon that lists it
     in ``Registered.begin_settings``; 0 (omitted): not declared, not compared."""
 
     update_id: NonNeg
@@ -555,7 +555,7 @@ class Registered(msgspec.Struct, tag="registered"):
     begin_deadline_s: float = 0.0
     chunk_deadline_s: float = 0.0
     # the Begin settings this daemon compares across a slot's ranks (issue 24,
-    # daemon/begin_agreement.py SETTINGS): a publisher declares only these in its Begin, so
+    # daemon/core/begin_agreement.py SETTINGS): a publisher declares only these in its Begin, so
     # that a daemon older than it never sees a field it does not know
     begin_settings: list[str] = []
     # the node whose daemon drives the slot's engine (issue 25: for an engine over several

@@ -1,6 +1,6 @@
 """Readers of ``/proc`` and ``/dev/shm`` for leak checks (Linux): a process's resident memory
 and open file descriptors, its child processes, and the shared-memory segments publishers
-export (``/dev/shm/slotsync-<pid>-*``, ``slotsync.protocol.export.ShmSegment``'s names).
+export (``/dev/shm/slotsync-<pid>-*``, ``slotsync.protocol.rank.export.ShmSegment``'s names).
 
 Used by the fault suite (``tests/faults/test_faults.py``) and the soak (``slotsync.bench.soak``);
 moved from ``tests/faults_lib.py`` and ``bench/soak.py`` (issue 16).

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import torch
 
-from slotsync.protocol.publisher import Publisher
+from slotsync.protocol.rank.publisher import Publisher
 from slotsync.protocol.topology import EngineSlot
 from slotsync.protocol.wire import logical_gpu_uuid
 

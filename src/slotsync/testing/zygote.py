@@ -35,9 +35,9 @@ from pathlib import Path
 
 PRELOAD = (
     "torch", "safetensors.torch", "aiohttp.web", "msgspec", "uvloop",
-    "slotsync.engine.server", "slotsync.engine.worker", "slotsync.engine.pool",
-    "slotsync.engine.vllm_worker", "slotsync.engine.sglang_server",
-    "slotsync.engine.sglang_worker", "slotsync.engine.sglang_payload",
+    "slotsync.engine.reference.server", "slotsync.engine.reference.worker", "slotsync.engine.pool",
+    "slotsync.engine.vllm.worker", "slotsync.engine.sglang.server",
+    "slotsync.engine.sglang.worker", "slotsync.engine.sglang.payload",
 )
 """Imported by the zygote before it forks anything: what every engine and its workers
 import."""
@@ -45,8 +45,8 @@ PRELOAD_VLLM = (
     "vllm.entrypoints.rl.online.api_router", "vllm.entrypoints.serve.dev.sleep.api_router",
     "vllm.entrypoints.serve.exception_handling.register", "vllm.entrypoints.launchers.launcher",
     "vllm.distributed.weight_transfer.ipc_engine", "vllm.v1.worker.gpu_worker",
-    "vllm.config", "vllm.config.weight_transfer", "slotsync.engine.vllm_model",
-    "slotsync.engine.vllm_server",
+    "vllm.config", "vllm.config.weight_transfer", "slotsync.engine.vllm.model",
+    "slotsync.engine.vllm.server",
 )
 """Also imported where vLLM is importable: what the vLLM-code engine imports."""
 PRELOAD_SGLANG = ("pydantic", "sglang.srt.utils.msgspec_utils", "sglang.srt.utils.auth",

@@ -1,0 +1,1065 @@
+"""The per-slot update coordinator: an I/O-free state machine (h11 style).
+
+One ``SlotCoordinator`` per engine slot. The adapter (``slotsync.daemon.service.server``, which runs
+actions through ``executor.py``) feeds it events -- rank messages (``on_register``,
+``on_message``), engine call results (``on_engine_result``), connection trouble seen by the
+engine's HTTP client (``on_connection_lost``) and the clock (``poll``) -- and executes the
+actions it returns (``actions.py``):
+
+* ``Reply(identity, msg)``: send a wire message to a rank's socket identity;
+* ``EngineCall(call_id, update_id, route, body, slot, index, needs_record)``: one vLLM HTTP
+  call; its outcome must come back through ``on_engine_result(call_id, ...)``. One begin
+  stage at a time per slot (a stage's probes go out together), then up to ``chunks_in_flight``
+  ``/update_weights`` calls, so that the engine finds the next chunk's request waiting when it
+  finishes one (results may come back in any order; chunks are acknowledged in index order);
+* ``UpdateEnded(...)``: an update finished or failed (for metrics and logs);
+* ``SlotEvent(slot, event, fields)``: something an operator should read in the log (an engine
+  restarted, found asleep, resumed after a failed update, names an update left out).
+
+Its parts live beside it: the update in flight, its phase table, begin stages and which
+one goes out next (``update.begin_step``), deadlines (``Timeouts``, ``Update.wait_in_force``)
+and omitted-names refusals (``update.py``); chunk intake, merge-ahead, the in-flight window,
+ordered acks and the commit's counts (``chunk_window.py``); what is known of the engine
+(``engine_session.py``); what the begin's probe answers mean (``probe.py``); what a failure
+leaves behind, the engine check after it (``recovery.engine_check``) and a previous daemon's
+durable record (``recovery.py``); registration checks (``registration.py``); the ``/status``
+entry (``status_documents.py``).
+
+One update (design.md "Flow of one round"); each begin stage runs when the one before it
+returned and its condition holds (``update.BEGIN_STAGES``)::
+
+    stage    engine calls (together)                      when
+    version  version, server_info (GET /version,          the vLLM version is not known, or it
+             GET /server_info): daemon/vllm/versions.py,         or the DP layout is refused, or a
+             daemon/vllm/dp_layout.py (refused before the pause)      restart is suspected
+    probe    get_world_size, weight_info, is_sleeping     every rank registered (each round:
+                                                          world size, session, sleep, I9)
+    version_again  version, server_info                   the probe found a new session
+    init     init_weight_transfer_engine(packed)          the engine is not initialised: the
+                                                          slot's first update, after a failure,
+                                                          or the probe found a new session
+    draft    draft_support (/collective_rpc               a round with a draft part, once per
+             supports_draft_weight_updates)               engine process (issue 18)
+    pause    pause(keep)                                  every rank began, a chunk arrived (an
+                                                          update with no chunk never touches the
+                                                          engine), the GPU UUIDs match (I2)
+    recover  finish_recover (a 500 is expected)           the engine may hold a half-open session
+    start    start_weight_update                          -> Ack(begin) to every rank
+
+    chunk k complete on every rank ─► merge ─► update_weights ─► Ack(chunk k) to every rank
+        (chunks may arrive right after their rank's Begin: they are merged meanwhile and go
+        out once start returned; chunks k+1 .. k+chunks_in_flight-1 may already be at the
+        engine, queued behind k)
+    Commit from every rank (same count, all chunks consumed) ─► finish(version) ─► resume
+      ─► Ack(commit) to every rank
+
+    A round with a draft part (``Begin.draft``, issue 18): once every main chunk was loaded
+    ─► finish(version) ─► start_draft_weight_update ─► draft chunks ─► update_weights ...
+    ─► (every Commit) finish (no version) ─► resume; the engine stays paused in between
+
+The probe decides what the daemon knows of the engine (design.md I9): a weight version other
+than the one it last saw, or a refused/reset connection since (``on_connection_lost``) with no
+version of its own to recognise, is a new engine session (restarted at the same URL): it is
+initialised again and the update must be a full one (it serves its checkpoint's weights). An
+engine found sleeping, or paused by someone else (``/is_sleeping``; in vLLM 0.32 a paused
+scheduler counts as sleeping), needs a full update too -- a level-2 sleep discards the
+weights -- and is left paused at the end: vLLM resumes it at its full ``/wake_up``.
+
+After a failed update the daemon's view must equal the engine's: if the update had sent
+``/start_weight_update`` the engine stays paused and needs a full update (I4); if it had only
+paused the engine (or the pause was in flight, its outcome unknown) and the weights were
+intact, the coordinator asks ``/is_paused`` once the failed update's calls have returned and
+resumes a paused engine (``recovering`` meanwhile).
+
+Invariants held here by construction (design.md): I1 one update per slot and exactly one start
+and finish per successful update; I2 a chunk is merged only when complete and consistent
+(``aggregation.merge_chunk``) and the ranks' GPU UUIDs equal the engine's where those are known;
+I3 chunk acks only after ``update_weights`` returned, commit acks only after finish returned;
+I4 resume only after a successful finish, a failed update that started leaves the engine
+paused and ``needs_full_update``; I5 every wait has a deadline; I7 all state keyed by update
+id, stale ids refused; I8 the version is recorded only with a successful finish; I9 above.
+
+Why this file is over 500 lines: it holds one thing, the event handlers of one slot's state
+machine (each ``on_*`` event, the driver ``_advance`` that turns the rule modules' answers into
+engine calls, ``_fail`` and ``_complete``), which share the update in flight, the engine
+session and the slot's calls in flight (the update's, the orphans of a failed one and the
+engine check's); each rule they apply (begin stages, the chunk window, probe answers, failure
+fates, the engine check, the durable record's state, deadlines, registration checks) lives in
+the modules named above, and what stays here is reading events and building the actions they
+cause.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+
+from slotsync.daemon import engine_kind
+from slotsync.daemon.core import begin_agreement, chunk_window, malformed, probe, recovery
+from slotsync.daemon.core.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
+from slotsync.daemon.core.claim_check import ClaimCheck
+from slotsync.daemon.core.engine_session import (
+    CHECK_REPLIES,
+    EngineSession,
+    out_of_step_found,
+    replies_in_step,
+)
+from slotsync.daemon.core.registration import (
+    RankInfo,
+    rank_held,
+    unlike_the_slot,
+    wrong_protocol_or_slot,
+)
+from slotsync.daemon.core.update import (
+    SENT_EVENTS,
+    STAGE_INDEX,
+    Phase,
+    PhaseEvent,
+    Timeouts,
+    Update,
+    begin_step,
+)
+from slotsync.daemon.sglang import fence as sglang_fence
+from slotsync.daemon.sglang import versions as sglang_versions
+from slotsync.daemon.sglang.routes import SESSION_OPEN
+from slotsync.daemon.vllm import dp_layout
+from slotsync.daemon.vllm import versions as vllm_versions
+from slotsync.protocol import wire
+from slotsync.protocol.wire import Abort, Ack, Begin, Chunk, Commit, Error, Register, Registered
+
+OMITTED_NAMES_POLICIES = ("warn", "refuse")
+"""What a successful update that leaves out names the slot's last successful update loaded
+does (``Config.omitted_names``): ``warn`` (log, metric, ``PublishStats``) or ``refuse``
+(fail it before the finish; the engine then needs a full update)."""
+
+
+class SlotState(StrEnum):
+    """What a slot is doing, as ``/status`` reports it."""
+
+    REGISTERING = "registering"  # not every rank of the slot has registered yet
+    IDLE = "idle"
+    UPDATING = "updating"
+    RECOVERING = "recovering"  # after a failed update: checking / restoring the engine's pause
+    FAILED = "failed"  # last update failed: engine paused, needs a full update
+
+
+class SlotCoordinator:
+    """State machine of one engine slot ``[start, start + size)`` and its engine.
+
+    Args:
+        start: first global rank of the slot.
+        size: number of ranks (= GPUs = the engine's world size).
+        timeouts: deadlines for waits on ranks.
+        daemon_version: reported to ranks at registration.
+        chunks_in_flight: most ``/update_weights`` calls in flight at once (>= 1). vLLM runs
+            them one after the other in arrival order (its engine core's utility calls), so a
+            second one only waits there -- and is ready the moment the first returns, instead
+            of after its answer, the acks and this daemon's next turn. 1 keeps vLLM's own
+            examples' order (each call after the previous one returned).
+        omitted_names: ``"warn"`` or ``"refuse"`` (see ``OMITTED_NAMES_POLICIES``).
+        max_message_bytes: the daemon's frame cap in bytes, told to each rank in
+            ``Registered`` (0: unknown).
+
+    Raises:
+        ValueError: ``chunks_in_flight`` < 1, or an unknown ``omitted_names`` policy.
+    """
+
+    def __init__(
+        self, start: int, size: int, timeouts: Timeouts | None = None, daemon_version: str = "",
+        chunks_in_flight: int = 3, omitted_names: str = "warn", max_message_bytes: int = 0,
+    ) -> None:
+        if chunks_in_flight < 1:
+            raise ValueError(f"chunks_in_flight must be >= 1, got {chunks_in_flight}")
+        if omitted_names not in OMITTED_NAMES_POLICIES:
+            raise ValueError(f"omitted_names must be one of {OMITTED_NAMES_POLICIES}, got "
+                             f"{omitted_names!r}")
+        self.chunks_in_flight = chunks_in_flight
+        self.omitted_names = omitted_names
+        self.max_message_bytes = max_message_bytes
+        self.start = start
+        self.size = size
+        self.timeouts = timeouts or Timeouts()
+        self.daemon_version = daemon_version
+        self.ranks: dict[int, RankInfo] = {}
+        self.engine_url: str | None = None
+        self.packed: bool | None = None
+        self.transport: str | None = None
+        self.engine = EngineSession()  # what the daemon knows of the engine (I4, I9)
+        self._failed_call: tuple[str, str] | None = None  # (route, error) of the last failure
+        self.next_update_id = 0
+        self.current: Update | None = None
+        self.last_version: str | None = None
+        self.last_error: str | None = None
+        self.last_duration_s: float | None = None
+        self.last_outcome: str | None = None
+        self.last_success: tuple[float, float] | None = None  # (ended at, seconds) of the last ok
+        self._failed: tuple[int, str] | None = None  # (update id, message) of the last failure
+        self.updates_ok = 0
+        self.updates_failed = 0
+        self.engine_calls: dict[str, int] = {}  # route -> calls issued (for status and tests)
+        self._call_id = 0
+        self._calls: dict[int, EngineCall] = {}  # call id -> call in flight for `current`
+        # Calls of an update that failed while they were in flight: the next update's engine
+        # calls wait for them (vLLM queues calls in arrival order, but two HTTP requests may
+        # overtake each other before they reach its engine core).
+        self._orphans: dict[int, str] = {}  # call id -> route
+        # SGLang: a failed update's errors to its ranks, held until no call of it that may
+        # still read their memory is at the engine (_fail, sglang_fence.HeldErrors)
+        self._held_errors = sglang_fence.HeldErrors()
+        # After a failed update that paused (or may have paused) an engine whose weights are
+        # intact: once the orphans returned, ask /is_paused and resume it (_maintain).
+        self._reconcile = False
+        self._maintenance: dict[int, EngineCall] = {}  # its calls in flight
+        self._pending_url: str | None = None  # engine table reload during an update
+        # an undeclared slot's claim, checked against its engine (SlotTable sets it)
+        self.claims: ClaimCheck | None = None
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
+    @property
+    def slot(self) -> tuple[int, int]:
+        return (self.start, self.end)
+
+    @property
+    def state(self) -> SlotState:
+        if self.current is not None:
+            return SlotState.UPDATING
+        if self.claims is not None and self.claims.held:  # (its engine asked: claim_check.py)
+            return SlotState.REGISTERING
+        if self._reconcile or self._maintenance:
+            return SlotState.RECOVERING
+        if self.engine.needs_full_update or self.engine.draft.needs_full_update:
+            # (before "registering": the engine is paused anyway)
+            return SlotState.FAILED
+        if len(self.ranks) < self.size:
+            return SlotState.REGISTERING
+        return SlotState.IDLE
+
+    def wait_in_force(self) -> tuple[float, str, str, list[int]] | None:
+        """``(deadline, phase, what, missing ranks)`` of the wait on ranks in force (none
+        while engine calls are out: the HTTP client bounds them); ``wait_report.py``."""
+        return self._deadline()
+
+    def next_deadline(self) -> float | None:
+        """Monotonic time at which ``poll`` must next be called, or None."""
+        d = self._deadline()
+        return d[0] if d else None
+
+    # ------------------------------------------------------------------ events
+
+    def on_register(self, identity: bytes, msg: Register, now: float,
+                    peer_pid: int = 0) -> list[Action]:
+        """A rank registers (or re-registers after a reconnect). ``peer_pid``: the kernel's pid
+        of the connection's process (SO_PEERCRED), 0 if unknown.
+
+        Refused (``Error(phase="register")`` to that identity only) when: the protocol version
+        differs, the slot differs from this coordinator's, another live process holds the rank
+        (both named: two processes with one rank), the engine URL / packed mode /
+        transport differs from ranks already registered, or another rank holds its GPU UUID.
+        A re-registration of a rank that already took part in the update in flight fails that
+        update (the rank restarted mid-round); one that had not yet begun just replaces its
+        connection. A re-registration with another engine / mode / transport while no update
+        is in flight is a new trainer job: the slot starts afresh (the other ranks' old
+        registrations are dropped; their publishers register again at their next begin).
+        An undeclared slot's first registrations wait for the engine's worker count
+        (``claims``, ``claim_check.py``; refused when the engine has fewer workers).
+        """
+
+        if self.claims is not None and self.claims.needed(msg, bool(self.ranks)):
+            # (claim_check.py: an undeclared slot's first registrations wait for the engine)
+            if not self.claims.hold(identity, msg, peer_pid):
+                return []
+            self.claims.url_before, self.engine_url = self.engine_url, msg.engine_url
+            return [self._maintenance_call("get_world_size")]
+
+        def refuse(text: str) -> list[Action]:
+            out: list[Action] = [Reply(identity, Error("register", text, list(self.slot), None,
+                                                       []))]
+            if self.current is not None and not self.current.start_sent:
+                # A begin is waiting for this slot's registrations: tell every rank now
+                # rather than let them sit until the begin deadline.
+                out += self._fail(now, "register", text, [msg.rank])
+            return out
+
+        why = wrong_protocol_or_slot(msg, self.slot)
+        if why:
+            return refuse(why)
+        why = rank_held(self.ranks.get(msg.rank), identity, msg, peer_pid)
+        if why:
+            # (not refuse(): the update in flight belongs to the live holder, not to this one)
+            return [Reply(identity, Error("register", why, list(self.slot), code=wire.RANK_HELD))]
+        if (
+            msg.rank in self.ranks
+            and self.current is None
+            and (msg.engine_url, msg.packed, msg.transport)
+            != (self.engine_url, self.packed, self.transport)
+        ):
+            dropped = sorted(r for r in self.ranks if r != msg.rank)
+            self.ranks.clear()
+            if msg.engine_url != self.engine_url:
+                self.set_engine_url(msg.engine_url)  # a new engine: unknown state, new init
+            self.engine.initialized = False
+            prev = f"; before that: {self.last_error}" if self.last_error else ""
+            again = f", ranks {dropped} must register again" if dropped else ""
+            self.last_error = (f"rank {msg.rank} re-registered with engine {msg.engine_url!r} "
+                               f"(packed={msg.packed}, {msg.transport}): slot reset"
+                               f"{again}{prev}")[:4000]
+        others = {r: i for r, i in self.ranks.items() if r != msg.rank}
+        if others:
+            why = unlike_the_slot(msg, self.slot, others, self.engine_url, self.packed,
+                                  self.transport)
+            if why:
+                return refuse(why)
+        elif msg.engine_url != self.engine_url or msg.packed != self.packed:
+            # First (or only) rank sets the slot's engine; a new engine means a new init.
+            self.engine.initialized = False
+        actions: list[Action] = []
+        u = self.current
+        if msg.rank in self.ranks and u is not None and (
+            msg.rank in u.begun or msg.rank in u.sent_count
+        ):
+            actions += self._fail(
+                now, "register", f"{self.ranks[msg.rank].who} re-registered during update "
+                f"{u.update_id} (now pid {peer_pid or msg.pid}): its process restarted or "
+                "reconnected mid-round", [msg.rank]
+            )
+        self.engine_url, self.packed, self.transport = msg.engine_url, msg.packed, msg.transport
+        self.ranks[msg.rank] = RankInfo(msg.rank, identity, msg.gpu_uuid, msg.hostname, msg.pid,
+                                        peer_pid, last_seen=now)
+        actions.append(
+            Reply(
+                identity,
+                Registered(
+                    msg.rank,
+                    self.start,
+                    self.size,
+                    self.next_update_id,
+                    wire.PROTOCOL_VERSION,
+                    self.daemon_version,
+                    self.max_message_bytes,
+                    self.timeouts.begin_s,
+                    self.timeouts.chunk_s,
+                    list(begin_agreement.SETTINGS),
+                ),
+            )
+        )
+        return actions + self._advance(now)  # a begin may have waited for this rank
+
+    def on_message(self, rank: int, msg: Begin | Chunk | Commit | Abort, now: float) -> list:
+        """A registered rank of this slot sent ``msg``. Returns actions."""
+        if isinstance(msg, Begin):
+            return self._on_begin(rank, msg, now)
+        if isinstance(msg, Chunk):
+            return self._on_chunk(rank, msg, now)
+        if isinstance(msg, Commit):
+            return self._on_commit(rank, msg, now)
+        if isinstance(msg, Abort):
+            u = self.current
+            if u is None or msg.update_id != u.update_id:
+                return self._not_current(rank, "abort", "abort", msg.update_id)
+            why = f": {msg.reason}" if msg.reason else ""
+            return self._fail(now, "abort", f"rank {rank} aborted update {u.update_id}{why}", [])
+        raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def on_bad_message(self, rank: int, err: wire.ProtocolError, now: float) -> list[Action]:
+        """Registered rank ``rank`` sent a frame that failed validation (``err``): the update
+        in flight fails at once naming the rank, the message kind and the field, every rank
+        told; else only the rank is told (``malformed.py``)."""
+        text = malformed.describe(rank, err)
+        if malformed.fails_update(err, self.current and self.current.update_id):
+            return self._fail(now, malformed.phase_of(err), text, [])
+        return self._rank_error(rank, malformed.phase_of(err), text, err.update_id)
+
+    def on_engine_result(
+        self, call_id: int, ok: bool, result: Any, error: str, now: float
+    ) -> list[Action]:
+        """The engine call ``call_id`` returned: ``ok`` with the parsed JSON ``result``, or not
+        ok with ``error`` (HTTP status and vLLM's message, or a timeout / connection error)."""
+        self.engine.note_call(ok, error, now)  # (reachable or not: status, issue 24)
+        if call_id in self._maintenance:
+            return self._on_maintenance_result(self._maintenance.pop(call_id), ok, result,
+                                               error, now)
+        call = self._calls.pop(call_id, None)
+        if call is None:
+            # A call of an update that already failed (I7: its result is dropped); the last
+            # one to return lets a waiting update's calls (or the engine check) go out.
+            if call_id in self._orphans:
+                orphan_route = self._orphans.pop(call_id)
+                if not ok:
+                    self.engine.note_reply_trouble(orphan_route, error, self.size)
+                return self._held_errors.release(self._orphans) + self._advance(now)
+            return []
+        u = self.current
+        assert u is not None and u.update_id == call.update_id  # else it would be an orphan
+        route = call.route
+        if not ok:
+            self.engine.note_reply_trouble(route, error, self.size)
+            if route == "check_replies":
+                return self._out_of_step(u, now, error)
+            self._failed_call = (route, error)
+            if route == "version" and "HTTP " in error:  # no version: refused as unknown
+                refusal = engine_kind.version_failure(
+                    self.engine, u, error, self.engine_url or "",
+                    any(c.route == "server_info" for c in self._calls.values()))
+                if not refusal:  # (SGLang has no /version: its /server_info tells)
+                    return self._advance(now)
+                return self._version_refused(now, None, refusal)
+            if route == "finish_recover":
+                # Expected when the engine is not (or only partly) mid-update: vllm-contract.md
+                # "Per-worker state": finish tolerating the 500, then a full update.
+                return self._advance(now)
+            if route == "resume":
+                # Weights are complete and the version is recorded; the engine stays paused.
+                return self._complete(now, resume_error=error)
+            if (route == "start_weight_update" and not u.start_retried
+                    and ("already active" in error or SESSION_OPEN in error)):
+                # The engine holds a session nobody recorded (e.g. a daemon restarted without
+                # its state dir): end it, tolerating the 500, and start once more.
+                u.start_retried = True  # (phase stays starting: it may be mid-update)
+                self.engine.mid_update = True
+                u.stage = STAGE_INDEX["recover"]
+                return self._advance(now)
+            who = "SGLang" if self.engine.kind == "sglang" else "vLLM"
+            return self._fail(now, "engine", f"{who} {route} failed: {error}", [])
+        u.last_progress = now
+        out: list[Action] = []
+        if route == "check_replies":
+            if not replies_in_step(result, self.size):
+                return self._out_of_step(u, now, f"it answered {result!r}")
+            self.engine.replies_suspect = False
+        elif engine_kind.sglang_answer(self.engine, u, route, result):
+            return self._sglang_known(u, result, now)
+        elif route == "version":
+            text = vllm_versions.version_of(result)
+            refusal = (vllm_versions.check_supported(text, self.engine_url or "the engine")
+                       or engine_kind.vllm_answered(self.engine, self.engine_url or ""))
+            if refusal:
+                return self._version_refused(now, text if isinstance(text, str) else None,
+                                             refusal)
+            out += self._version_known(u, text)
+            chunk_window.merge_waiting(u, self.size, self._merge_facts())
+        elif route == "server_info" and self.engine.kind != "sglang":
+            if u.version_404:  # (no /version and no SGLang: engine_kind.py)
+                return self._version_refused(
+                    now, None, vllm_versions.answer_refusal(u.version_404, self.engine_url
+                                                            or ""))
+            # (a DP layout one endpoint cannot drive: daemon/vllm/dp_layout.py)
+            if dp_layout.check(self.engine, result, self.engine_url or "the engine"):
+                return self._fail(now, "begin", self.engine.dp_layout_refused, [])
+        elif route == "get_world_size":
+            ws = result.get("world_size") if isinstance(result, dict) else None
+            if ws != self.size:
+                return self._fail(
+                    now,
+                    "begin",
+                    f"engine {self.engine_url} has world size {ws} but slot "
+                    f"[{self.start}, {self.end}) has {self.size} ranks",
+                    [],
+                )
+            self.engine.world_size = ws
+            self.engine.gpu_uuids = probe.reported_uuids(result)
+        elif route == "weight_info":
+            out += probe.check_session(self.engine, self.slot, self.engine_url, u, result)
+        elif route == "is_sleeping":
+            out += probe.check_sleep(self.engine, self.slot, self.engine_url, u, result)
+        elif route == "init_weight_transfer_engine":
+            self.engine.initialized = True
+        elif route == "draft_support":
+            why = probe.draft_unsupported(result, self.size, self.engine_url, u.update_id)
+            if why:  # (before the pause: the engine still serves)
+                return self._fail(now, "begin", why, [])
+            self.engine.draft.supported = True
+        elif route == "pause":
+            self.engine.paused = True
+        elif route == "start_weight_update":
+            u.on(PhaseEvent.STARTED)
+            u.engine_started_at = now
+            self.engine.mid_update = True
+            if self.engine.kind == "sglang" and sglang_fence.needed(self.engine.sglang_version):
+                u.fence = sglang_fence.Fence()
+            actions: list[Action] = [
+                Reply(self.ranks[r].identity, Ack(u.update_id, "begin")) for r in sorted(u.begun)
+            ]
+            return actions + self._advance(now)
+        elif route == "update_weights":
+            due = chunk_window.returned(u, call.index)
+            if u.fence is not None:  # (SGLang: acked once proven, daemon/sglang/fence.py)
+                due = u.fence.on_chunk_reply(call.call_id, call.index, due)
+            return self._chunk_acks(u, due) + self._advance(now)
+        elif route == "prove_copies":
+            return self._chunk_acks(u, u.fence.on_proof(call.call_id) if u.fence else []
+                                    ) + self._advance(now)
+        elif route == "finish_weight_update":
+            if u.fence is not None:  # (the end proves every chunk's copies, daemon/sglang/fence.py)
+                out += self._chunk_acks(u, u.fence.on_proof(call.call_id))
+            u.on(PhaseEvent.FINISHED)
+            self.engine.mid_update = False
+            self.engine.needs_full_update = False
+            self.engine.last_ok_names = frozenset(u.names)
+            self.last_version = u.weight_version  # I8: recorded only with a successful finish
+            self.engine.version = u.weight_version  # what the engine reports from now on
+            if u.draft:
+                return out + self._advance(now)  # the draft session next, still paused
+            if u.found_asleep:
+                # vLLM resumes a sleeping engine itself once fully awake; one that someone
+                # else paused is theirs to resume.
+                return self._complete(now)
+        elif route == "start_draft_weight_update":
+            u.on(PhaseEvent.DRAFT_STARTED)
+            self.engine.mid_update = True
+        elif route == "finish_draft_weight_update":
+            u.on(PhaseEvent.DRAFT_FINISHED)
+            self.engine.mid_update = False
+            d = self.engine.draft
+            d.needs_full_update, d.why = False, ""
+            d.last_ok_names = frozenset(u.draft_names)
+            d.version = u.weight_version  # (I8, for the draft target)
+            if u.found_asleep:
+                return self._complete(now)
+        elif route == "resume":
+            self.engine.paused = False
+            return self._complete(now)
+        return out + self._advance(now)
+
+    def _chunk_acks(self, u: Update, due: list[int]) -> list[Action]:
+        """``Ack(chunk)`` of each of ``due`` (in index order, I3) to every rank that sent it
+        (rank-local: not every rank sends every chunk)."""
+        return [Reply(i.identity, Ack(u.update_id, "chunk", idx))
+                for idx in due for i in self._by_rank() if u.sent_count.get(i.rank, 0) > idx]
+
+    def _sglang_known(self, u: Update, info: Any, now: float) -> list[Action]:
+        """The engine is SGLang and ``info`` its ``/server_info``: check its version and
+        layout (before the pause), then merge the chunks that waited for the kind."""
+        if not sglang_versions.looks_like_sglang(info):  # (declared SGLang, answered not)
+            return self._version_refused(now, None, engine_kind.declared_sglang_but(
+                self.engine, self.engine_url or "", info))
+        first = self.engine.sglang_version is None and self.engine.kind != "sglang"
+        refusal = engine_kind.sglang_version_refusal(self.engine, info, self.size,
+                                                     self.engine_url or "the engine")
+        if refusal:
+            return self._fail(now, "begin", refusal, [])
+        chunk_window.merge_waiting(u, self.size, self._merge_facts())
+        out: list[Action] = []
+        if first and self.engine.declared_kind is None:
+            out.append(SlotEvent(self.slot, "engine_kind_detected", {
+                "engine": self.engine_url, "kind": "sglang",
+                "sglang_version": self.engine.sglang_version}, warning=False))
+        return out + self._advance(now)
+
+    def _version_known(self, u: Update, text: str) -> list[Action]:
+        """``GET /version`` named a supported vLLM version: cache it (``EngineSession``); a
+        line for the log when it changed (an engine restarted with another vLLM)."""
+        old, self.engine.vllm_version = self.engine.vllm_version, text
+        self.engine.version_refused = ""
+        if old is None or old == text:
+            return []
+        return [SlotEvent(self.slot, "engine_vllm_version_changed", {
+            "engine": self.engine_url, "update_id": u.update_id, "vllm_version": text,
+            "before": old}, warning=False)]
+
+    def _version_refused(self, now: float, text: str | None, refusal: str) -> list[Action]:
+        """The engine's vLLM version is unsupported or unknown (``refusal`` says which): fail
+        the update in its begin, before the pause (the version stages come first)."""
+        self.engine.vllm_version, self.engine.version_refused = text, refusal
+        return self._fail(now, "begin", refusal, [])
+
+    def on_connection_lost(self, now: float) -> list[Action]:
+        """The engine's HTTP client saw a refused or reset connection (counted by
+        ``VllmClient.connection_errors``): the engine may have restarted at the same URL. The
+        next begin's probe then treats a weight version it cannot recognise as a new session
+        (design.md I9). Returns no actions."""
+        self.engine.session_suspect = True
+        return []
+
+    def on_rank_gone(self, rank: int, identity: bytes, now: float, why: str,
+                     released: bool = False) -> list[Action]:
+        """Rank ``rank``'s connection ``identity`` closed or its process exited (``why``, e.g.
+        "its process (pid 12) exited"). An update in flight that still needs the rank fails at
+        once, naming it (instead of at a deadline); one it already committed to goes on (it
+        needs nothing more from the rank), unless ``released``: the rank lives on and was told
+        the update failed, so it frees its staging memory while the engine may still load from
+        it (a relayed rank whose node's link went down, issue 25). A connection the rank no
+        longer uses is ignored."""
+        info = self.ranks.get(rank)
+        if info is None or info.identity != identity or info.gone_at is not None:
+            return []
+        info.gone_at, info.gone_why = now, why
+        u = self.current
+        needed = u is not None and (rank not in u.committed or released)
+        out: list[Action] = [SlotEvent(self.slot, "rank_gone", {
+            "rank": rank, "pid": info.peer_pid or info.pid, "host": info.hostname, "why": why,
+            "update_id": u.update_id if u is not None else None}, warning=needed)]
+        if needed:
+            out += self._fail(now, "rank_gone", f"{info.who} is gone: {why}", [rank])
+        return out
+
+    def on_rank_seen(self, rank: int, identity: bytes, now: float) -> None:
+        """A message from ``rank`` on ``identity``: it lives (a connection seen closed that
+        reconnected under the same identity, e.g. after a heartbeat timeout, counts again)."""
+        info = self.ranks.get(rank)
+        if info is not None and info.identity == identity:
+            info.last_seen = now
+            info.gone_at, info.gone_why = None, ""
+
+    def gone_ranks(self) -> list[RankInfo]:
+        """Registered ranks whose connection or process is gone."""
+        return [i for i in self._by_rank() if i.gone_at is not None]
+
+    def vacant_since(self) -> float | None:
+        """Monotonic time since which every registered rank is gone and nothing runs for the
+        slot (no update, engine check or orphaned call): the slot may be released then. None
+        while a rank lives, something runs, or no rank is registered."""
+        if not self.ranks or self.busy():
+            return None
+        times = [i.gone_at for i in self.ranks.values()]
+        return None if any(t is None for t in times) else max(t for t in times if t is not None)
+
+    def busy(self) -> bool:
+        """Whether an update, an engine check or a late call of a failed update runs."""
+        return bool(self.current is not None or self._reconcile or self._maintenance
+                    or self._orphans)
+
+    def release(self) -> list[RankInfo]:
+        """Forget every registered rank (the job is gone; the slot is free for another
+        topology). What the daemon knows of the engine stays (paused, needs a full update, the
+        last update's names): see ``adopt_engine``. Returns the ranks forgotten.
+
+        Raises:
+            RuntimeError: something runs for the slot (``busy``).
+        """
+        if self.busy():
+            raise RuntimeError(f"slot [{self.start}, {self.end}) is busy; cannot release it")
+        gone = self._by_rank()
+        self.ranks.clear()
+        self.packed = self.transport = None  # the next job chooses
+        self.engine.initialized = False
+        return gone
+
+    def adopt_engine(self, old: SlotCoordinator) -> None:
+        """Take over what released slot ``old`` knew of the same engine: the next job's first
+        update is a full one if the engine was left paused, mid-update or out of step."""
+        self.engine_url = old.engine_url
+        self.engine.take_over(old.engine)
+        for name in ("last_version", "last_error", "last_outcome", "last_success", "_failed"):
+            setattr(self, name, getattr(old, name))
+        self.next_update_id = max(self.next_update_id, old.next_update_id)
+
+    def _out_of_step(self, u: Update, now: float, answer: str) -> list[Action]:
+        """The check found the executor's replies out of step: the update fails."""
+        self.engine.out_of_step = out_of_step_found(self.engine_url, answer)
+        return self._fail(now, "engine", self.engine.out_of_step, [])
+
+    def poll(self, now: float) -> list[Action]:
+        """Check deadlines (design.md I5); fails the update naming the missing ranks."""
+        d = self._deadline()
+        if d is None or now < d[0]:
+            return []
+        _, phase, what, missing = d
+        u = self.current
+        assert u is not None
+        if phase == "rank_gone":
+            return self._fail(now, phase, "; ".join(
+                f"{self.ranks[r].who} is gone: {self.ranks[r].gone_why}" for r in missing)
+                + f" (no new process of it registered within {self.timeouts.gone_s:g} s, "
+                "liveness_s)", missing)
+        return self._fail(
+            now,
+            phase,
+            f"deadline expired in update {u.update_id} waiting for {what} from rank(s) {missing}",
+            missing,
+        )
+
+    def on_daemon_stop(self, now: float, reason: str, phase: str = "shutdown") -> list[Action]:
+        """The daemon is shutting down (or an operator drops the slot: ``phase="dropped"``):
+        fail the update in flight. The engine is left as it is (paused if the update paused
+        it, I4): no engine check runs after this, and the durable record names the slot, so
+        the next daemon recovers it as possibly mid-update."""
+        if self.current is None:
+            return []
+        out = self._fail(now, phase, reason, [])
+        if self._reconcile:
+            self._reconcile = False
+            self.engine.paused = True
+            self.engine.needs_full_update = True  # (a check it could not make: recover it fully)
+        return [a for a in out if not isinstance(a, EngineCall)]
+
+    def restore_mid_update(self, engine_url: str, update_id: int, weight_version: str,
+                      state: str) -> None:
+        """A previous daemon left this slot's engine mid-update (durable record): keep it
+        paused and marked as needing a full update; the next round first ends any half-open
+        session (finish, tolerating the 500), then sends everything (design.md I4;
+        ``recovery.restore``)."""
+        self.engine_url = engine_url
+        recovery.restore(self.engine, engine_url, state)
+        self.next_update_id = max(self.next_update_id, update_id + 1)
+        self.last_outcome = "failed"
+        self._failed = (update_id, recovery.RESTARTED_DURING_UPDATE)
+        self.last_error = recovery.restored_error(self.slot, update_id, weight_version, state)
+
+    def mid_update_state(self) -> tuple[str, int, str] | None:
+        """``(state, update_id, weight_version)`` if the engine may hold half-loaded weights,
+        else None (``recovery.mid_update_state``)."""
+        return recovery.mid_update_state(self.current, self._failed, self.next_update_id,
+                                         self.engine)
+
+    def set_engine_url(self, url: str) -> None:
+        """Point the slot at another engine (engine table reload): at once when idle, else
+        when the update in flight ends. The new engine is initialized before its first
+        update."""
+        if self.current is None:
+            self.engine_url = url
+            self.engine.forget()  # another engine: nothing known about its weights
+            self._pending_url = None
+        else:
+            self._pending_url = url
+
+    # ------------------------------------------------------------------ status
+
+    def status(self, now: float | None = None) -> dict:
+        """A JSON-able snapshot for ``/status`` (``status_documents.slot_status``); ``now``:
+        monotonic seconds (rank ages)."""
+        from slotsync.daemon.service.status_documents import slot_status  # (it imports this module)
+
+        return slot_status(self, now)
+
+    def by_rank(self) -> list[RankInfo]:
+        """The registered ranks in rank order."""
+        return self._by_rank()
+
+    def calls_in_flight(self) -> list[EngineCall]:
+        """The current update's engine calls in flight, oldest first."""
+        return list(self._calls.values())
+
+    # ------------------------------------------------------------------ internals
+
+    def _by_rank(self) -> list[RankInfo]:
+        return [self.ranks[r] for r in sorted(self.ranks)]
+
+    def _rank_error(self, rank: int, phase: str, text: str, update_id: int | None) -> list[Action]:
+        """An error for one rank's message that does not touch the update in flight."""
+        info = self.ranks[rank]
+        return [Reply(info.identity, Error(phase, text, list(self.slot), update_id, [], False))]
+
+    def _not_current(self, rank: int, phase: str, what: str, update_id: int) -> list[Action]:
+        u = self.current
+        if self._failed is not None and self._failed[0] == update_id:
+            text = f"{what}: update {update_id} already failed: {self._failed[1]}"
+        else:
+            cur = "none" if u is None else str(u.update_id)
+            text = f"{what} for update {update_id}, but the update in flight is {cur}"
+        failed = self._failed is not None and self._failed[0] == update_id
+        return self._held_errors.late(self._rank_error(rank, phase, text, update_id), failed)
+
+    def _on_begin(self, rank: int, msg: Begin, now: float) -> list[Action]:
+        u = self.current
+        if u is not None and msg.update_id == u.update_id:
+            if msg.weight_version != u.weight_version:
+                return self._fail(
+                    now,
+                    "begin",
+                    f"rank {rank} begins update {u.update_id} with version "
+                    f"{msg.weight_version!r}, other ranks with {u.weight_version!r}",
+                    [],
+                )
+            if rank in u.begun:
+                return self._rank_error(
+                    rank, "begin", f"rank {rank} began update {u.update_id} twice", u.update_id
+                )
+            # Begins that disagree are refused before the pause, once every rank has begun
+            # (begin_agreement.py): each rank learns the cause
+            why, at = begin_agreement.disagreement(u, rank, msg)
+            if why and u.begin_refusal is None:
+                u.begin_refusal = (why, at)
+            u.begun.add(rank)
+            u.last_progress = now
+            if u.begin_refusal is not None and len(u.begun) == self.size:
+                out = self._fail(now, "begin", u.begin_refusal[0], [])
+                for a in out:
+                    if isinstance(a, Reply) and isinstance(a.msg, Error):
+                        a.msg.tensor_index = u.begin_refusal[1]
+                return out
+            if u.engine_started:
+                return [Reply(self.ranks[rank].identity, Ack(u.update_id, "begin"))]
+            return self._advance(now)  # the last rank's begin lets the pause go out
+        if u is not None:
+            return self._rank_error(
+                rank,
+                "begin",
+                f"update {u.update_id} is in flight for slot [{self.start}, {self.end}); "
+                f"refusing a second update {msg.update_id}",
+                msg.update_id,
+            )
+        if msg.update_id < self.next_update_id:
+            return self._rank_error(
+                rank,
+                "begin",
+                f"stale update id {msg.update_id}: this slot's next update id is "
+                f"{self.next_update_id}",
+                msg.update_id,
+            )
+        u = Update(msg.update_id, msg.weight_version, now, {rank}, now, last_progress=now,
+                    weights_intact=not (self.engine.needs_full_update
+                                        or self.engine.draft.needs_full_update),
+                    manifest=msg.manifest, manifest_rank=rank, draft=msg.draft)
+        begin_agreement.take_first(u, rank, msg)
+        self.current = u  # its begin stages (the table at the top) run from _advance
+        return self._advance(now)  # (a gone rank gets gone_s to come back: _deadline)
+
+    def _on_chunk(self, rank: int, msg: Chunk, now: float) -> list[Action]:
+        u = self.current
+        if u is None or msg.update_id != u.update_id:
+            return self._not_current(rank, "chunk", f"chunk {msg.index}", msg.update_id)
+        # A rank sends chunks right after its begin, without waiting for the begin's ack: they
+        # are merged while the engine is paused and started, and go out once it has started.
+        why = chunk_window.receive(u, rank, msg, now, self.size, self._merge_facts())
+        if why:
+            return self._fail(now, "chunk", why, [])
+        return self._advance(now)
+
+    def _merge_facts(self) -> chunk_window.MergeFacts:
+        return chunk_window.MergeFacts(
+            {r: i.gpu_uuid for r, i in self.ranks.items()}, bool(self.packed),
+            self.transport or "cuda", self.engine.world_size or self.size,
+            self.engine.known_kind)
+
+    def _on_commit(self, rank: int, msg: Commit, now: float) -> list[Action]:
+        u = self.current
+        if u is None or msg.update_id != u.update_id:
+            return self._not_current(rank, "commit", "commit", msg.update_id)
+        refused = chunk_window.commit(u, rank, msg.num_chunks, self.size, now)
+        if refused is not None and not refused.fails:
+            return self._rank_error(rank, "commit", refused.text, u.update_id)
+        if refused is not None:
+            return self._fail(now, "commit", refused.text, list(refused.missing))
+        chunk_window.merge_completed(u, self.size, self._merge_facts())  # (rank-local)
+        return self._advance(now)
+
+    def _call(self, u: Update, route: str, body: Any = None, index: int = -1,
+              needs_record: bool = False) -> list[Action]:
+        self._call_id += 1
+        call = EngineCall(self._call_id, u.update_id, route, body, self.slot, index,
+                          needs_record)
+        self._calls[call.call_id] = call
+        event = SENT_EVENTS.get(route)
+        if event is not None:
+            u.on(event)
+        if u.fence is not None and route in sglang_fence.PROVING_STEPS:
+            u.fence.on_send(call.call_id)
+        self.engine_calls[route] = self.engine_calls.get(route, 0) + 1
+        return [call]
+
+    def _advance(self, now: float) -> list[Action]:
+        """Issue the next engine call(s): the engine check after a failure first, then the
+        update's next begin stage, then up to ``chunks_in_flight`` ``update_weights`` calls,
+        then finish and resume."""
+        out = self._maintain(now)
+        if out or self._orphans or self._maintenance or self._reconcile:
+            return out
+        u = self.current
+        if u is None:
+            return []
+        if not u.engine_started:
+            return self._advance_begin(u, now)
+        if self._calls and u.finishing:
+            return []
+        if u.finished:
+            return self._call(u, "resume")
+        ready, mismatch = chunk_window.to_send(u, len(self._calls), self.chunks_in_flight,
+                                               u.sendable_until())
+        if mismatch is not None:  # I2: the engine never sees an inconsistent chunk
+            return self._fail(now, "chunk", str(mismatch), [])  # ranks differ; none missing
+        for idx, merged in ready:
+            # (the JSON text made at merge time, embedded as is by the client's encoder;
+            # SGLang's is the whole /update_weights_from_tensor body, daemon/sglang/merge.py)
+            raw = msgspec.Raw(merged.update_info_json)
+            out += self._call(u, "update_weights", raw if merged.engine_kind == "sglang"
+                              else {"update_info": raw}, idx)
+        if out or self._calls:
+            return out
+        if u.fence is not None and u.fence.waiting() and not u.all_consumed(self.size):
+            # no chunk call is out to prove the loaded ones, and the publisher may wait for
+            # their regions: prove them with a call that loads nothing (daemon/sglang/fence.py)
+            return self._call(u, "prove_copies", {"ranks": self.size})
+        if u.draft:
+            return self._advance_draft(u, now)
+        if u.all_consumed(self.size):
+            return self._before_finish(u, now)
+        return []
+
+    def _advance_draft(self, u: Update, now: float) -> list[Action]:
+        """A round with a draft part, no call out (issue 18): the main finish once every main
+        chunk was loaded, then the draft start, then (every chunk loaded and committed) the
+        draft finish."""
+        if u.phase is Phase.LOADING:
+            if u.draft_from is not None and u.next_index == u.draft_from:
+                return self._before_finish(u, now)  # the main session's finish(version)
+            if u.all_consumed(self.size):
+                return self._fail(
+                    now, "commit", f"update {u.update_id} declared a draft part "
+                    "(Begin.draft) but every rank committed without a draft chunk", [])
+            return []
+        if u.phase is Phase.MAIN_FINISHED:
+            return self._call(u, "start_draft_weight_update", needs_record=True)
+        if u.phase is Phase.DRAFT_LOADING and u.all_consumed(self.size):
+            refusal = u.omitted_refusal(self.engine.draft.last_ok_names,
+                                        self.engine.draft.needs_full_update,
+                                        self.omitted_names, draft=True)
+            if refusal:
+                return self._fail(now, "commit", refusal, [])
+            # no weight_version: vLLM's engine has one, the main finish set it
+            return self._call(u, "finish_draft_weight_update")
+        return []
+
+    def _advance_begin(self, u: Update, now: float) -> list[Action]:
+        """Issue the next begin stage whose condition holds (``update.begin_step``)."""
+        step = begin_step(u, self.engine, self.ranks, self.size, bool(self._calls),
+                          self.engine_url)
+        if step.fail:
+            return self._fail(now, "begin", step.fail, [])
+        if step.check:  # the first executor call after a worker's failure checks the replies
+            return self._call(u, "check_replies", CHECK_REPLIES)
+        out: list[Action] = []
+        for route in step.stage.routes if step.stage else ():
+            if route in ("version", "server_info"):
+                u.kind_asked = self.engine.kind is None  # (engine_kind.py)
+            body = ({"init_info": {"packed": self.packed}}
+                    if route == "init_weight_transfer_engine" else
+                    {"method": "supports_draft_weight_updates"} if route == "draft_support"
+                    else None)
+            out += self._call(u, route, body, needs_record=step.stage.needs_record)
+        return out
+
+    def _before_finish(self, u: Update, now: float) -> list[Action]:
+        """Every chunk is loaded and every rank committed: check what the update left out of
+        the slot's last successful update, then finish (I4)."""
+        last = self.engine.last_ok_names
+        if u.new_session and last and not last & u.names:
+            # A restarted engine loaded every chunk of an update that shares no name with
+            # the last one the daemon loaded: vLLM's load_weights raises on a name its model
+            # lacks, so this engine holds another model; the old names say nothing about it
+            # (else the full update it needs could never succeed: fresh-user trial, issue 17).
+            return [SlotEvent(self.slot, "engine_model_changed", {
+                "engine": self.engine_url, "update_id": u.update_id,
+                "tensors": len(u.names), "last_tensors": len(last)}),
+                *self._call(u, "finish_weight_update", {"weight_version": u.weight_version})]
+        refusal = u.omitted_refusal(last, self.engine.needs_full_update, self.omitted_names)
+        if refusal:
+            return self._fail(now, "commit", refusal, [])
+        u.omitted = sorted(last - u.names)
+        return self._call(u, "finish_weight_update", {"weight_version": u.weight_version})
+
+    def _maintain(self, now: float) -> list[Action]:
+        """After a failed update that paused an intact engine: once its calls returned, ask
+        ``/is_paused`` (the engine's answer, not the daemon's guess, I9)."""
+        if not self._reconcile or self._orphans or self._maintenance:
+            return []
+        self._reconcile = False
+        return [self._maintenance_call("is_paused")]
+
+    def _maintenance_call(self, route: str) -> EngineCall:
+        self._call_id += 1
+        call = EngineCall(self._call_id, self.next_update_id - 1, route, None, self.slot)
+        self._maintenance[call.call_id] = call
+        self.engine_calls[route] = self.engine_calls.get(route, 0) + 1
+        return call
+
+    def _on_maintenance_result(self, call: EngineCall, ok: bool, result: Any, error: str,
+                               now: float) -> list[Action]:
+        if call.route == "get_world_size" and self.claims is not None:  # (claim_check.py)
+            held, why = self.claims.answer(ok, result, self.slot, self.engine_url or "")
+            if why:
+                self.engine_url = self.claims.url_before
+                return [Reply(i, Error("register", why, list(self.slot))) for i, _, _ in held]
+            return [a for i, m, p in held for a in self.on_register(i, m, now, p)]
+        step = recovery.engine_check(self.engine, call.route, ok, result, error, self.slot,
+                                     self.engine_url, call.update_id)
+        if step.note:
+            self.last_error = f"{self.last_error}{step.note}"[:4000]
+        out: list[Action] = [*step.events]
+        if step.then:
+            out.append(self._maintenance_call(step.then))
+        return out + self._advance(now) if step.advance else out
+
+    def _deadline(self) -> tuple[float, str, str, list[int]] | None:
+        """(time, phase, what, missing ranks) of the wait in force, or None."""
+        u = self.current
+        if (u is None or self._calls or self._orphans or self._maintenance or self._reconcile
+                or u.finishing):
+            return None  # (each engine call is bounded by the HTTP client's timeout)
+        return u.wait_in_force(range(self.start, self.end), self.gone_ranks(), self.timeouts)
+
+    def _fail(self, now: float, phase: str, text: str, missing: list[int]) -> list[Action]:
+        """Fail the update in flight: one Error to every rank of the slot. If it had sent
+        ``/start_weight_update`` the engine stays paused and needs a full update (I4); if it
+        had only paused an engine whose weights were intact (or the pause was in flight), the
+        engine is checked once the update's calls returned and resumed if paused (I9)."""
+        u = self.current
+        if u is None:
+            return []
+        self.current = None
+        # Late results of its calls are dropped in on_engine_result; the next update's calls
+        # (and the engine check) wait for them.
+        self._orphans.update({i: c.route for i, c in self._calls.items()})
+        self._calls.clear()
+        self.next_update_id = max(self.next_update_id, u.update_id + 1)
+        failed, self._failed_call = self._failed_call, None
+        fate, reconcile = recovery.after_failure(self.engine, u, failed, self.size)
+        if u.draft and u.main_finished and phase in ("engine", "chunk", "commit"):
+            phase = "draft"  # (issue 18: a failure in the draft session names it)
+        if reconcile:
+            self._reconcile = True  # after the orphans: /is_paused, then resume
+        message = (f"slot [{self.start}, {self.end}) update {u.update_id} failed in {phase}: "
+                   f"{text} ({fate})")
+        self.last_error = message
+        self._failed = (u.update_id, message)
+        self.last_outcome = "failed"
+        self.updates_failed += 1
+        self.last_duration_s = now - u.started_at
+        err = Error(phase, message, list(self.slot), u.update_id, list(missing))
+        if self._pending_url is not None:
+            self._reconcile = False  # (another engine from now on)
+            self.set_engine_url(self._pending_url)
+        actions: list[Action] = [Reply(i.identity, err) for i in self._by_rank()]
+        if self.engine.kind == "sglang":  # (until no call of it reads their memory)
+            actions = self._held_errors.hold(actions, self._orphans)
+        actions.append(UpdateEnded(self.slot, self.engine_url or "", u.update_id,
+                                   u.weight_version, "failed", now - u.started_at,
+                                   u.next_index, u.consumed_bytes, message))
+        return actions + self._maintain(now)
+
+    def _complete(self, now: float, resume_error: str | None = None) -> list[Action]:
+        u = self.current
+        assert u is not None
+        self.current = None
+        self.next_update_id = max(self.next_update_id, u.update_id + 1)
+        self.last_duration_s = now - u.started_at
+        self.last_success = (now, self.last_duration_s)
+        self.last_outcome = "success"
+        self.last_error = (
+            f"update {u.update_id} loaded but resume failed: {resume_error}"
+            if resume_error
+            else None
+        )
+        self.updates_ok += 1
+        if self._pending_url is not None:
+            self.set_engine_url(self._pending_url)
+        ack = Ack(u.update_id, "commit", -1, now - u.started_at,
+                  u.omitted[:wire.MAX_OMITTED_NAMES], len(u.omitted), not u.found_asleep)
+        acks: list[Action] = [Reply(i.identity, ack) for i in self._by_rank()]
+        if u.omitted:
+            acks.append(SlotEvent(self.slot, "omitted_names", {
+                "engine": self.engine_url, "update_id": u.update_id,
+                "version": u.weight_version, "count": len(u.omitted),
+                "names": ",".join(u.omitted[:wire.MAX_OMITTED_NAMES]),
+                "why": "the slot's last successful update loaded them and this one did not: "
+                       "vLLM keeps their old values"}))
+        acks.append(UpdateEnded(self.slot, self.engine_url or "", u.update_id,
+                                u.weight_version, "success", now - u.started_at, u.next_index,
+                                u.consumed_bytes, self.last_error or "", len(u.omitted)))
+        return acks

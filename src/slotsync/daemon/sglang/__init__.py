@@ -1,0 +1,1 @@
+"""slotsync.daemon.sglang."""
