@@ -137,7 +137,7 @@ CHECK = textwrap.dedent('''\
     from sglang.srt.utils import patch_torch
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
     import sglang.srt.utils.auth, sglang.srt.utils.msgspec_utils
-    from slotsync.daemon import sglang_pickle
+    from slotsync.daemon.sglang import tensor_pickle as sglang_pickle
     from slotsync.protocol.wire import CudaIpcHandle
     bad = [n for n, m in sys.modules.items()
            if (n == "sglang" or n.startswith("sglang.") or n == "pybase64")

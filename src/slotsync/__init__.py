@@ -1,8 +1,14 @@
 """slotsync: per-node weight-sync daemon for colocated RL post-training.
 
-Packages: ``slotsync.protocol`` (wire schema, topology, trainer-side publisher),
-``slotsync.daemon`` (the ``slotsyncd`` service), ``slotsync.engine`` (a reference engine that
-speaks vLLM's weight-transfer HTTP contract).
+Packages (docs/architecture.md has the map; pyproject.toml's import-linter contracts check it):
+``slotsync.protocol`` (the wire schema, engine-slot topology, and in ``protocol.rank`` the
+trainer-side publisher), ``slotsync.daemon`` (the ``slotsyncd`` service), ``slotsync.engine``
+(the reference engine and the engines that run vLLM's and SGLang's own code),
+``slotsync.integrations`` (vLLM's trainer API and FSDP2 sources), ``slotsync.bench`` (the
+benchmarks), ``slotsync.testing`` (what tests, benchmarks and the demo share) and the
+``slotsync`` commands (``cli``, the demo). Imports go down that list's layers: the commands
+above the benchmarks, above the daemon, the engines and the integrations, above
+``testing``, above ``protocol``.
 """
 
 from importlib import metadata as _metadata

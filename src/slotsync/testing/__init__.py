@@ -10,5 +10,6 @@
 
 Nothing here imports pytest, and this package imports none of its modules itself: each is
 imported on its own (``processes`` and ``ports`` need only the standard library; ``ranks``
-and ``tensors`` need torch).
+and ``tensors`` need torch). The layer just above ``slotsync.protocol``: it may import that,
+and the daemon, the engines, the benchmarks and the demo may import it, never the reverse.
 """
