@@ -16,14 +16,10 @@ from slotsync.protocol.topology import EngineSlot, SlotTopology, TopologyError
 from slotsync.protocol.wire import PROTOCOL_VERSION, logical_gpu_uuid, normalize_gpu_uuid
 
 if TYPE_CHECKING:
-    from slotsync.protocol.rank.export import (
-        ShmSegment,
-        StagingBuffer,
-        cuda_ipc_handle,
-        gpu_uuid_of,
-    )
+    from slotsync.protocol.rank.export import ShmSegment, cuda_ipc_handle, gpu_uuid_of
     from slotsync.protocol.rank.groups import new_slot_groups
     from slotsync.protocol.rank.publisher import Publisher, PublishStats
+    from slotsync.protocol.rank.staging import StagingBuffer
 
 _LAZY = {
     "Publisher": "slotsync.protocol.rank.publisher",
@@ -32,7 +28,7 @@ _LAZY = {
     "cuda_ipc_handle": "slotsync.protocol.rank.export",
     "gpu_uuid_of": "slotsync.protocol.rank.export",
     "ShmSegment": "slotsync.protocol.rank.export",
-    "StagingBuffer": "slotsync.protocol.rank.export",
+    "StagingBuffer": "slotsync.protocol.rank.staging",
 }
 
 __all__ = [
