@@ -126,7 +126,7 @@ def _dims(xs: object) -> tuple[int, ...]:
 
 
 def _class_names(tensor_cls: type, storage_cls: type) -> tuple[str, str]:
-    """Qualified names of a tensor and a storage class, checked against wire.py's
+    """Qualified names of a tensor and a storage class, checked against the wire's
     allow-lists.
 
     Raises:
@@ -162,7 +162,7 @@ def handle_from_reduce_args(args: Sequence[object]) -> CudaIpcHandle:
     positionally (the saving: BENCHMARKS.md, "Unpacked control plane on this 2-core machine").
 
     Raises:
-        ValueError: not 15 fields, or a class / dtype outside wire.py's allow-lists.
+        ValueError: not 15 fields, or a class / dtype outside the wire's allow-lists.
     """
     if len(args) != 15:
         raise ValueError(
