@@ -33,7 +33,7 @@ def test_wheel_installs_and_runs(tmp_path):
                     "-q", "-w", str(dist), str(ROOT)], check=True)
     (wheel,) = dist.glob("slotsync-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for want in ("slotsync/protocol/wire.py", "slotsync/daemon/service/server.py",
+    for want in ("slotsync/protocol/wire/__init__.py", "slotsync/daemon/service/server.py",
                  "slotsync/engine/reference/worker.py", "slotsync/cli.py",
                  "slotsync/testing/processes.py", "slotsync/testing/ranks.py"):
         assert want in names

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from slotsync.protocol import wire
 from slotsync.protocol.rank.export import (
     ShmSegment,
-    ShmStagingBuffer,
     cuda_ipc_handle,
     dtype_name,
     handle_from_reduce_args,
     raw_bytes,
 )
+from slotsync.protocol.rank.staging import ShmStagingBuffer
 
 
 def _named() -> list[tuple[str, torch.Tensor]]:
@@ -228,7 +228,8 @@ def test_cuda_ipc_handle_refuses_cpu_tensor() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_ipc_handle_real() -> None:
-    from slotsync.protocol.rank.export import CudaStagingBuffer, gpu_uuid_of
+    from slotsync.protocol.rank.export import gpu_uuid_of
+    from slotsync.protocol.rank.staging import CudaStagingBuffer
 
     t = torch.arange(6, dtype=torch.bfloat16, device="cuda").view(2, 3)
     h = cuda_ipc_handle(t)
@@ -273,7 +274,7 @@ def test_cuda_staging_region_ready_waits_for_that_regions_copy() -> None:
     """Copies into two regions are queued back to back; ``ready(slot)`` returns once that
     region's copy is done (read here from another stream, which does not wait for the
     copying one, as the engine's process does not) and ``copied(slot)`` says so."""
-    from slotsync.protocol.rank.export import CudaStagingBuffer
+    from slotsync.protocol.rank.staging import CudaStagingBuffer
 
     n = 64 << 20  # 256 MiB of float32 per region: long enough to still run after the launch
     big = [("a", torch.full((n // 4,), 1.5, device="cuda"))]

@@ -994,7 +994,7 @@ def test_the_begins_manifest_is_each_rounds_own_when_digests_are_kept(
     (the digest at its position changes), then a renamed one; an iterator with
     ``manifest=`` as a list of torch dtypes and another with vLLM's dtype names agree."""
     from slotsync.protocol.manifest import DIGEST_BYTES, manifest_of
-    from slotsync.protocol.rank.publisher import _entries
+    from slotsync.protocol.rank.inputs import manifest_entries as _entries
 
     daemon = make_daemon()
     named = _tensors()
@@ -1020,8 +1020,8 @@ def test_the_begins_manifest_is_each_rounds_own_when_digests_are_kept(
 
 def test_digest_cache_stays_bounded_when_names_change_every_round() -> None:
     from slotsync.protocol.manifest import manifest_of
+    from slotsync.protocol.rank.inputs import manifest_entries as _entries
     from slotsync.protocol.rank.manifest_cache import DigestCache
-    from slotsync.protocol.rank.publisher import _entries
 
     cache = DigestCache(lambda e: _entries((e,))[0], max_entries=10)
     for r in range(5):

@@ -22,7 +22,7 @@ from slotsync.daemon.core.rank_local import (
 )
 from slotsync.daemon.vllm.ipc_pickle import pickle_unpacked
 from slotsync.protocol import wire
-from slotsync.protocol.rank.publisher import _rank_local_args
+from slotsync.protocol.rank.inputs import rank_local_args as _rank_local_args
 from slotsync.protocol.topology import EngineSlot
 from slotsync.protocol.wire import Ack, Begin, Chunk, Commit, Error, ShmHandle, logical_gpu_uuid
 

@@ -148,7 +148,8 @@ def test_no_unpickling_of_producer_input():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "src" / "slotsync"
-    for path in [*sorted((root / "daemon").glob("*.py")), root / "protocol" / "wire.py"]:
+    for path in [*sorted((root / "daemon").glob("*.py")),
+                 *sorted((root / "protocol" / "wire").glob("*.py"))]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 assert all(a.name not in ("pickle", "cPickle", "dill") for a in node.names), path

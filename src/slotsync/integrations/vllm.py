@@ -62,6 +62,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+from slotsync.protocol.endpoint import default_endpoint
 from slotsync.protocol.rank.export import dtype_name
 from slotsync.protocol.rank.publisher import (
     DEFAULT_STAGING_BUFFERS,
@@ -319,7 +320,7 @@ class SlotsyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[SlotsyncTr
         if not engine_url:
             raise ValueError(f"no engine URL: {type(client).__name__} has no base_url; give "
                              "SlotsyncTrainerInitInfo(engine_url='http://host:port')")
-        endpoint = init_info.endpoint or os.environ.get(ENDPOINT_ENV) or _default_endpoint()
+        endpoint = init_info.endpoint or os.environ.get(ENDPOINT_ENV) or default_endpoint()
         publisher = Publisher(
             endpoint, init_info.rank, slot, engine_url, packed=init_info.packed,
             device=init_info.device, gpu_uuid=init_info.gpu_uuid,
@@ -359,12 +360,6 @@ class SlotsyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[SlotsyncTr
     def shutdown(self) -> None:
         """Close the publisher (aborting an open update; idempotent)."""
         self.publisher.close()
-
-
-def _default_endpoint() -> str:
-    from slotsync.daemon.service.config import default_endpoint  # pure Python, no daemon started
-
-    return default_endpoint()
 
 
 def register() -> None:

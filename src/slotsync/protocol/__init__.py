@@ -1,9 +1,21 @@
 """What a trainer rank imports: the wire schema, engine-slot topology and the publisher.
 
-``slotsync.protocol.wire``, ``.topology`` and ``.errors`` are pure Python (the daemon imports
-them; it never imports torch, design.md I6). The torch-dependent names (``Publisher``,
-``PublishStats``, ``new_slot_groups``, the export helpers) are loaded lazily on first access,
-so ``import slotsync.protocol`` stays torch-free.
+The public API is this package's names (``from slotsync.protocol import Publisher,
+SlotTopology, SlotsyncError, ...``). Two layers live here:
+
+* the schema, in ``protocol/`` itself, pure Python (msgspec, no torch): ``wire/`` (the messages
+  between a rank and its daemon, their checks and codec), ``topology.py`` (engine slots),
+  ``errors.py`` (``SlotsyncError`` and its codes), ``chunking.py`` (the one chunking rule and
+  a chunk message's size bound), ``manifest.py`` (an update's tensor manifest digest),
+  ``liveness.py`` (heartbeat options) and ``endpoint.py`` (the daemon's default runtime folder
+  and socket). Of ``protocol``, the daemon imports only these (it never imports torch,
+  design.md I6); they import nothing of ``protocol.rank``, torch or numpy.
+* the trainer-side client, in ``rank/``: ``Publisher`` and the parts it is built of (see
+  ``slotsync.protocol.rank``). It imports the schema and torch, never the daemon, an engine or
+  a benchmark.
+
+The torch-dependent names (``Publisher``, ``PublishStats``, ``new_slot_groups``, the export
+helpers) are loaded lazily on first access, so ``import slotsync.protocol`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -16,14 +28,10 @@ from slotsync.protocol.topology import EngineSlot, SlotTopology, TopologyError
 from slotsync.protocol.wire import PROTOCOL_VERSION, logical_gpu_uuid, normalize_gpu_uuid
 
 if TYPE_CHECKING:
-    from slotsync.protocol.rank.export import (
-        ShmSegment,
-        StagingBuffer,
-        cuda_ipc_handle,
-        gpu_uuid_of,
-    )
+    from slotsync.protocol.rank.export import ShmSegment, cuda_ipc_handle, gpu_uuid_of
     from slotsync.protocol.rank.groups import new_slot_groups
     from slotsync.protocol.rank.publisher import Publisher, PublishStats
+    from slotsync.protocol.rank.staging import StagingBuffer
 
 _LAZY = {
     "Publisher": "slotsync.protocol.rank.publisher",
@@ -32,7 +40,7 @@ _LAZY = {
     "cuda_ipc_handle": "slotsync.protocol.rank.export",
     "gpu_uuid_of": "slotsync.protocol.rank.export",
     "ShmSegment": "slotsync.protocol.rank.export",
-    "StagingBuffer": "slotsync.protocol.rank.export",
+    "StagingBuffer": "slotsync.protocol.rank.staging",
 }
 
 __all__ = [

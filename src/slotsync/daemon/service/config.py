@@ -26,33 +26,12 @@ from slotsync.daemon.core.coordinator import OMITTED_NAMES_POLICIES
 from slotsync.daemon.node_links import spans
 from slotsync.daemon.node_links.peer_wire import SpanPart
 from slotsync.daemon.sglang.routes import PAUSE_MODES
+from slotsync.protocol.endpoint import SOCKET_NAME, default_runtime_dir
+from slotsync.protocol.endpoint import default_endpoint as default_endpoint  # (kept here)
+from slotsync.protocol.endpoint import default_runtime_dir_and_origin as _default_runtime_dir
 from slotsync.protocol.wire import MAX_MESSAGE_BYTES_DEFAULT, check_engine_url, normalize_gpu_uuid
 
-SOCKET_NAME = "slotsyncd.sock"
 ENV_PREFIX = "SLOTSYNC_"
-
-
-def default_runtime_dir() -> str:
-    """``$SLOTSYNC_RUNTIME_DIR``, else ``$RUNTIME_DIRECTORY`` (systemd), else
-    ``$XDG_RUNTIME_DIR/slotsync``, else ``/tmp/slotsync-<uid>``."""
-    return _default_runtime_dir()[0]
-
-
-def _default_runtime_dir() -> tuple[str, str]:
-    """``(folder, where it came from)`` of :func:`default_runtime_dir`."""
-    for var in ("SLOTSYNC_RUNTIME_DIR", "RUNTIME_DIRECTORY"):
-        if os.environ.get(var):
-            return os.environ[var], f"the default, ${var}"
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return (os.path.join(os.environ["XDG_RUNTIME_DIR"], "slotsync"),
-                "the default, $XDG_RUNTIME_DIR/slotsync")
-    return f"/tmp/slotsync-{os.getuid()}", "the default, /tmp/slotsync-<uid>"
-
-
-def default_endpoint() -> str:
-    """The endpoint a publisher connects to by default: ``ipc://<runtime_dir>/slotsyncd.sock``."""
-    return f"ipc://{os.path.join(default_runtime_dir(), SOCKET_NAME)}"
-
 
 ENGINE_KINDS = ("", "vllm", "sglang")
 """An engine table entry's ``kind``: "" (not declared: the first begin asks the engine,

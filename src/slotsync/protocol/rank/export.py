@@ -11,8 +11,8 @@ Two transports:
 ``plan_pack`` / ``pack_into`` lay a packed chunk out in vLLM's packed layout (vLLM 0.27-0.33
 ``packed_tensor.py``): each tensor's raw bytes, ``t.contiguous().view(-1).view(torch.uint8)``,
 back to back from offset 0, with ``tensor_sizes[i]`` giving tensor ``i``'s bytes. The
-staging memory they pack into is ``slotsync.protocol.rank.staging`` (its names still import from
-here).
+staging memory they pack into is ``slotsync.protocol.rank.staging``, which imports this module
+(never the other way round: its buffers import from there, or from ``slotsync.protocol``).
 
 A source may be a DTensor (an FSDP2 parameter, ``torch.distributed.fsdp.fully_shard``): the
 chunk then takes ``plan_sharded``'s path, where each FSDP2 shard is all-gathered straight into
@@ -126,7 +126,7 @@ def _dims(xs: object) -> tuple[int, ...]:
 
 
 def _class_names(tensor_cls: type, storage_cls: type) -> tuple[str, str]:
-    """Qualified names of a tensor and a storage class, checked against wire.py's
+    """Qualified names of a tensor and a storage class, checked against the wire's
     allow-lists.
 
     Raises:
@@ -162,7 +162,7 @@ def handle_from_reduce_args(args: Sequence[object]) -> CudaIpcHandle:
     positionally (the saving: BENCHMARKS.md, "Unpacked control plane on this 2-core machine").
 
     Raises:
-        ValueError: not 15 fields, or a class / dtype outside wire.py's allow-lists.
+        ValueError: not 15 fields, or a class / dtype outside the wire's allow-lists.
     """
     if len(args) != 15:
         raise ValueError(
@@ -538,16 +538,3 @@ def pack_into(buf: torch.Tensor, named_tensors: Sequence[tuple[str, torch.Tensor
     plan = plan_pack(buf, named_tensors)
     run_pack(plan)
     return plan.layout
-
-
-_STAGING_NAMES = ("CudaStagingBuffer", "ShmStagingBuffer", "StagingBuffer")
-
-
-def __getattr__(name: str) -> object:
-    """The staging buffers moved to ``slotsync.protocol.rank.staging`` (issue 16); imported from
-    here lazily, since that module imports this one."""
-    if name in _STAGING_NAMES:
-        from slotsync.protocol.rank import staging
-
-        return getattr(staging, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

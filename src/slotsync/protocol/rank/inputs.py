@@ -1,5 +1,6 @@
-"""What ``Publisher`` accepts: its arguments and transport, and ``publish``'s tensors and weight
-version.
+"""What ``Publisher`` accepts: its arguments and transport, ``publish``'s tensors and weight
+version, an update's manifest (and a rank-local begin's tensor list made from it), and each
+chunk's message size against the daemon's cap.
 
 The rules come from the wire (``wire.MAX_NAME_CHARS``, ``wire.MAX_VERSION_CHARS``,
 ``wire.DTYPE_SIZES``: what the daemon decodes). A tensor may have any size: one larger than
@@ -9,19 +10,24 @@ The rules come from the wire (``wire.MAX_NAME_CHARS``, ``wire.MAX_VERSION_CHARS`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from slotsync.protocol import wire
+from slotsync.protocol.chunking import MessageBound
 from slotsync.protocol.rank.export import DTYPE_NAME_MEMO, dtype_name
 from slotsync.protocol.topology import EngineSlot
 
-__all__ = ["MAX_STAGING_BUFFERS", "check_item", "check_publisher_args",
-           "check_version", "checked", "resolve_transport"]
+__all__ = ["MAX_STAGING_BUFFERS", "Manifest", "check_item", "check_message_sizes",
+           "check_publisher_args", "check_version", "checked", "manifest_entries",
+           "rank_local_args", "rank_local_begin", "resolve_transport"]
 
 MAX_STAGING_BUFFERS = 8
 """Packed: the most staging regions per rank."""
+
+Manifest = Sequence[tuple[str, "torch.dtype | str", Sequence[int]]]
+"""An update's tensors, ``(name, dtype, shape)`` in send order (``Publisher.publish``)."""
 
 
 def check_publisher_args(endpoint: str, engine_url: str, rank: int, slot: EngineSlot,
@@ -185,3 +191,69 @@ def resolve_transport(
             dev = torch.device("cuda", torch.cuda.current_device())
         return "cuda", dev
     return "shm", dev if dev is not None else torch.device("cpu")
+
+
+def manifest_entries(manifest: Manifest) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``manifest`` with vLLM's dtype names and int shapes (``manifest.manifest_of``'s input).
+
+    Raises:
+        ValueError: an unsupported dtype.
+    """
+    return [(name, dt if isinstance(dt, str) else dtype_name(dt), tuple(int(d) for d in shape))
+            for name, dt, shape in manifest]
+
+
+def rank_local_args(rank: int, slot: EngineSlot, rank_local: bool,
+                    worker_rank: int | None) -> tuple[bool, int]:
+    """``(rank_local, worker_rank)`` checked; ``worker_rank`` defaults to ``rank - slot.start``
+    in rank-local mode and is -1 outside it (``wire.Begin``).
+
+    Raises:
+        ValueError: ``worker_rank`` without ``rank_local``, or outside ``[0, slot.count)``.
+    """
+    if not rank_local:
+        if worker_rank is not None:
+            raise ValueError(f"worker_rank={worker_rank} needs rank_local=True")
+        return False, -1
+    w = rank - slot.start if worker_rank is None else worker_rank
+    if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < slot.count:
+        raise ValueError(f"rank {rank}: worker_rank must be an int in [0, {slot.count}) (the "
+                         f"engine's workers), got {worker_rank!r}")
+    return True, w
+
+
+def rank_local_begin(rank: int, worker_rank: int,
+                     manifest: Manifest | None) -> dict[str, object]:
+    """A rank-local ``Begin``'s own fields (``wire.Begin``): ``worker_rank`` and the update's
+    tensors in clear, from its manifest.
+
+    Raises:
+        ValueError: no manifest, or an empty one (rank-local mode declares the update's
+            tensors in its begin).
+    """
+    entries = manifest_entries(manifest) if manifest is not None else None
+    if not entries:
+        raise ValueError(
+            f"rank {rank}: rank-local mode declares the update's tensors in its "
+            "begin: publish a list or mapping, or pass manifest= (name, dtype, shape) "
+            "for an iterator")
+    return {"rank_local": True, "worker_rank": worker_rank,
+            "names": [e[0] for e in entries], "dtype_names": [e[1] for e in entries],
+            "shapes": [list(e[2]) for e in entries]}
+
+
+def check_message_sizes(items: list[tuple[str, torch.Tensor, int]], cap: int, transport: str,
+                        packed: bool, staging_bytes: int) -> None:
+    """Refuse, before the begin, a chunk whose message would exceed the daemon's
+    ``max_message_bytes`` ``cap`` (learnt at registration; 0: unknown, not checked), cut at
+    ``staging_bytes`` from ``items`` (``checked``'s output): ``chunking.MessageBound``.
+
+    Raises:
+        ValueError: names the chunk, its tensor count and both sizes.
+    """
+    if not cap:
+        return
+    bound = MessageBound(transport, packed)
+    if bound.worst(len(items)) <= cap:
+        return  # even the whole update in one message would fit (the usual case: free)
+    bound.check(((name, t.dim(), n) for name, t, n in items), staging_bytes, cap)
