@@ -20,7 +20,7 @@ def test_editable_install_imports_the_src_tree():
     import slotsync.engine.reference.server as s
     import slotsync.protocol.wire as w
 
-    assert Path(w.__file__).parent == ROOT / "src" / "slotsync" / "protocol"
+    assert Path(w.__file__).parent == ROOT / "src" / "slotsync" / "protocol" / "wire"
     assert Path(c.__file__).parent == ROOT / "src" / "slotsync" / "daemon" / "core"
     assert Path(s.__file__).parent == ROOT / "src" / "slotsync" / "engine" / "reference"
     assert not (ROOT / "slotsync").exists()  # (nothing at the root can shadow an install)
