@@ -486,7 +486,8 @@ def _main_sglang(args: argparse.Namespace, specs: list[WorkerSpec],
     from slotsync.engine.pool import WorkerPool
     from slotsync.engine.sglang.http import mirror_helpers, sglang_helpers
     from slotsync.engine.sglang.payload import ReferenceParser, SglangCodeParser
-    from slotsync.engine.sglang.server import ServerConfig, SglangEngineApp, serve
+    from slotsync.engine.sglang.server import SglangEngineApp, serve
+    from slotsync.engine.sglang.server_info import ServerConfig
     from slotsync.engine.sglang.state import VERSIONS
     from slotsync.engine.sglang.worker import SglangWorkerSpec, sglang_worker_main
 

@@ -2,9 +2,12 @@
 
 Each worker is one process (forked on CPU, spawned on CUDA: :func:`start_method`) serving
 ``(method, kwargs)`` requests over a ``multiprocessing`` pipe, one at a time, in the order
-they were written; it answers each with ``("ok", result)`` or ``("err", message)``. The
-reference engine's workers run ``slotsync.engine.reference.worker.worker_main``; the vLLM-code
-engine's run ``slotsync.engine.vllm.worker.vllm_worker_main``.
+they were written; it answers each with ``("ok", result)`` or ``("err", message)``. What a
+worker runs is the ``target`` its engine family hands to :class:`WorkerPool` (the reference
+engine's ``slotsync.engine.reference.worker.worker_main``, the vLLM-code engine's
+``slotsync.engine.vllm.worker.vllm_worker_main``, the SGLang engines'
+``slotsync.engine.sglang.worker.sglang_worker_main``): this module, shared by the families,
+imports none of them.
 """
 
 from __future__ import annotations
@@ -19,9 +22,8 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
-
-from slotsync.engine.reference.worker import WorkerSpec, worker_main
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
 
 Kwargs = dict[str, Any] | None
 """Keyword arguments of a worker call, the same for every worker."""
@@ -31,6 +33,27 @@ Inject = dict[int, str] | None
 """``{worker index: message}``: test faults raised inside the call on those workers."""
 Answer = tuple[bool, Any]
 """A worker's answer: (ok, result or error text)."""
+
+
+class WorkerSpec(Protocol):
+    """What the pool reads of a worker's spec (each family's spec dataclass has more)."""
+
+    @property
+    def index(self) -> int:
+        """The worker's rank within the engine (0-based)."""
+
+    @property
+    def device(self) -> Any:
+        """``"cpu"`` or ``"cuda:<i>"``."""
+
+    @property
+    def gpu_uuid(self) -> str | None:
+        """The GPU UUID it answers to (None: on CUDA, the GPU's own)."""
+
+
+WorkerMain = Callable[[Any, Connection], None]
+"""A worker process's entry point, ``target(spec, conn)``: it serves the pool's pipe
+(``slotsync.engine.worker_pipe``) until told to exit."""
 
 
 START_METHOD_ENV = "SLOTSYNC_ENGINE_START_METHOD"
@@ -102,7 +125,7 @@ class _WorkerProc:
     answer to the oldest request still waiting for one."""
 
     def __init__(self, spec: WorkerSpec, ctx: mp.context.BaseContext,
-                 target: Callable[..., None] = worker_main) -> None:
+                 target: WorkerMain) -> None:
         self.spec = spec
         self.conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
@@ -222,12 +245,14 @@ class WorkerPool:
     written to the workers as soon as it arrives, behind the ones still running, so each
     worker starts it the moment it answers the one before.
 
+    ``target``: each worker process's entry point, called ``target(spec, conn)``; the engine
+    family that starts the pool names it (the pool knows no family).
     ``preload``: modules the workers import at start (e.g. vLLM's worker code), imported
     in this process before the workers fork from it (ignored when they are spawned).
     """
 
-    def __init__(self, specs: list[Any], startup_timeout_s: float = 300.0,
-                 target: Callable[..., None] = worker_main,
+    def __init__(self, specs: Sequence[WorkerSpec], target: WorkerMain,
+                 startup_timeout_s: float = 300.0,
                  data_parallel_size: int = 1, preload: Sequence[str] = ()) -> None:
         if data_parallel_size < 1 or len(specs) % data_parallel_size:
             raise ValueError(f"{len(specs)} workers cannot form {data_parallel_size} "

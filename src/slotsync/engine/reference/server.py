@@ -104,8 +104,9 @@ from slotsync.engine.http_shapes import (
     sleep_level,
     update_info_shape,
 )
-from slotsync.engine.pool import CollectiveRpcError, WorkerPool
+from slotsync.engine.pool import CollectiveRpcError
 from slotsync.engine.reference.engine_state import SLEEP_TAGS, EngineState
+from slotsync.engine.reference.worker import WorkerPool
 
 __all__ = ["PAUSE_MODES", "SLEEP_TAGS", "CollectiveRpcError", "EngineApp", "EngineState",
            "WorkerPool"]

@@ -13,16 +13,20 @@ chunk's copy: the CPU work of one chunk overlaps the device's copy of the one be
 The state machine is ``slotsync.engine.reference.worker_state`` (re-exported here: ``WorkerSpec``,
 ``WorkerState``, ``worker_device`` and the error texts), the payload parser
 ``slotsync.engine.reference.payload`` (``parse_update_info``, ``ParsedUpdate``), the weights and the
-receive path ``slotsync.engine.reference.weight_loader``.
+receive path ``slotsync.engine.reference.weight_loader``. :class:`WorkerPool` is the shared
+pool (``slotsync.engine.pool``) with :func:`worker_main` as its workers' entry point: the
+reference engine's front starts its workers with it.
 """
 
 from __future__ import annotations
 
 import cProfile
 import os
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from slotsync.engine import pool
 from slotsync.engine.reference.payload import ParsedUpdate, parse_update_info
 from slotsync.engine.reference.worker_state import (
     FINISH_INACTIVE_MSG,
@@ -32,14 +36,14 @@ from slotsync.engine.reference.worker_state import (
     UPDATE_INACTIVE_MSG,
     WorkerSpec,
     WorkerState,
-    worker_device,
 )
+from slotsync.engine.worker_device import worker_device
 from slotsync.engine.worker_pipe import failure, next_request, start_worker
 
 __all__ = [
     "FINISH_INACTIVE_MSG", "NOT_SERVABLE_MSG", "SHUTDOWN_ACTIVE_MSG", "START_ACTIVE_MSG",
-    "UPDATE_INACTIVE_MSG", "ParsedUpdate", "WorkerSpec", "WorkerState", "parse_update_info",
-    "worker_device", "worker_main",
+    "UPDATE_INACTIVE_MSG", "ParsedUpdate", "WorkerPool", "WorkerSpec", "WorkerState",
+    "parse_update_info", "worker_device", "worker_main",
 ]
 
 
@@ -109,3 +113,14 @@ def _serve(state: WorkerState, spec: WorkerSpec, conn: Connection,
         else:
             state.wait_copies()
             conn.send(answer)
+
+
+class WorkerPool(pool.WorkerPool):
+    """The reference engine's workers: :class:`slotsync.engine.pool.WorkerPool` with
+    :func:`worker_main` as each worker's entry point (``target``: another, for tests)."""
+
+    def __init__(self, specs: Sequence[WorkerSpec], startup_timeout_s: float = 300.0,
+                 target: pool.WorkerMain = worker_main, data_parallel_size: int = 1,
+                 preload: Sequence[str] = ()) -> None:
+        super().__init__(specs, target, startup_timeout_s=startup_timeout_s,
+                         data_parallel_size=data_parallel_size, preload=preload)

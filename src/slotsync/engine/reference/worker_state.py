@@ -44,6 +44,7 @@ import torch
 from slotsync.engine.checksum import tensor_checksum
 from slotsync.engine.reference.payload import decode_json, parse_init_info
 from slotsync.engine.reference.weight_loader import WeightLoader
+from slotsync.engine.worker_device import worker_device
 from slotsync.protocol.rank import gather
 
 START_ACTIVE_MSG = (
@@ -392,20 +393,3 @@ class WorkerState:
         """Deferred copies not yet waited for (of both models' loaders)."""
         drafts = self.draft_loader.copies_pending if self.draft_loader is not None else 0
         return self.main_loader.copies_pending + drafts
-
-
-def worker_device(device: str, gpu_uuid: str | None) -> tuple[torch.device, str]:
-    """A worker process's device (made current on CUDA) and the GPU UUID it answers to: the
-    given (logical) one, else on CUDA the device's real one
-    (``str(torch.cuda.get_device_properties(i).uuid)``, vLLM's lookup).
-
-    Raises:
-        ValueError: a CPU worker without a GPU UUID.
-    """
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-        return dev, gpu_uuid or str(torch.cuda.get_device_properties(dev).uuid)
-    if gpu_uuid is None:
-        raise ValueError("a CPU worker needs an explicit (logical) GPU UUID")
-    return dev, gpu_uuid

@@ -2,9 +2,12 @@
 ``--impl sglang-reference``): SGLang's weight-sync routes over N TP-rank worker processes.
 
 One module for both impls: the routes, their bodies, replies, status codes and per-version
-rules are here and in ``slotsync.engine.sglang.state`` / ``sglang_http``; the impls differ in
-the payload parser the ranks use (``slotsync.engine.sglang.payload``) and in whose validation
-and auth helpers check the bodies (SGLang's own, or slotsync's mirror of them).
+rules are here and in ``slotsync.engine.sglang.state`` / ``slotsync.engine.sglang.http`` /
+``slotsync.engine.sglang.server_info``, the calls queued for the scheduler and its driving of
+the TP ranks in ``slotsync.engine.sglang.scheduler``, the test-only faults in
+``slotsync.engine.sglang.faults``; the impls differ in the payload parser the ranks use
+(``slotsync.engine.sglang.payload``) and in whose validation and auth helpers check the
+bodies (SGLang's own, or slotsync's mirror of them).
 Paths are inside the SGLang wheel; "L<a> / L<b> / L<c>" is the line in 0.5.23 / 0.5.21 /
 0.5.20 (docs/sglang-contract.md).
 
@@ -64,13 +67,9 @@ Routes (``srt/entrypoints/http_server.py``):
 No ``/version`` (SGLang has none: 404), no vLLM route. Unknown routes answer Starlette's
 ``404 {"detail": "Not Found"}``.
 
-A scheduler exception -- anything a rank raises (a refused global, an unknown GPU UUID, too
-few entries, a misaligned bucket tensor, an unknown ``load_format``, a name the model lacks),
-or the flush ``assert`` of 0.5.20 / 0.5.21 -- kills the engine as SGLang's
-``run_scheduler_process`` (scheduler.py L6370-6373: SIGQUIT to the parent) and the
-tokenizer's ``running_phase_sigquit_handler`` (tokenizer_manager.py L4072-4082:
-``kill_process_tree``, the server SIGKILLs itself) do: the connection of the call is reset
-(RST), every rank is killed, then the front SIGKILLs itself.
+A scheduler exception -- anything a rank raises, or the flush ``assert`` of 0.5.20 / 0.5.21
+-- kills the engine as SGLang's does (``slotsync.engine.sglang.scheduler``): the connection
+of the call is reset (RST), every rank is killed, then the front SIGKILLs itself.
 
 Test-only routes (not SGLang's), under ``/_slotsync/``, no auth:
 
@@ -89,18 +88,8 @@ Test-only routes (not SGLang's), under ``/_slotsync/``, no auth:
     "release_count", "bytes_loaded", "load_seconds", "num_weights", "held_tensors",
     "last_error"}, ...]}``.
 ``POST /_slotsync/fault``
-    the reference engine's fault body (``slotsync.engine.faults``: ``route``, ``after``,
-    ``times``, ``status``, ``workers``, ``hang_s``, ``message``; ``{"clear": true}``) plus
-    ``"exit": true``. ``route`` is a route name (``update_weights_from_tensor``,
-    ``pause_generation``, ...). ``hang_s`` delays the call (after validation); ``exit``
-    kills the engine on that call as a scheduler exception would; ``workers: [i, ...]``
-    makes those ranks raise inside the call (an exception on a rank: the engine dies after
-    the other ranks ran it; on a route that calls no rank, at once); ``workers: null`` with
-    ``status >= 400`` answers instead of the call: ``{"success": false, "message"}`` with
-    that status on the routes that answer so (the weight routes; ``update_weight_version``
-    prefixes ``Failed to update weight version:``), plain text on ``flush_cache``, a bare
-    500 ``Internal Server Error`` elsewhere (or for status 500 anywhere: an exception
-    escaping the route). Answers ``{"faults": [...]}``.
+    the reference engine's fault body plus ``"exit": true`` (``slotsync.engine.sglang.faults``
+    says what each fault does). Answers ``{"faults": [...]}``.
 ``POST /_slotsync/checksums``
     ``{"tp<r>": {name: sha256 hex}}`` per rank (``slotsync.engine.checksum.tensor_checksum``).
 ``POST /_slotsync/requests``
@@ -115,19 +104,17 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
 
-from slotsync.engine.faults import Fault, FaultTable
 from slotsync.engine.http_shapes import CLOSE_AFTER
 from slotsync.engine.pool import WorkerPool
+from slotsync.engine.sglang.faults import SglangFaultTable, injected
 from slotsync.engine.sglang.http import (
     BodyValidator,
     SchemaHelpers,
@@ -138,84 +125,22 @@ from slotsync.engine.sglang.http import (
     success_body,
     unauthorized,
 )
+from slotsync.engine.sglang.scheduler import Scheduler
+from slotsync.engine.sglang.server_info import (
+    ServerConfig,
+    internal_state,
+    model_info,
+    server_info,
+)
 from slotsync.engine.sglang.state import (
-    FLUSH_BUSY,
     FLUSH_FAILED_TEXT,
     FLUSH_OK_TEXT,
-    FLUSH_TIMED_OUT,
     SglangState,
     SglangVersion,
 )
 
 HEALTH_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
 """http_server.py L218: seconds ``/health`` waits for output (default 20)."""
-SUCCESS_ROUTES = frozenset({"update_weights_from_tensor", "begin_weight_update",
-                            "end_weight_update", "update_weight_version"})
-"""Routes whose answer is ``{"success", "message"}`` (a fault with a status answers so)."""
-RANK_ROUTES = frozenset({"update_weights_from_tensor", "begin_weight_update",
-                         "end_weight_update"})
-"""Routes that call the TP ranks (a ``workers`` fault raises inside them there; elsewhere it
-is an exception on a rank all the same: the engine dies)."""
-
-
-class SchedulerDied(Exception):
-    """A scheduler exception: the engine dies of it (module docstring)."""
-
-
-@dataclass
-class SglangFault(Fault):
-    """A fault of ``/_slotsync/fault`` with the SGLang engines' ``exit`` (die on the call)."""
-
-    exit: bool = False
-
-
-class SglangFaultTable(FaultTable):
-    """``FaultTable`` accepting ``"exit": true`` (see the module docstring)."""
-
-    def apply(self, body: Any, world_size: int) -> list[dict[str, Any]]:
-        exit_ = False
-        if isinstance(body, dict) and "exit" in body:
-            body = dict(body)
-            exit_ = bool(body.pop("exit"))
-        faults = super().apply(body, world_size)
-        if isinstance(body, dict) and not body.get("clear") and self.faults:
-            self.faults[-1] = SglangFault(**asdict(self.faults[-1]), exit=exit_)
-            faults = self.as_json()
-        return faults
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """What ``python -m slotsync.engine`` was started with (``/server_info``'s fields).
-
-    Attributes:
-        impl: ``"sglang"`` or ``"sglang-reference"``.
-        model_path: the safetensors file.
-        tp_size: TP ranks (= workers).
-        dp_size: ``--dp-size`` as given.
-        pp_size: ``--pp-size``.
-        enable_dp_attention: ``--enable-dp-attention``.
-        weight_version: ``--weight-version`` (the version at start).
-        api_key, admin_api_key: ``--api-key`` / ``--admin-api-key``, or None.
-        host, port: where it listens (``port`` 0 with ``--uds``).
-        launch_command: the command line.
-        reported_version: the ``version`` ``/server_info`` reports ('' : the followed
-            version's own; a test gives another to see the daemon refuse it).
-    """
-
-    impl: str
-    model_path: str
-    tp_size: int
-    dp_size: int = 1
-    pp_size: int = 1
-    enable_dp_attention: bool = False
-    weight_version: str = "default"
-    reported_version: str = ""
-    api_key: str | None = None
-    admin_api_key: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 30000
-    launch_command: str = ""
 
 
 class SglangEngineApp:
@@ -254,11 +179,7 @@ class SglangEngineApp:
                                  fault_table=SglangFaultTable())
         self.validator = BodyValidator(version, helpers)
         self.structs = self.validator.structs
-        self._queue: asyncio.Queue | None = None
-        self._scheduler: asyncio.Task | None = None
-        self._changed: asyncio.Condition | None = None
-        self._flush_waiter: asyncio.Future | None = None
-        self._dying = False
+        self.scheduler = Scheduler(pool, self.state, self.frees_before_barrier)
         # SGLang (uvicorn) sets no body limit; aiohttp's default of 1 MiB would refuse a
         # chunk of a few thousand tensors on 8 ranks
         self.app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
@@ -288,13 +209,10 @@ class SglangEngineApp:
     # -- plumbing --------------------------------------------------------------------------
 
     async def _startup(self, _app: web.Application) -> None:
-        self._queue = asyncio.Queue()
-        self._changed = asyncio.Condition()
-        self._scheduler = asyncio.create_task(self._scheduler_loop())
+        await self.scheduler.start()
 
     async def _cleanup(self, _app: web.Application) -> None:
-        if self._scheduler is not None:
-            self._scheduler.cancel()
+        self.scheduler.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.pool.close)
 
     @web.middleware
@@ -330,112 +248,10 @@ class SglangEngineApp:
             print(f"[slotsync.engine] {request.method} {request.path_qs} -> {status} "
                   f"({ms:.1f} ms)", file=sys.stderr, flush=True)
 
-    async def _scheduler_loop(self) -> None:
-        """SGLang's scheduler: control requests one at a time, in arrival order; any
-        exception in a handler kills the engine."""
-        assert self._queue is not None
-        while True:
-            fn, fut, request = await self._queue.get()
-            try:
-                result = await fn()
-            except Exception as e:  # noqa: BLE001 - every scheduler exception is fatal
-                await self._die(request, str(e) if isinstance(e, SchedulerDied)
-                                else f"{type(e).__name__}: {e}")
-                return
-            if not fut.done():
-                fut.set_result(result)
-            await self._notify()
-
-    def _dispatch(self, fn: Callable[[], Awaitable[Any]], request: web.Request | None
-                  ) -> asyncio.Future:
-        """Queue ``fn`` for the scheduler (in order); the future of its result."""
-        assert self._queue is not None
-        fut = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((fn, fut, request))
-        return fut
-
-    async def _notify(self) -> None:
-        """Requests or the scheduler changed: wake the writer-lock waiters and a pending
-        flush."""
-        assert self._changed is not None
-        async with self._changed:
-            self._changed.notify_all()
-
-    async def _writer_lock(self) -> None:
-        """``model_update_lock.writer_lock``: wait until no generate request runs or waits."""
-        assert self._changed is not None
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.state.requests.inflight == 0)
-
-    async def _die(self, request: web.Request | None, why: str) -> None:
-        """Die as SGLang's server does on a scheduler exception (module docstring)."""
-        if self._dying:
-            return
-        self._dying = True
-        print(f"[slotsync.engine] Scheduler hit an exception: {why}", file=sys.stderr,
-              flush=True)
-        print("[slotsync.engine] SIGQUIT received. It usually means one child failed. "
-              "(kill_process_tree: every rank, then this process)", file=sys.stderr,
-              flush=True)
-        transport = request.transport if request is not None else None
-        if transport is not None:
-            sock = transport.get_extra_info("socket")
-            try:  # linger 0: close() sends RST, the client sees a reset (TCP)
-                if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                    struct.pack("ii", 1, 0))
-            except OSError:
-                pass
-            transport.abort()
-            await asyncio.sleep(0.05)  # (abort closes the socket on the next loop turns)
-        for w in self.pool.workers:
-            if w.process.is_alive():
-                w.process.kill()
-        for w in self.pool.workers:
-            w.process.join(5)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    async def _ranks(self, method: str, kwargs: dict[str, Any] | None = None,
-                     inject: dict[int, str] | None = None) -> list[Any]:
-        """``method`` on every rank; their results in rank order (the TP barrier).
-
-        Raises:
-            SchedulerDied: a rank raised (or is gone).
-        """
-        futs = await self.pool.submit(method, kwargs, inject=inject)
-        answers = await asyncio.gather(*futs)
-        for i, (ok, payload) in enumerate(answers):
-            if not ok:
-                raise SchedulerDied(f"TP rank {i}: {payload}")
-        return [p for _, p in answers]
-
     async def _fault(self, request: web.Request, route: str
                      ) -> tuple[web.Response | None, dict[int, str] | None]:
         """``route``'s injected fault: (answer instead of the call, rank injections)."""
-        f = self.state.fault_table.match(route)
-        if f is None:
-            return None, None
-        if f.hang_s:
-            await asyncio.sleep(f.hang_s)
-        msg = f.text()
-        if getattr(f, "exit", False):
-            await self._die(request, f"RuntimeError: {msg}")
-        if f.workers is not None:
-            if route not in RANK_ROUTES:
-                await self._die(request, f"TP rank {f.workers[0]}: RuntimeError: {msg}")
-            return None, {i: msg for i in f.workers}
-        if f.status < 400:
-            return None, None
-        if f.status == 500:
-            return internal_error(), None
-        if route == "update_weight_version":  # the route catches it (L1549-1556)
-            return success_body(False, f"Failed to update weight version: {msg}",
-                                status=f.status), None
-        if route in SUCCESS_ROUTES:
-            return success_body(False, msg, status=f.status), None
-        if route == "flush_cache":
-            return web.Response(status=f.status, text=msg), None
-        return internal_error(), None
+        return await injected(self.state.fault_table, self.scheduler, request, route)
 
     async def _validated(self, request: web.Request, cls: type, route: str
                          ) -> tuple[Any, dict[int, str] | None] | web.Response:
@@ -462,8 +278,8 @@ class SglangEngineApp:
             async def scheduler_pause() -> None:
                 self.state.scheduler_pause(mode)
 
-            self._dispatch(scheduler_pause, request)  # sent, not awaited (L2270-2271)
-        await self._notify()
+            self.scheduler.dispatch(scheduler_pause, request)  # sent, not awaited (L2270-2271)
+        await self.scheduler.notify()
         return web.json_response({"message": "Generation paused successfully.",
                                   "status": "ok"})
 
@@ -477,7 +293,7 @@ class SglangEngineApp:
         async def scheduler_continue() -> None:
             self.state.scheduler_continue()
 
-        await self._dispatch(scheduler_continue, request)
+        await self.scheduler.dispatch(scheduler_continue, request)
         return web.json_response({"message": "Generation continued successfully.",
                                   "status": "ok"})
 
@@ -486,8 +302,8 @@ class SglangEngineApp:
         """``_weight_update_session_call`` (tokenizer_control_mixin.py L471-483): straight to
         the scheduler while paused, else behind the writer lock."""
         if not self.state.is_pause:
-            await self._writer_lock()
-        ok, message = await self._dispatch(fn, request)
+            await self.scheduler.writer_lock()
+        ok, message = await self.scheduler.dispatch(fn, request)
         return success_body(ok, message)
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
@@ -497,17 +313,8 @@ class SglangEngineApp:
         if isinstance(got, web.Response):
             return got
         obj, inject = got
-
-        async def begin() -> tuple[bool, str]:
-            refused = self.state.begin(obj.selector)
-            if refused is not None:
-                return False, refused
-            if obj.selector != "draft":  # _select_runners: no draft runner here
-                await self._ranks("begin_weight_update", inject=inject)
-            self.state.opened(obj.selector)
-            return True, "Success"
-
-        return await self._session_call(begin, request)
+        return await self._session_call(lambda: self.scheduler.begin(obj.selector, inject),
+                                        request)
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         """``POST /end_weight_update`` (0.5.21+): close the session (L323-335 / L304-316)."""
@@ -515,20 +322,7 @@ class SglangEngineApp:
         if isinstance(got, web.Response):
             return got
         _, inject = got
-
-        async def end() -> tuple[bool, str]:
-            refused = self.state.end()
-            if refused is not None:
-                return False, refused
-            session = self.state.session
-            assert session is not None
-            if session.selector != "draft":
-                await self._ranks("end_weight_update",
-                                  {"run_post_load": not session.loaded_weights}, inject)
-            self.state.closed()
-            return True, "Success"
-
-        return await self._session_call(end, request)
+        return await self._session_call(lambda: self.scheduler.end(inject), request)
 
     def _dp_ok(self) -> bool:
         """The tokenizer's DP assertion (``SglangVersion.dp_attention_resolves``): true DP
@@ -547,31 +341,15 @@ class SglangEngineApp:
             return internal_error()
         if obj.abort_all_requests:
             self.state.abort_all()
-            await self._notify()
+            await self.scheduler.notify()
         entries = self.parser.normalize(obj.serialized_named_tensors)
         if not self.state.is_pause:
-            await self._writer_lock()
+            await self.scheduler.writer_lock()
         load_target = getattr(obj, "selector", "all") != "draft"
-
-        async def update() -> tuple[bool, str]:
-            refused = self.state.update_refusal()
-            if refused is not None:  # returns on every rank before any barrier
-                return False, refused
-            await self._ranks("update_weights_from_tensor", {
-                "entries": entries, "load_format": obj.load_format,
-                "load_target": load_target,
-                "free_before_reply": self.frees_before_barrier}, inject)
-            success, message = self.state.after_load(obj.weight_version, obj.flush_cache)
-            # the TP barrier has passed (every rank answered); 0.5.21+: the handler returns,
-            # each rank frees the received tensors, rank 0 then replies
-            if not self.frees_before_barrier:
-                futs = await self.pool.submit("release")
-                ok, why = await futs[0]
-                if not ok:
-                    raise SchedulerDied(f"TP rank 0: {why}")
-            return success, message
-
-        success, message = await self._dispatch(update, request)
+        success, message = await self.scheduler.dispatch(
+            lambda: self.scheduler.update(entries, obj.load_format, load_target,
+                                          obj.weight_version, obj.flush_cache, inject),
+            request)
         if success and obj.weight_version is not None:
             self.state.set_weight_version(obj.weight_version)
             message += f" Weight version updated to {obj.weight_version}."
@@ -582,18 +360,8 @@ class SglangEngineApp:
         early, _ = await self._fault(request, "model_info")
         if early is not None:
             return early
-        path = self.config.model_path
-        info: dict[str, Any] = {
-            "model_path": path, "served_model_name": path, "tokenizer_path": path,
-            "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": self.state.weight_version, "load_format": "auto",
-            "reasoning_parser": None, "tool_call_parser": None,
-        }
-        if self.version.name != "0.5.20":
-            info["disaggregation_mode"] = "null"
-        info.update({"has_image_understanding": False, "has_audio_understanding": False,
-                     "model_type": None, "architectures": None})
-        return web.json_response(info)
+        return web.json_response(model_info(self.config, self.version,
+                                            self.state.weight_version))
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """``POST /update_weight_version`` (L1527-1556 / L1469 / L1456)."""
@@ -603,38 +371,16 @@ class SglangEngineApp:
         obj, _ = got
         if obj.abort_all_requests:
             self.state.abort_all()
-            await self._notify()
+            await self.scheduler.notify()
 
         async def record() -> None:  # handle_update_weight_version (scheduler.py L5630)
             self.state._record_version(obj.new_version)
 
-        await self._dispatch(record, request)
+        await self.scheduler.dispatch(record, request)
         self.state.set_weight_version(obj.new_version)
         return web.json_response({"success": True,
                                   "message": f"Weight version updated to {obj.new_version}",
                                   "new_version": obj.new_version})
-
-    def server_args(self) -> dict[str, Any]:
-        """The flat server arguments ``/server_info`` reports (the fields the contract names;
-        ``resolved_dict()`` has ~550 more, none read by slotsync)."""
-        c, v = self.config, self.version
-        attention_dp = c.enable_dp_attention and c.dp_size > 1
-        args: dict[str, Any] = {
-            "model_path": c.model_path, "tokenizer_path": c.model_path,
-            "served_model_name": c.model_path, "host": c.host, "port": c.port,
-            "tp_size": c.tp_size, "pp_size": c.pp_size,
-            "nnodes": 1, "node_rank": 0, "base_gpu_id": 0, "gpu_id_step": 1,
-            "weight_version": c.weight_version, "speculative_algorithm": None,
-            "load_format": "auto", "tokenizer_worker_num": 1, "device": "cuda",
-        }
-        if v.dp_attention_resolves:  # --dp-size N --enable-dp-attention -> attn_dp_size N
-            args["dp_size"] = 1 if attention_dp else c.dp_size
-            args["attn_dp_size"] = c.dp_size if attention_dp else 1
-            args["enable_dp_attention"] = attention_dp  # resolved_dict: attn_dp_size > 1
-        else:
-            args["dp_size"] = c.dp_size
-            args["enable_dp_attention"] = c.enable_dp_attention
-        return args
 
     async def server_info(self, request: web.Request) -> web.Response:
         """``GET /server_info`` (module docstring); ``internal_states`` waits for the
@@ -643,22 +389,12 @@ class SglangEngineApp:
         if early is not None:
             return early
 
-        async def internal_state() -> dict[str, Any]:
-            return {**self.server_args(), "weight_version": self.state.scheduler_weight_version,
-                    "world_size": self.config.tp_size * self.config.pp_size
-                    * self.config.dp_size, "engine_paused": self.state.engine_paused}
+        async def internal() -> dict[str, Any]:  # asked from the scheduler
+            return internal_state(self.config, self.version, self.state)
 
-        state = await self._dispatch(internal_state, request)
-        args = self.server_args()
-        dp_ranks = args["dp_size"]
-        info = {**args, "launch_command": self.config.launch_command,
-                "startup_time": self.startup_time,
-                "internal_states": [state] * dp_ranks,
-                "version": self.config.reported_version or self.version.name}
-        if self.version.frontend_field:
-            info["frontend"] = "python"
-        info["kv_events"] = None
-        return web.json_response(info)
+        state = await self.scheduler.dispatch(internal, request)
+        return web.json_response(server_info(self.config, self.version, self.startup_time,
+                                             state))
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """``GET|POST /flush_cache?timeout=T`` (module docstring)."""
@@ -678,38 +414,13 @@ class SglangEngineApp:
         early, _ = await self._fault(request, "flush_cache")
         if early is not None:
             return early
-
-        async def flush() -> Any:  # SchedulerFlushWrapper.handle
-            if self._flush_waiter is not None:
-                return False, FLUSH_BUSY
-            if timeout <= 0.0 or self.state.is_fully_idle():
-                return self.state.flush(), ""
-            self._flush_waiter = asyncio.get_running_loop().create_future()
-            asyncio.create_task(self._pending_flush(time.monotonic() + timeout))
-            return self._flush_waiter
-
-        got = await self._dispatch(flush, request)
+        got = await self.scheduler.dispatch(lambda: self.scheduler.flush(timeout), request)
         if isinstance(got, asyncio.Future):
             got = await got
         ok, message = got
         if ok:
             return web.Response(text=FLUSH_OK_TEXT)
         return web.Response(status=400, text=message or FLUSH_FAILED_TEXT)
-
-    async def _pending_flush(self, deadline: float) -> None:
-        """``SchedulerFlushWrapper.check_pending``: flush once fully idle (waiting requests
-        counted), or time out."""
-        assert self._changed is not None and self._flush_waiter is not None
-        async with self._changed:
-            try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self.state.is_fully_idle()),
-                    max(0.0, deadline - time.monotonic()))
-                result = (self.state.flush(), "")
-            except TimeoutError:
-                result = (False, FLUSH_TIMED_OUT)
-        waiter, self._flush_waiter = self._flush_waiter, None
-        waiter.set_result(result)
 
     async def health(self, request: web.Request) -> web.Response:
         """``GET /health`` (module docstring)."""
@@ -743,7 +454,8 @@ class SglangEngineApp:
             "scheduler_weight_version": s.scheduler_weight_version,
             "session_open": session is not None,
             "session_selector": session.selector if session is not None else None,
-            "requests": asdict(s.requests), "flush_pending": self._flush_waiter is not None,
+            "requests": asdict(s.requests),
+            "flush_pending": self.scheduler.flush_waiter is not None,
             "counts": dict(s.counts), "route_counts": s.fault_table.route_counts,
             "faults": s.fault_table.as_json(), "startup_time": self.startup_time,
             "workers": [{**w, "active": session is not None} for w in workers],
@@ -785,7 +497,7 @@ class SglangEngineApp:
                 self.state.finish_requests(None if n is None else int(n))
             except RuntimeError as e:
                 return web.json_response({"detail": str(e)}, status=409)
-        await self._notify()
+        await self.scheduler.notify()
         return web.json_response(asdict(self.state.requests))
 
 

@@ -155,7 +155,7 @@ class VllmWorkerHost:
         # that it shows in a checksum instead of holding whatever the allocator had.
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
-        from slotsync.engine.reference.worker_state import worker_device
+        from slotsync.engine.worker_device import worker_device
 
         self.index = spec.index
         self.spec = spec

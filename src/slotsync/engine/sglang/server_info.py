@@ -1,0 +1,114 @@
+"""What the SGLang engines say about themselves, I/O-free: their start options
+(:class:`ServerConfig`) and the bodies of ``GET /model_info`` and ``GET /server_info``.
+
+Paths are inside the SGLang wheel; "L<a> / L<b> / L<c>" is the line in 0.5.23 / 0.5.21 /
+0.5.20 of ``srt/entrypoints/http_server.py`` (docs/sglang-contract.md). The routes are
+``slotsync.engine.sglang.server``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from slotsync.engine.sglang.state import SglangState, SglangVersion
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What ``python -m slotsync.engine`` was started with (``/server_info``'s fields).
+
+    Attributes:
+        impl: ``"sglang"`` or ``"sglang-reference"``.
+        model_path: the safetensors file.
+        tp_size: TP ranks (= workers).
+        dp_size: ``--dp-size`` as given.
+        pp_size: ``--pp-size``.
+        enable_dp_attention: ``--enable-dp-attention``.
+        weight_version: ``--weight-version`` (the version at start).
+        api_key, admin_api_key: ``--api-key`` / ``--admin-api-key``, or None.
+        host, port: where it listens (``port`` 0 with ``--uds``).
+        launch_command: the command line.
+        reported_version: the ``version`` ``/server_info`` reports ('' : the followed
+            version's own; a test gives another to see the daemon refuse it).
+    """
+
+    impl: str
+    model_path: str
+    tp_size: int
+    dp_size: int = 1
+    pp_size: int = 1
+    enable_dp_attention: bool = False
+    weight_version: str = "default"
+    reported_version: str = ""
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    launch_command: str = ""
+
+
+def model_info(config: ServerConfig, version: SglangVersion, weight_version: str
+               ) -> dict[str, Any]:
+    """``GET /model_info``'s body (L812 / L790 / L760): ``weight_version`` (the tokenizer's)
+    and the model's fields."""
+    path = config.model_path
+    info: dict[str, Any] = {
+        "model_path": path, "served_model_name": path, "tokenizer_path": path,
+        "is_generation": True, "preferred_sampling_params": None,
+        "weight_version": weight_version, "load_format": "auto",
+        "reasoning_parser": None, "tool_call_parser": None,
+    }
+    if version.name != "0.5.20":
+        info["disaggregation_mode"] = "null"
+    info.update({"has_image_understanding": False, "has_audio_understanding": False,
+                 "model_type": None, "architectures": None})
+    return info
+
+
+def server_args(config: ServerConfig, version: SglangVersion) -> dict[str, Any]:
+    """The flat server arguments ``/server_info`` reports (the fields the contract names;
+    ``resolved_dict()`` has ~550 more, none read by slotsync)."""
+    c, v = config, version
+    attention_dp = c.enable_dp_attention and c.dp_size > 1
+    args: dict[str, Any] = {
+        "model_path": c.model_path, "tokenizer_path": c.model_path,
+        "served_model_name": c.model_path, "host": c.host, "port": c.port,
+        "tp_size": c.tp_size, "pp_size": c.pp_size,
+        "nnodes": 1, "node_rank": 0, "base_gpu_id": 0, "gpu_id_step": 1,
+        "weight_version": c.weight_version, "speculative_algorithm": None,
+        "load_format": "auto", "tokenizer_worker_num": 1, "device": "cuda",
+    }
+    if v.dp_attention_resolves:  # --dp-size N --enable-dp-attention -> attn_dp_size N
+        args["dp_size"] = 1 if attention_dp else c.dp_size
+        args["attn_dp_size"] = c.dp_size if attention_dp else 1
+        args["enable_dp_attention"] = attention_dp  # resolved_dict: attn_dp_size > 1
+    else:
+        args["dp_size"] = c.dp_size
+        args["enable_dp_attention"] = c.enable_dp_attention
+    return args
+
+
+def internal_state(config: ServerConfig, version: SglangVersion, state: SglangState
+                   ) -> dict[str, Any]:
+    """One DP rank's ``internal_states`` entry of ``/server_info`` (the scheduler's answer:
+    its weight version and pause flag)."""
+    return {**server_args(config, version), "weight_version": state.scheduler_weight_version,
+            "world_size": config.tp_size * config.pp_size * config.dp_size,
+            "engine_paused": state.engine_paused}
+
+
+def server_info(config: ServerConfig, version: SglangVersion, startup_time: dict[str, Any],
+                internal: dict[str, Any]) -> dict[str, Any]:
+    """``GET /server_info``'s body (L863 / L841 / L818): the flat server arguments,
+    ``launch_command``, ``startup_time``, ``internal`` (:func:`internal_state`) once per DP
+    rank, ``version`` and, 0.5.21+, ``"frontend": "python"``."""
+    args = server_args(config, version)
+    info = {**args, "launch_command": config.launch_command,
+            "startup_time": startup_time,
+            "internal_states": [internal] * args["dp_size"],
+            "version": config.reported_version or version.name}
+    if version.frontend_field:
+        info["frontend"] = "python"
+    info["kv_events"] = None
+    return info
