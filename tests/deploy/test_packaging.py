@@ -34,7 +34,7 @@ def test_wheel_installs_and_runs(tmp_path):
     (wheel,) = dist.glob("slotsync-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for want in ("slotsync/protocol/wire/__init__.py", "slotsync/daemon/service/server.py",
-                 "slotsync/engine/reference/worker.py", "slotsync/cli.py",
+                 "slotsync/engine/reference/worker.py", "slotsync/cli/__init__.py",
                  "slotsync/testing/processes.py", "slotsync/testing/ranks.py"):
         assert want in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))

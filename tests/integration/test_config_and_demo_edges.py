@@ -270,7 +270,7 @@ def _meminfo(tmp_path: Path, available_kb: int | None) -> Path:
 
 
 def test_mem_available_reads_meminfo(tmp_path, monkeypatch):
-    from slotsync import demo
+    from slotsync.demo import config as demo
 
     assert demo.mem_available(str(_meminfo(tmp_path, 22_000_000))) == 22_000_000 * 1024
     assert demo.mem_available(str(_meminfo(tmp_path, None))) is None  # old kernel: no line
@@ -280,7 +280,7 @@ def test_mem_available_reads_meminfo(tmp_path, monkeypatch):
 
 
 def test_memory_estimate_grows_per_rank_and_engine():
-    from slotsync import demo
+    from slotsync.demo import config as demo
 
     model = 90_868_376  # all-MiniLM-L6-v2
     one, two = demo.estimate_demo_memory(1, 1, model), demo.estimate_demo_memory(2, 1, model)
@@ -296,7 +296,7 @@ def test_memory_estimate_grows_per_rank_and_engine():
 
 
 def test_memory_problem_against_fake_available_memory():
-    from slotsync import demo
+    from slotsync.demo import config as demo
 
     model = 90_868_376
     gb = 10**9

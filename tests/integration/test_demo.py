@@ -9,7 +9,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from slotsync.demo import _verify, find_default_model  # noqa: E402
+from slotsync.demo import find_default_model  # noqa: E402
+from slotsync.demo.run import _verify  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -180,7 +181,7 @@ def test_killed_demo_leaves_no_daemon_or_engine_running(sig):
     import tempfile
     import time
 
-    from slotsync import demo_leftovers
+    from slotsync.demo import leftovers as demo_leftovers
 
     shm_before = set(glob.glob("/dev/shm/slotsync-*"))
     demo_dirs = os.path.join(tempfile.gettempdir(), "slotsync-demo-*")

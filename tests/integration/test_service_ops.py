@@ -352,7 +352,7 @@ def test_status_cli_exits_1_when_a_slot_failed(clean_engine):
 
 
 def test_status_cli_engine_state_column():
-    from slotsync.status_cli import render_table
+    from slotsync.cli.status import render_table
 
     base = {"slot": [0, 2], "state": "idle", "ranks_expected": 2, "ranks_registered": [0, 1],
             "engine_url": "http://e:1"}

@@ -20,7 +20,7 @@ from engines import EngineBox, start_engine  # noqa: E402
 from spawned_ranks import rounds, run_ranks  # noqa: E402
 from state_readers import engine_stats  # noqa: E402
 
-from slotsync.status_cli import render_table  # noqa: E402
+from slotsync.cli.status import render_table  # noqa: E402
 from slotsync.testing.processes import DaemonProcess  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -1804,8 +1804,8 @@ def test_engine_a_dead_job_left_paused_stays_failed_in_metrics_and_status_after_
     # slotsync_slots{state="failed"}, while the engine stayed paused)
     from prometheus_client import generate_latest
 
+    from slotsync.cli.status import render_table
     from slotsync.daemon.service.metrics import Metrics
-    from slotsync.status_cli import render_table
 
     h = Harness(timeouts=Timeouts(100, 100, 100))
     h.table.slot_release_s = 1

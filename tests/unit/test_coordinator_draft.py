@@ -302,7 +302,7 @@ def test_restarted_engine_needs_its_draft_in_full_once_the_daemon_had_loaded_one
 
 
 def test_slotsync_status_shows_the_draft_version_and_that_it_needs_a_full_update():
-    from slotsync.status_cli import render_table
+    from slotsync.cli.status import render_table
 
     h = harness()
     draft_round(h, 0)

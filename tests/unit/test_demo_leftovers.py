@@ -1,5 +1,5 @@
 """A SIGKILLed demo's folder and shared memory are removed at the next demo's start, never a
-live demo's (issue 24 C; ``slotsync.demo_leftovers``)."""
+live demo's (issue 24 C; ``slotsync.demo.leftovers``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from slotsync import demo_leftovers as dl
+from slotsync.demo import leftovers as dl
 
 
 def _dead_pid() -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from test_coordinator import URL, Harness, _send_round
 
-from slotsync.status_cli import render_table
+from slotsync.cli.status import render_table
 
 REFUSED = f"update_weights: cannot reach {URL}: Connection refused"
 

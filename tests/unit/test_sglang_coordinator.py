@@ -426,7 +426,7 @@ def test_a_failed_updates_error_waits_until_no_chunk_call_can_still_read_the_ran
 def test_status_names_the_engine_kind_version_and_pause_mode():
     """``/status`` and ``slotsync status`` say the slot's engine is SGLang, which release and
     which pause mode (issue 26); an engine of unknown kind says null."""
-    from slotsync import status_cli
+    from slotsync.cli import status as status_cli
 
     h = Harness("0.5.21", pause_mode="retract", declare=True)
     h.register_all()

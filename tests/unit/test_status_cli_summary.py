@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from slotsync import status_cli
+from slotsync.cli import status as status_cli
 
 
 def _serve(doc: dict) -> tuple[HTTPServer, str]:

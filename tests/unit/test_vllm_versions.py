@@ -279,7 +279,7 @@ def test_engine_table_reload_forgets_the_version() -> None:
 # -- the engines' and the status command's side ----------------------------------------------
 
 def test_slotsync_status_shows_the_engines_vllm_version() -> None:
-    from slotsync.status_cli import render_table
+    from slotsync.cli.status import render_table
 
     base = {"slot": [0, 2], "state": "idle", "ranks_expected": 2, "ranks_registered": [0, 1],
             "engine_url": "http://e:1"}

@@ -15,13 +15,16 @@ from __future__ import annotations
 import argparse
 import time
 
-from slotsync.bench.cli import nonneg_int, positive_int
 from slotsync.bench.fake_exports import FakeExports
 from slotsync.bench.model import Qwen3MoeConfig, chunk_specs, qwen3_moe_specs
+from slotsync.bench.report import int_arg
 from slotsync.daemon.core.aggregation import merge_chunk
 from slotsync.daemon.vllm import ipc_pickle as vllm_pickle
 from slotsync.protocol import wire
 from slotsync.protocol.rank.export import handle_from_reduce_args
+
+positive_int = int_arg(1)
+nonneg_int = int_arg(0)
 
 
 def _frames(ranks: int, packed: bool, staging_bytes: int, index: int) -> list[bytes]:

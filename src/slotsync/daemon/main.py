@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             print(json.dumps(config.describe(), indent=2), flush=True)
         except BrokenPipeError:  # `--check-config | head -2`: the configuration is still OK
-            from slotsync.cli import discard_stdout
+            from slotsync.console import discard_stdout
 
             discard_stdout()
         print("configuration OK", file=sys.stderr)

@@ -13,7 +13,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from slotsync.status_peers import render_peers
+from slotsync.cli.status_peers import render_peers
 
 DEFAULT_URL = "http://127.0.0.1:9460"
 
@@ -196,7 +196,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     try:
         print(json.dumps(status, indent=2) if args.json else render_table(status), flush=True)
     except BrokenPipeError:  # `slotsync status | head -2`: the exit status still tells
-        from slotsync.cli import discard_stdout
+        from slotsync.console import discard_stdout
 
         discard_stdout()
     failed = [s for s in status.get("slots", []) if s.get("state") == "failed"] + [

@@ -1,27 +1,25 @@
-"""``slotsync``: user commands. ``slotsync demo`` runs the main job end to end."""
+"""``slotsync``: user commands. ``slotsync demo`` runs the main job end to end.
+
+The top of the package (entry point ``slotsync = slotsync.cli:main``, also ``python -m
+slotsync``): this ``__init__`` holds the command line and dispatches to each subcommand's
+module, importing it only when that subcommand is named. Here live the small commands
+themselves: ``status`` (``slotsync status``: the daemon's slots from its ``/status``, with
+``status_peers`` for engines over several nodes), ``slots`` (``slotsync slots drop``) and
+``keys`` (``slotsync keys``: a node daemon's CURVE key pair). The bigger commands have their
+own packages below: ``slotsync.demo`` and ``slotsync.bench``.
+
+May import everything below it (the demo, the benches, the daemon, the engines, ``testing``,
+``protocol``, ``slotsync.console``); nothing of slotsync imports it (the layers contract in
+``pyproject.toml``).
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from slotsync import __version__
-
-CLOSED_STDOUT_EXIT = 141
-"""Exit status of a command cut short because its stdout's reader went away (``slotsync demo
-| head -3``): 128 + SIGPIPE, what a program killed by SIGPIPE reports."""
-
-
-def discard_stdout() -> None:
-    """Point stdout's file descriptor at /dev/null after its reader went away (a
-    ``BrokenPipeError`` from a print): Python's flush at exit then writes nowhere, instead of
-    printing 'Exception ignored ... BrokenPipeError' on stderr."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    finally:
-        os.close(devnull)
+from slotsync.console import CLOSED_STDOUT_EXIT, discard_stdout
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,26 +37,26 @@ def build_parser() -> argparse.ArgumentParser:
         description=demo.__doc__.split("\n\n")[1] if demo.__doc__ else None,
     )
     demo.build_parser(d)
-    from slotsync import status_cli
+    from slotsync.cli import status
 
     st = sub.add_parser("status", help="show the daemon's slots (exit 1 if one failed, 2 if "
-                        "the daemon is unreachable)", description=status_cli.__doc__)
-    status_cli.build_parser(st)
-    from slotsync import slots_cli
+                        "the daemon is unreachable)", description=status.__doc__)
+    status.build_parser(st)
+    from slotsync.cli import slots
 
     sl = sub.add_parser("slots", help="operator actions on engine slots (drop)",
-                        description=slots_cli.__doc__)
-    slots_cli.build_parser(sl)
+                        description=slots.__doc__)
+    slots.build_parser(sl)
     from slotsync.bench import cli as bench_cli
 
     b = sub.add_parser("bench", help="control-plane (CPU) and data-plane (GPU) benchmarks")
     bench_cli.build_parser(b)
-    from slotsync import keys_cli
+    from slotsync.cli import keys
 
     k = sub.add_parser("keys", help="make a node daemon's CURVE key pair (engines over "
-                       "several nodes)", description=keys_cli.__doc__,
+                       "several nodes)", description=keys.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    keys_cli.build_parser(k)
+    keys.build_parser(k)
     return p
 
 
@@ -85,17 +83,17 @@ def _main(argv: list[str] | None) -> None:
 
         sys.exit(bench_cli.main_from_args(args))
     if args.command == "slots":
-        from slotsync import slots_cli
+        from slotsync.cli import slots
 
-        sys.exit(slots_cli.main_from_args(args))
+        sys.exit(slots.main_from_args(args))
     if args.command == "keys":
-        from slotsync import keys_cli
+        from slotsync.cli import keys
 
-        sys.exit(keys_cli.main_from_args(args))
+        sys.exit(keys.main_from_args(args))
     if args.command == "status":
-        from slotsync import status_cli
+        from slotsync.cli import status
 
-        sys.exit(status_cli.main_from_args(args))
+        sys.exit(status.main_from_args(args))
     parser.print_help()
     sys.exit(2)
 

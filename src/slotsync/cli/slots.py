@@ -20,7 +20,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from slotsync.status_cli import DEFAULT_URL
+from slotsync.cli.status import DEFAULT_URL
 
 
 def drop_slot(url: str, slot: tuple[int, int], force: bool, timeout_s: float = 10.0) -> dict:
