@@ -1,6 +1,6 @@
 """The ``Publisher`` of a trainer rank that a test, benchmark or the demo starts (issue 16:
 this set-up was written out four times, in ``tests/trainer_script.py``, ``bench/gpu.py``,
-``bench/soak.py`` and ``demo.py``)."""
+``bench/soak.py`` and ``demo/ranks.py``)."""
 
 from __future__ import annotations
 
