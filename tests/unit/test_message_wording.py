@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from slotsync.daemon.core.registration import RankInfo, rank_held
-from slotsync.daemon.core.slot_table import SlotTable
+from slotsync.daemon.families import SlotTable
 from slotsync.daemon.core.update import Timeouts
 from slotsync.protocol.rank.session import Awaited
 from slotsync.protocol.rank.waits import DaemonWaits

@@ -94,9 +94,6 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-import msgspec
-
-from slotsync.daemon import engine_kind
 from slotsync.daemon.core import begin_agreement, chunk_window, malformed, probe, recovery
 from slotsync.daemon.core.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
 from slotsync.daemon.core.claim_check import ClaimCheck
@@ -106,6 +103,7 @@ from slotsync.daemon.core.engine_session import (
     out_of_step_found,
     replies_in_step,
 )
+from slotsync.daemon.core.family import EngineFamily, Families, HeldErrors, MergeFacts
 from slotsync.daemon.core.registration import (
     RankInfo,
     rank_held,
@@ -113,6 +111,7 @@ from slotsync.daemon.core.registration import (
     wrong_protocol_or_slot,
 )
 from slotsync.daemon.core.update import (
+    BEGIN_STAGES,
     SENT_EVENTS,
     STAGE_INDEX,
     Phase,
@@ -121,13 +120,11 @@ from slotsync.daemon.core.update import (
     Update,
     begin_step,
 )
-from slotsync.daemon.sglang import fence as sglang_fence
-from slotsync.daemon.sglang import versions as sglang_versions
-from slotsync.daemon.sglang.routes import SESSION_OPEN
-from slotsync.daemon.vllm import dp_layout
-from slotsync.daemon.vllm import versions as vllm_versions
 from slotsync.protocol import wire
 from slotsync.protocol.wire import Abort, Ack, Begin, Chunk, Commit, Error, Register, Registered
+
+VERSION_ROUTES = frozenset(BEGIN_STAGES[STAGE_INDEX["version"]].routes)
+"""The version stage's steps: their answers are the families' to read (``Families``)."""
 
 OMITTED_NAMES_POLICIES = ("warn", "refuse")
 """What a successful update that leaves out names the slot's last successful update loaded
@@ -161,6 +158,8 @@ class SlotCoordinator:
         omitted_names: ``"warn"`` or ``"refuse"`` (see ``OMITTED_NAMES_POLICIES``).
         max_message_bytes: the daemon's frame cap in bytes, told to each rank in
             ``Registered`` (0: unknown).
+        families: the engine families it may meet (``core/family.py``; the daemon's are
+            ``slotsync.daemon.families.FAMILIES``), asked every family's rule.
 
     Raises:
         ValueError: ``chunks_in_flight`` < 1, or an unknown ``omitted_names`` policy.
@@ -169,6 +168,7 @@ class SlotCoordinator:
     def __init__(
         self, start: int, size: int, timeouts: Timeouts | None = None, daemon_version: str = "",
         chunks_in_flight: int = 3, omitted_names: str = "warn", max_message_bytes: int = 0,
+        families: Families | None = None,
     ) -> None:
         if chunks_in_flight < 1:
             raise ValueError(f"chunks_in_flight must be >= 1, got {chunks_in_flight}")
@@ -178,6 +178,7 @@ class SlotCoordinator:
         self.chunks_in_flight = chunks_in_flight
         self.omitted_names = omitted_names
         self.max_message_bytes = max_message_bytes
+        self._families = families
         self.start = start
         self.size = size
         self.timeouts = timeouts or Timeouts()
@@ -205,9 +206,9 @@ class SlotCoordinator:
         # calls wait for them (vLLM queues calls in arrival order, but two HTTP requests may
         # overtake each other before they reach its engine core).
         self._orphans: dict[int, str] = {}  # call id -> route
-        # SGLang: a failed update's errors to its ranks, held until no call of it that may
-        # still read their memory is at the engine (_fail, sglang_fence.HeldErrors)
-        self._held_errors = sglang_fence.HeldErrors()
+        # A failed update's errors to its ranks, held until no call of it that may still read
+        # their memory is at the engine (SGLang's chunk calls: _fail, family.HeldErrors)
+        self._held_errors = HeldErrors()
         # After a failed update that paused (or may have paused) an engine whose weights are
         # intact: once the orphans returned, ask /is_paused and resume it (_maintain).
         self._reconcile = False
@@ -217,6 +218,18 @@ class SlotCoordinator:
         self.claims: ClaimCheck | None = None
 
     # ------------------------------------------------------------------ properties
+
+    @property
+    def families(self) -> Families:
+        """The engine families (``Families``) this slot asks."""
+        if self._families is None:
+            raise RuntimeError("a SlotCoordinator needs its engine families (families=)")
+        return self._families
+
+    @property
+    def family(self) -> EngineFamily:
+        """The engine's family (an engine of unknown kind: the default one)."""
+        return self.families.of(self.engine)
 
     @property
     def end(self) -> int:
@@ -404,12 +417,12 @@ class SlotCoordinator:
                 return self._out_of_step(u, now, error)
             self._failed_call = (route, error)
             if route == "version" and "HTTP " in error:  # no version: refused as unknown
-                refusal = engine_kind.version_failure(
-                    self.engine, u, error, self.engine_url or "",
+                verdict = self.families.version_failure(
+                    self.engine, u, error, self.engine_url,
                     any(c.route == "server_info" for c in self._calls.values()))
-                if not refusal:  # (SGLang has no /version: its /server_info tells)
+                if not verdict.fail:  # (SGLang has no /version: its /server_info tells)
                     return self._advance(now)
-                return self._version_refused(now, None, refusal)
+                return self._fail(now, "begin", verdict.fail, [])
             if route == "finish_recover":
                 # Expected when the engine is not (or only partly) mid-update: vllm-contract.md
                 # "Per-worker state": finish tolerating the 500, then a full update.
@@ -418,40 +431,29 @@ class SlotCoordinator:
                 # Weights are complete and the version is recorded; the engine stays paused.
                 return self._complete(now, resume_error=error)
             if (route == "start_weight_update" and not u.start_retried
-                    and ("already active" in error or SESSION_OPEN in error)):
+                    and self.family.session_open(error)):
                 # The engine holds a session nobody recorded (e.g. a daemon restarted without
                 # its state dir): end it, tolerating the 500, and start once more.
                 u.start_retried = True  # (phase stays starting: it may be mid-update)
                 self.engine.mid_update = True
                 u.stage = STAGE_INDEX["recover"]
                 return self._advance(now)
-            who = "SGLang" if self.engine.kind == "sglang" else "vLLM"
-            return self._fail(now, "engine", f"{who} {route} failed: {error}", [])
+            return self._fail(now, "engine", f"{self.family.display} {route} failed: {error}",
+                              [])
         u.last_progress = now
         out: list[Action] = []
         if route == "check_replies":
             if not replies_in_step(result, self.size):
                 return self._out_of_step(u, now, f"it answered {result!r}")
             self.engine.replies_suspect = False
-        elif engine_kind.sglang_answer(self.engine, u, route, result):
-            return self._sglang_known(u, result, now)
-        elif route == "version":
-            text = vllm_versions.version_of(result)
-            refusal = (vllm_versions.check_supported(text, self.engine_url or "the engine")
-                       or engine_kind.vllm_answered(self.engine, self.engine_url or ""))
-            if refusal:
-                return self._version_refused(now, text if isinstance(text, str) else None,
-                                             refusal)
-            out += self._version_known(u, text)
-            chunk_window.merge_waiting(u, self.size, self._merge_facts())
-        elif route == "server_info" and self.engine.kind != "sglang":
-            if u.version_404:  # (no /version and no SGLang: engine_kind.py)
-                return self._version_refused(
-                    now, None, vllm_versions.answer_refusal(u.version_404, self.engine_url
-                                                            or ""))
-            # (a DP layout one endpoint cannot drive: daemon/vllm/dp_layout.py)
-            if dp_layout.check(self.engine, result, self.engine_url or "the engine"):
-                return self._fail(now, "begin", self.engine.dp_layout_refused, [])
+        elif route in VERSION_ROUTES:  # (what they mean: the families, Families)
+            verdict = self.families.version_answer(self.engine, u, route, result, self.slot,
+                                                   self.size, self.engine_url)
+            if verdict.fail:  # (before the pause: the version stages come first)
+                return self._fail(now, "begin", verdict.fail, [])
+            if verdict.merge:  # (the kind is known: the chunks that waited for it)
+                chunk_window.merge_waiting(u, self.size, self._merge_facts())
+            out += verdict.events
         elif route == "get_world_size":
             ws = result.get("world_size") if isinstance(result, dict) else None
             if ws != self.size:
@@ -481,22 +483,21 @@ class SlotCoordinator:
             u.on(PhaseEvent.STARTED)
             u.engine_started_at = now
             self.engine.mid_update = True
-            if self.engine.kind == "sglang" and sglang_fence.needed(self.engine.sglang_version):
-                u.fence = sglang_fence.Fence()
+            u.fence = self.family.fence(self.engine)  # (SGLang's: ack once proven)
             actions: list[Action] = [
                 Reply(self.ranks[r].identity, Ack(u.update_id, "begin")) for r in sorted(u.begun)
             ]
             return actions + self._advance(now)
         elif route == "update_weights":
             due = chunk_window.returned(u, call.index)
-            if u.fence is not None:  # (SGLang: acked once proven, daemon/sglang/fence.py)
+            if u.fence is not None:  # (acked once proven: family.ChunkFence)
                 due = u.fence.on_chunk_reply(call.call_id, call.index, due)
             return self._chunk_acks(u, due) + self._advance(now)
         elif route == "prove_copies":
             return self._chunk_acks(u, u.fence.on_proof(call.call_id) if u.fence else []
                                     ) + self._advance(now)
         elif route == "finish_weight_update":
-            if u.fence is not None:  # (the end proves every chunk's copies, daemon/sglang/fence.py)
+            if u.fence is not None:  # (the end proves every chunk's copies: ChunkFence)
                 out += self._chunk_acks(u, u.fence.on_proof(call.call_id))
             u.on(PhaseEvent.FINISHED)
             self.engine.mid_update = False
@@ -532,42 +533,6 @@ class SlotCoordinator:
         (rank-local: not every rank sends every chunk)."""
         return [Reply(i.identity, Ack(u.update_id, "chunk", idx))
                 for idx in due for i in self._by_rank() if u.sent_count.get(i.rank, 0) > idx]
-
-    def _sglang_known(self, u: Update, info: Any, now: float) -> list[Action]:
-        """The engine is SGLang and ``info`` its ``/server_info``: check its version and
-        layout (before the pause), then merge the chunks that waited for the kind."""
-        if not sglang_versions.looks_like_sglang(info):  # (declared SGLang, answered not)
-            return self._version_refused(now, None, engine_kind.declared_sglang_but(
-                self.engine, self.engine_url or "", info))
-        first = self.engine.sglang_version is None and self.engine.kind != "sglang"
-        refusal = engine_kind.sglang_version_refusal(self.engine, info, self.size,
-                                                     self.engine_url or "the engine")
-        if refusal:
-            return self._fail(now, "begin", refusal, [])
-        chunk_window.merge_waiting(u, self.size, self._merge_facts())
-        out: list[Action] = []
-        if first and self.engine.declared_kind is None:
-            out.append(SlotEvent(self.slot, "engine_kind_detected", {
-                "engine": self.engine_url, "kind": "sglang",
-                "sglang_version": self.engine.sglang_version}, warning=False))
-        return out + self._advance(now)
-
-    def _version_known(self, u: Update, text: str) -> list[Action]:
-        """``GET /version`` named a supported vLLM version: cache it (``EngineSession``); a
-        line for the log when it changed (an engine restarted with another vLLM)."""
-        old, self.engine.vllm_version = self.engine.vllm_version, text
-        self.engine.version_refused = ""
-        if old is None or old == text:
-            return []
-        return [SlotEvent(self.slot, "engine_vllm_version_changed", {
-            "engine": self.engine_url, "update_id": u.update_id, "vllm_version": text,
-            "before": old}, warning=False)]
-
-    def _version_refused(self, now: float, text: str | None, refusal: str) -> list[Action]:
-        """The engine's vLLM version is unsupported or unknown (``refusal`` says which): fail
-        the update in its begin, before the pause (the version stages come first)."""
-        self.engine.vllm_version, self.engine.version_refused = text, refusal
-        return self._fail(now, "begin", refusal, [])
 
     def on_connection_lost(self, now: float) -> list[Action]:
         """The engine's HTTP client saw a refused or reset connection (counted by
@@ -822,11 +787,11 @@ class SlotCoordinator:
             return self._fail(now, "chunk", why, [])
         return self._advance(now)
 
-    def _merge_facts(self) -> chunk_window.MergeFacts:
-        return chunk_window.MergeFacts(
+    def _merge_facts(self) -> MergeFacts:
+        return MergeFacts(
             {r: i.gpu_uuid for r, i in self.ranks.items()}, bool(self.packed),
             self.transport or "cuda", self.engine.world_size or self.size,
-            self.engine.known_kind)
+            self.families.known(self.engine))
 
     def _on_commit(self, rank: int, msg: Commit, now: float) -> list[Action]:
         u = self.current
@@ -849,7 +814,7 @@ class SlotCoordinator:
         event = SENT_EVENTS.get(route)
         if event is not None:
             u.on(event)
-        if u.fence is not None and route in sglang_fence.PROVING_STEPS:
+        if u.fence is not None and u.fence.proves(route):
             u.fence.on_send(call.call_id)
         self.engine_calls[route] = self.engine_calls.get(route, 0) + 1
         return [call]
@@ -874,17 +839,13 @@ class SlotCoordinator:
                                                u.sendable_until())
         if mismatch is not None:  # I2: the engine never sees an inconsistent chunk
             return self._fail(now, "chunk", str(mismatch), [])  # ranks differ; none missing
-        for idx, merged in ready:
-            # (the JSON text made at merge time, embedded as is by the client's encoder;
-            # SGLang's is the whole /update_weights_from_tensor body, daemon/sglang/merge.py)
-            raw = msgspec.Raw(merged.update_info_json)
-            out += self._call(u, "update_weights", raw if merged.engine_kind == "sglang"
-                              else {"update_info": raw}, idx)
+        for idx, merged in ready:  # (the body: the JSON made at merge time, EngineFamily)
+            out += self._call(u, "update_weights", self.family.chunk_body(merged), idx)
         if out or self._calls:
             return out
         if u.fence is not None and u.fence.waiting() and not u.all_consumed(self.size):
             # no chunk call is out to prove the loaded ones, and the publisher may wait for
-            # their regions: prove them with a call that loads nothing (daemon/sglang/fence.py)
+            # their regions: prove them with a call that loads nothing (family.ChunkFence)
             return self._call(u, "prove_copies", {"ranks": self.size})
         if u.draft:
             return self._advance_draft(u, now)
@@ -918,21 +879,19 @@ class SlotCoordinator:
 
     def _advance_begin(self, u: Update, now: float) -> list[Action]:
         """Issue the next begin stage whose condition holds (``update.begin_step``)."""
+        family = self.family
         step = begin_step(u, self.engine, self.ranks, self.size, bool(self._calls),
-                          self.engine_url)
+                          self.engine_url, family)
         if step.fail:
             return self._fail(now, "begin", step.fail, [])
         if step.check:  # the first executor call after a worker's failure checks the replies
             return self._call(u, "check_replies", CHECK_REPLIES)
         out: list[Action] = []
         for route in step.stage.routes if step.stage else ():
-            if route in ("version", "server_info"):
-                u.kind_asked = self.engine.kind is None  # (engine_kind.py)
-            body = ({"init_info": {"packed": self.packed}}
-                    if route == "init_weight_transfer_engine" else
-                    {"method": "supports_draft_weight_updates"} if route == "draft_support"
-                    else None)
-            out += self._call(u, route, body, needs_record=step.stage.needs_record)
+            if route in VERSION_ROUTES:
+                u.kind_asked = self.engine.kind is None  # (slotsync.daemon.families)
+            out += self._call(u, route, family.step_body(route, self.packed),
+                              needs_record=step.stage.needs_record)
         return out
 
     def _before_finish(self, u: Update, now: float) -> list[Action]:
@@ -1026,8 +985,8 @@ class SlotCoordinator:
             self._reconcile = False  # (another engine from now on)
             self.set_engine_url(self._pending_url)
         actions: list[Action] = [Reply(i.identity, err) for i in self._by_rank()]
-        if self.engine.kind == "sglang":  # (until no call of it reads their memory)
-            actions = self._held_errors.hold(actions, self._orphans)
+        # (held until no call of it reads their memory: SGLang's chunk calls)
+        actions = self._held_errors.hold(actions, self._orphans, self.family.reads_memory)
         actions.append(UpdateEnded(self.slot, self.engine_url or "", u.update_id,
                                    u.weight_version, "failed", now - u.started_at,
                                    u.next_index, u.consumed_bytes, message))

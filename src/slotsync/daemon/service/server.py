@@ -36,6 +36,7 @@ from slotsync.daemon.core.coordinator import (
     Timeouts,
 )
 from slotsync.daemon.core.slot_table import SlotTable
+from slotsync.daemon.families import FAMILIES
 from slotsync.daemon.node_links import spans
 from slotsync.daemon.node_links.peer_io import PeerLinks
 from slotsync.daemon.node_links.peer_keys import PeerKeyError, load_keys
@@ -98,6 +99,7 @@ class Daemon:
             config.slot_release_s,
             config.max_message_bytes,
             check_claims=True,  # (claim_check.py)
+            families=FAMILIES,
         )
         self.metrics.watch(self.table)  # slot/rank/in-flight gauges read the table per scrape
         self.endpoint = config.endpoint()
