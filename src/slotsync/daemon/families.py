@@ -34,6 +34,7 @@ from slotsync.daemon.core.actions import SlotEvent
 from slotsync.daemon.core.engine_session import EngineSession
 from slotsync.daemon.core.family import EngineFamily, VersionVerdict
 from slotsync.daemon.core.update import Update
+from slotsync.daemon.engine_http import EngineHttp
 from slotsync.daemon.sglang import versions as sglang_versions
 from slotsync.daemon.sglang.client import SglangClient
 from slotsync.daemon.sglang.family import SGLANG
@@ -204,7 +205,7 @@ class Families:
         return _version_refused(engine, None, refusal) if refusal else VersionVerdict()
 
     def client_for(self, engine: EngineSession, url: str
-                   ) -> tuple[str, Callable[[str, float, Any], VllmClient]]:
+                   ) -> tuple[str, Callable[..., EngineHttp]]:
         """``(key, client class)`` of ``engine``'s HTTP client at ``url``: ``SglangClient`` for
         an SGLang engine (issue 26), else ``VllmClient`` (an engine of unknown kind is asked
         as vLLM is); the executor keeps one client per key for the daemon's life."""
@@ -212,7 +213,7 @@ class Families:
             return f"sglang+{url}", SglangClient
         return url, VllmClient
 
-    async def call(self, client: VllmClient, route: str, body: Any,
+    async def call(self, client: EngineHttp, route: str, body: Any,
                    engine: EngineSession) -> Any:
         """Run step ``route`` with ``body`` on ``client`` (SGLang's in its dialect: the
         engine's SGLang version and pause mode).

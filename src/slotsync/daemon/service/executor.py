@@ -22,11 +22,11 @@ from typing import Any
 from slotsync.daemon.core.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
 from slotsync.daemon.core.engine_session import EngineSession
 from slotsync.daemon.core.slot_table import SlotTable
+from slotsync.daemon.engine_http import EngineError, EngineHttp
 from slotsync.daemon.families import FAMILIES, Families
 from slotsync.daemon.service.logs import RateLimiter, log_event
 from slotsync.daemon.service.metrics import Metrics
 from slotsync.daemon.service.mid_update_record import MidUpdateEngine, MidUpdateRecord
-from slotsync.daemon.vllm.client import EngineError, VllmClient
 from slotsync.protocol.wire import Error, FromDaemon, Registered
 
 log = logging.getLogger("slotsync.daemon")
@@ -67,7 +67,7 @@ class ActionExecutor:
         self.table, self.record, self.metrics = table, record, metrics
         self._send, self._after, self._now = send, after, now
         self._rejects, self._engine_timeout_s = rejects, engine_timeout_s
-        self.clients: dict[str, VllmClient] = {}
+        self.clients: dict[str, EngineHttp] = {}
         self.tasks: set[asyncio.Task] = set()
         self.last_update = ""  # the last update's outcome, for STATUS=
         # Record writes run in order on one thread, off the event loop (a slow state disk
@@ -162,7 +162,7 @@ class ActionExecutor:
             log_event(log, logging.ERROR, "record_write_failed", path=str(self.record.path),
                       error=str(fut.exception()))
 
-    def _client(self, url: str, engine: EngineSession) -> VllmClient:
+    def _client(self, url: str, engine: EngineSession) -> EngineHttp:
         """The engine's client, kept for the daemon's life: ``SglangClient`` for an SGLang
         engine (issue 26), else ``VllmClient`` (an engine of unknown kind is asked as vLLM
         is: ``Families.client_for``)."""
