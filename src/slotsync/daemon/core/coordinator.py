@@ -110,6 +110,7 @@ from slotsync.daemon.core.registration import (
     unlike_the_slot,
     wrong_protocol_or_slot,
 )
+from slotsync.daemon.core.slot_status import slot_status
 from slotsync.daemon.core.update import (
     BEGIN_STAGES,
     SENT_EVENTS,
@@ -687,10 +688,8 @@ class SlotCoordinator:
     # ------------------------------------------------------------------ status
 
     def status(self, now: float | None = None) -> dict:
-        """A JSON-able snapshot for ``/status`` (``status_documents.slot_status``); ``now``:
+        """A JSON-able snapshot for ``/status`` (``slot_status.slot_status``); ``now``:
         monotonic seconds (rank ages)."""
-        from slotsync.daemon.service.status_documents import slot_status  # (it imports this module)
-
         return slot_status(self, now)
 
     def by_rank(self) -> list[RankInfo]:

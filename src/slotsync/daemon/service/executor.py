@@ -24,7 +24,7 @@ from slotsync.daemon.core.engine_session import EngineSession
 from slotsync.daemon.core.slot_table import SlotTable
 from slotsync.daemon.engine_http import EngineError, EngineHttp
 from slotsync.daemon.families import FAMILIES, Families
-from slotsync.daemon.service.logs import RateLimiter, log_event
+from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.service.metrics import Metrics
 from slotsync.daemon.service.mid_update_record import MidUpdateEngine, MidUpdateRecord
 from slotsync.protocol.wire import Error, FromDaemon, Registered
