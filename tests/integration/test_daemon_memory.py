@@ -13,8 +13,8 @@ import os
 import pytest
 
 from slotsync.bench.soak import verdict
-from slotsync.daemon.core.aggregation import merge_chunk
 from slotsync.daemon.vllm import ipc_pickle as vllm_pickle
+from slotsync.daemon.vllm.merge import merge_chunk
 from slotsync.protocol.wire import Chunk, CudaIpcHandle, logical_gpu_uuid
 
 

@@ -26,7 +26,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from slotsync.daemon.core.coordinator import SlotState, Timeouts
-from slotsync.daemon.core.slot_table import SlotTable
+from slotsync.daemon.families import SlotTable
 from slotsync.daemon.service.metrics import Metrics
 from slotsync.engine.launcher import free_port
 from slotsync.protocol.wire import PROTOCOL_VERSION, Begin, Register

@@ -36,7 +36,7 @@ pytest.importorskip("vllm.v1.worker.gpu_worker")
 pytest.importorskip("vllm.distributed.weight_transfer.ipc_engine")
 torch = pytest.importorskip("torch")
 
-from slotsync.daemon.core.aggregation import merge_chunk  # noqa: E402
+from slotsync.daemon.vllm.merge import merge_chunk  # noqa: E402
 from slotsync.engine.checksum import checksums_by_worker, tensor_checksum  # noqa: E402
 from slotsync.engine.launcher import ReferenceEngine  # noqa: E402
 from slotsync.protocol.rank.export import ShmSegment  # noqa: E402

@@ -11,9 +11,11 @@ from slotsync.daemon.core.aggregation import ChunkMismatch
 from slotsync.daemon.core.engine_session import EngineSession
 from slotsync.daemon.core.registration import RankInfo
 from slotsync.daemon.core.update import BEGIN_STAGES, Update, begin_step
+from slotsync.daemon.vllm import family as vllm_family
+from slotsync.daemon.vllm.family import VLLM
 from slotsync.protocol.wire import Chunk, ShmHandle
 
-FACTS = chunk_window.MergeFacts({0: "GPU-0", 1: "GPU-1"}, True, "shm", 2)
+FACTS = chunk_window.MergeFacts({0: "GPU-0", 1: "GPU-1"}, True, "shm", 2, VLLM)
 
 
 def one_chunk(index: int, rank: int) -> Chunk:
@@ -27,7 +29,7 @@ def begun(*ranks: int) -> Update:
 
 def test_receive_merges_only_once_every_rank_sent_the_chunk(monkeypatch):
     seen: list[int] = []
-    monkeypatch.setattr(chunk_window, "merge_chunk",
+    monkeypatch.setattr(vllm_family, "merge_chunk",
                         lambda idx, got, *a, **k: seen.append(idx) or f"merged {idx}")
     u = begun(0, 1)
     assert chunk_window.receive(u, 0, one_chunk(0, 0), 1.0, 2, FACTS) == ""

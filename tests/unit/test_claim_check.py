@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from test_coordinator import URL, EngineCall, Harness, Reply, UpdateEnded, reg
 
-from slotsync.daemon.core.slot_table import SlotTable
+from slotsync.daemon.families import SlotTable
 from slotsync.protocol.wire import Error, Registered
 
 

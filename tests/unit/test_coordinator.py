@@ -56,7 +56,7 @@ from slotsync.daemon.core.coordinator import (
     Timeouts,
     UpdateEnded,
 )
-from slotsync.daemon.core.slot_table import SlotTable
+from slotsync.daemon.families import SlotTable
 from slotsync.protocol.wire import (
     NOT_REGISTERED,
     PROTOCOL_VERSION,
@@ -354,7 +354,7 @@ def _answer_begin(h: Harness) -> None:
 @pytest.mark.parametrize("in_flight", [1, 2])
 def test_chunk_sent_ahead_is_merged_while_the_engine_loads_the_previous_one(monkeypatch,
                                                                             in_flight):
-    import slotsync.daemon.core.chunk_window as chunk_window  # (merge-ahead lives there)
+    import slotsync.daemon.vllm.family as chunk_window  # (vLLM's merge, at merge-ahead)
 
     merges: list[int] = []
     merged: dict[int, bytes] = {}  # the update_info JSON text, made at merge time

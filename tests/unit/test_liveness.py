@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from slotsync.daemon.logs import RateLimiter
 from slotsync.daemon.service.liveness import ConnectionBook
-from slotsync.daemon.service.logs import RateLimiter
 from slotsync.protocol.liveness import heartbeat_options, peer_pid
 
 

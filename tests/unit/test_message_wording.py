@@ -6,8 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from slotsync.daemon.core.registration import RankInfo, rank_held
-from slotsync.daemon.core.slot_table import SlotTable
 from slotsync.daemon.core.update import Timeouts
+from slotsync.daemon.families import SlotTable
 from slotsync.protocol.rank.session import Awaited
 from slotsync.protocol.rank.waits import DaemonWaits
 from slotsync.protocol.wire import PROTOCOL_VERSION, Register, logical_gpu_uuid

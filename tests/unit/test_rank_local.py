@@ -16,11 +16,11 @@ from test_coordinator import URL, Harness
 
 from slotsync.daemon.core.rank_local import (
     chunk_refusal,
-    merge_rank_local,
     shared_refusal,
     table_refusal,
 )
 from slotsync.daemon.vllm.ipc_pickle import pickle_unpacked
+from slotsync.daemon.vllm.merge import merge_rank_local
 from slotsync.protocol import wire
 from slotsync.protocol.rank.inputs import rank_local_args as _rank_local_args
 from slotsync.protocol.topology import EngineSlot
@@ -298,7 +298,8 @@ def test_draft_round_on_a_vllm_without_draft_sessions_is_refused():
     """update.draft_refusal names the missing feature where the version lacks draft
     sessions (0.26+); with 0.32 the draft part may go."""
     from slotsync.daemon.core.engine_session import EngineSession
-    from slotsync.daemon.core.update import Update, draft_refusal
+    from slotsync.daemon.core.update import Update
+    from slotsync.daemon.vllm.family import draft_refusal
 
     u = Update(0, "v1", 0.0, {0}, 0.0, draft=True)
     e = EngineSession()

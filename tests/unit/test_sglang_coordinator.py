@@ -16,8 +16,8 @@ from test_coordinator import chunk, ident, reg
 
 from slotsync.daemon.core.actions import EngineCall, Reply, UpdateEnded
 from slotsync.daemon.core.coordinator import SlotState
-from slotsync.daemon.core.slot_table import SlotTable
 from slotsync.daemon.core.update import Timeouts
+from slotsync.daemon.families import SlotTable
 from slotsync.daemon.sglang.routes import EMPTY_UPDATE, Dialect, answer, plan
 from slotsync.protocol.wire import Ack, Begin, Commit, Error
 

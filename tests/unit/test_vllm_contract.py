@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 ipc = pytest.importorskip("vllm.distributed.weight_transfer.ipc_engine")
 torch = pytest.importorskip("torch")
 
-from slotsync.daemon.core.aggregation import merge_chunk  # noqa: E402
+from slotsync.daemon.vllm.merge import merge_chunk  # noqa: E402
 from slotsync.protocol.wire import Chunk, CudaIpcHandle  # noqa: E402
 
 pytestmark = pytest.mark.vllm

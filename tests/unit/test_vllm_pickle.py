@@ -283,7 +283,7 @@ def test_vllms_own_receive_path_maps_the_shm_stand_in():
 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     ipc = pytest.importorskip("vllm.distributed.weight_transfer.ipc_engine")
-    from slotsync.daemon.core.aggregation import merge_chunk
+    from slotsync.daemon.vllm.merge import merge_chunk
     from slotsync.engine import cuda_standin
     from slotsync.protocol.wire import Chunk
 

@@ -18,8 +18,8 @@ import time
 from slotsync.bench.fake_exports import FakeExports
 from slotsync.bench.model import Qwen3MoeConfig, chunk_specs, qwen3_moe_specs
 from slotsync.bench.report import int_arg
-from slotsync.daemon.core.aggregation import merge_chunk
 from slotsync.daemon.vllm import ipc_pickle as vllm_pickle
+from slotsync.daemon.vllm.merge import merge_chunk
 from slotsync.protocol import wire
 from slotsync.protocol.rank.export import handle_from_reduce_args
 

@@ -2,8 +2,10 @@
 
 Pure functions, no I/O. A chunk goes to the engine only when every rank of the slot has sent
 it, its names / dtypes / shapes / sizes agree across ranks, and the GPU UUIDs are distinct and
-as many as the engine's world size (design.md I2). The merged form is vLLM's ``update_info``
-body for the IPC backend (vllm-contract.md "update_info for the IPC backend").
+as many as the engine's world size (design.md I2): ``check_chunk``, for every engine family.
+The merged form is the family's (``EngineFamily.merge``: vLLM's ``update_info``,
+``daemon/vllm/merge.py``; SGLang's ``/update_weights_from_tensor`` body,
+``daemon/sglang/merge.py``).
 """
 
 from __future__ import annotations
@@ -11,9 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import msgspec
-
-from slotsync.daemon.vllm.ipc_pickle import pickle_packed, pickle_unpacked
 from slotsync.protocol.wire import Chunk, CudaIpcHandle, ShmHandle
 
 SAME_CHUNKS_RULE = (
@@ -55,48 +54,6 @@ class MergedChunk:
     num_tensors: int
     nbytes: int
     update_info_json: bytes = b""
-    engine_kind: str = "vllm"  # "sglang": update_info is /update_weights_from_tensor's body
-
-
-def merge_chunk(
-    index: int,
-    chunks: Mapping[int, Chunk],
-    uuid_of_rank: Mapping[int, str],
-    *,
-    packed: bool,
-    transport: str,
-    world_size: int,
-) -> MergedChunk:
-    """Validate one chunk across the ranks of a slot and build its ``update_info``.
-
-    Args:
-        index: the chunk index (for messages).
-        chunks: rank -> that rank's ``Chunk`` message; must hold every rank of the slot.
-        uuid_of_rank: rank -> GPU UUID (torch format) from registration.
-        packed: vLLM packed transfer (one uint8 buffer handle per rank) or unpacked.
-        transport: ``"cuda"`` or ``"shm"``: the handle kind every rank must send.
-        world_size: the engine's ``/get_world_size``: the number of GPU UUIDs required.
-
-    Raises:
-        ChunkMismatch: a rank's names, dtypes, shapes or sizes differ from the lowest rank's,
-            a handle of the wrong kind or count, duplicate UUIDs, or a UUID count other than
-            ``world_size``. The message names the first differing tensor and the ranks.
-    """
-    ref = check_chunk(index, chunks, uuid_of_rank, packed=packed, transport=transport,
-                      world_size=world_size)
-    ranks = sorted(chunks)
-    info: dict = {"names": ref.names, "dtype_names": ref.dtype_names, "shapes": ref.shapes}
-    if packed:
-        pickled = pickle_packed({uuid_of_rank[r]: chunks[r].handles[0] for r in ranks})
-        info["tensor_sizes"] = ref.tensor_sizes
-    else:
-        pickled = pickle_unpacked(
-            [uuid_of_rank[r] for r in ranks], [chunks[r].handles for r in ranks],
-            dtype_names=ref.dtype_names, shapes=ref.shapes,  # (shm handles carry neither)
-        )
-    info["ipc_handles_pickled"] = pickled  # bytes: base64 by the JSON encoder (see MergedChunk)
-    return MergedChunk(index, info, len(ref.names), sum(ref.tensor_sizes),
-                       msgspec.json.encode(info))
 
 
 def check_chunk(
@@ -108,11 +65,21 @@ def check_chunk(
     transport: str,
     world_size: int,
 ) -> Chunk:
-    """The checks of ``merge_chunk`` (its arguments and errors), for any engine kind; returns
-    the lowest rank's chunk, which every other rank's agrees with.
+    """Validate one chunk across the ranks of a slot, for any engine family; returns the
+    lowest rank's chunk, which every other rank's agrees with.
+
+    Args:
+        index: the chunk index (for messages).
+        chunks: rank -> that rank's ``Chunk`` message; must hold every rank of the slot.
+        uuid_of_rank: rank -> GPU UUID (torch format) from registration.
+        packed: packed transfer (one uint8 buffer handle per rank) or unpacked.
+        transport: ``"cuda"`` or ``"shm"``: the handle kind every rank must send.
+        world_size: the engine's ``/get_world_size``: the number of GPU UUIDs required.
 
     Raises:
-        ChunkMismatch: as ``merge_chunk``.
+        ChunkMismatch: a rank's names, dtypes, shapes or sizes differ from the lowest rank's,
+            a handle of the wrong kind or count, duplicate UUIDs, or a UUID count other than
+            ``world_size``. The message names the first differing tensor and the ranks.
     """
     ranks = sorted(chunks)
     ref_rank = ranks[0]

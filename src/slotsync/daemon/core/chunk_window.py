@@ -6,10 +6,10 @@ Rules (design.md "Flow of one round", I2, I3):
 * Intake: a rank sends chunks 0, 1, ... after its begin and before its commit, and no further
   than another rank's commit (``Update.chunk_out_of_order``, ``aggregation.SAME_CHUNKS_RULE``);
   chunks may arrive while the begin still runs.
-* Merge-ahead: chunk k is merged the moment every rank of the slot sent it
-  (``aggregation.merge_chunk``), not when its turn comes, so that the engine never waits for
-  the daemon while it loads an earlier chunk. A mismatch is kept in ``Update.merged`` and
-  fails the update when the chunk's turn comes.
+* Merge-ahead: chunk k is merged the moment every rank of the slot sent it (the engine
+  family's ``merge``: ``aggregation.check_chunk``, then its payload), not when its turn
+  comes, so that the engine never waits for the daemon while it loads an earlier chunk. A
+  mismatch is kept in ``Update.merged`` and fails the update when the chunk's turn comes.
 * Window: chunks go to the engine in index order (``Update.next_send``), at most
   ``chunks_in_flight`` ``/update_weights`` calls at once. A mismatched chunk fails the update
   only once no call is left at the engine (I2: the engine never sees an inconsistent chunk).
@@ -21,54 +21,28 @@ Rules (design.md "Flow of one round", I2, I3):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from slotsync.daemon.core.aggregation import (
     SAME_CHUNKS_RULE,
     ChunkMismatch,
     MergedChunk,
-    merge_chunk,
 )
-from slotsync.daemon.core.rank_local import chunk_refusal, merge_rank_local
+from slotsync.daemon.core.family import MergeFacts
+from slotsync.daemon.core.rank_local import chunk_refusal
 from slotsync.daemon.core.update import Update
-from slotsync.daemon.sglang import merge as sglang_merge
 from slotsync.protocol.wire import Chunk
-
-
-@dataclass(frozen=True, slots=True)
-class MergeFacts:
-    """What a merge needs to know of the slot: each rank's GPU UUID, the packed mode, the
-    transport (``"cuda"`` or ``"shm"``), the engine's world size and its kind (``"vllm"``,
-    ``"sglang"``; None: not known yet -- complete chunks wait, unmerged, until the version
-    stage told it: ``merge_waiting``)."""
-
-    gpu_uuids: Mapping[int, str]
-    packed: bool
-    transport: str
-    world_size: int
-    kind: str | None = "vllm"
 
 
 def merge(idx: int, got: dict[int, Chunk], facts: MergeFacts,
           u: Update | None = None) -> MergedChunk | ChunkMismatch:
-    """Check and merge chunk ``idx`` that every rank sent (``got``: rank -> chunk); a mismatch
-    is returned, not raised, and kept until the chunk's turn comes. A rank-local update
-    ``u`` gets the list form (``rank_local.merge_rank_local``)."""
+    """Check and merge chunk ``idx`` that every rank sent (``got``: rank -> chunk) into the
+    payload of the engine's family (``facts.family``, ``EngineFamily.merge``: rank-local
+    update ``u`` gets vLLM's list form); a mismatch is returned, not raised, and kept until
+    the chunk's turn comes."""
+    assert facts.family is not None  # (the callers wait for the kind: receive, merge_waiting)
     try:
-        if facts.kind == "sglang":
-            if u is not None and u.rank_local:
-                raise ChunkMismatch(f"chunk {idx}: rank-local mode is vLLM's (its workers "
-                                    "load their own ranks' tensors); SGLang has no such mode")
-            return sglang_merge.merge_chunk(
-                idx, got, {r: facts.gpu_uuids[r] for r in got}, packed=facts.packed,
-                transport=facts.transport, world_size=facts.world_size)
-        if u is not None and u.rank_local:
-            return merge_rank_local(idx, got, u.worker_of, facts.gpu_uuids, u.fill_handles,
-                                    packed=facts.packed, transport=facts.transport,
-                                    world_size=facts.world_size)
-        return merge_chunk(idx, got, {r: facts.gpu_uuids[r] for r in got}, packed=facts.packed,
-                           transport=facts.transport, world_size=facts.world_size)
+        return facts.family.merge(idx, got, facts, u)
     except ChunkMismatch as e:
         return e
 
@@ -94,7 +68,7 @@ def receive(u: Update, rank: int, msg: Chunk, now: float, size: int,
     got[rank] = msg
     u.first_arrival.setdefault(msg.index, now)
     u.last_progress = now
-    if _complete(u, msg.index, size) and facts.kind is not None:
+    if _complete(u, msg.index, size) and facts.family is not None:
         u.merged[msg.index] = merge(msg.index, got, facts, u)
     return ""
 
@@ -102,7 +76,7 @@ def receive(u: Update, rank: int, msg: Chunk, now: float, size: int,
 def merge_waiting(u: Update, size: int, facts: MergeFacts) -> None:
     """Merge the complete chunks that arrived before the engine's kind was known (``facts``
     now tells it): the first begin against an engine the table does not declare."""
-    if facts.kind is None:
+    if facts.family is None:
         return
     for idx in sorted(u.pending):
         if idx >= u.next_send and idx not in u.merged and _complete(u, idx, size):
@@ -153,7 +127,7 @@ def _complete(u: Update, idx: int, size: int) -> bool:
 def merge_completed(u: Update, size: int, facts: MergeFacts) -> None:
     """Rank-local: after a commit, merge the chunks it completed (the committing rank sent
     fewer chunks than others: they get its empty entry)."""
-    if not u.rank_local:
+    if not u.rank_local or facts.family is None:  # (merge_waiting merges them then)
         return
     for idx in sorted(u.pending):
         if idx >= u.next_send and idx not in u.merged and _complete(u, idx, size):

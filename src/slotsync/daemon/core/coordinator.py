@@ -7,8 +7,9 @@ engine's HTTP client (``on_connection_lost``) and the clock (``poll``) -- and ex
 actions it returns (``actions.py``):
 
 * ``Reply(identity, msg)``: send a wire message to a rank's socket identity;
-* ``EngineCall(call_id, update_id, route, body, slot, index, needs_record)``: one vLLM HTTP
-  call; its outcome must come back through ``on_engine_result(call_id, ...)``. One begin
+* ``EngineCall(call_id, update_id, route, body, slot, index, needs_record)``: one engine
+  step (its family's client turns it into HTTP requests); its outcome must come back through
+  ``on_engine_result(call_id, ...)``. One begin
   stage at a time per slot (a stage's probes go out together), then up to ``chunks_in_flight``
   ``/update_weights`` calls, so that the engine finds the next chunk's request waiting when it
   finishes one (results may come back in any order; chunks are acknowledged in index order);
@@ -16,46 +17,23 @@ actions it returns (``actions.py``):
 * ``SlotEvent(slot, event, fields)``: something an operator should read in the log (an engine
   restarted, found asleep, resumed after a failed update, names an update left out).
 
-Its parts live beside it: the update in flight, its phase table, begin stages and which
+Its parts live beside it: the engine steps it sends next (``engine_steps.py``: the driver
+``_advance``, begin stages, chunk window, finish and resume) and what the engine's answers do
+and how an update ends (``outcomes.py``: ``on_engine_result``, ``_fail``, ``_complete``), both
+mixed into ``SlotCoordinator``; the update in flight, its phase table, begin stages and which
 one goes out next (``update.begin_step``), deadlines (``Timeouts``, ``Update.wait_in_force``)
 and omitted-names refusals (``update.py``); chunk intake, merge-ahead, the in-flight window,
 ordered acks and the commit's counts (``chunk_window.py``); what is known of the engine
 (``engine_session.py``); what the begin's probe answers mean (``probe.py``); what a failure
 leaves behind, the engine check after it (``recovery.engine_check``) and a previous daemon's
 durable record (``recovery.py``); registration checks (``registration.py``); the ``/status``
-entry (``status_documents.py``).
+entry (``slot_status.py``). Every engine family's rule -- the version stage's answers, what is
+refused before the pause, the chunk payload, when a chunk's memory may go back -- it asks the
+families it was given (``family.py``: ``Families``, ``EngineFamily``; the daemon's are
+``slotsync.daemon.families``): it holds no family's name or rule.
 
-One update (design.md "Flow of one round"); each begin stage runs when the one before it
-returned and its condition holds (``update.BEGIN_STAGES``)::
-
-    stage    engine calls (together)                      when
-    version  version, server_info (GET /version,          the vLLM version is not known, or it
-             GET /server_info): daemon/vllm/versions.py,         or the DP layout is refused, or a
-             daemon/vllm/dp_layout.py (refused before the pause)      restart is suspected
-    probe    get_world_size, weight_info, is_sleeping     every rank registered (each round:
-                                                          world size, session, sleep, I9)
-    version_again  version, server_info                   the probe found a new session
-    init     init_weight_transfer_engine(packed)          the engine is not initialised: the
-                                                          slot's first update, after a failure,
-                                                          or the probe found a new session
-    draft    draft_support (/collective_rpc               a round with a draft part, once per
-             supports_draft_weight_updates)               engine process (issue 18)
-    pause    pause(keep)                                  every rank began, a chunk arrived (an
-                                                          update with no chunk never touches the
-                                                          engine), the GPU UUIDs match (I2)
-    recover  finish_recover (a 500 is expected)           the engine may hold a half-open session
-    start    start_weight_update                          -> Ack(begin) to every rank
-
-    chunk k complete on every rank ─► merge ─► update_weights ─► Ack(chunk k) to every rank
-        (chunks may arrive right after their rank's Begin: they are merged meanwhile and go
-        out once start returned; chunks k+1 .. k+chunks_in_flight-1 may already be at the
-        engine, queued behind k)
-    Commit from every rank (same count, all chunks consumed) ─► finish(version) ─► resume
-      ─► Ack(commit) to every rank
-
-    A round with a draft part (``Begin.draft``, issue 18): once every main chunk was loaded
-    ─► finish(version) ─► start_draft_weight_update ─► draft chunks ─► update_weights ...
-    ─► (every Commit) finish (no version) ─► resume; the engine stays paused in between
+One update's engine calls, stage by stage, are in ``engine_steps.py``'s docstring (design.md
+"Flow of one round").
 
 The probe decides what the daemon knows of the engine (design.md I9): a weight version other
 than the one it last saw, or a refused/reset connection since (``on_connection_lost``) with no
@@ -78,56 +56,37 @@ I3 chunk acks only after ``update_weights`` returned, commit acks only after fin
 I4 resume only after a successful finish, a failed update that started leaves the engine
 paused and ``needs_full_update``; I5 every wait has a deadline; I7 all state keyed by update
 id, stale ids refused; I8 the version is recorded only with a successful finish; I9 above.
-
-Why this file is over 500 lines: it holds one thing, the event handlers of one slot's state
-machine (each ``on_*`` event, the driver ``_advance`` that turns the rule modules' answers into
-engine calls, ``_fail`` and ``_complete``), which share the update in flight, the engine
-session and the slot's calls in flight (the update's, the orphans of a failed one and the
-engine check's); each rule they apply (begin stages, the chunk window, probe answers, failure
-fates, the engine check, the durable record's state, deadlines, registration checks) lives in
-the modules named above, and what stays here is reading events and building the actions they
-cause.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
 
-import msgspec
-
-from slotsync.daemon import engine_kind
-from slotsync.daemon.core import begin_agreement, chunk_window, malformed, probe, recovery
+from slotsync.daemon.core import begin_agreement, chunk_window, malformed, recovery
 from slotsync.daemon.core.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
 from slotsync.daemon.core.claim_check import ClaimCheck
 from slotsync.daemon.core.engine_session import (
-    CHECK_REPLIES,
     EngineSession,
-    out_of_step_found,
-    replies_in_step,
 )
+from slotsync.daemon.core.engine_steps import EngineSteps
+from slotsync.daemon.core.family import EngineFamily, Families, HeldErrors, MergeFacts
+from slotsync.daemon.core.outcomes import Outcomes
 from slotsync.daemon.core.registration import (
     RankInfo,
     rank_held,
     unlike_the_slot,
     wrong_protocol_or_slot,
 )
+from slotsync.daemon.core.slot_status import slot_status
 from slotsync.daemon.core.update import (
-    SENT_EVENTS,
-    STAGE_INDEX,
-    Phase,
-    PhaseEvent,
     Timeouts,
     Update,
-    begin_step,
 )
-from slotsync.daemon.sglang import fence as sglang_fence
-from slotsync.daemon.sglang import versions as sglang_versions
-from slotsync.daemon.sglang.routes import SESSION_OPEN
-from slotsync.daemon.vllm import dp_layout
-from slotsync.daemon.vllm import versions as vllm_versions
 from slotsync.protocol import wire
 from slotsync.protocol.wire import Abort, Ack, Begin, Chunk, Commit, Error, Register, Registered
+
+__all__ = ["OMITTED_NAMES_POLICIES", "Action", "EngineCall", "Reply", "SlotCoordinator",
+           "SlotEvent", "SlotState", "Timeouts", "UpdateEnded"]  # (the actions: actions.py)
 
 OMITTED_NAMES_POLICIES = ("warn", "refuse")
 """What a successful update that leaves out names the slot's last successful update loaded
@@ -145,7 +104,7 @@ class SlotState(StrEnum):
     FAILED = "failed"  # last update failed: engine paused, needs a full update
 
 
-class SlotCoordinator:
+class SlotCoordinator(Outcomes, EngineSteps):
     """State machine of one engine slot ``[start, start + size)`` and its engine.
 
     Args:
@@ -161,6 +120,8 @@ class SlotCoordinator:
         omitted_names: ``"warn"`` or ``"refuse"`` (see ``OMITTED_NAMES_POLICIES``).
         max_message_bytes: the daemon's frame cap in bytes, told to each rank in
             ``Registered`` (0: unknown).
+        families: the engine families it may meet (``core/family.py``; the daemon's are
+            ``slotsync.daemon.families.FAMILIES``), asked every family's rule.
 
     Raises:
         ValueError: ``chunks_in_flight`` < 1, or an unknown ``omitted_names`` policy.
@@ -169,6 +130,7 @@ class SlotCoordinator:
     def __init__(
         self, start: int, size: int, timeouts: Timeouts | None = None, daemon_version: str = "",
         chunks_in_flight: int = 3, omitted_names: str = "warn", max_message_bytes: int = 0,
+        families: Families | None = None,
     ) -> None:
         if chunks_in_flight < 1:
             raise ValueError(f"chunks_in_flight must be >= 1, got {chunks_in_flight}")
@@ -178,6 +140,7 @@ class SlotCoordinator:
         self.chunks_in_flight = chunks_in_flight
         self.omitted_names = omitted_names
         self.max_message_bytes = max_message_bytes
+        self._families = families
         self.start = start
         self.size = size
         self.timeouts = timeouts or Timeouts()
@@ -205,9 +168,9 @@ class SlotCoordinator:
         # calls wait for them (vLLM queues calls in arrival order, but two HTTP requests may
         # overtake each other before they reach its engine core).
         self._orphans: dict[int, str] = {}  # call id -> route
-        # SGLang: a failed update's errors to its ranks, held until no call of it that may
-        # still read their memory is at the engine (_fail, sglang_fence.HeldErrors)
-        self._held_errors = sglang_fence.HeldErrors()
+        # A failed update's errors to its ranks, held until no call of it that may still read
+        # their memory is at the engine (SGLang's chunk calls: _fail, family.HeldErrors)
+        self._held_errors = HeldErrors()
         # After a failed update that paused (or may have paused) an engine whose weights are
         # intact: once the orphans returned, ask /is_paused and resume it (_maintain).
         self._reconcile = False
@@ -217,6 +180,18 @@ class SlotCoordinator:
         self.claims: ClaimCheck | None = None
 
     # ------------------------------------------------------------------ properties
+
+    @property
+    def families(self) -> Families:
+        """The engine families (``Families``) this slot asks."""
+        if self._families is None:
+            raise RuntimeError("a SlotCoordinator needs its engine families (families=)")
+        return self._families
+
+    @property
+    def family(self) -> EngineFamily:
+        """The engine's family (an engine of unknown kind: the default one)."""
+        return self.families.of(self.engine)
 
     @property
     def end(self) -> int:
@@ -376,199 +351,6 @@ class SlotCoordinator:
             return self._fail(now, malformed.phase_of(err), text, [])
         return self._rank_error(rank, malformed.phase_of(err), text, err.update_id)
 
-    def on_engine_result(
-        self, call_id: int, ok: bool, result: Any, error: str, now: float
-    ) -> list[Action]:
-        """The engine call ``call_id`` returned: ``ok`` with the parsed JSON ``result``, or not
-        ok with ``error`` (HTTP status and vLLM's message, or a timeout / connection error)."""
-        self.engine.note_call(ok, error, now)  # (reachable or not: status, issue 24)
-        if call_id in self._maintenance:
-            return self._on_maintenance_result(self._maintenance.pop(call_id), ok, result,
-                                               error, now)
-        call = self._calls.pop(call_id, None)
-        if call is None:
-            # A call of an update that already failed (I7: its result is dropped); the last
-            # one to return lets a waiting update's calls (or the engine check) go out.
-            if call_id in self._orphans:
-                orphan_route = self._orphans.pop(call_id)
-                if not ok:
-                    self.engine.note_reply_trouble(orphan_route, error, self.size)
-                return self._held_errors.release(self._orphans) + self._advance(now)
-            return []
-        u = self.current
-        assert u is not None and u.update_id == call.update_id  # else it would be an orphan
-        route = call.route
-        if not ok:
-            self.engine.note_reply_trouble(route, error, self.size)
-            if route == "check_replies":
-                return self._out_of_step(u, now, error)
-            self._failed_call = (route, error)
-            if route == "version" and "HTTP " in error:  # no version: refused as unknown
-                refusal = engine_kind.version_failure(
-                    self.engine, u, error, self.engine_url or "",
-                    any(c.route == "server_info" for c in self._calls.values()))
-                if not refusal:  # (SGLang has no /version: its /server_info tells)
-                    return self._advance(now)
-                return self._version_refused(now, None, refusal)
-            if route == "finish_recover":
-                # Expected when the engine is not (or only partly) mid-update: vllm-contract.md
-                # "Per-worker state": finish tolerating the 500, then a full update.
-                return self._advance(now)
-            if route == "resume":
-                # Weights are complete and the version is recorded; the engine stays paused.
-                return self._complete(now, resume_error=error)
-            if (route == "start_weight_update" and not u.start_retried
-                    and ("already active" in error or SESSION_OPEN in error)):
-                # The engine holds a session nobody recorded (e.g. a daemon restarted without
-                # its state dir): end it, tolerating the 500, and start once more.
-                u.start_retried = True  # (phase stays starting: it may be mid-update)
-                self.engine.mid_update = True
-                u.stage = STAGE_INDEX["recover"]
-                return self._advance(now)
-            who = "SGLang" if self.engine.kind == "sglang" else "vLLM"
-            return self._fail(now, "engine", f"{who} {route} failed: {error}", [])
-        u.last_progress = now
-        out: list[Action] = []
-        if route == "check_replies":
-            if not replies_in_step(result, self.size):
-                return self._out_of_step(u, now, f"it answered {result!r}")
-            self.engine.replies_suspect = False
-        elif engine_kind.sglang_answer(self.engine, u, route, result):
-            return self._sglang_known(u, result, now)
-        elif route == "version":
-            text = vllm_versions.version_of(result)
-            refusal = (vllm_versions.check_supported(text, self.engine_url or "the engine")
-                       or engine_kind.vllm_answered(self.engine, self.engine_url or ""))
-            if refusal:
-                return self._version_refused(now, text if isinstance(text, str) else None,
-                                             refusal)
-            out += self._version_known(u, text)
-            chunk_window.merge_waiting(u, self.size, self._merge_facts())
-        elif route == "server_info" and self.engine.kind != "sglang":
-            if u.version_404:  # (no /version and no SGLang: engine_kind.py)
-                return self._version_refused(
-                    now, None, vllm_versions.answer_refusal(u.version_404, self.engine_url
-                                                            or ""))
-            # (a DP layout one endpoint cannot drive: daemon/vllm/dp_layout.py)
-            if dp_layout.check(self.engine, result, self.engine_url or "the engine"):
-                return self._fail(now, "begin", self.engine.dp_layout_refused, [])
-        elif route == "get_world_size":
-            ws = result.get("world_size") if isinstance(result, dict) else None
-            if ws != self.size:
-                return self._fail(
-                    now,
-                    "begin",
-                    f"engine {self.engine_url} has world size {ws} but slot "
-                    f"[{self.start}, {self.end}) has {self.size} ranks",
-                    [],
-                )
-            self.engine.world_size = ws
-            self.engine.gpu_uuids = probe.reported_uuids(result)
-        elif route == "weight_info":
-            out += probe.check_session(self.engine, self.slot, self.engine_url, u, result)
-        elif route == "is_sleeping":
-            out += probe.check_sleep(self.engine, self.slot, self.engine_url, u, result)
-        elif route == "init_weight_transfer_engine":
-            self.engine.initialized = True
-        elif route == "draft_support":
-            why = probe.draft_unsupported(result, self.size, self.engine_url, u.update_id)
-            if why:  # (before the pause: the engine still serves)
-                return self._fail(now, "begin", why, [])
-            self.engine.draft.supported = True
-        elif route == "pause":
-            self.engine.paused = True
-        elif route == "start_weight_update":
-            u.on(PhaseEvent.STARTED)
-            u.engine_started_at = now
-            self.engine.mid_update = True
-            if self.engine.kind == "sglang" and sglang_fence.needed(self.engine.sglang_version):
-                u.fence = sglang_fence.Fence()
-            actions: list[Action] = [
-                Reply(self.ranks[r].identity, Ack(u.update_id, "begin")) for r in sorted(u.begun)
-            ]
-            return actions + self._advance(now)
-        elif route == "update_weights":
-            due = chunk_window.returned(u, call.index)
-            if u.fence is not None:  # (SGLang: acked once proven, daemon/sglang/fence.py)
-                due = u.fence.on_chunk_reply(call.call_id, call.index, due)
-            return self._chunk_acks(u, due) + self._advance(now)
-        elif route == "prove_copies":
-            return self._chunk_acks(u, u.fence.on_proof(call.call_id) if u.fence else []
-                                    ) + self._advance(now)
-        elif route == "finish_weight_update":
-            if u.fence is not None:  # (the end proves every chunk's copies, daemon/sglang/fence.py)
-                out += self._chunk_acks(u, u.fence.on_proof(call.call_id))
-            u.on(PhaseEvent.FINISHED)
-            self.engine.mid_update = False
-            self.engine.needs_full_update = False
-            self.engine.last_ok_names = frozenset(u.names)
-            self.last_version = u.weight_version  # I8: recorded only with a successful finish
-            self.engine.version = u.weight_version  # what the engine reports from now on
-            if u.draft:
-                return out + self._advance(now)  # the draft session next, still paused
-            if u.found_asleep:
-                # vLLM resumes a sleeping engine itself once fully awake; one that someone
-                # else paused is theirs to resume.
-                return self._complete(now)
-        elif route == "start_draft_weight_update":
-            u.on(PhaseEvent.DRAFT_STARTED)
-            self.engine.mid_update = True
-        elif route == "finish_draft_weight_update":
-            u.on(PhaseEvent.DRAFT_FINISHED)
-            self.engine.mid_update = False
-            d = self.engine.draft
-            d.needs_full_update, d.why = False, ""
-            d.last_ok_names = frozenset(u.draft_names)
-            d.version = u.weight_version  # (I8, for the draft target)
-            if u.found_asleep:
-                return self._complete(now)
-        elif route == "resume":
-            self.engine.paused = False
-            return self._complete(now)
-        return out + self._advance(now)
-
-    def _chunk_acks(self, u: Update, due: list[int]) -> list[Action]:
-        """``Ack(chunk)`` of each of ``due`` (in index order, I3) to every rank that sent it
-        (rank-local: not every rank sends every chunk)."""
-        return [Reply(i.identity, Ack(u.update_id, "chunk", idx))
-                for idx in due for i in self._by_rank() if u.sent_count.get(i.rank, 0) > idx]
-
-    def _sglang_known(self, u: Update, info: Any, now: float) -> list[Action]:
-        """The engine is SGLang and ``info`` its ``/server_info``: check its version and
-        layout (before the pause), then merge the chunks that waited for the kind."""
-        if not sglang_versions.looks_like_sglang(info):  # (declared SGLang, answered not)
-            return self._version_refused(now, None, engine_kind.declared_sglang_but(
-                self.engine, self.engine_url or "", info))
-        first = self.engine.sglang_version is None and self.engine.kind != "sglang"
-        refusal = engine_kind.sglang_version_refusal(self.engine, info, self.size,
-                                                     self.engine_url or "the engine")
-        if refusal:
-            return self._fail(now, "begin", refusal, [])
-        chunk_window.merge_waiting(u, self.size, self._merge_facts())
-        out: list[Action] = []
-        if first and self.engine.declared_kind is None:
-            out.append(SlotEvent(self.slot, "engine_kind_detected", {
-                "engine": self.engine_url, "kind": "sglang",
-                "sglang_version": self.engine.sglang_version}, warning=False))
-        return out + self._advance(now)
-
-    def _version_known(self, u: Update, text: str) -> list[Action]:
-        """``GET /version`` named a supported vLLM version: cache it (``EngineSession``); a
-        line for the log when it changed (an engine restarted with another vLLM)."""
-        old, self.engine.vllm_version = self.engine.vllm_version, text
-        self.engine.version_refused = ""
-        if old is None or old == text:
-            return []
-        return [SlotEvent(self.slot, "engine_vllm_version_changed", {
-            "engine": self.engine_url, "update_id": u.update_id, "vllm_version": text,
-            "before": old}, warning=False)]
-
-    def _version_refused(self, now: float, text: str | None, refusal: str) -> list[Action]:
-        """The engine's vLLM version is unsupported or unknown (``refusal`` says which): fail
-        the update in its begin, before the pause (the version stages come first)."""
-        self.engine.vllm_version, self.engine.version_refused = text, refusal
-        return self._fail(now, "begin", refusal, [])
-
     def on_connection_lost(self, now: float) -> list[Action]:
         """The engine's HTTP client saw a refused or reset connection (counted by
         ``VllmClient.connection_errors``): the engine may have restarted at the same URL. The
@@ -650,45 +432,6 @@ class SlotCoordinator:
             setattr(self, name, getattr(old, name))
         self.next_update_id = max(self.next_update_id, old.next_update_id)
 
-    def _out_of_step(self, u: Update, now: float, answer: str) -> list[Action]:
-        """The check found the executor's replies out of step: the update fails."""
-        self.engine.out_of_step = out_of_step_found(self.engine_url, answer)
-        return self._fail(now, "engine", self.engine.out_of_step, [])
-
-    def poll(self, now: float) -> list[Action]:
-        """Check deadlines (design.md I5); fails the update naming the missing ranks."""
-        d = self._deadline()
-        if d is None or now < d[0]:
-            return []
-        _, phase, what, missing = d
-        u = self.current
-        assert u is not None
-        if phase == "rank_gone":
-            return self._fail(now, phase, "; ".join(
-                f"{self.ranks[r].who} is gone: {self.ranks[r].gone_why}" for r in missing)
-                + f" (no new process of it registered within {self.timeouts.gone_s:g} s, "
-                "liveness_s)", missing)
-        return self._fail(
-            now,
-            phase,
-            f"deadline expired in update {u.update_id} waiting for {what} from rank(s) {missing}",
-            missing,
-        )
-
-    def on_daemon_stop(self, now: float, reason: str, phase: str = "shutdown") -> list[Action]:
-        """The daemon is shutting down (or an operator drops the slot: ``phase="dropped"``):
-        fail the update in flight. The engine is left as it is (paused if the update paused
-        it, I4): no engine check runs after this, and the durable record names the slot, so
-        the next daemon recovers it as possibly mid-update."""
-        if self.current is None:
-            return []
-        out = self._fail(now, phase, reason, [])
-        if self._reconcile:
-            self._reconcile = False
-            self.engine.paused = True
-            self.engine.needs_full_update = True  # (a check it could not make: recover it fully)
-        return [a for a in out if not isinstance(a, EngineCall)]
-
     def restore_mid_update(self, engine_url: str, update_id: int, weight_version: str,
                       state: str) -> None:
         """A previous daemon left this slot's engine mid-update (durable record): keep it
@@ -722,10 +465,8 @@ class SlotCoordinator:
     # ------------------------------------------------------------------ status
 
     def status(self, now: float | None = None) -> dict:
-        """A JSON-able snapshot for ``/status`` (``status_documents.slot_status``); ``now``:
+        """A JSON-able snapshot for ``/status`` (``slot_status.slot_status``); ``now``:
         monotonic seconds (rank ages)."""
-        from slotsync.daemon.service.status_documents import slot_status  # (it imports this module)
-
         return slot_status(self, now)
 
     def by_rank(self) -> list[RankInfo]:
@@ -822,11 +563,11 @@ class SlotCoordinator:
             return self._fail(now, "chunk", why, [])
         return self._advance(now)
 
-    def _merge_facts(self) -> chunk_window.MergeFacts:
-        return chunk_window.MergeFacts(
+    def _merge_facts(self) -> MergeFacts:
+        return MergeFacts(
             {r: i.gpu_uuid for r, i in self.ranks.items()}, bool(self.packed),
             self.transport or "cuda", self.engine.world_size or self.size,
-            self.engine.known_kind)
+            self.families.known(self.engine))
 
     def _on_commit(self, rank: int, msg: Commit, now: float) -> list[Action]:
         u = self.current
@@ -839,227 +580,3 @@ class SlotCoordinator:
             return self._fail(now, "commit", refused.text, list(refused.missing))
         chunk_window.merge_completed(u, self.size, self._merge_facts())  # (rank-local)
         return self._advance(now)
-
-    def _call(self, u: Update, route: str, body: Any = None, index: int = -1,
-              needs_record: bool = False) -> list[Action]:
-        self._call_id += 1
-        call = EngineCall(self._call_id, u.update_id, route, body, self.slot, index,
-                          needs_record)
-        self._calls[call.call_id] = call
-        event = SENT_EVENTS.get(route)
-        if event is not None:
-            u.on(event)
-        if u.fence is not None and route in sglang_fence.PROVING_STEPS:
-            u.fence.on_send(call.call_id)
-        self.engine_calls[route] = self.engine_calls.get(route, 0) + 1
-        return [call]
-
-    def _advance(self, now: float) -> list[Action]:
-        """Issue the next engine call(s): the engine check after a failure first, then the
-        update's next begin stage, then up to ``chunks_in_flight`` ``update_weights`` calls,
-        then finish and resume."""
-        out = self._maintain(now)
-        if out or self._orphans or self._maintenance or self._reconcile:
-            return out
-        u = self.current
-        if u is None:
-            return []
-        if not u.engine_started:
-            return self._advance_begin(u, now)
-        if self._calls and u.finishing:
-            return []
-        if u.finished:
-            return self._call(u, "resume")
-        ready, mismatch = chunk_window.to_send(u, len(self._calls), self.chunks_in_flight,
-                                               u.sendable_until())
-        if mismatch is not None:  # I2: the engine never sees an inconsistent chunk
-            return self._fail(now, "chunk", str(mismatch), [])  # ranks differ; none missing
-        for idx, merged in ready:
-            # (the JSON text made at merge time, embedded as is by the client's encoder;
-            # SGLang's is the whole /update_weights_from_tensor body, daemon/sglang/merge.py)
-            raw = msgspec.Raw(merged.update_info_json)
-            out += self._call(u, "update_weights", raw if merged.engine_kind == "sglang"
-                              else {"update_info": raw}, idx)
-        if out or self._calls:
-            return out
-        if u.fence is not None and u.fence.waiting() and not u.all_consumed(self.size):
-            # no chunk call is out to prove the loaded ones, and the publisher may wait for
-            # their regions: prove them with a call that loads nothing (daemon/sglang/fence.py)
-            return self._call(u, "prove_copies", {"ranks": self.size})
-        if u.draft:
-            return self._advance_draft(u, now)
-        if u.all_consumed(self.size):
-            return self._before_finish(u, now)
-        return []
-
-    def _advance_draft(self, u: Update, now: float) -> list[Action]:
-        """A round with a draft part, no call out (issue 18): the main finish once every main
-        chunk was loaded, then the draft start, then (every chunk loaded and committed) the
-        draft finish."""
-        if u.phase is Phase.LOADING:
-            if u.draft_from is not None and u.next_index == u.draft_from:
-                return self._before_finish(u, now)  # the main session's finish(version)
-            if u.all_consumed(self.size):
-                return self._fail(
-                    now, "commit", f"update {u.update_id} declared a draft part "
-                    "(Begin.draft) but every rank committed without a draft chunk", [])
-            return []
-        if u.phase is Phase.MAIN_FINISHED:
-            return self._call(u, "start_draft_weight_update", needs_record=True)
-        if u.phase is Phase.DRAFT_LOADING and u.all_consumed(self.size):
-            refusal = u.omitted_refusal(self.engine.draft.last_ok_names,
-                                        self.engine.draft.needs_full_update,
-                                        self.omitted_names, draft=True)
-            if refusal:
-                return self._fail(now, "commit", refusal, [])
-            # no weight_version: vLLM's engine has one, the main finish set it
-            return self._call(u, "finish_draft_weight_update")
-        return []
-
-    def _advance_begin(self, u: Update, now: float) -> list[Action]:
-        """Issue the next begin stage whose condition holds (``update.begin_step``)."""
-        step = begin_step(u, self.engine, self.ranks, self.size, bool(self._calls),
-                          self.engine_url)
-        if step.fail:
-            return self._fail(now, "begin", step.fail, [])
-        if step.check:  # the first executor call after a worker's failure checks the replies
-            return self._call(u, "check_replies", CHECK_REPLIES)
-        out: list[Action] = []
-        for route in step.stage.routes if step.stage else ():
-            if route in ("version", "server_info"):
-                u.kind_asked = self.engine.kind is None  # (engine_kind.py)
-            body = ({"init_info": {"packed": self.packed}}
-                    if route == "init_weight_transfer_engine" else
-                    {"method": "supports_draft_weight_updates"} if route == "draft_support"
-                    else None)
-            out += self._call(u, route, body, needs_record=step.stage.needs_record)
-        return out
-
-    def _before_finish(self, u: Update, now: float) -> list[Action]:
-        """Every chunk is loaded and every rank committed: check what the update left out of
-        the slot's last successful update, then finish (I4)."""
-        last = self.engine.last_ok_names
-        if u.new_session and last and not last & u.names:
-            # A restarted engine loaded every chunk of an update that shares no name with
-            # the last one the daemon loaded: vLLM's load_weights raises on a name its model
-            # lacks, so this engine holds another model; the old names say nothing about it
-            # (else the full update it needs could never succeed: fresh-user trial, issue 17).
-            return [SlotEvent(self.slot, "engine_model_changed", {
-                "engine": self.engine_url, "update_id": u.update_id,
-                "tensors": len(u.names), "last_tensors": len(last)}),
-                *self._call(u, "finish_weight_update", {"weight_version": u.weight_version})]
-        refusal = u.omitted_refusal(last, self.engine.needs_full_update, self.omitted_names)
-        if refusal:
-            return self._fail(now, "commit", refusal, [])
-        u.omitted = sorted(last - u.names)
-        return self._call(u, "finish_weight_update", {"weight_version": u.weight_version})
-
-    def _maintain(self, now: float) -> list[Action]:
-        """After a failed update that paused an intact engine: once its calls returned, ask
-        ``/is_paused`` (the engine's answer, not the daemon's guess, I9)."""
-        if not self._reconcile or self._orphans or self._maintenance:
-            return []
-        self._reconcile = False
-        return [self._maintenance_call("is_paused")]
-
-    def _maintenance_call(self, route: str) -> EngineCall:
-        self._call_id += 1
-        call = EngineCall(self._call_id, self.next_update_id - 1, route, None, self.slot)
-        self._maintenance[call.call_id] = call
-        self.engine_calls[route] = self.engine_calls.get(route, 0) + 1
-        return call
-
-    def _on_maintenance_result(self, call: EngineCall, ok: bool, result: Any, error: str,
-                               now: float) -> list[Action]:
-        if call.route == "get_world_size" and self.claims is not None:  # (claim_check.py)
-            held, why = self.claims.answer(ok, result, self.slot, self.engine_url or "")
-            if why:
-                self.engine_url = self.claims.url_before
-                return [Reply(i, Error("register", why, list(self.slot))) for i, _, _ in held]
-            return [a for i, m, p in held for a in self.on_register(i, m, now, p)]
-        step = recovery.engine_check(self.engine, call.route, ok, result, error, self.slot,
-                                     self.engine_url, call.update_id)
-        if step.note:
-            self.last_error = f"{self.last_error}{step.note}"[:4000]
-        out: list[Action] = [*step.events]
-        if step.then:
-            out.append(self._maintenance_call(step.then))
-        return out + self._advance(now) if step.advance else out
-
-    def _deadline(self) -> tuple[float, str, str, list[int]] | None:
-        """(time, phase, what, missing ranks) of the wait in force, or None."""
-        u = self.current
-        if (u is None or self._calls or self._orphans or self._maintenance or self._reconcile
-                or u.finishing):
-            return None  # (each engine call is bounded by the HTTP client's timeout)
-        return u.wait_in_force(range(self.start, self.end), self.gone_ranks(), self.timeouts)
-
-    def _fail(self, now: float, phase: str, text: str, missing: list[int]) -> list[Action]:
-        """Fail the update in flight: one Error to every rank of the slot. If it had sent
-        ``/start_weight_update`` the engine stays paused and needs a full update (I4); if it
-        had only paused an engine whose weights were intact (or the pause was in flight), the
-        engine is checked once the update's calls returned and resumed if paused (I9)."""
-        u = self.current
-        if u is None:
-            return []
-        self.current = None
-        # Late results of its calls are dropped in on_engine_result; the next update's calls
-        # (and the engine check) wait for them.
-        self._orphans.update({i: c.route for i, c in self._calls.items()})
-        self._calls.clear()
-        self.next_update_id = max(self.next_update_id, u.update_id + 1)
-        failed, self._failed_call = self._failed_call, None
-        fate, reconcile = recovery.after_failure(self.engine, u, failed, self.size)
-        if u.draft and u.main_finished and phase in ("engine", "chunk", "commit"):
-            phase = "draft"  # (issue 18: a failure in the draft session names it)
-        if reconcile:
-            self._reconcile = True  # after the orphans: /is_paused, then resume
-        message = (f"slot [{self.start}, {self.end}) update {u.update_id} failed in {phase}: "
-                   f"{text} ({fate})")
-        self.last_error = message
-        self._failed = (u.update_id, message)
-        self.last_outcome = "failed"
-        self.updates_failed += 1
-        self.last_duration_s = now - u.started_at
-        err = Error(phase, message, list(self.slot), u.update_id, list(missing))
-        if self._pending_url is not None:
-            self._reconcile = False  # (another engine from now on)
-            self.set_engine_url(self._pending_url)
-        actions: list[Action] = [Reply(i.identity, err) for i in self._by_rank()]
-        if self.engine.kind == "sglang":  # (until no call of it reads their memory)
-            actions = self._held_errors.hold(actions, self._orphans)
-        actions.append(UpdateEnded(self.slot, self.engine_url or "", u.update_id,
-                                   u.weight_version, "failed", now - u.started_at,
-                                   u.next_index, u.consumed_bytes, message))
-        return actions + self._maintain(now)
-
-    def _complete(self, now: float, resume_error: str | None = None) -> list[Action]:
-        u = self.current
-        assert u is not None
-        self.current = None
-        self.next_update_id = max(self.next_update_id, u.update_id + 1)
-        self.last_duration_s = now - u.started_at
-        self.last_success = (now, self.last_duration_s)
-        self.last_outcome = "success"
-        self.last_error = (
-            f"update {u.update_id} loaded but resume failed: {resume_error}"
-            if resume_error
-            else None
-        )
-        self.updates_ok += 1
-        if self._pending_url is not None:
-            self.set_engine_url(self._pending_url)
-        ack = Ack(u.update_id, "commit", -1, now - u.started_at,
-                  u.omitted[:wire.MAX_OMITTED_NAMES], len(u.omitted), not u.found_asleep)
-        acks: list[Action] = [Reply(i.identity, ack) for i in self._by_rank()]
-        if u.omitted:
-            acks.append(SlotEvent(self.slot, "omitted_names", {
-                "engine": self.engine_url, "update_id": u.update_id,
-                "version": u.weight_version, "count": len(u.omitted),
-                "names": ",".join(u.omitted[:wire.MAX_OMITTED_NAMES]),
-                "why": "the slot's last successful update loaded them and this one did not: "
-                       "vLLM keeps their old values"}))
-        acks.append(UpdateEnded(self.slot, self.engine_url or "", u.update_id,
-                                u.weight_version, "success", now - u.started_at, u.next_index,
-                                u.consumed_bytes, self.last_error or "", len(u.omitted)))
-        return acks

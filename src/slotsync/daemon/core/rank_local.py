@@ -1,6 +1,7 @@
-"""Rank-local payloads (expert parallelism, issue 18): each rank of a slot sends its own
+"""Rank-local rounds (expert parallelism, issue 18): each rank of a slot sends its own
 tensors for one engine worker, and the daemon sends vLLM the list form of ``update_info``
-(pure functions, no I/O; docs/rank-local.md).
+(pure functions, no I/O; docs/rank-local.md). Here: the intake rules, every family's; the
+payload is the family's (vLLM's list form: ``daemon/vllm/merge.py``).
 
 vLLM 0.32 ``v1/worker/gpu_worker.py`` ``Worker.update_weights(update_info: dict | list)``: a
 list is indexed by the worker's global rank, ``parallel_config.data_parallel_index *
@@ -11,7 +12,8 @@ daemon's engine table (``engines[].gpu_uuids``, in global worker order); where a
 reports its own (the reference engine's ``gpu_uuids`` in ``/get_world_size``) the two must
 agree. The daemon never guesses an order.
 
-Rules, each checked before the pause (``begin_refusal``, from ``update.begin_step``):
+Rules, each checked before the pause (``begin_refusal``, from ``update.begin_step``, after the
+engine family's ``rank_local_refusal``: vLLM 0.32+ takes the list form, SGLang none):
 
 * every rank of the slot declares the same mode in its begin (``take_begin``);
 * a tensor name that several ranks declare has the same dtype and shape on each (its bytes
@@ -20,10 +22,10 @@ Rules, each checked before the pause (``begin_refusal``, from ``update.begin_ste
   engine's own report where there is one, holds every rank's GPU UUID, and lists each rank's
   GPU UUID at the rank's ``worker_rank``; every worker has exactly one rank.
 
-Chunks (``merge_rank_local``): chunk i of each rank holds that rank's next tensors in its
-declared order (``chunk_refusal``); ranks may send different numbers of chunks. Chunk i goes
-to the engine once every rank either sent it or committed fewer chunks; a rank without a
-chunk i gets an empty entry (``names``/``dtype_names``/``shapes`` ``[]``): vLLM's
+Chunks (``merge_rank_local``, ``daemon/vllm/merge.py``): chunk i of each rank holds that rank's
+next tensors in its declared order (``chunk_refusal``); ranks may send different numbers of
+chunks. Chunk i goes to the engine once every rank either sent it or committed fewer chunks; a
+rank without a chunk i gets an empty entry (``names``/``dtype_names``/``shapes`` ``[]``): vLLM's
 ``IPCWeightTransferUpdateInfo`` accepts empty lists and ``model.load_weights([])`` loads
 nothing. Unpacked, the empty entry's ``ipc_handles`` is ``[]``; packed, vLLM's
 ``packed_ipc_consumer`` looks up the worker's GPU UUID and maps the buffer even for no
@@ -36,12 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import msgspec
-
-from slotsync.daemon.core.aggregation import ChunkMismatch, MergedChunk
-from slotsync.daemon.vllm import versions as vllm_versions
-from slotsync.daemon.vllm.ipc_pickle import pickle_packed, pickle_unpacked
-from slotsync.protocol.wire import Begin, Chunk, CudaIpcHandle, Handle, ShmHandle
+from slotsync.protocol.wire import Begin, Chunk
 
 Declared = tuple[list[str], list[str], list[list[int]]]
 """A rank's declared tensors: ``(names, dtype_names, shapes)`` in send order."""
@@ -75,11 +72,7 @@ def begin_refusal(u, ranks: Mapping, engine, engine_url: str | None) -> str:
     ``registration.RankInfo``. '' for an update outside rank-local mode, or when it may go."""
     if not u.rank_local:
         return ""
-    # (the begin's version stage ran before this one: the version is known and supported)
-    missing = vllm_versions.feature_missing(engine.vllm_version, "list_update_info")
-    if missing:
-        return (f"rank-local mode sends {engine_url} vLLM's list-form update_info (one entry "
-                f"per worker): {missing}")
+    # (the engine family's own refusal, EngineFamily.rank_local_refusal, ran before this one)
     return shared_refusal(u.declared) or table_refusal(
         {r: i.gpu_uuid for r, i in ranks.items()}, u.worker_of, engine.declared_gpu_uuids,
         engine.gpu_uuids, engine.world_size, engine_url)
@@ -166,67 +159,3 @@ def chunk_refusal(declared: Declared, at: int, rank: int, msg: Chunk) -> str:
                 f"({msg.dtype_names[i]} {msg.shapes[i]}) is not the one it declared at "
                 f"#{at + i}: {names[at + i]!r} ({dts[at + i]} {shapes[at + i]})")
     return ""
-
-
-def merge_rank_local(index: int, chunks: Mapping[int, Chunk], worker_of: Mapping[int, int],
-                     uuid_of_rank: Mapping[int, str], fill_handles: Mapping[int, Handle], *,
-                     packed: bool, transport: str, world_size: int) -> MergedChunk:
-    """Build chunk ``index``'s list-form ``update_info``: entry ``w`` is the chunk of the rank
-    publishing for worker ``w``, its handle dict ``{that rank's GPU UUID: args}``.
-
-    Args:
-        index: the chunk index.
-        chunks: rank -> its chunk ``index``; ranks that committed fewer chunks are absent
-            and get an empty entry.
-        worker_of: every rank of the slot -> its worker index (checked by
-            ``table_refusal`` before the pause).
-        uuid_of_rank: rank -> GPU UUID.
-        fill_handles: rank -> the handle of its last chunk (packed: an empty entry's buffer).
-        packed, transport: as ``aggregation.merge_chunk``.
-        world_size: entries to build (``/get_world_size``).
-
-    Returns:
-        ``MergedChunk`` whose ``update_info`` is the list; ``num_tensors`` the distinct names,
-        ``nbytes`` the largest entry's tensor bytes.
-
-    Raises:
-        ChunkMismatch: a handle of the wrong kind or count, a worker without an entry (naming
-            it), or a packed rank without a chunk to lend its buffer.
-    """
-    kind = CudaIpcHandle if transport == "cuda" else ShmHandle
-    entries: list[dict | None] = [None] * world_size
-    for r, w in sorted(worker_of.items()):
-        uuid = uuid_of_rank[r]
-        c = chunks.get(r)
-        if c is None:
-            info: dict = {"names": [], "dtype_names": [], "shapes": []}
-            if packed:
-                h = fill_handles.get(r)
-                if h is None:
-                    raise ChunkMismatch(f"chunk {index}: rank {r} (worker {w}) sent no chunk "
-                                        "whose buffer an empty packed entry can name", [r])
-                info["tensor_sizes"] = []
-                info["ipc_handles_pickled"] = pickle_packed({uuid: h})
-            else:
-                info["ipc_handles_pickled"] = pickle_unpacked([uuid], [[]])
-        else:
-            want = 1 if packed else len(c.names)
-            if len(c.handles) != want or not all(isinstance(h, kind) for h in c.handles):
-                raise ChunkMismatch(f"chunk {index}: rank {r} sent {len(c.handles)} handles "
-                                    f"(want {want} of transport {transport!r})", [r])
-            info = {"names": c.names, "dtype_names": c.dtype_names, "shapes": c.shapes}
-            if packed:
-                info["tensor_sizes"] = c.tensor_sizes
-                info["ipc_handles_pickled"] = pickle_packed({uuid: c.handles[0]})
-            else:
-                info["ipc_handles_pickled"] = pickle_unpacked(
-                    [uuid], [c.handles], dtype_names=c.dtype_names, shapes=c.shapes)
-        entries[w] = info
-    missing = [w for w, e in enumerate(entries) if e is None]
-    if missing:
-        raise ChunkMismatch(f"chunk {index}: no entry for engine worker(s) {missing}: no rank "
-                            "of the slot publishes for them", [])
-    names = {n for c in chunks.values() for n in c.names}
-    nbytes = max((sum(c.tensor_sizes) for c in chunks.values()), default=0)
-    return MergedChunk(index, entries, len(names), nbytes,  # type: ignore[arg-type]
-                       msgspec.json.encode(entries))

@@ -123,3 +123,12 @@ def uuid_mismatch(ranks: dict[int, RankInfo], declared: tuple[str, ...] | None,
         parts.append(f"no rank has {', '.join(lacking)}")
     return (f"the ranks' GPU UUIDs are not the engine's: {'; '.join(parts)} ({source} "
             f"{list(want)})")
+
+
+def split_relayed(identity: bytes) -> tuple[str, bytes] | None:
+    """``(node, origin)`` of a relayed rank's identity (``node_links.peer_wire.relayed_identity``:
+    ``b"peer:" + node + b"/" + origin``), or None for a local rank's identity."""
+    if not identity.startswith(b"peer:"):
+        return None
+    node, sep, origin = identity[5:].partition(b"/")
+    return (node.decode(), origin) if sep else None

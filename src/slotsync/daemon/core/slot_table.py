@@ -23,6 +23,7 @@ from __future__ import annotations
 from slotsync.daemon.core import wait_report
 from slotsync.daemon.core.claim_check import ClaimCheck
 from slotsync.daemon.core.coordinator import Action, Reply, SlotCoordinator, SlotEvent, Timeouts
+from slotsync.daemon.core.family import Families
 from slotsync.protocol.wire import (
     NOT_REGISTERED,
     Begin,
@@ -52,6 +53,9 @@ class SlotTable:
             ``/get_world_size``, and an engine with fewer workers than the slot is refused
             (``claim_check.py``; the daemon sets it, the unit tests' scripted engines mostly
             do not).
+        families: the engine families its slots may meet (``core/family.py``), handed to every
+            coordinator; the daemon's are ``slotsync.daemon.families.FAMILIES``, whose
+            ``SlotTable`` sets them.
 
     Shutting down, the adapter calls ``on_drain``: from then on registrations and begins
     are refused (``draining``).
@@ -60,7 +64,8 @@ class SlotTable:
     def __init__(self, timeouts: Timeouts | None = None, daemon_version: str = "",
                  chunks_in_flight: int = 3, omitted_names: str = "warn",
                  slot_release_s: float = 60.0, max_message_bytes: int = 0,
-                 check_claims: bool = False) -> None:
+                 check_claims: bool = False, families: Families | None = None) -> None:
+        self.families = families
         self.timeouts = timeouts or Timeouts()
         self.daemon_version = daemon_version
         self.chunks_in_flight = chunks_in_flight
@@ -79,7 +84,12 @@ class SlotTable:
     def _coordinator(self, start: int, size: int) -> SlotCoordinator:
         return SlotCoordinator(start, size, self.timeouts, self.daemon_version,
                                self.chunks_in_flight, self.omitted_names,
-                               self.max_message_bytes)
+                               self.max_message_bytes, self.families)
+
+    def _pause_modes(self, kind: str) -> bool:
+        """Whether the engine family ``kind`` has a pause mode the table may set."""
+        family = self.families.by_kind.get(kind) if self.families is not None else None
+        return family is not None and family.pause_modes
 
     def on_drain(self) -> list[Action]:
         """The daemon is shutting down gracefully: refuse new registrations and updates (the
@@ -95,7 +105,7 @@ class SlotTable:
         """Declare (or re-declare, on SIGHUP) the engine slots, their URLs and, where known,
         their workers' GPU UUIDs (checked as a set against the ranks' before each pause) and
         their kinds with SGLang's pause mode (``kinds``: slot -> (kind, pause_mode); a slot
-        not in it is detected at its first begin, ``engine_kind.py``).
+        not in it is detected at its first begin, ``slotsync.daemon.families``).
 
         New slots are created empty; a changed URL applies to an idle slot at once and to a
         slot with an update in flight when that update ends; a slot no longer declared is
@@ -125,7 +135,8 @@ class SlotTable:
                 if c.engine.declared_kind is not None or kind:
                     changes.append(f"slot [{key[0]}, {key[1]}) engine kind "
                                    f"{kind or 'not declared'}"
-                                   + (f", pause mode {pause_mode}" if kind == "sglang" else ""))
+                                   + (f", pause mode {pause_mode}" if self._pause_modes(kind)
+                                      else ""))
                 c.engine.declare_kind(kind or None, pause_mode)
         for key in sorted(set(self.declared) - set(table)):
             c = self.slots.get(key)

@@ -40,9 +40,8 @@ from enum import IntEnum
 from slotsync.daemon.core import rank_local
 from slotsync.daemon.core.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, MergedChunk
 from slotsync.daemon.core.engine_session import EngineSession
+from slotsync.daemon.core.family import ChunkFence, EngineFamily
 from slotsync.daemon.core.registration import RankInfo, uuid_mismatch
-from slotsync.daemon.sglang.fence import Fence
-from slotsync.daemon.vllm import versions as vllm_versions
 from slotsync.protocol.wire import Chunk
 
 
@@ -78,8 +77,8 @@ class Stage:
 
 
 BEGIN_STAGES: tuple[Stage, ...] = (
-    # GET /version (daemon/vllm/versions.py) and GET /server_info (daemon/vllm/dp_layout.py: the DP
-    # layout):
+    # GET /version and GET /server_info (what they mean: the engine families,
+    # slotsync.daemon.families; vLLM's version and DP layout, SGLang's version and layout):
     # when the daemon first meets the engine, while its version or layout is refused, or
     # after a refused / reset connection (a restart suspected) ...
     Stage("version", ("version", "server_info"), False),
@@ -227,11 +226,12 @@ class Update:
     # the publisher settings each begun rank declared (begin_agreement.SETTINGS):
     # setting -> rank -> value
     settings: dict[str, dict[int, int]] = field(default_factory=dict)
-    # issue 26 (engine_kind.py): the version stage went out before the engine's kind was
-    # known; GET /version's 404 while /server_info was still out; SGLang's buffer fence
+    # issue 26 (slotsync.daemon.families): the version stage went out before the engine's
+    # kind was known; GET /version's 404 while /server_info was still out; the family's
+    # chunk fence (SGLang's buffer fence, core/family.py ChunkFence)
     kind_asked: bool = False
     version_404: str = ""
-    fence: Fence | None = None
+    fence: ChunkFence | None = None
 
     def on(self, event: PhaseEvent) -> None:
         """Move the phase along ``TRANSITIONS`` (``DRAFT_TRANSITIONS`` for a round with a
@@ -405,11 +405,13 @@ WAIT = BeginStep()
 
 
 def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], size: int,
-               calls_out: bool, engine_url: str | None) -> BeginStep:
+               calls_out: bool, engine_url: str | None,
+               family: EngineFamily | None = None) -> BeginStep:
     """The next begin stage of update ``u`` whose condition holds (the rules at the top and
     ``BEGIN_STAGES``), for a slot of ``size`` ranks of which ``ranks`` registered, on the
-    engine at ``engine_url`` that ``engine`` describes; ``calls_out``: a call of ``u`` is in
-    flight. Moves ``u.stage`` past the stages skipped and the one returned.
+    engine at ``engine_url`` that ``engine`` describes, of engine ``family`` (None: no
+    family's refusals are asked); ``calls_out``: a call of ``u`` is in flight. Moves
+    ``u.stage`` past the stages skipped and the one returned.
 
     * a stage after the probe fails while the engine's replies are out of step (the probe
       found no new session, which would have cleared it);
@@ -418,8 +420,7 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
       suspected (``session_suspect``); ``version_again`` when the probe found a new session
       and this begin had not asked (the cached version was the old process's) or the engine
       is about to be initialised (not ``initialized``: maybe another process than the one
-      asked); the answers are checked before the pause (``vllm_versions.check_supported``,
-      ``dp_layout.check``);
+      asked); the answers are checked before the pause (``Families.version_answer``);
     * ``init`` is skipped for an initialised engine; ``recover`` unless the engine may be
       mid-update and must finish first (``recover_first``) or a start met a session;
     * the first executor stage after a worker's failure (``replies_suspect``) first checks
@@ -448,8 +449,8 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
         if st.name == "init" and engine.initialized:
             u.stage += 1
             continue
-        if st.name == "draft" and (not u.draft or engine.draft.supported
-                                   or engine.kind == "sglang"):  # (refused at the pause)
+        if st.name == "draft" and (not u.draft or engine.draft.supported or (
+                family is not None and not family.asks_draft_support)):  # (refused at pause)
             u.stage += 1
             continue
         if st.name == "recover" and not (
@@ -462,12 +463,15 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
             if len(u.begun) < size or not u.sent_count:
                 return WAIT
             if st.name == "pause":
-                wrong = (rank_local.begin_refusal(u, ranks, engine, engine_url)
+                wrong = ((family.rank_local_refusal(u, engine, engine_url)
+                          if family is not None and u.rank_local else "")
+                         or rank_local.begin_refusal(u, ranks, engine, engine_url)
                          or uuid_mismatch(ranks, engine.declared_gpu_uuids, engine.gpu_uuids,
                                           engine_url))
                 if wrong:
                     return BeginStep(fail=wrong)
-                wrong = sglang_refusal(u, engine, engine_url) or draft_refusal(u, engine)
+                wrong = ((family.pause_refusal(u, engine, engine_url) if family is not None
+                          else "") or stale_draft_refusal(u, engine))
                 if wrong:
                     return BeginStep(fail=wrong)
         u.stage += 1
@@ -475,37 +479,16 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
     return WAIT  # start in flight
 
 
-def draft_refusal(u: Update, engine: EngineSession) -> str:
-    """Why update ``u`` must not pause the engine for its draft part (issue 18), or '':
-    a round without a draft part while the engine's draft model needs a full update (a
-    failed draft session, a restarted or sleeping engine whose draft the daemon had loaded):
-    vLLM would resume on a draft model that is half-loaded or stale, so the round must carry
-    the draft model in full."""
-    if u.draft:  # (the version stage ran before this one: the version is known)
-        missing = vllm_versions.feature_missing(engine.vllm_version, "draft_sessions")
-        if missing:
-            return f"update {u.update_id} has a draft part: {missing}"
+def stale_draft_refusal(u: Update, engine: EngineSession) -> str:
+    """Why update ``u`` must not pause the engine (issue 18), or '': a round without a draft
+    part while the engine's draft model needs a full update (a failed draft session, a
+    restarted or sleeping engine whose draft the daemon had loaded): the engine would resume
+    on a draft model that is half-loaded or stale, so the round must carry the draft model in
+    full. (Whether the engine can load a draft at all is its family's: ``pause_refusal``.)"""
     if engine.draft.needs_full_update and not u.draft:
         why = engine.draft.why or "a failed draft session"
         return (f"the engine's draft model needs a full update ({why}), but update "
                 f"{u.update_id} has no draft part: "
                 "publish the draft model's tensors in full with this round "
                 "(Publisher.publish(..., draft=...))")
-    return ""
-
-
-def sglang_refusal(u: Update, engine: EngineSession, engine_url: str | None) -> str:
-    """Why update ``u`` must not pause an SGLang engine, or '': a draft part (SGLang loads a
-    draft through ``selector "draft"``, not built yet: docs/sglang-contract.md 7.6) or
-    rank-local mode (vLLM's workers only)."""
-    if engine.kind != "sglang":
-        return ""
-    if u.draft:
-        return (f"update {u.update_id} has a draft part, but engine {engine_url} is SGLang: "
-                "slotsyncd loads SGLang's draft model with its main weights only (selector "
-                "\"all\"); publish without draft=")
-    if u.rank_local:
-        return (f"update {u.update_id} is rank-local (vLLM's expert-parallel mode), but "
-                f"engine {engine_url} is SGLang, whose TP rank r reads rank r's entry: "
-                "publish without rank_local")
     return ""

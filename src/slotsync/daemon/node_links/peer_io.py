@@ -32,6 +32,7 @@ import zmq.auth.asyncio
 import zmq.utils.monitor
 import zmq.utils.z85
 
+from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.node_links.owner_links import OwnerLinks
 from slotsync.daemon.node_links.peer_keys import PeerKeys
 from slotsync.daemon.node_links.peer_state import (
@@ -51,7 +52,6 @@ from slotsync.daemon.node_links.peer_wire import (
     split_relayed,
 )
 from slotsync.daemon.node_links.relay import RelayLinks
-from slotsync.daemon.service.logs import RateLimiter, log_event
 from slotsync.protocol.liveness import heartbeat_options
 from slotsync.protocol.wire import FromDaemon, ToDaemon, encode
 

@@ -28,6 +28,8 @@ from typing import Annotated
 
 import msgspec
 
+from slotsync.daemon.core.registration import split_relayed  # noqa: F401 (the core reads it)
+
 PEER_PROTOCOL_VERSION = 1
 """Bumped on any incompatible change below; checked in ``Hello``."""
 
@@ -152,11 +154,3 @@ def relayed_identity(node: str, origin: bytes) -> bytes:
     """The owner's key for rank socket ``origin`` of ``node``: never equal to a local ROUTER
     identity (libzmq's start with a zero byte and are 5 bytes long)."""
     return b"peer:" + node.encode() + b"/" + origin
-
-
-def split_relayed(identity: bytes) -> tuple[str, bytes] | None:
-    """``(node, origin)`` of a ``relayed_identity``, or None for a local rank's identity."""
-    if not identity.startswith(b"peer:"):
-        return None
-    node, sep, origin = identity[5:].partition(b"/")
-    return (node.decode(), origin) if sep else None

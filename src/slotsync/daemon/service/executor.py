@@ -20,13 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from slotsync.daemon.core.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
+from slotsync.daemon.core.engine_session import EngineSession
 from slotsync.daemon.core.slot_table import SlotTable
-from slotsync.daemon.service.logs import RateLimiter, log_event
+from slotsync.daemon.engine_http import EngineError, EngineHttp
+from slotsync.daemon.families import FAMILIES, Families
+from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.service.metrics import Metrics
 from slotsync.daemon.service.mid_update_record import MidUpdateEngine, MidUpdateRecord
-from slotsync.daemon.sglang.client import SglangClient
-from slotsync.daemon.sglang.routes import Dialect
-from slotsync.daemon.vllm.client import EngineError, VllmClient
 from slotsync.protocol.wire import Error, FromDaemon, Registered
 
 log = logging.getLogger("slotsync.daemon")
@@ -56,16 +56,18 @@ class ActionExecutor:
         engine_timeout_s: each engine call's HTTP timeout, seconds.
         after: called after each batch of actions (deadlines may have moved).
         now: the monotonic clock.
+        families: the engine families (their clients: ``Families.client_for``).
     """
 
     def __init__(self, table: SlotTable, record: MidUpdateRecord, metrics: Metrics,
                  send: Callable[[bytes, FromDaemon], Awaitable[None]], rejects: RateLimiter,
                  engine_timeout_s: float, after: Callable[[], None],
-                 now: Callable[[], float]) -> None:
+                 now: Callable[[], float], families: Families = FAMILIES) -> None:
+        self.families = families
         self.table, self.record, self.metrics = table, record, metrics
         self._send, self._after, self._now = send, after, now
         self._rejects, self._engine_timeout_s = rejects, engine_timeout_s
-        self.clients: dict[str, VllmClient] = {}
+        self.clients: dict[str, EngineHttp] = {}
         self.tasks: set[asyncio.Task] = set()
         self.last_update = ""  # the last update's outcome, for STATUS=
         # Record writes run in order on one thread, off the event loop (a slow state disk
@@ -160,14 +162,13 @@ class ActionExecutor:
             log_event(log, logging.ERROR, "record_write_failed", path=str(self.record.path),
                       error=str(fut.exception()))
 
-    def _client(self, url: str, kind: str | None = None) -> VllmClient:
+    def _client(self, url: str, engine: EngineSession) -> EngineHttp:
         """The engine's client, kept for the daemon's life: ``SglangClient`` for an SGLang
         engine (issue 26), else ``VllmClient`` (an engine of unknown kind is asked as vLLM
-        is: ``engine_kind.py``)."""
-        key = f"sglang+{url}" if kind == "sglang" else url
+        is: ``Families.client_for``)."""
+        key, cls = self.families.client_for(engine, url)
         client = self.clients.get(key)
         if client is None:
-            cls = SglangClient if kind == "sglang" else VllmClient
             client = cls(url, self._engine_timeout_s, self.metrics.observe_request)
             self.clients[key] = client
         return client
@@ -176,7 +177,7 @@ class ActionExecutor:
         coord = self.table.coordinator(call.slot)
         url = coord.engine_url or ""
         engine = coord.engine
-        client = self._client(url, engine.kind)
+        client = self._client(url, engine)
         log_event(log, logging.DEBUG, "engine_call", slot=slot_text(call.slot),
                   update_id=call.update_id, route=call.route)
         err = await self.record_on_disk() if call.needs_record else ""
@@ -185,11 +186,7 @@ class ActionExecutor:
         else:
             lost = client.connection_errors
             try:
-                if isinstance(client, SglangClient):
-                    result = await client.call(call.route, call.body, Dialect(
-                        engine.sglang_version, engine.pause_mode))
-                else:
-                    result = await client.call(call.route, call.body)
+                result = await self.families.call(client, call.route, call.body, engine)
                 ok, err = True, ""
             except EngineError as e:
                 result, ok, err = None, False, str(e)

@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
+from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.service import runtime_dir
 from slotsync.daemon.service.config import Config
 from slotsync.daemon.service.executor import peer_name
@@ -39,7 +40,6 @@ from slotsync.daemon.service.liveness import (
     peer_pid,
     process_state,
 )
-from slotsync.daemon.service.logs import RateLimiter, log_event
 from slotsync.daemon.service.metrics import Metrics
 from slotsync.daemon.service.peer_auth import ZAP_DOMAIN, ZapHandler
 from slotsync.protocol.wire import (

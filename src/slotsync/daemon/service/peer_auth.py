@@ -19,7 +19,7 @@ import logging
 import zmq
 import zmq.asyncio
 
-from slotsync.daemon.service.logs import log_event
+from slotsync.daemon.logs import log_event
 from slotsync.protocol.liveness import parse_peer
 
 __all__ = ["ZAP_DOMAIN", "ZAP_ENDPOINT", "ZapHandler", "decide", "parse_peer"]

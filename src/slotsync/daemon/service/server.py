@@ -36,6 +36,8 @@ from slotsync.daemon.core.coordinator import (
     Timeouts,
 )
 from slotsync.daemon.core.slot_table import SlotTable
+from slotsync.daemon.families import FAMILIES
+from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.node_links import spans
 from slotsync.daemon.node_links.peer_io import PeerLinks
 from slotsync.daemon.node_links.peer_keys import PeerKeyError, load_keys
@@ -43,7 +45,6 @@ from slotsync.daemon.service import runtime_dir
 from slotsync.daemon.service.config import Config, ConfigError, read_config_file
 from slotsync.daemon.service.executor import ActionExecutor, slot_text
 from slotsync.daemon.service.intake import Intake
-from slotsync.daemon.service.logs import RateLimiter, log_event
 from slotsync.daemon.service.metrics import Metrics
 from slotsync.daemon.service.mid_update_record import MidUpdateEngine, MidUpdateRecord
 from slotsync.daemon.service.runtime_dir import DaemonAlreadyRunning as DaemonAlreadyRunning
@@ -98,6 +99,7 @@ class Daemon:
             config.slot_release_s,
             config.max_message_bytes,
             check_claims=True,  # (claim_check.py)
+            families=FAMILIES,
         )
         self.metrics.watch(self.table)  # slot/rank/in-flight gauges read the table per scrape
         self.endpoint = config.endpoint()

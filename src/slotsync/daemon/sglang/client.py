@@ -1,12 +1,13 @@
 """HTTP client for one SGLang server: sends what ``sglang_routes.plan`` says, one request
 after the other, and answers in the shape the coordinator reads (issue 26).
 
-It is ``VllmClient`` with another route table: the same aiohttp session per engine, retired
-after a 5xx, a timeout or a lost connection, and the same ``connection_errors`` count (a
-possible restart, design.md I9). SGLang's failures: ``{"success": false, "message": ...}``
-(its routes' own refusals), ``{"object": "error", "message": ...}`` (body validation), plain
-text (``/flush_cache``, a 500) -- ``vllm_client.error_message`` reads all three. A reset
-connection during a weight call is SGLang's scheduler dying (any exception in it kills the
+It is ``VllmClient``'s base (``engine_http.EngineHttp``) with another route table: the same
+aiohttp session per engine, retired after a 5xx, a timeout or a lost connection, and the same
+``connection_errors`` count (a possible restart, design.md I9). SGLang's failures:
+``{"success": false, "message": ...}`` (its routes' own refusals), ``{"object": "error",
+"message": ...}`` (body validation), plain text (``/flush_cache``, a 500) --
+``engine_http.error_message`` reads all three. A reset connection during a weight call is
+SGLang's scheduler dying (any exception in it kills the
 server, docs/sglang-contract.md 2.7): it is never retried.
 """
 
@@ -17,15 +18,18 @@ from typing import Any
 import msgspec
 
 from slotsync.daemon.core.engine_session import CANNOT_REACH
+from slotsync.daemon.engine_http import EngineError, EngineHttp, _ConnectionLost
 from slotsync.daemon.sglang.routes import Dialect, answer, plan
-from slotsync.daemon.vllm.client import EngineError, VllmClient, _ConnectionLost
 
 
-class SglangClient(VllmClient):
+class SglangClient(EngineHttp):
     """Calls one SGLang server's routes (``url``, ``timeout_s``, ``observe``: as
     ``VllmClient``; the metrics label of each request is the daemon's step)."""
 
-    async def call(self, route: str, body: Any = None,  # type: ignore[override]
+    json_only = frozenset({"version"})  # (the version step: /server_info's arguments)
+    absent_is_none = frozenset({"server_info"})  # (as VllmClient's; no request here)
+
+    async def call(self, route: str, body: Any = None,
                    dialect: Dialect | None = None) -> Any:
         """Run the daemon's step ``route`` with its vLLM-shaped ``body`` as SGLang requests
         (``sglang_routes.plan`` for ``dialect``); returns the step's answer

@@ -22,7 +22,8 @@ checksums, so a torch or SGLang that drops this fails loudly.
 
 Acks stay in index order (I3): a chunk is acknowledged once it and every chunk before it is
 proven. A failed update acknowledges nothing more, and its ranks get the error only once no
-chunk call of it is left at SGLang (``SlotCoordinator._fail``): a rank told earlier frees its
+chunk call of it is left at SGLang (``core/family.py`` ``HeldErrors``, its ``reads_memory``
+``PROVING_STEPS``): a rank told earlier frees its
 memory, and a queued call mapping it would raise in SGLang's scheduler, which kills the
 server. A copy still running when they are told reads memory a later full update overwrites
 (SGLang's scheduler is sequential), so it cannot leave torn weights behind.
@@ -30,9 +31,7 @@ server. A copy still running when they are told reads memory a later full update
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from slotsync.daemon.sglang import versions as sglang_versions
 
@@ -57,6 +56,10 @@ class Fence:
     reply_no: dict[int, int] = field(default_factory=dict)  # chunk index -> its reply's number
     sent_after: dict[int, int] = field(default_factory=dict)  # call id -> replies at send time
     unproven: list[int] = field(default_factory=list)
+
+    def proves(self, route: str) -> bool:
+        """Whether the daemon's step ``route`` passes the TP barrier (``PROVING_STEPS``)."""
+        return route in PROVING_STEPS
 
     def on_send(self, call_id: int) -> None:
         """A call that passes the TP barrier (a chunk, a proving call, the end) was sent."""
@@ -84,40 +87,3 @@ class Fence:
     def waiting(self) -> bool:
         """Some loaded chunk is not yet proven (its region stays with the daemon)."""
         return bool(self.unproven)
-
-
-@dataclass
-class HeldErrors:
-    """A failed update's errors to its ranks, held while a chunk call of it is still at
-    SGLang (``SlotCoordinator._fail``): a rank told frees its memory, SGLang mapping it for a
-    queued chunk raises in its scheduler, and that kills the whole server
-    (docs/sglang-contract.md 2.7; each call is bounded by the engine timeout). ``actions``:
-    the held replies, in order."""
-
-    actions: list[Any] = field(default_factory=list)
-
-    def hold(self, actions: list[Any], at_engine: Mapping[int, str]) -> list[Any]:
-        """The failed update's ``actions`` (its errors to the ranks), with its calls still
-        at the engine ``at_engine`` (call id -> step): those to send now; the rest are held
-        while a step that reads the ranks' memory (``PROVING_STEPS``) is among them."""
-        if any(step in PROVING_STEPS for step in at_engine.values()):
-            self.actions = list(actions)
-            return []
-        return actions
-
-    def release(self, at_engine: Mapping[int, str]) -> list[Any]:
-        """A call of the failed update returned (``at_engine``: those left): the held
-        replies once none of them reads the ranks' memory, else nothing."""
-        if self.actions and not any(step in PROVING_STEPS for step in at_engine.values()):
-            out, self.actions = self.actions, []
-            return out
-        return []
-
-    def late(self, out: list[Any], of_failed: bool) -> list[Any]:
-        """A chunk or commit answered ``out`` (an error); ``of_failed``: it belongs to the
-        failed update. Held with the rest while they are held, so that it does not free the
-        rank's memory first; else ``out``."""
-        if self.actions and of_failed:
-            self.actions += out
-            return []
-        return out

@@ -51,4 +51,4 @@ def merge_chunk(index: int, chunks: Mapping[int, Chunk], uuid_of_rank: Mapping[i
             "load_format": "flattened_bucket" if packed else None,
             "flush_cache": False, "abort_all_requests": False, "selector": "all"}
     return MergedChunk(index, body, len(ref.names), sum(ref.tensor_sizes),
-                       msgspec.json.encode(body), engine_kind="sglang")
+                       msgspec.json.encode(body))

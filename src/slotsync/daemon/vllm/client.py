@@ -17,14 +17,15 @@ engine restart (design.md I9).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from slotsync.daemon.core.engine_session import CANNOT_REACH
+from slotsync.daemon.engine_http import EngineError, EngineHttp, _ConnectionLost, error_message
+
+__all__ = ["ABSENT_IS_NONE", "JSON_ONLY", "PROBES", "ROUTES", "EngineError", "VllmClient",
+           "error_message"]
 
 # Route name used by the coordinator -> (HTTP method, path). ``finish_recover`` is a finish
 # whose failure is expected (recovery from a split engine, vllm-contract.md "Per-worker state").
@@ -71,91 +72,12 @@ ABSENT_IS_NONE = frozenset({"server_info"})
 PROBES = frozenset(r for r, (method, _) in ROUTES.items() if method == "GET")
 
 
-class EngineError(RuntimeError):
-    """A vLLM route failed: HTTP status (0 for no answer) and vLLM's own message."""
+class VllmClient(EngineHttp):
+    """Calls one vLLM engine's routes (``url``, ``timeout_s``, ``observe``, ``connection_errors``:
+    ``engine_http.EngineHttp``)."""
 
-    def __init__(self, route: str, status: int, message: str) -> None:
-        super().__init__(f"{route}: HTTP {status}: {message}" if status else f"{route}: {message}")
-        self.route = route
-        self.status = status
-        self.message = message
-
-
-def error_message(body: Any, text: str) -> str:
-    """vLLM's error text from a failed response body.
-
-    Shapes (vllm-contract.md "Errors"): ``{"error": {"message": ...}}`` (weight routes),
-    ``{"error": "<str>"}`` (pause/resume), ``{"detail": [...]}`` (FastAPI 400).
-    """
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-        if "detail" in body:
-            return str(body["detail"])
-        if "message" in body:
-            return str(body["message"])
-    return text[:2000]
-
-
-class VllmClient:
-    """Calls one engine's routes.
-
-    Args:
-        url: ``http://host:port`` or ``unix:///path/to.sock``.
-        timeout_s: bound on each request, seconds (design.md I5); a retried probe may take
-            twice that.
-        observe: called with ``(route, seconds, ok)`` after each HTTP request (metrics).
-
-    Attributes:
-        connection_errors: refused or reset connections seen so far (a retried probe counts
-            too): a change since the last round means the engine may have restarted.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        timeout_s: float = 300.0,
-        observe: Callable[[str, float, bool], None] | None = None,
-    ) -> None:
-        self.url = url
-        self.timeout_s = timeout_s
-        self._observe = observe
-        self.connection_errors = 0
-        if url.startswith("unix://"):
-            self._path: str | None = url[7:]
-            self._base = "http://localhost"
-        else:
-            self._path = None
-            self._base = url.rstrip("/")
-        self._session = self._new_session()
-        self._users: dict[aiohttp.ClientSession, int] = {}  # session -> calls running on it
-        self._retired: set[aiohttp.ClientSession] = set()  # closed once no call uses them
-
-    def _new_session(self) -> aiohttp.ClientSession:
-        # Idle connections are dropped after 4 s, before uvicorn's keep-alive timeout (vLLM's
-        # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) closes them under a request reusing them.
-        connector: aiohttp.BaseConnector = (
-            aiohttp.UnixConnector(path=self._path, keepalive_timeout=4.0)
-            if self._path is not None
-            else aiohttp.TCPConnector(limit=4, keepalive_timeout=4.0)
-        )
-        return aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
-        )
-
-    def _retire(self, session: aiohttp.ClientSession) -> None:
-        """Send later calls on fresh connections; ``session`` closes when its last call ends."""
-        if session is self._session:
-            self._retired.add(session)
-            self._session = self._new_session()
-
-    async def close(self) -> None:
-        for s in (*self._retired, self._session):
-            await s.close()
-        self._retired.clear()
+    json_only = JSON_ONLY
+    absent_is_none = ABSENT_IS_NONE
 
     async def call(self, route: str, body: Any = None) -> Any:
         """Call ``route`` (a key of ``ROUTES``) with JSON ``body``; return the parsed reply.
@@ -179,56 +101,3 @@ class VllmClient:
                 if attempt == tries:
                     raise EngineError(route, 0, f"{CANNOT_REACH}{self.url}: {e.cause}") from None
         raise AssertionError("unreachable")
-
-    async def _request(self, route: str, method: str, path: str, data: bytes | None,
-                       headers: dict[str, str] | None) -> Any:
-        session = self._session
-        self._users[session] = self._users.get(session, 0) + 1
-        t0 = time.perf_counter()
-        ok = False
-        try:
-            async with session.request(
-                method, self._base + path, data=data, headers=headers
-            ) as resp:
-                if resp.status >= 500:
-                    # uvicorn closes the connection after vLLM's 500 (see the module doc)
-                    self._retire(session)
-                text = await resp.text()
-                try:
-                    parsed = msgspec.json.decode(text) if text else None
-                except msgspec.DecodeError:
-                    parsed = None
-                if resp.status == 404 and route in ABSENT_IS_NONE:
-                    parsed = None
-                elif resp.status >= 400:
-                    raise EngineError(route, resp.status, error_message(parsed, text))
-                if parsed is None and route in JSON_ONLY:
-                    raise EngineError(route, resp.status, f"not JSON: {text[:200]!r}")
-                ok = True
-                return parsed
-        except TimeoutError:
-            self._retire(session)
-            raise EngineError(route, 0, f"no answer within {self.timeout_s:g} s") from None
-        except aiohttp.ClientConnectionError as e:
-            self._retire(session)
-            self.connection_errors += 1
-            raise _ConnectionLost(e) from None
-        except aiohttp.ClientError as e:
-            self._retire(session)
-            raise EngineError(route, 0, f"{CANNOT_REACH}{self.url}: {e}") from None
-        finally:
-            if self._observe is not None:
-                self._observe(route, time.perf_counter() - t0, ok)
-            self._users[session] -= 1
-            if session in self._retired and not self._users[session]:
-                del self._users[session]
-                self._retired.discard(session)
-                await session.close()
-
-
-class _ConnectionLost(Exception):
-    """A refused or reset connection (``aiohttp.ClientConnectionError``)."""
-
-    def __init__(self, cause: Exception) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
