@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
+from slotsync.daemon.logs import configure_logging
 from slotsync.daemon.service.config import Config, load_config
-from slotsync.daemon.service.logs import configure_logging
 from slotsync.daemon.service.server import Daemon
 
 
