@@ -1,7 +1,7 @@
 """The daemon's memory stays flat over many rounds (issue 14 defect 8).
 
 On CUDA every update exports its staging block anew, so the handle caches of
-``daemon/vllm/ipc_pickle.py`` (keyed by the handles' values) never hit across updates: with room
+``daemon/torch_pickle.py`` (keyed by the handles' values) never hit across updates: with room
 for 65,536 entries they grew the daemon from 50.7 to 65.0 MB over a 1,000-round soak. These
 tests merge the packed chunks of many updates with fresh CUDA handles and check that what the
 caches keep is bounded; and that the soak's verdict flags a growth of 1 % per 100 rounds."""
@@ -13,7 +13,7 @@ import os
 import pytest
 
 from slotsync.bench.soak import verdict
-from slotsync.daemon.vllm import ipc_pickle as vllm_pickle
+from slotsync.daemon import torch_pickle as vllm_pickle  # (the caches live there)
 from slotsync.daemon.vllm.merge import merge_chunk
 from slotsync.protocol.wire import Chunk, CudaIpcHandle, logical_gpu_uuid
 

@@ -18,7 +18,7 @@ import time
 from slotsync.bench.fake_exports import FakeExports
 from slotsync.bench.model import Qwen3MoeConfig, chunk_specs, qwen3_moe_specs
 from slotsync.bench.report import int_arg
-from slotsync.daemon.vllm import ipc_pickle as vllm_pickle
+from slotsync.daemon import torch_pickle
 from slotsync.daemon.vllm.merge import merge_chunk
 from slotsync.protocol import wire
 from slotsync.protocol.rank.export import handle_from_reduce_args
@@ -46,8 +46,8 @@ def _frames(ranks: int, packed: bool, staging_bytes: int, index: int) -> list[by
 
 
 def _one_chunk(frames: list[bytes], packed: bool, times: dict[str, float]) -> None:
-    vllm_pickle._fragment.cache_clear()
-    vllm_pickle._bytes.cache_clear()
+    torch_pickle._fragment.cache_clear()
+    torch_pickle._bytes.cache_clear()
     t0 = time.perf_counter()
     for f in frames:
         wire.decode_to_daemon(f)

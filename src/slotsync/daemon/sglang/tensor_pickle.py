@@ -72,7 +72,7 @@ from functools import lru_cache
 from itertools import accumulate
 from typing import NamedTuple
 
-from slotsync.daemon.vllm.ipc_pickle import (
+from slotsync.daemon.torch_pickle import (
     _APPENDS,
     _BIT,
     _EMPTY_DICT,
