@@ -284,7 +284,7 @@ def test_chunks_sent_before_the_begin_is_acknowledged_wait_for_the_engines_start
     chunk from a rank that has not begun fails the update, before any engine call."""
     h = Harness()
     # (a declared kind: an engine of unknown kind has its chunks merged once its version
-    # stage told vLLM from SGLang, engine_kind.py)
+    # stage told vLLM from SGLang, daemon/families.py)
     h.register_all()
     h.coord.engine.declare_kind("vllm")
     h.engine.hold = True  # the begin's calls stay unanswered until released below

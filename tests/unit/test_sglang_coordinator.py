@@ -102,7 +102,7 @@ class ScriptedSglang:
 
     def step(self, call: EngineCall, kind: str | None) -> tuple[bool, Any, str]:
         """The daemon's step ``call`` as the executor would run it for an engine of ``kind``."""
-        if kind != "sglang":  # asked as vLLM is (engine_kind.py): /version, /server_info
+        if kind != "sglang":  # asked as vLLM is (daemon/families.py): /version, /server_info
             path = {"version": "/version", "server_info": "/server_info"}[call.route]
             status, reply = self.http("GET", path, None)
             return (True, reply, "") if status == 200 else (
@@ -451,3 +451,21 @@ def test_a_declared_vllm_url_that_serves_sglang_is_refused_saying_what_to_declar
     err = [m for m in h.replies[0] if isinstance(m, Error)][0]
     assert err.phase == "begin" and 'declares kind = "vllm"' in err.message, err.message
     assert 'declare kind = "sglang"' in err.message and not h.engine.paused
+
+
+def test_a_rank_local_round_is_refused_before_the_pause_in_sglangs_words():
+    """A rank-local (expert-parallel) round is vLLM's mode: on an SGLang engine it is refused
+    before the pause, saying why in SGLang's terms (issue 34: the family answers; before, the
+    coordinator told it vLLM's list-form requirement)."""
+    h = Harness()
+    h.register_all()
+    from test_rank_local import lbegin, lchunk
+
+    for r in range(h.size):
+        h.send(r, lbegin(0, r, [f"w{r}"]))
+    for r in range(h.size):
+        h.send(r, lchunk(0, 0, r, [f"w{r}"]))
+    err = [m for m in h.replies[0] if isinstance(m, Error)][0]
+    assert err.phase == "begin", err
+    assert "rank-local" in err.message and "is SGLang" in err.message, err.message
+    assert "POST /pause_generation" not in h.engine.requests and not h.engine.paused

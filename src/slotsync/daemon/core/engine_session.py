@@ -83,7 +83,7 @@ class EngineSession:
 
     ``draft``: the draft model's own target (``DraftTarget``, issue 18); the fields above
     are the main model's.
-    Its kind (issue 26, ``engine_kind.py``): ``kind`` ``"vllm"`` / ``"sglang"`` (None: not
+    Its kind (issue 26, ``daemon/families.py``): ``kind`` ``"vllm"`` / ``"sglang"`` (None: not
     known yet), ``declared_kind`` the engine table's, ``sglang_version`` SGLang's release
     as its ``/server_info`` gave it, ``pause_mode`` the table's SGLang pause mode.
     Its vLLM version (``daemon/vllm/versions.py``): ``vllm_version`` the ``"version"`` text its
@@ -125,7 +125,7 @@ class EngineSession:
     unreachable: str = ""
     unreachable_since: float | None = None
     last_answer_at: float | None = None
-    # issue 26: which engine this is (engine_kind.py)
+    # issue 26: which engine this is (daemon/families.py)
     kind: str | None = None
     declared_kind: str | None = None
     sglang_version: str | None = None

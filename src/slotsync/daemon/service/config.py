@@ -35,7 +35,7 @@ ENV_PREFIX = "SLOTSYNC_"
 
 ENGINE_KINDS = ("", "vllm", "sglang")
 """An engine table entry's ``kind``: "" (not declared: the first begin asks the engine,
-``engine_kind.py``), ``vllm`` or ``sglang`` (issue 26)."""
+``daemon/families.py``), ``vllm`` or ``sglang`` (issue 26)."""
 
 
 @dataclass(frozen=True)
