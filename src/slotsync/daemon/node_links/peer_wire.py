@@ -4,7 +4,7 @@ Transport: one ZeroMQ DEALER socket per owner, on each node whose ranks feed an 
 another node's daemon owns, connected over TCP to the owner's ROUTER (``peer_listen``), both
 ends authenticated and encrypted with CURVE (``peer_keys.py``). Each ZeroMQ message carries
 one frame: a msgpack map of one struct below, tagged by ``type``. Nothing is pickled: a
-rank's frames cross inside ``Relay`` as the rank sent them (``protocol/wire.py`` bytes, which
+rank's frames cross inside ``Relay`` as the rank sent them (``protocol/wire/`` bytes, which
 the owner decodes and validates as it does a local rank's), and the owner's replies cross
 inside ``Deliver`` as it would have sent them to a local rank.
 
