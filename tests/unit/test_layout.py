@@ -166,15 +166,39 @@ def test_the_layering_contracts_hold():
      "Rank-side code never imports the daemon"),
     ("engine/sglang/__init__.py", "from slotsync.engine.vllm import model",
      "the three engine families independent"),
-], ids=["daemon-torch", "core-above-service", "rank-daemon", "engine-families"])
+    ("protocol/__init__.py", "import torch", "never imports torch"),
+    # a new module nobody placed in the layers (exhaustive contracts): refused, so that it
+    # cannot import past the rules unseen
+    ("engine/common.py", "from slotsync.engine.reference import server",
+     "not listed as layers"),
+    ("protocol/digest.py", "import hashlib", "not listed as layers"),
+    ("daemon/trtllm/__init__.py", "from slotsync.daemon.vllm import client",
+     "not listed as layers"),
+], ids=["daemon-torch", "core-above-service", "rank-daemon", "engine-families",
+        "public-protocol-torch", "new-engine-module", "new-schema-module", "new-family"])
 def test_a_change_that_breaks_a_contract_fails_lint_imports(tmp_path, module, line, contract):
     exe = _lint_imports()
     shutil.copytree(PACKAGE, tmp_path / "src" / "slotsync",
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     target = tmp_path / "src" / "slotsync" / module
-    target.write_text(target.read_text() + f"\n{line}  # a broken contract\n")
+    target.parent.mkdir(exist_ok=True)
+    target.write_text((target.read_text() if target.exists() else "")
+                      + f"\n{line}  # a broken contract\n")
     done = _run_lint(exe, tmp_path / "src", tmp_path / "pyproject.toml")
     assert done.returncode != 0, done.stdout
-    broken = done.stdout.split("Broken contracts", 1)[-1]
+    broken = " ".join(done.stdout.split("Broken contracts", 1)[-1].split())  # (it wraps lines)
     assert contract in broken, done.stdout
+
+
+def test_the_daemon_imports_no_lazy_name_of_slotsync_protocol():
+    """``slotsync.protocol``'s ``__getattr__`` loads ``Publisher`` and the export helpers on
+    first access -- and torch with them -- through ``importlib``, which no import graph sees:
+    ``from slotsync.protocol import PublishStats`` in the daemon would pass lint-imports and
+    load torch into slotsyncd when it runs. So the daemon imports the schema's own modules
+    (``slotsync.protocol.wire``, ``.topology``, ...), never the package's names."""
+    graph = import_graph()
+    offenders = sorted(m for m, targets in graph.items()
+                       if m.startswith("slotsync.daemon") and "slotsync.protocol" in targets)
+    assert not offenders, (f"{offenders} import slotsync.protocol itself: import its modules "
+                           "(slotsync.protocol.wire, .topology, .errors) instead")
