@@ -212,7 +212,7 @@ def test_handle_from_reduce_args_memos_give_the_records_of_a_fresh_conversion(
 
 
 def test_class_names_are_allow_listed() -> None:
-    # the mapping f"{cls.__module__}.{cls.__qualname__}" gives exactly wire.py's names
+    # the mapping f"{cls.__module__}.{cls.__qualname__}" gives exactly protocol/wire/'s names
     for cls in (torch.Tensor, torch.nn.Parameter):
         assert f"{cls.__module__}.{cls.__qualname__}" in wire.TENSOR_CLASSES
     for cls in (torch.storage.TypedStorage, torch.UntypedStorage):

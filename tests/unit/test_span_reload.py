@@ -1,5 +1,6 @@
 """A relaying node's daemon never drives the engine another node owns, at start or after a
-SIGHUP, and engines over several nodes change only at a restart (issue 25 A; ``service.py``)."""
+SIGHUP, and engines over several nodes change only at a restart (issue 25 A;
+``daemon/service/server.py``)."""
 
 from __future__ import annotations
 

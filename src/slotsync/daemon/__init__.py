@@ -6,7 +6,7 @@ package may import the ones below it, never one above):
 * ``main``: the ``slotsyncd`` entry point (configuration, folders, run the service).
 * ``service/``: the process around the core -- configuration, the asyncio ``Daemon``
   (startup, main loop, shutdown), the ZeroMQ intake and the executor that runs the core's
-  actions, the durable mid-update record, ``/status``, metrics, logs, systemd notify.
+  actions, the durable mid-update record, ``/status``, metrics, systemd notify.
 * ``node_links/``: engines over several nodes -- the peer link's wire, its state machines,
   CURVE keys, relaying and the owner's side, the engine table's span rules.
 * ``families``: which engine family a slot's URL serves, and the families the daemon speaks.

@@ -14,7 +14,7 @@ from slotsync.daemon.service.server import Daemon
 
 async def serve(config: Config) -> int:
     """Run a daemon with ``config`` until a stop signal; returns the exit status
-    (``service.Daemon.serve``: SIGTERM / SIGINT stop it gracefully, a second one at once;
+    (``service.server.Daemon.serve``: SIGTERM / SIGINT stop it gracefully, a second one at once;
     SIGHUP re-reads the engine table)."""
     return await Daemon(config).serve()
 

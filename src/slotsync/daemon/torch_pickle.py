@@ -170,9 +170,10 @@ _DEVICE_0 = _int(0)
 def _shm_tail(h: ShmHandle, device: bytes = _DEVICE_0) -> bytes:
     """A shared-memory stand-in's opcodes after its layout: ``device`` (opcodes pushing slot
     6: device index 0 for vLLM, which overwrites it; SGLang's writer passes the GPU UUID
-    string, ``sglang_pickle``), storage handle ``SHM_HANDLE_PREFIX + segment``, the region's
-    byte count and byte offset, requires_grad False, ref-counter handle ``b""`` and offset 0,
-    event handle None, event_sync_required False, then TUPLE (closing the 15-tuple)."""
+    string, ``sglang/tensor_pickle.py``), storage handle ``SHM_HANDLE_PREFIX + segment``,
+    the region's byte count and byte offset, requires_grad False, ref-counter handle ``b""``
+    and offset 0, event handle None, event_sync_required False, then TUPLE (closing the
+    15-tuple)."""
     return b"".join((
         device, _bytes(SHM_HANDLE_PREFIX + h.segment.encode()), _int(h.nbytes),
         _int(h.offset), _FALSE, _bytes(b""), _int(0), _NONE, _FALSE, _TUPLE,

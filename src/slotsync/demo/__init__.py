@@ -1,12 +1,13 @@
 """``slotsync demo``: the main job end to end, on real model weights.
 
 Starts a node daemon, an engine (N workers, one per logical or real GPU: the reference engine,
-or with ``--engine vllm`` vLLM's own router and worker code) and N trainer ranks (processes
-joined by ``torch.distributed`` with Gloo). Every rank loads the same real model weights (a
-safetensors file); each round the ranks perturb the weights identically, publish them
-through the daemon into the engine (packed or unpacked), and rank 0 checks that every engine
-worker's checksums equal the trainers' and that the engine's weight version advanced. Exit
-status 0 only if every round matched.
+with ``--engine vllm`` vLLM's own router and worker code, or with ``--engine sglang`` SGLang's
+routes and its own payload code in each TP rank) and N trainer ranks (processes joined by
+``torch.distributed`` with Gloo). Every rank loads the same real model weights (a safetensors
+file); each round the ranks perturb the weights identically, publish them through the daemon
+into the engine (packed or unpacked), and rank 0 checks that every engine worker's checksums
+equal the trainers' and that the engine's weight version advanced. Exit status 0 only if every
+round matched.
 
 On a machine without a GPU the transport is POSIX shared memory (the CPU stand-in for CUDA IPC);
 with CUDA it is CUDA IPC, with real GPU UUIDs when there is a GPU per rank, else several

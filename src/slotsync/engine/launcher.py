@@ -218,7 +218,7 @@ class ReferenceEngine:
     def auth_header(self, path: str) -> dict[str, str]:
         """``Authorization: Bearer <key>`` for a call of ``path`` on an SGLang engine started
         with keys, else ``{}``: SGLang's admin routes want the admin key when one is set, the
-        others the API key (``sglang_state.ADMIN_OPTIONAL_ROUTES``)."""
+        others the API key (``engine/sglang/state.py``'s ``ADMIN_OPTIONAL_ROUTES``)."""
         from slotsync.engine.sglang.state import ADMIN_OPTIONAL_ROUTES
 
         route = path.split("?", 1)[0]

@@ -24,7 +24,8 @@ class Reply:
 
 @dataclass(frozen=True, slots=True)
 class EngineCall:
-    """Call vLLM route ``route`` (a name from ``vllm_client.ROUTES``) with JSON ``body``.
+    """Call vLLM route ``route`` (a name from ``daemon/vllm/client.py``'s ``ROUTES``) with
+    JSON ``body``.
 
     ``needs_record``: the durable record naming the slot (``mid_update_record.py``) must be on
     disk before the call is sent, because the call may leave the engine mid-update

@@ -43,7 +43,7 @@ class MergedChunk:
     JSON encoder (``VllmClient``) writes ``bytes`` as standard base64 with padding, exactly
     the string vLLM base64-decodes, in one C pass instead of ``base64`` + a copy into the JSON
     (see BENCHMARKS.md). Encode it with ``msgspec.json``
-    (or apply ``vllm_pickle.b64`` first) anywhere else.
+    (or apply ``vllm/ipc_pickle.py``'s ``b64`` first) anywhere else.
 
     ``update_info_json`` is that JSON text, made when the chunk is merged -- while the engine
     still loads the chunk before -- so that sending it costs no encoding (the coordinator

@@ -134,7 +134,7 @@ class EngineSession:
     @property
     def known_kind(self) -> str | None:
         """``"vllm"`` or ``"sglang"`` once declared or told by the engine's answers; None
-        before (complete chunks wait for it: ``chunk_window.MergeFacts.kind``)."""
+        before (complete chunks wait for it: ``core/family.py``'s ``MergeFacts.family``)."""
         return self.kind or ("vllm" if self.vllm_version is not None else None)
 
     @property
@@ -177,9 +177,10 @@ class EngineSession:
 
     def note_call(self, ok: bool, error: str, now: float) -> None:
         """An engine call returned at ``now`` (monotonic seconds): ``ok``, or not with
-        ``error`` (``str(vllm_client.EngineError)``). Any HTTP answer, a failure included,
-        shows the engine there; an error with ``CANNOT_REACH`` shows no process answering at
-        its URL; a timeout or the daemon's own failure to send says neither."""
+        ``error`` (``str(EngineError)``, ``daemon/vllm/client.py``). Any HTTP answer, a
+        failure included, shows the engine there; an error with ``CANNOT_REACH`` shows no
+        process answering at its URL; a timeout or the daemon's own failure to send says
+        neither."""
         if ok or "HTTP " in error:
             self.unreachable, self.unreachable_since, self.last_answer_at = "", None, now
         elif CANNOT_REACH in error:

@@ -101,7 +101,7 @@ class PeerLinks:
             (owner; ``peer_state.RanksGone``).
         send_rank: sends bytes to a local rank's socket identity (relaying node).
         wake: called after actions (deadlines may have moved).
-        metrics: ``daemon.metrics.Metrics`` (``peer_*`` series).
+        metrics: ``daemon.service.metrics.Metrics`` (``peer_*`` series).
     """
 
     def __init__(self, node: str, roles: Any, keys: PeerKeys | None, peer_listen: str,

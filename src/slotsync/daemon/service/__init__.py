@@ -8,7 +8,8 @@
   through each engine family's client, replies, the durable record first where needed).
 * ``mid_update_record``, ``runtime_dir``: what lives on disk (the record, the socket folder).
 * ``status_documents``, ``status_server``: ``/status``, ``/healthz``, ``/metrics``;
-  ``metrics``: Prometheus; ``logs``: one line per event; ``systemd``: ``sd_notify``.
+  ``metrics``: Prometheus; ``systemd``: ``sd_notify`` (the event logs, one line per event,
+  are ``daemon/logs.py``, below the service and the node links).
 
 May import everything below it in the daemon (node_links, families, the family packages,
 core) and ``slotsync.protocol``'s schema; never torch, never the CLIs.

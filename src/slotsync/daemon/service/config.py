@@ -55,7 +55,7 @@ class EngineEntry:
     owner_address: str = ""
     parts: tuple[SpanPart, ...] = ()
     # issue 26: the engine's kind ("vllm" or "sglang"; "" detects it at the first begin) and,
-    # for SGLang, the mode of its /pause_generation (sglang_routes.PAUSE_MODES)
+    # for SGLang, the mode of its /pause_generation (daemon/sglang/routes.py's PAUSE_MODES)
     kind: str = ""
     pause_mode: str = "in_place"
 

@@ -5,9 +5,9 @@ Conventions (https://prometheus.io/docs/practices/naming/):
 * one ``slotsync_`` prefix; base units in the name (``_seconds``, ``_bytes``); counters end in
   ``_total``; ``slotsync_build_info`` is the usual constant-1 info gauge;
 * small, fixed label sets only: ``outcome`` (2 values), ``route`` (the vLLM routes of
-  ``vllm_client.ROUTES``), ``state`` (the ``SlotState`` values). Nothing is labelled by rank,
-  slot, update id or weight version: those are unbounded over a run and belong in ``/status``
-  and the logs;
+  ``daemon/vllm/client.py``'s ``ROUTES``), ``state`` (the ``SlotState`` values). Nothing is
+  labelled by rank, slot, update id or weight version: those are unbounded over a run and
+  belong in ``/status`` and the logs;
 * every labelled child that can exist is created at start, so a counter's first increment is
   seen by ``increase()`` (a series that appears at 1 has no increase) and gauges read 0, not
   "absent";
@@ -21,7 +21,7 @@ age of the oldest one) are computed when ``/metrics`` is scraped, from the ``Slo
 served on the daemon's event loop, the same thread that mutates the table, so the reads never
 race with it.
 
-Wiring in the daemon (``service.Daemon``)::
+Wiring in the daemon (``service/server.py``'s ``Daemon``)::
 
     self.metrics = Metrics(__version__)
     self.table = SlotTable(...)
@@ -29,8 +29,8 @@ Wiring in the daemon (``service.Daemon``)::
     ...
     # for every UpdateEnded action:
     self.metrics.update_ended(action)
-    # the VllmClient's observe callback:
-    VllmClient(url, timeout, self.metrics.observe_request)
+    # each engine client's observe callback (the executor, ``service/executor.py``):
+    cls(url, timeout, self.metrics.observe_request)  # VllmClient or SglangClient
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""HTTP client for one SGLang server: sends what ``sglang_routes.plan`` says, one request
+"""HTTP client for one SGLang server: sends what ``routes.plan`` says, one request
 after the other, and answers in the shape the coordinator reads (issue 26).
 
 It is ``VllmClient``'s base (``engine_http.EngineHttp``) with another route table: the same
@@ -32,8 +32,8 @@ class SglangClient(EngineHttp):
     async def call(self, route: str, body: Any = None,
                    dialect: Dialect | None = None) -> Any:
         """Run the daemon's step ``route`` with its vLLM-shaped ``body`` as SGLang requests
-        (``sglang_routes.plan`` for ``dialect``); returns the step's answer
-        (``sglang_routes.answer``).
+        (``routes.plan`` for ``dialect``); returns the step's answer
+        (``routes.answer``).
 
         Raises:
             EngineError: a request's non-2xx status with SGLang's message (except a tolerated

@@ -18,7 +18,7 @@ checksums, so a torch or SGLang that drops this fails loudly.
   passes the barrier **and was sent after the chunk's reply arrived** proves it on every rank:
   a later chunk's ``/update_weights_from_tensor``, the commit's ``/end_weight_update``, or --
   when no later chunk comes (a publisher waiting for this very region) -- a proving call, an
-  update of no tensor (``sglang_routes``, step ``prove_copies``).
+  update of no tensor (``routes.py``, step ``prove_copies``).
 
 Acks stay in index order (I3): a chunk is acknowledged once it and every chunk before it is
 proven. A failed update acknowledges nothing more, and its ranks get the error only once no

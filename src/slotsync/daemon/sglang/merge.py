@@ -3,7 +3,7 @@
 
 The checks are the vLLM merge's (``aggregation.check_chunk``: every rank sent the same names,
 dtypes, shapes and sizes, handles of the slot's transport, distinct GPU UUIDs, as many as the
-engine's ranks); then one pickle per rank (``sglang_pickle``), in rank order, which is SGLang's
+engine's ranks); then one pickle per rank (``tensor_pickle.py``), in rank order, which is SGLang's
 TP-rank order (entry r is read by TP rank r only: tp_worker.py ``deserialize_own_rank``, 0.5.23;
 the slot's rank ``start + r`` is the engine's TP rank r, as slime and miles assume,
 docs/sglang-contract.md 6).
@@ -17,7 +17,7 @@ The body (io_struct ``UpdateWeightsFromTensorReqInput``, 0.5.20-0.5.23)::
      "abort_all_requests": false,   # keep the requests the pause kept
      "selector": "all"}             # 0.5.21+ (0.5.20 ignores unknown fields): SGLang's default
 
-No ``weight_version``: the version is set once, after the session ended (``sglang_routes``).
+No ``weight_version``: the version is set once, after the session ended (``routes.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def merge_chunk(index: int, chunks: Mapping[int, Chunk], uuid_of_rank: Mapping[i
 
     Raises:
         ChunkMismatch: the ranks disagree (``aggregation.check_chunk``), or a tensor SGLang
-            could not load (``sglang_pickle.SglangPayloadError``: a misaligned tensor in a
+            could not load (``tensor_pickle.SglangPayloadError``: a misaligned tensor in a
             packed bucket, a GPU UUID SGLang would refuse), named, before SGLang sees it --
             any exception in SGLang's scheduler kills the whole server.
     """

@@ -1,10 +1,10 @@
 """What each of the daemon's engine steps is in SGLang's HTTP API (I/O-free; issue 26).
 
-The coordinator speaks one vocabulary of engine steps -- the keys of ``vllm_client.ROUTES``
+The coordinator speaks one vocabulary of engine steps -- the keys of ``vllm/client.py``'s ``ROUTES``
 (``pause``, ``start_weight_update``, ``update_weights``, ...) -- and reads their answers in the
 shapes vLLM gives. For an SGLang engine each step becomes zero or more SGLang requests, sent one
 after the other, and their answers one answer in that shape. This module is that table
-(``plan``) and the answer's reading (``answer``); ``sglang_client.SglangClient`` only sends.
+(``plan``) and the answer's reading (``answer``); ``client.py``'s ``SglangClient`` only sends.
 
 Rules (docs/sglang-contract.md 7.4; routes of SGLang 0.5.20 / 0.5.21 / 0.5.23,
 ``srt/entrypoints/http_server.py``)::

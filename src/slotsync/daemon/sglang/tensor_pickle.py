@@ -33,12 +33,13 @@ hex with dashes, no ``GPU-``: :func:`check_uuid`), which ``_device_from_maybe_uu
 into the device index of the rank's visible GPU with that UUID, or raises "Invalid
 device_uuid" in the scheduler -- and an exception there kills the whole server (2.7).
 
-The CPU shared-memory stand-in (``ShmHandle``) is written as in ``vllm_pickle`` (its module
-docstring; ``vllm_pickle._shm_tail``): storage handle ``b"slotsync.shm:" + segment``, the
-region's byte count and byte offset, ``False``, ``b""``, ``0``, ``None``, ``False``; but with
-the UUID string at argument 6, so that SGLang's ``_rebuild_cuda_tensor_modified`` maps it to a
-device index and then calls the saved original, ``reductions._rebuild_cuda_tensor_original``,
-which ``slotsync.engine.sglang.standin`` replaces with slotsync's shared-memory rebuild.
+The CPU shared-memory stand-in (``ShmHandle``) is written as for vLLM
+(``vllm/ipc_pickle.py``'s module docstring; ``daemon/torch_pickle.py``'s ``_shm_tail``):
+storage handle ``b"slotsync.shm:" + segment``, the region's byte count and byte offset,
+``False``, ``b""``, ``0``, ``None``, ``False``; but with the UUID string at argument 6, so
+that SGLang's ``_rebuild_cuda_tensor_modified`` maps it to a device index and then calls the
+saved original, ``reductions._rebuild_cuda_tensor_original``, which
+``slotsync.engine.sglang.standin`` replaces with slotsync's shared-memory rebuild.
 
 Rules (each refusal is a :class:`SglangPayloadError` raised before anything is sent: SGLang
 cannot refuse these politely, its scheduler dies):
@@ -53,7 +54,7 @@ cannot refuse these politely, its scheduler dies):
   "self.storage_offset() must be divisible by 4 to view Byte as Float"); the tensors fit in
   the region, the region in its storage.
 
-The opcode helpers, fixed memo slots of the torch globals and ``_Memo`` are ``vllm_pickle``'s.
+The opcode helpers, fixed memo slots of the torch globals and ``_Memo`` are ``torch_pickle``'s.
 Speed, as there: each pickle loads the globals it uses once into memo slots; unpacked, the
 UUID, the rebuild global and each distinct ``torch.Size`` / stride are memoized too, each
 distinct layout is written once per pickle and a CUDA handle's tail is one ``struct.pack``;
@@ -128,7 +129,7 @@ PACKED_LOAD_FORMAT = "flattened_bucket"
 """``load_format`` of a request whose entries are :func:`rank_entry_packed`'s (unpacked:
 ``None``)."""
 
-# opcodes vllm_pickle has no use for (Lib/pickle.py)
+# opcodes torch_pickle has no use for (Lib/pickle.py)
 _EMPTY_TUPLE = b")"
 _NEWOBJ = b"\x81"  # cls.__new__(cls, *args): no copyreg global needed
 _BUILD = b"b"
@@ -225,7 +226,7 @@ def _check_lists(names: Sequence[str], dtype_names: Sequence[str],
 
 @lru_cache(maxsize=256)
 def _after_device(n_ipc: int, n_ref: int, n_event: int) -> struct.Struct:
-    """Struct of a CUDA handle's opcodes after argument 6 (``vllm_pickle``'s format)."""
+    """Struct of a CUDA handle's opcodes after argument 6 (``torch_pickle``'s format)."""
     return struct.Struct("<" + _after_device_format(n_ipc, n_ref, n_event))
 
 
@@ -242,7 +243,7 @@ def _cuda_tail(h: CudaIpcHandle, device: bytes) -> bytes:
             device, _bytes_once(ipc), _int(size), _int(off), rg, _bytes_once(rch), _int(rc),
             _NONE if evh is None else _bytes_once(evh), sync, _TUPLE,
         ))  # fmt: skip
-    # the common case in one struct.pack call (as vllm_pickle._fragment)
+    # the common case in one struct.pack call (as torch_pickle._fragment)
     if evh is None:
         return device + _after_device(len(ipc), len(rch), -1).pack(
             b"B", len(ipc), ipc, b"J", size, b"J", off, rg, b"B", len(rch), rch, b"J", rc,
@@ -279,7 +280,7 @@ class _Bucket(NamedTuple):
     """The rank-independent part of a packed entry: the metadata list's opcodes for one set
     of tensor lists, and what they need."""
 
-    mask: int  # bits of the fixed-slot torch globals the metadata uses (vllm_pickle._BIT)
+    mask: int  # bits of the fixed-slot torch globals the metadata uses (torch_pickle._BIT)
     prelude: bytes  # memo slots: the FlattenedTensorMetadata global, each distinct torch.Size
     metadata: bytes  # EMPTY_LIST MARK <one FlattenedTensorMetadata per tensor> APPENDS
     starts: list[int]  # byte offset of each tensor in the region, then the total
@@ -447,7 +448,7 @@ def rank_entry_unpacked(handles: Sequence[Handle], gpu_uuid: str, names: Sequenc
     """One TP rank's pickle for ``load_format=None`` (contract 3.3, 3.5): a list of
     ``(name, tensor)`` tuples, each tensor rebuilt by ``_rebuild_cuda_tensor_modified`` from
     its 15 arguments with the UUID at 6. The UUID, the rebuild global and each distinct
-    ``torch.Size`` and stride are written once (memo), as in ``vllm_pickle.pickle_unpacked``.
+    ``torch.Size`` and stride are written once (memo), as in ``ipc_pickle.pickle_unpacked``.
     No tensor: ``[]``.
 
     Args:
@@ -476,7 +477,7 @@ def rank_entry_unpacked(handles: Sequence[Handle], gpu_uuid: str, names: Sequenc
     mask = 0
     items = []
     # (the per-tensor loop of an unpacked chunk, ~170 tensors x 8 ranks: each distinct layout
-    # is written once, with the rebuild global in front, as vllm_pickle._rank_fragments does)
+    # is written once, with the rebuild global in front, as ipc_pickle._rank_fragments does)
     heads: dict[tuple, bytes] = {}
     for h, name, dtype, shape in zip(handles, names, dtype_names, shapes, strict=True):
         size = tuple(shape)

@@ -32,7 +32,7 @@ mode, the same ``VLLM_SERVER_DEV_MODE=1`` the weight-transfer routes need): ``{"
 ``vllm_config.parallel_config`` has the fields read here. It is asked with ``GET /version``
 (``update.BEGIN_STAGES``, the ``version`` stages), so once per engine process and again after
 a restart, and at every begin while refused. An answer that says nothing (a 404: the reference
-engine or a server without the route, see ``vllm_client.ABSENT_IS_NONE``; a body that is not
+engine or a server without the route, see ``client.py``'s ``ABSENT_IS_NONE``; a body that is not
 JSON; a ``vllm_config`` in text form; a field missing or of another type) is no information:
 the update goes on as it did before this rule.
 """

@@ -57,7 +57,7 @@ NORMAL = "normal"
 
 def auth_level(path: str) -> str:
     """The auth level of route ``path``: ``ADMIN_OPTIONAL`` for the routes of
-    ``sglang_state.ADMIN_OPTIONAL_ROUTES``, else ``NORMAL``."""
+    ``state.ADMIN_OPTIONAL_ROUTES``, else ``NORMAL``."""
     return ADMIN_OPTIONAL if path in ADMIN_OPTIONAL_ROUTES else NORMAL
 
 

@@ -12,7 +12,7 @@ The two parsers, the only difference between the two SGLang engines:
   ``FlattenedTensorMetadata`` (``srt/weight_sync/tensor_bucket.py``). The CUDA rebuild is
   SGLang's ``_rebuild_cuda_tensor_modified`` over slotsync's CPU stand-in
   (``slotsync.engine.sglang.standin.install_sglang_cpu_standin``, installed once per worker
-  process), or on a GPU over torch's own ``rebuild_cuda_tensor`` (``sglang_worker``). Where no
+  process), or on a GPU over torch's own ``rebuild_cuda_tensor`` (``worker.py``). Where no
   sglang is installed, ``SLOTSYNC_SGLANG_SHIM`` names the folder ``tools/sglang_shim.py``
   built (:func:`use_shim_path`).
 * :class:`ReferenceParser` (``--impl sglang-reference``, no SGLang needed): a mirror of the

@@ -24,7 +24,7 @@ Routes (``srt/entrypoints/http_server.py``):
     "status": "ok"}``.
 ``POST /begin_weight_update`` ``{"selector": "target"|"draft"|"all"}``, ``POST /end_weight_update``
     ``{}``, 0.5.21+ (L1458, L1473 / L1400, L1415; 0.5.20: 404): ``{"success", "message"}``, 200 or
-    400 with the session texts of ``sglang_state`` (``SESSION_OPEN``, ``NO_SESSION``).
+    400 with the session texts of ``state.py`` (``SESSION_OPEN``, ``NO_SESSION``).
 ``POST /update_weights_from_tensor``
     L1436 / L1378 / L1395, body ``UpdateWeightsFromTensorReqInput``: ``200 {"success": true,
     "message": "Success"}`` (+ `` Weight version updated to X.`` with ``weight_version``),

@@ -16,7 +16,7 @@ stand in, and nothing else of SGLang's changes:
   the pickles name);
 * ``reductions._rebuild_cuda_tensor_original`` becomes :func:`rebuild_original`: a
   shared-memory stand-in tuple (``slotsync.daemon.sglang.tensor_pickle`` writes them like
-  ``vllm_pickle``'s) is mapped by ``slotsync.engine.shm.rebuild_shm_tensor`` (the tensor
+  ``daemon/torch_pickle.py``'s) is mapped by ``slotsync.engine.shm.rebuild_shm_tensor`` (the tensor
   aliases ``/dev/shm/<segment>``); a tuple without storage (the empty bucket: handle ``None``
   or 0 bytes) goes to torch's original with the device replaced by ``"cpu"``, which is what
   torch does for it on a GPU, on the CPU; anything else goes to torch's original (which
