@@ -103,7 +103,9 @@ class ScriptedSglang:
     def step(self, call: EngineCall, kind: str | None) -> tuple[bool, Any, str]:
         """The daemon's step ``call`` as the executor would run it for an engine of ``kind``."""
         if kind != "sglang":  # asked as vLLM is (daemon/families.py): /version, /server_info
-            path = {"version": "/version", "server_info": "/server_info"}[call.route]
+            # (and, taken for vLLM, vLLM's probes: 404 here)
+            path = {"version": "/version", "server_info": "/server_info"}.get(
+                call.route, f"/{call.route}")
             status, reply = self.http("GET", path, None)
             return (True, reply, "") if status == 200 else (
                 False, None, f"{call.route}: HTTP {status}: Not Found")
@@ -469,3 +471,43 @@ def test_a_rank_local_round_is_refused_before_the_pause_in_sglangs_words():
     assert err.phase == "begin", err
     assert "rank-local" in err.message and "is SGLang" in err.message, err.message
     assert "POST /pause_generation" not in h.engine.requests and not h.engine.paused
+
+
+def test_an_engine_taken_for_vllm_that_answers_as_sglang_is_told_again_in_the_same_begin():
+    """Issue 35 item 15: the daemon drove a vLLM engine at the URL, now an SGLang one serves
+    there. vLLM's probes answer 404: the kind is asked again (once), and the round runs in
+    SGLang's routes, as a new engine session."""
+    h = Harness("0.5.23")
+    h.register_all()
+    engine = h.coord.engine
+    engine.kind, engine.vllm_version, engine.version = "vllm", "0.32.0", "v7"
+    engine.initialized = True
+    h.round(0)
+    assert h.ended[-1].outcome == "success", h.ended[-1].error
+    assert (engine.kind, engine.sglang_version, engine.vllm_version) == ("sglang", "0.5.23",
+                                                                        None)
+    assert h.engine.requests[:7] == [
+        "GET /get_world_size", "GET /weight_info", "GET /is_sleeping",  # (vLLM's: 404)
+        "GET /version", "GET /server_info",  # (the kind, asked again)
+        "GET /server_info", "GET /model_info"]  # (SGLang's probe)
+    assert h.engine.requests[7:] == ROUND_0523
+    assert h.engine.weight_version == "v0"
+
+
+def test_a_dropped_declared_slot_asks_its_engines_kind_again():
+    """Issue 35 item 15: ``slotsync slots drop`` keeps a declared slot and what the daemon
+    knows of its engine, but the next begin asks the engine's kind again."""
+    h = Harness("0.5.23")
+    h.table.set_engine_table({(0, 2): URL})  # (declared, without a kind)
+    h.register_all()
+    h.round(0)
+    assert h.coord.engine.kind == "sglang"
+    h.table.drop((0, 2), h.now)
+    assert h.coord.engine.known_kind is None
+    assert h.coord.state is SlotState.REGISTERING
+    h.engine.requests.clear()
+    h.register_all()
+    h.round(1)
+    assert h.ended[-1].outcome == "success", h.ended[-1].error
+    assert h.engine.requests[:2] == ["GET /version", "GET /server_info"]
+    assert h.coord.engine.kind == "sglang"

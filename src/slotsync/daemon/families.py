@@ -31,7 +31,7 @@ from typing import Any
 
 from slotsync.daemon.core import slot_table
 from slotsync.daemon.core.actions import SlotEvent
-from slotsync.daemon.core.engine_session import EngineSession
+from slotsync.daemon.core.engine_session import EngineSession, key_refused
 from slotsync.daemon.core.family import EngineFamily, VersionVerdict
 from slotsync.daemon.core.update import Update
 from slotsync.daemon.engine_http import EngineHttp
@@ -67,7 +67,10 @@ def version_failure(engine: EngineSession, u: Update, error: str, engine_url: st
     """``GET /version`` of update ``u`` answered ``error`` (an HTTP status): '' when the
     begin goes on -- asked while the kind was unknown, a 404 is SGLang's answer, and
     ``/server_info`` (``server_info_out``: still out; then ``u.version_404`` keeps the error
-    for it) tells -- else the refusal (no version: the table above)."""
+    for it) tells -- else the refusal (no version: the table above; a 401 or 403: the
+    engine wants an API key, named as such, issue 35)."""
+    if key_refused(error):
+        return error.split(": HTTP ", 1)[-1].split(": ", 1)[-1]  # (the client's own words)
     if "HTTP 404" in error and u.kind_asked:
         if engine.kind == "sglang":
             return ""  # (its /server_info told already)
@@ -75,8 +78,54 @@ def version_failure(engine: EngineSession, u: Update, error: str, engine_url: st
             u.version_404 = error
             return ""
     if engine.kind == "sglang":
-        return declared_sglang_but(engine, engine_url, error)
+        if engine.declared_kind == "sglang":
+            return declared_sglang_but(engine, engine_url, error)
+        return sglang_versions.answer_refusal(error, engine_url)
     return vllm_versions.answer_refusal(error, engine_url) + declared_vllm_hint(engine, error)
+
+
+def kind_doubt(engine: EngineSession, u: Update, engine_url: str, what: str) -> str:
+    """Why the version stage's answer ``what`` (an error, or an answer unlike SGLang's
+    arguments) says that the engine at ``engine_url`` is no longer of the kind the daemon
+    took it for (issue 35: a vLLM engine replaced by an SGLang one at the same URL, or the
+    other way), or '': only for a kind the engine told (the table's declared kind is refused
+    as before) and asked with that kind's routes. vLLM always has ``GET /version``
+    (``serve/instrumentator/basic.py``); SGLang always has ``GET /server_info`` with its
+    arguments (``http_server.py`` L863, 0.5.23)."""
+    if engine.declared_kind is not None or u.kind_asked or engine.kind is None:
+        return ""
+    if engine.kind == "vllm" and "HTTP 404" in what:
+        return (f"engine {engine_url}, a vLLM server so far, answers GET /version with 404 "
+                "(SGLang has no /version): another engine at its URL?")
+    if engine.kind == "sglang" and ("HTTP 404" in what or what == "not SGLang's"):
+        return (f"engine {engine_url}, an SGLang server so far, gave no SGLang server "
+                "arguments at GET /server_info: another engine at its URL?")
+    return ""
+
+
+PROBE_ROUTES = ("get_world_size", "weight_info", "is_sleeping")
+"""The probe stage's steps (``update.BEGIN_STAGES``), asked in the engine's kind."""
+
+
+def probe_doubt(engine: EngineSession, route: str, ok: bool, result: Any, error: str,
+                engine_url: str) -> str:
+    """Why probe step ``route``'s answer says the engine may not be of the kind the daemon
+    took it for (``Families.kind_in_doubt``), or '': a 404 (the kind's route is not there:
+    vLLM 0.27+ and the reference engine have ``/get_world_size``, ``/weight_info`` and
+    ``/is_sleeping``; SGLang ``/server_info`` and ``/model_info``), or a world size that is no
+    number (SGLang's ``tp_size`` missing from a ``/server_info`` that is vLLM's)."""
+    if route not in PROBE_ROUTES:
+        return ""
+    kind = "SGLang" if engine.kind == "sglang" else "vLLM"
+    if not ok and "HTTP 404" in error:
+        return (f"engine {engine_url} answers the {kind} probe {route} with 404: another "
+                "engine at its URL?")
+    if ok and route == "get_world_size":
+        ws = result.get("world_size") if isinstance(result, dict) else None
+        if not isinstance(ws, int) or isinstance(ws, bool):
+            return (f"engine {engine_url} answers the {kind} probe get_world_size without "
+                    f"a world size ({str(result)[:100]}): another engine at its URL?")
+    return ""
 
 
 def sglang_answer(engine: EngineSession, u: Update, route: str, result: Any) -> bool:
@@ -155,7 +204,7 @@ class Families:
         (the table above): SGLang's ``/server_info``, vLLM's ``/version`` (its supported
         range), or vLLM's ``/server_info`` (its DP layout, ``dp_layout.py``)."""
         if sglang_answer(engine, u, route, result):
-            return self._sglang_known(engine, result, slot, size, engine_url)
+            return self._sglang_known(engine, u, result, slot, size, engine_url)
         if route == "version":
             text = vllm_versions.version_of(result)
             refusal = (vllm_versions.check_supported(text, engine_url or "the engine")
@@ -179,13 +228,17 @@ class Families:
                 return VersionVerdict(fail=engine.dp_layout_refused)
         return VersionVerdict()
 
-    def _sglang_known(self, engine: EngineSession, info: Any, slot: tuple[int, int],
-                      size: int, engine_url: str | None) -> VersionVerdict:
+    def _sglang_known(self, engine: EngineSession, u: Update, info: Any,
+                      slot: tuple[int, int], size: int,
+                      engine_url: str | None) -> VersionVerdict:
         """The engine is SGLang and ``info`` its ``/server_info``: check its version and
         layout (before the pause), then merge the chunks that waited for the kind."""
         if not sglang_versions.looks_like_sglang(info):  # (declared SGLang, answered not)
-            return _version_refused(engine, None, declared_sglang_but(
-                engine, engine_url or "", info))
+            doubt = kind_doubt(engine, u, engine_url or "", "not SGLang's")
+            verdict = _version_refused(engine, None, declared_sglang_but(
+                engine, engine_url or "", info) if not doubt else doubt)
+            verdict.recheck = doubt
+            return verdict
         first = engine.sglang_version is None and engine.kind != "sglang"
         refusal = sglang_version_refusal(engine, info, size, engine_url or "the engine")
         if refusal:
@@ -202,7 +255,16 @@ class Families:
         """``GET /version`` answered an HTTP error (``version_failure`` above): go on (no
         ``fail``), or the refusal, kept in ``engine``."""
         refusal = version_failure(engine, u, error, engine_url or "", server_info_out)
-        return _version_refused(engine, None, refusal) if refusal else VersionVerdict()
+        if not refusal:
+            return VersionVerdict()
+        verdict = _version_refused(engine, None, refusal)
+        verdict.recheck = kind_doubt(engine, u, engine_url or "", error)
+        return verdict
+
+    def kind_in_doubt(self, engine: EngineSession, route: str, ok: bool, result: Any,
+                      error: str, engine_url: str | None) -> str:
+        """``probe_doubt`` above (``core/family.py``'s ``Families``)."""
+        return probe_doubt(engine, route, ok, result, error, engine_url or "")
 
     def client_for(self, engine: EngineSession, url: str
                    ) -> tuple[str, Callable[..., EngineHttp]]:

@@ -22,6 +22,15 @@ CANNOT_REACH = "cannot reach "
 """How ``VllmClient`` words an engine call that got no connection (refused, reset, no route):
 the engine process is not there to answer (``EngineSession.note_call``)."""
 
+
+def key_refused(error: str) -> bool:
+    """An engine call's ``error`` (``str(EngineError)``) is a refusal of the daemon's
+    credentials: HTTP 401 or 403, which the engine clients word as such (the daemon sent no
+    API key, or a wrong one: ``daemon/engine_http.py`` ``key_refusal``; issue 35). Its text
+    says what to set, and no other cause is guessed from it."""
+    return "HTTP 401:" in error or "HTTP 403:" in error
+
+
 WORKER_FAILED = "Worker failed with error"
 """vLLM's MultiprocExecutor (engines of several workers) wraps a worker's error in this text
 (vLLM 0.32 ``v1/executor/multiproc_executor.py`` ``collective_rpc``)."""
@@ -86,6 +95,8 @@ class EngineSession:
     Its kind (issue 26, ``daemon/families.py``): ``kind`` ``"vllm"`` / ``"sglang"`` (None: not
     known yet), ``declared_kind`` the engine table's, ``sglang_version`` SGLang's release
     as its ``/server_info`` gave it, ``pause_mode`` the table's SGLang pause mode.
+    ``former_kind``: the kind it had when the daemon began to ask it again (``forget_kind``:
+    an operator's drop, or answers unlike its kind), until the answers tell it (issue 35).
     Its vLLM version (``daemon/vllm/versions.py``): ``vllm_version`` the ``"version"`` text its
     ``GET /version`` gave (None: not asked yet, or no version came back), asked when the
     daemon first meets the engine and after a restart is suspected; ``version_refused`` why
@@ -130,6 +141,8 @@ class EngineSession:
     declared_kind: str | None = None
     sglang_version: str | None = None
     pause_mode: str = "in_place"
+    # issue 35: the kind it had before the daemon began to ask it again (forget_kind)
+    former_kind: str | None = None
 
     @property
     def known_kind(self) -> str | None:
@@ -158,6 +171,7 @@ class EngineSession:
             setattr(self, name, getattr(old, name))
         self.draft = dataclasses.replace(old.draft)
         self.initialized = False
+        self.former_kind = old.former_kind or old.known_kind  # (this slot asks its kind)
 
     def forget(self) -> None:
         """Another engine from now on (engine table reload): nothing is known of it, and it
@@ -167,6 +181,18 @@ class EngineSession:
         self.draft = DraftTarget()
         self.vllm_version, self.version_refused, self.dp_layout_refused = None, "", ""
         self.kind, self.sglang_version = self.declared_kind, None
+
+    def forget_kind(self) -> None:
+        """The engine at the URL may be another one, of another kind (issue 35: a vLLM
+        engine replaced by an SGLang one at the same port): its kind, version and layout are
+        asked again at the next version stage (the engine table's declared kind stays).
+        ``former_kind`` keeps the kind it had, so that an answer of another kind is taken as
+        a new engine session (``outcomes``)."""
+        if self.known_kind is not None:
+            self.former_kind = self.known_kind
+        self.kind = self.declared_kind
+        self.vllm_version = self.sglang_version = None
+        self.version_refused = self.dp_layout_refused = ""
 
     def new_process(self) -> None:
         """The engine is a process this daemon did not initialise (restarted at its URL): no

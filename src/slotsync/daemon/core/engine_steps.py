@@ -60,6 +60,11 @@ from slotsync.daemon.core.update import (
 
 VERSION_ROUTES = frozenset(BEGIN_STAGES[STAGE_INDEX["version"]].routes)
 """The version stage's steps: their answers are the families' to read (``Families``)."""
+PROBE_ROUTES = frozenset(BEGIN_STAGES[STAGE_INDEX["probe"]].routes)
+"""The probe stage's steps (an answer unlike the engine's kind: ``Families.kind_in_doubt``)."""
+KIND_ROUTES = VERSION_ROUTES | PROBE_ROUTES
+"""Steps asked in the engine's kind before the pause: while the kind is in doubt
+(``Update.kind_doubt``) their answers are moot, and the kind is asked again (issue 35)."""
 
 
 class EngineSteps:
@@ -138,7 +143,11 @@ class EngineSteps:
         return []
 
     def _advance_begin(self, u: Update, now: float) -> list[Action]:
-        """Issue the next begin stage whose condition holds (``update.begin_step``)."""
+        """Issue the next begin stage whose condition holds (``update.begin_step``); first,
+        once the calls of a stage whose answers put the engine's kind in doubt returned, ask
+        the kind again (``_recheck_kind``)."""
+        if u.kind_doubt and not self._calls:
+            return self._recheck_kind(u) + self._advance_begin(u, now)
         family = self.family
         step = begin_step(u, self.engine, self.ranks, self.size, bool(self._calls),
                           self.engine_url, family)
@@ -153,6 +162,21 @@ class EngineSteps:
             out += self._call(u, route, family.step_body(route, self.packed),
                               needs_record=step.stage.needs_record)
         return out
+
+    def _recheck_kind(self, u: Update) -> list[Action]:
+        """The engine answered unlike its kind (``u.kind_doubt``: another engine at its URL,
+        issue 35, e.g. a vLLM server replaced by an SGLang one): forget its kind, version
+        and layout (``EngineSession.forget_kind``; a declared kind stays) and the chunks
+        merged for it (none went to the engine: the start comes later), and run the begin
+        from the version stage again, which tells the kind -- once per begin."""
+        why, u.kind_doubt, u.kind_rechecked = u.kind_doubt, "", True
+        was = self.engine.known_kind
+        self.engine.forget_kind()
+        u.merged = {i: m for i, m in u.merged.items() if i < u.next_send}
+        u.stage, u.version_asked, u.version_404 = STAGE_INDEX["version"], False, ""
+        return [SlotEvent(self.slot, "engine_kind_rechecked", {
+            "engine": self.engine_url, "update_id": u.update_id, "kind_was": was,
+            "why": why}, warning=False)]
 
     def _before_finish(self, u: Update, now: float) -> list[Action]:
         """Every chunk is loaded and every rank committed: check what the update left out of

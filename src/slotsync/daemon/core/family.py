@@ -12,6 +12,8 @@ implements both for vLLM and SGLang and is injected into ``SlotTable``):
     the body of a begin step (init, draft probe)  EngineFamily.step_body  its JSON  ignored
     the version stage's answers and failures,     Families.version_*      /version  /server_info
       the kind they tell, refused before the pause
+    a probe answer unlike the engine's kind       Families.kind_in_doubt  (a 404: another
+      (another engine at its URL: ask again)                            engine there)
     can it take rank-local / draft rounds         rank_local_refusal,     EP lists  refused
                                                   pause_refusal, drafts
     a start that met an open session              session_open            "already  SESSION_OPEN
@@ -80,11 +82,14 @@ class VersionVerdict:
     """What an answer of the version stage means (``Families.version_answer`` /
     ``version_failure``): ``fail`` the update in its begin with this text (before the pause);
     else ``events`` for the log and, with ``merge``, the engine's kind is known now: merge the
-    chunks that waited for it."""
+    chunks that waited for it. ``recheck``: the answer is unlike the kind the daemon took the
+    engine for (another engine at its URL, issue 35): ask its kind again from the version
+    stage on (once per begin; ``fail`` is the refusal should it be asked already)."""
 
     fail: str = ""
     events: list[Action] = field(default_factory=list)
     merge: bool = False
+    recheck: str = ""
 
 
 class EngineFamily(Protocol):
@@ -152,6 +157,12 @@ class Families(Protocol):
     def version_failure(self, engine: EngineSession, u: Update, error: str,
                         engine_url: str | None, server_info_out: bool) -> VersionVerdict:
         """``version`` answered an HTTP error ``error``; ``server_info_out``: still out."""
+
+    def kind_in_doubt(self, engine: EngineSession, route: str, ok: bool, result: Any,
+                      error: str, engine_url: str | None) -> str:
+        """Why the probe step ``route``'s answer (``ok`` with ``result``, or ``error``) says
+        the engine may not be of the kind the daemon took it for (another engine at its URL:
+        the coordinator asks its kind again, once per begin), or ''."""
 
 
 @dataclass

@@ -19,8 +19,12 @@ from typing import Any
 
 from slotsync.daemon.core import chunk_window, probe, recovery
 from slotsync.daemon.core.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
-from slotsync.daemon.core.engine_session import out_of_step_found, replies_in_step
-from slotsync.daemon.core.engine_steps import VERSION_ROUTES
+from slotsync.daemon.core.engine_session import (
+    key_refused,
+    out_of_step_found,
+    replies_in_step,
+)
+from slotsync.daemon.core.engine_steps import KIND_ROUTES, PROBE_ROUTES, VERSION_ROUTES
 from slotsync.daemon.core.update import STAGE_INDEX, PhaseEvent, Update
 from slotsync.protocol import wire
 from slotsync.protocol.wire import Ack, Error
@@ -52,18 +56,30 @@ class Outcomes:
         u = self.current
         assert u is not None and u.update_id == call.update_id  # else it would be an orphan
         route = call.route
+        if u.kind_doubt and route in KIND_ROUTES:
+            return self._advance(now)  # (moot: the kind is asked again once they returned)
+        if route in PROBE_ROUTES and not u.kind_rechecked:
+            # answers unlike the engine's kind: another engine at its URL? (issue 35)
+            u.kind_doubt = self.families.kind_in_doubt(self.engine, route, ok, result, error,
+                                                       self.engine_url)
+            if u.kind_doubt:
+                return self._advance(now)
         if not ok:
             self.engine.note_reply_trouble(route, error, self.size)
             if route == "check_replies":
                 return self._out_of_step(u, now, error)
-            self._failed_call = (route, error)
             if route == "version" and "HTTP " in error:  # no version: refused as unknown
                 verdict = self.families.version_failure(
                     self.engine, u, error, self.engine_url,
                     any(c.route == "server_info" for c in self._calls.values()))
+                if verdict.recheck and not u.kind_rechecked:
+                    u.kind_doubt = verdict.recheck
+                    return self._advance(now)
                 if not verdict.fail:  # (SGLang has no /version: its /server_info tells)
                     return self._advance(now)
+                self._failed_call = (route, error)
                 return self._fail(now, "begin", verdict.fail, [])
+            self._failed_call = (route, error)
             if route == "finish_recover":
                 # Expected when the engine is not (or only partly) mid-update: vllm-contract.md
                 # "Per-worker state": finish tolerating the 500, then a full update.
@@ -79,8 +95,9 @@ class Outcomes:
                 self.engine.mid_update = True
                 u.stage = STAGE_INDEX["recover"]
                 return self._advance(now)
-            return self._fail(now, "engine", f"{self.family.display} {route} failed: {error}",
-                              [])
+            # (a refused API key says what to set, whatever the engine's kind: issue 35)
+            return self._fail(now, "engine", error if key_refused(error) else
+                              f"{self.family.display} {route} failed: {error}", [])
         u.last_progress = now
         out: list[Action] = []
         if route == "check_replies":
@@ -90,11 +107,15 @@ class Outcomes:
         elif route in VERSION_ROUTES:  # (what they mean: the families, Families)
             verdict = self.families.version_answer(self.engine, u, route, result, self.slot,
                                                    self.size, self.engine_url)
+            if verdict.recheck and not u.kind_rechecked:
+                u.kind_doubt = verdict.recheck
+                return self._advance(now)
             if verdict.fail:  # (before the pause: the version stages come first)
                 return self._fail(now, "begin", verdict.fail, [])
-            if verdict.merge:  # (the kind is known: the chunks that waited for it)
-                chunk_window.merge_waiting(u, self.size, self._merge_facts())
             out += verdict.events
+            if verdict.merge:  # (the kind is known: the chunks that waited for it)
+                out += self._kind_told(u)
+                chunk_window.merge_waiting(u, self.size, self._merge_facts())
         elif route == "get_world_size":
             ws = result.get("world_size") if isinstance(result, dict) else None
             if ws != self.size:
@@ -191,6 +212,21 @@ class Outcomes:
         if step.then:
             out.append(self._maintenance_call(step.then))
         return out + self._advance(now) if step.advance else out
+
+    def _kind_told(self, u: Update) -> list[Action]:
+        """The version stage told the engine's kind: one other than the kind it had before
+        the daemon asked again (``EngineSession.former_kind``: after a drop, or answers
+        unlike its kind) is another engine at the URL, a new session (issue 35); its weight
+        version is the probe's baseline."""
+        former, self.engine.former_kind = self.engine.former_kind, None
+        kind = self.engine.known_kind
+        if former is None or kind is None or former == kind:
+            return []
+        out = probe.new_session(self.engine, self.slot, self.engine_url, u,
+                                f"engine {self.engine_url} answers as {kind} now, where it "
+                                f"was {former}: another engine at its URL")
+        self.engine.version, self.engine.session_suspect = None, False
+        return out
 
     def _out_of_step(self, u: Update, now: float, answer: str) -> list[Action]:
         """The check found the executor's replies out of step: the update fails."""

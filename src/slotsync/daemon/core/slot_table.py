@@ -229,8 +229,10 @@ class SlotTable:
              reason: str = "dropped by the operator") -> list[Action]:
         """An operator drops ``slot``: its ranks are forgotten (their publishers register
         again at their next begin) and the slot is released; what the daemon knows of its
-        engine stays (see the module docstring). With ``force`` an update in flight fails
-        first (ranks told, engine left paused and marked, I4).
+        engine stays (see the module docstring), but its kind is asked again at the next
+        begin (``EngineSession.forget_kind``: an operator drops a slot when the engine
+        changed; issue 35). With ``force`` an update in flight fails first (ranks told,
+        engine left paused and marked, I4).
 
         Raises:
             KeyError: no such slot.
@@ -253,7 +255,9 @@ class SlotTable:
         if c.busy():
             raise RuntimeError(f"slot [{slot[0]}, {slot[1]}) still waits for an engine call "
                                "or check; retry in a few seconds")
-        return out + self._release(slot, reason)
+        out += self._release(slot, reason)
+        c.engine.forget_kind()  # (another engine may serve there now: asked again, issue 35)
+        return out
 
     def _release(self, key: tuple[int, int], reason: str,
                  keep_slot: bool = False) -> list[Action]:

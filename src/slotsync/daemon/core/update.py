@@ -232,6 +232,11 @@ class Update:
     kind_asked: bool = False
     version_404: str = ""
     fence: ChunkFence | None = None
+    # issue 35: why the engine's answers suggest another kind than the one the daemon took it
+    # for (Families.kind_in_doubt, VersionVerdict.recheck): once the stage's calls returned,
+    # the kind is asked again from the version stage on, once per begin (kind_rechecked)
+    kind_doubt: str = ""
+    kind_rechecked: bool = False
 
     def on(self, event: PhaseEvent) -> None:
         """Move the phase along ``TRANSITIONS`` (``DRAFT_TRANSITIONS`` for a round with a

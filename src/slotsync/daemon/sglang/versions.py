@@ -105,6 +105,15 @@ def check_supported(text: Any, engine_url: str) -> str:
             "free the received tensors elsewhere, and the buffer fence would not hold")
 
 
+def answer_refusal(error: str, engine_url: str) -> str:
+    """The refusal for an engine told to be SGLang whose ``GET /server_info`` (the version
+    step) failed with ``error`` (cut to 300 characters)."""
+    error = error.removeprefix("version: ")  # (EngineError's step prefix)
+    return (f"engine {engine_url} did not give its SGLang server arguments: GET /server_info "
+            f"gave {error[:300]}; slotsyncd reads SGLang's version there and refuses an "
+            "engine whose version it does not know")
+
+
 def _int(info: dict, key: str, default: int) -> int:
     v = info.get(key, default)
     return v if isinstance(v, int) and not isinstance(v, bool) else default
