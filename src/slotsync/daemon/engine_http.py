@@ -3,6 +3,12 @@
 timeout or a lost connection, and the count of refused or reset connections (a possible
 engine restart, design.md I9). Below both families (neither imports the other); I/O.
 
+API keys (issue 35): an engine started with ``--api-key`` (vLLM, SGLang) or
+``--admin-api-key`` (SGLang) wants ``Authorization: Bearer <key>``; the engine table names a
+file holding each (``service/engine_keys.py`` reads them), and each family's client says
+which key a request carries (``EngineHttp.key_for``). A 401 or 403 is an ``EngineError``
+saying so (``key_refusal``): no key was sent, or the one sent is not the server's.
+
 Connections after a failure: vLLM answers a failed weight call (any worker error) with a 500
 raised through Starlette's ``ServerErrorMiddleware``, and uvicorn then closes the TCP
 connection, a moment after the response; a restarted engine leaves every pooled connection
@@ -16,12 +22,52 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import msgspec
 
 from slotsync.daemon.core.engine_session import CANNOT_REACH
+
+
+@dataclass(frozen=True)
+class EngineKeys:
+    """The API keys the daemon sends one engine (issue 35), read from the files its
+    ``[[engines]]`` entry names (``api_key_file``, ``admin_api_key_file``; '' where none).
+    Never printed: ``repr`` names the files only."""
+
+    api_key: str = field(default="", repr=False)
+    admin_api_key: str = field(default="", repr=False)
+    api_key_file: str = ""
+    admin_api_key_file: str = ""
+
+
+NO_KEYS = EngineKeys()
+"""An engine without keys."""
+
+
+def key_refusal(url: str, status: int, path: str, option: str, file: str,
+                wanted: str = "api_key_file", hint: str = "") -> str:
+    """The words for a request to ``path`` of engine ``url`` refused with HTTP ``status``
+    (401: no key or a wrong one; 403: forbidden, SGLang's answer for a route that needs an
+    admin key the server was not started with): ``option`` the engine table's key the
+    request carried (``api_key_file`` / ``admin_api_key_file``, '' for none), ``file`` its
+    file; ``wanted``: what to set when none was sent; ``hint``: what else may be wrong when
+    a key was sent (the family's). Never the key itself."""
+    what = "Unauthorized" if status == 401 else "Forbidden"
+    head = f"engine {url} refused the daemon's API key (HTTP {status} {what} for {path})"
+    if not option:
+        return (f"{head}: the daemon sent none; the server wants one: set {wanted} in its "
+                "[[engines]] entry (a file holding the key, readable by the daemon's user "
+                "only)")
+    flag = "--admin-api-key" if option == "admin_api_key_file" else "--api-key"
+    if status == 403:
+        return (f"{head}: the server forbids {path} with the key of {option} ({file}); "
+                f"was it started with {flag}?")
+    more = f"; {hint}" if hint else ""
+    return (f"{head}: wrong key: the key in {option} ({file}) of its [[engines]] entry is "
+            f"not the server's {flag}{more}")
 
 
 class EngineError(RuntimeError):
@@ -61,6 +107,8 @@ class EngineHttp:
         timeout_s: bound on each request, seconds (design.md I5); a retried probe may take
             twice that.
         observe: called with ``(route, seconds, ok)`` after each HTTP request (metrics).
+        keys: the engine's API keys (``EngineKeys``; none by default); the executor
+            replaces them when the engine table is read again (SIGHUP).
 
     Attributes:
         connection_errors: refused or reset connections seen so far (a retried probe counts
@@ -77,8 +125,10 @@ class EngineHttp:
         url: str,
         timeout_s: float = 300.0,
         observe: Callable[[str, float, bool], None] | None = None,
+        keys: EngineKeys | None = None,
     ) -> None:
         self.url = url
+        self.keys = keys or NO_KEYS
         self.timeout_s = timeout_s
         self._observe = observe
         self.connection_errors = 0
@@ -104,6 +154,23 @@ class EngineHttp:
             connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
         )
 
+    def key_for(self, path: str) -> tuple[str, str]:
+        """``(key, option)``: the API key a request to ``path`` carries and the engine
+        table's option it came from (``('', '')``: none). Here the API key on every request
+        (vLLM 0.32's ``--api-key`` guards only ``/v1``, ``/v2``, ``/inference`` and
+        ``/cohere``, ``serve/middleware/authenticate.py``, so its weight-transfer routes do
+        not need it; a proxy in front of them may); SGLang's client chooses per route."""
+        return (self.keys.api_key, "api_key_file") if self.keys.api_key else ("", "")
+
+    def key_wanted(self, path: str) -> str:
+        """What to set when a request to ``path`` that carried no key was refused."""
+        return "api_key_file (the server's --api-key)"
+
+    def key_hint(self, path: str, option: str) -> str:
+        """What else may be wrong when a request to ``path`` that carried the key of
+        ``option`` was refused ('' for nothing)."""
+        return ""
+
     def _retire(self, session: aiohttp.ClientSession) -> None:
         """Send later calls on fresh connections; ``session`` closes when its last call ends."""
         if session is self._session:
@@ -121,6 +188,9 @@ class EngineHttp:
         self._users[session] = self._users.get(session, 0) + 1
         t0 = time.perf_counter()
         ok = False
+        key, option = self.key_for(path.split("?", 1)[0])
+        if key:
+            headers = {**(headers or {}), "Authorization": f"Bearer {key}"}
         try:
             async with session.request(
                 method, self._base + path, data=data, headers=headers
@@ -133,6 +203,12 @@ class EngineHttp:
                     parsed = msgspec.json.decode(text) if text else None
                 except msgspec.DecodeError:
                     parsed = None
+                if resp.status in (401, 403):  # (the engine's auth: named as such)
+                    file = getattr(self.keys, option, "") if option else ""
+                    bare = path.split("?", 1)[0]
+                    raise EngineError(route, resp.status, key_refusal(
+                        self.url, resp.status, bare, option, file, self.key_wanted(bare),
+                        self.key_hint(bare, option)))
                 if resp.status == 404 and route in self.absent_is_none:
                     parsed = None
                 elif resp.status >= 400:

@@ -33,6 +33,9 @@ from slotsync.protocol.wire import MAX_MESSAGE_BYTES_DEFAULT, check_engine_url, 
 
 ENV_PREFIX = "SLOTSYNC_"
 
+KEY_FILES = ("api_key_file", "admin_api_key_file")
+"""An engine table entry's API key files (issue 35; ``engine_keys.py``)."""
+
 ENGINE_KINDS = ("", "vllm", "sglang")
 """An engine table entry's ``kind``: "" (not declared: the first begin asks the engine,
 ``daemon/families.py``), ``vllm`` or ``sglang`` (issue 26)."""
@@ -58,6 +61,10 @@ class EngineEntry:
     # for SGLang, the mode of its /pause_generation (daemon/sglang/routes.py's PAUSE_MODES)
     kind: str = ""
     pause_mode: str = "in_place"
+    # issue 35: files holding the API keys the engine was started with (--api-key, SGLang's
+    # --admin-api-key); read by engine_keys.py, never printed
+    api_key_file: str = ""
+    admin_api_key_file: str = ""
 
     @property
     def spans_nodes(self) -> bool:
@@ -207,6 +214,9 @@ class Config:
             raise ValueError(f"socket path {self.endpoint()[6:]!r} is longer than the 107 "
                              "bytes a Unix socket path may have")
         check_engine_table(self.engines)
+        from slotsync.daemon.service.engine_keys import read_engine_keys
+
+        read_engine_keys(self.engines, spans.roles(self.engines, self.node_name()).relayed)
         spans.check_spanning(self.engines, self.node_name(), self.peer_listen,
                              self.curve_secret_key, self.peer_public_keys)
         if spans.roles(self.engines, self.node_name()).relayed or any(
@@ -391,9 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
         "engine slot and drives each vLLM engine's weight update over HTTP.",
         epilog="Precedence: defaults < TOML file (--config or $SLOTSYNC_CONFIG; flat keys named "
         "like the options with underscores, plus [[engines]] tables with url, slot_start, "
-        "slot_size) < SLOTSYNC_<OPTION> environment variables (e.g. SLOTSYNC_STATUS_PORT) < "
-        "flags. Signals: SIGTERM/SIGINT stop (updates in flight get --shutdown-grace-s to "
-        "finish), SIGHUP re-reads the engine table from the config file.",
+        "slot_size and optionally kind, pause_mode, gpu_uuids, api_key_file and "
+        "admin_api_key_file: files holding the API keys the engine was started with, "
+        "readable by the daemon's user only, never on a command line) < SLOTSYNC_<OPTION> "
+        "environment variables (e.g. SLOTSYNC_STATUS_PORT) < flags. Signals: SIGTERM/SIGINT "
+        "stop (updates in flight get --shutdown-grace-s to finish), SIGHUP re-reads the "
+        "engine table and its API key files from the config file.",
     )
     p.add_argument("--version", action="version", version=f"slotsyncd {__version__}")
     p.add_argument("--config", type=Path, help="TOML file with any of the options below")
@@ -453,10 +466,11 @@ def _engine_table(path: Path, v: object) -> list[EngineEntry]:
     for i, e in enumerate(v):
         if (not isinstance(e, dict) or not {"url", "slot_start", "slot_size"} <= set(e)
                 or not set(e) <= {"url", "slot_start", "slot_size", "gpu_uuids", "kind",
-                                  "pause_mode", *spans.TOML_KEYS}):
+                                  "pause_mode", *KEY_FILES, *spans.TOML_KEYS}):
             raise ConfigError(f"config file {path}: engines[{i}] must have url, slot_start, "
-                              f"slot_size and optionally gpu_uuids, kind, pause_mode, owner, "
-                              f"owner_address and nodes; got {e!r}")
+                              f"slot_size and optionally gpu_uuids, kind, pause_mode, "
+                              f"api_key_file, admin_api_key_file, owner, owner_address and "
+                              f"nodes; got {e!r}")
         if not isinstance(e["url"], str) or not all(
             isinstance(e[k], int) and not isinstance(e[k], bool)
             for k in ("slot_start", "slot_size")
@@ -487,8 +501,11 @@ def _engine_table(path: Path, v: object) -> list[EngineEntry]:
         if "pause_mode" in e and kind != "sglang":
             raise ConfigError(f"config file {path}: engines[{i}]: pause_mode is SGLang's; "
                               "declare kind = \"sglang\" with it")
+        if not all(isinstance(e.get(k, ""), str) for k in KEY_FILES):
+            raise ConfigError(f"config file {path}: engines[{i}]: api_key_file and "
+                              "admin_api_key_file are paths (strings)")
         out.append(EngineEntry(e["url"], e["slot_start"], e["slot_size"], norm, owner, address,
-                               parts, kind, pause_mode))
+                               parts, kind, pause_mode, *(e.get(k, "") for k in KEY_FILES)))
     return out
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from slotsync.daemon.core.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
 from slotsync.daemon.core.engine_session import EngineSession
 from slotsync.daemon.core.slot_table import SlotTable
-from slotsync.daemon.engine_http import EngineError, EngineHttp
+from slotsync.daemon.engine_http import NO_KEYS, EngineError, EngineHttp, EngineKeys
 from slotsync.daemon.families import FAMILIES, Families
 from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.service.metrics import Metrics
@@ -68,6 +68,7 @@ class ActionExecutor:
         self._send, self._after, self._now = send, after, now
         self._rejects, self._engine_timeout_s = rejects, engine_timeout_s
         self.clients: dict[str, EngineHttp] = {}
+        self.keys: dict[str, EngineKeys] = {}  # engine URL -> its API keys (set_keys)
         self.tasks: set[asyncio.Task] = set()
         self.last_update = ""  # the last update's outcome, for STATUS=
         # Record writes run in order on one thread, off the event loop (a slow state disk
@@ -162,6 +163,21 @@ class ActionExecutor:
             log_event(log, logging.ERROR, "record_write_failed", path=str(self.record.path),
                       error=str(fut.exception()))
 
+    def set_keys(self, keys: dict[str, EngineKeys]) -> list[str]:
+        """The engines' API keys by URL (``engine_keys.read_engine_keys``): each client
+        sends its engine's from its next request on. Returns one line per engine whose keys
+        changed (its URL and files: never a key)."""
+        changes = []
+        for url in sorted(set(keys) | set(self.keys)):
+            k = keys.get(url, NO_KEYS)
+            if k != self.keys.get(url, NO_KEYS):
+                files = ", ".join(f for f in (k.api_key_file, k.admin_api_key_file) if f)
+                changes.append(f"engine {url} API keys read again from {files or 'no file'}")
+        self.keys = dict(keys)
+        for c in self.clients.values():
+            c.keys = self.keys.get(c.url.rstrip("/"), NO_KEYS)
+        return changes
+
     def _client(self, url: str, engine: EngineSession) -> EngineHttp:
         """The engine's client, kept for the daemon's life: ``SglangClient`` for an SGLang
         engine (issue 26), else ``VllmClient`` (an engine of unknown kind is asked as vLLM
@@ -169,7 +185,8 @@ class ActionExecutor:
         key, cls = self.families.client_for(engine, url)
         client = self.clients.get(key)
         if client is None:
-            client = cls(url, self._engine_timeout_s, self.metrics.observe_request)
+            client = cls(url, self._engine_timeout_s, self.metrics.observe_request,
+                         self.keys.get(url.rstrip("/"), NO_KEYS))
             self.clients[key] = client
         return client
 

@@ -43,6 +43,7 @@ from slotsync.daemon.node_links.peer_io import PeerLinks
 from slotsync.daemon.node_links.peer_keys import PeerKeyError, load_keys
 from slotsync.daemon.service import runtime_dir
 from slotsync.daemon.service.config import Config, ConfigError, read_config_file
+from slotsync.daemon.service.engine_keys import read_engine_keys
 from slotsync.daemon.service.executor import ActionExecutor, slot_text
 from slotsync.daemon.service.intake import Intake
 from slotsync.daemon.service.metrics import Metrics
@@ -118,6 +119,8 @@ class Daemon:
         self.executor = ActionExecutor(self.table, self.record, self.metrics, self._send,
                                        self._rejects, config.engine_timeout_s,
                                        self._after_actions, time.monotonic)
+        # the engines' API keys, from the files the table names (issue 35; engine_keys.py)
+        self.executor.set_keys(read_engine_keys(config.engines, self.roles.relayed))
         self.intake = Intake(config, self.metrics, self._rejects, self._deliver,
                              self._connections_gone, self.executor.spawn, self._refused)
         self.peers = PeerLinks(config.node_name(), self.roles, None, config.peer_listen,
@@ -297,8 +300,9 @@ class Daemon:
         await self.stop(f"{reason}; shutdown grace of {grace:g} s expired" if left else reason)
 
     def reload(self) -> None:
-        """SIGHUP: re-read the engine table from the config file (other options need a
-        restart). A bad file is logged and the running table kept."""
+        """SIGHUP: re-read the engine table from the config file, and the API key files it
+        names (other options need a restart). A bad file is logged and the running table
+        and keys kept."""
         if not self.config.config_file:
             log_event(log, logging.WARNING, "reload_skipped", reason="no config file")
             return
@@ -313,10 +317,12 @@ class Daemon:
                 raise ValueError("engines over several nodes (owner, owner_address, nodes) "
                                  "change only at a restart: the peer links are made at start; "
                                  "the running table is kept")
+            keys = read_engine_keys(fresh.engines, self.roles.relayed)  # (read again)
         except (ConfigError, ValueError) as e:
             log_event(log, logging.ERROR, "reload_failed", error=str(e))
             return
         changes = self.table.set_engine_table(*_engine_table(fresh.engines, self.roles))
+        changes += self.executor.set_keys(keys)
         self.config.engines = fresh.engines
         log_event(log, logging.INFO, "reload", changes=changes or ["none"])
         self._after_actions()

@@ -19,7 +19,14 @@ import msgspec
 
 from slotsync.daemon.core.engine_session import CANNOT_REACH
 from slotsync.daemon.engine_http import EngineError, EngineHttp, _ConnectionLost
-from slotsync.daemon.sglang.routes import Dialect, answer, plan
+from slotsync.daemon.sglang.routes import (
+    Dialect,
+    answer,
+    key_for,
+    key_hint,
+    key_wanted,
+    plan,
+)
 
 
 class SglangClient(EngineHttp):
@@ -28,6 +35,17 @@ class SglangClient(EngineHttp):
 
     json_only = frozenset({"version"})  # (the version step: /server_info's arguments)
     absent_is_none = frozenset({"server_info"})  # (as VllmClient's; no request here)
+
+    def key_for(self, path: str) -> tuple[str, str]:
+        """The admin key or the API key, per SGLang's rule for ``path`` (``routes.key_for``;
+        issue 35)."""
+        return key_for(path, self.keys.api_key, self.keys.admin_api_key)
+
+    def key_wanted(self, path: str) -> str:
+        return key_wanted(path)
+
+    def key_hint(self, path: str, option: str) -> str:
+        return key_hint(path, option)
 
     async def call(self, route: str, body: Any = None,
                    dialect: Dialect | None = None) -> Any:

@@ -80,6 +80,43 @@ EMPTY_UPDATE = b"\x80\x04]."
 sends empty entries for ranks with nothing (docs/sglang-contract.md 3.2)."""
 
 
+ADMIN_OPTIONAL_PATHS = frozenset({
+    "/pause_generation", "/continue_generation", "/flush_cache", "/begin_weight_update",
+    "/end_weight_update", "/update_weights_from_tensor", "/update_weight_version"})
+"""The paths the daemon asks that SGLang marks ``@auth_level(AuthLevel.ADMIN_OPTIONAL)``
+(0.5.23 ``srt/entrypoints/http_server.py``; ``tests/unit/test_engine_keys.py`` reads them
+there). SGLang's ``decide_request_auth`` (``srt/utils/auth.py``): such a route takes the admin
+key when the server has one (``--admin-api-key``; the API key is then refused there), else
+the API key when it has one; every other route (``/server_info``, ``/model_info``: NORMAL)
+takes the API key when the server has one, and nothing else. ``/health*`` is always open."""
+
+
+def key_for(path: str, api_key: str, admin_api_key: str) -> tuple[str, str]:
+    """``(key, option)`` a request to ``path`` carries (``ADMIN_OPTIONAL_PATHS``' rule):
+    the admin key, else the API key, on an admin-optional route; the API key on the
+    others; ``('', '')`` for none. ``option`` names the engine table's file."""
+    if path in ADMIN_OPTIONAL_PATHS and admin_api_key:
+        return admin_api_key, "admin_api_key_file"
+    return (api_key, "api_key_file") if api_key else ("", "")
+
+
+def key_hint(path: str, option: str) -> str:
+    """What else may be wrong when a request to ``path`` with the key of ``option`` was
+    refused: the API key on an admin-optional route of a server that has an admin key."""
+    if path in ADMIN_OPTIONAL_PATHS and option == "api_key_file":
+        return ("or the server was started with --admin-api-key too, and this route then "
+                "takes only the admin key: set admin_api_key_file")
+    return ""
+
+
+def key_wanted(path: str) -> str:
+    """What to set when a request to ``path`` without a key was refused."""
+    if path in ADMIN_OPTIONAL_PATHS:
+        return ("admin_api_key_file (the server's --admin-api-key), or api_key_file where it "
+                "has only --api-key")
+    return "api_key_file (the server's --api-key)"
+
+
 class NotAnSglangStep(ValueError):
     """The coordinator asked for a step SGLang has no counterpart of (a bug)."""
 

@@ -18,7 +18,12 @@ its SIGINT / SIGTERM handling and engine watchdog) with the arguments vLLM's
 ``api_server/entry.py build_and_serve`` passes by default (``timeout_keep_alive =
 VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, vLLM's h11 limits, access log on). So a failed weight call
 is a 500 raised through Starlette's ``ServerErrorMiddleware``, after which uvicorn closes the
-connection, exactly as ``vllm serve`` does.
+connection, exactly as ``vllm serve`` does. vLLM's own middleware goes on as ``vllm serve``'s
+``build_app`` puts it (``serve/middleware/register.py`` ``init_entrypoints_middleware``, after
+the exception handlers): with ``VLLM_API_KEY`` in the engine's environment (what vLLM reads
+when ``--api-key`` is not given) that is vLLM's ``AuthenticationMiddleware``, which answers
+``401 {"error": "Unauthorized"}`` on ``/v1``, ``/v2``, ``/inference`` and ``/cohere`` without
+``Authorization: Bearer <key>`` -- and leaves every weight-transfer route open (issue 35).
 
 ``app.state.engine_client`` is ``slotsync.engine.vllm.engine_client.VllmEngineClient``, a
 stand-in for vLLM 0.32's ``AsyncLLM`` over the engine core and the executor
@@ -96,6 +101,7 @@ def build_app(client: VllmEngineClient, log_error_stack: bool = False) -> Any:
     from vllm.entrypoints.serve.dev.sleep.api_router import router as sleep_router
     from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
     from vllm.entrypoints.serve.instrumentator.basic import router as basic_router
+    from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
 
     app = FastAPI()
     app.include_router(rl_router)
@@ -110,6 +116,12 @@ def build_app(client: VllmEngineClient, log_error_stack: bool = False) -> Any:
     app.state.vllm_config = client.vllm_config
     app.state.args = argparse.Namespace(log_error_stack=log_error_stack)
     init_exception_handler(app)
+    # vLLM's own middleware, as vllm serve's build_app adds it: CORS, and its
+    # AuthenticationMiddleware when VLLM_API_KEY is set (--api-key's stand-in, read by vLLM)
+    init_entrypoints_middleware(argparse.Namespace(
+        allowed_origins=[], allow_credentials=False, allowed_methods=["*"],
+        allowed_headers=["*"], api_key=None, enable_request_id_headers=False,
+        middleware=[]), app, ())
     app.add_middleware(_RouteFaults, client=client)
 
     @app.get("/_slotsync/stats")
