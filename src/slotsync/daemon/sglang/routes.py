@@ -84,7 +84,7 @@ ADMIN_OPTIONAL_PATHS = frozenset({
     "/pause_generation", "/continue_generation", "/flush_cache", "/begin_weight_update",
     "/end_weight_update", "/update_weights_from_tensor", "/update_weight_version"})
 """The paths the daemon asks that SGLang marks ``@auth_level(AuthLevel.ADMIN_OPTIONAL)``
-(0.5.23 ``srt/entrypoints/http_server.py``; ``tests/unit/test_engine_keys.py`` reads them
+(0.5.23 ``srt/entrypoints/http_server.py``; ``tests/unit/test_engine_key_files.py`` reads them
 there). SGLang's ``decide_request_auth`` (``srt/utils/auth.py``): such a route takes the admin
 key when the server has one (``--admin-api-key``; the API key is then refused there), else
 the API key when it has one; every other route (``/server_info``, ``/model_info``: NORMAL)
