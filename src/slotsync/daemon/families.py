@@ -31,7 +31,7 @@ from typing import Any
 
 from slotsync.daemon.core import slot_table
 from slotsync.daemon.core.actions import SlotEvent
-from slotsync.daemon.core.engine_session import EngineSession, key_refused
+from slotsync.daemon.core.engine_session import EngineSession, key_refusal_words, key_refused
 from slotsync.daemon.core.family import EngineFamily, VersionVerdict
 from slotsync.daemon.core.update import Update
 from slotsync.daemon.engine_http import EngineHttp
@@ -70,7 +70,7 @@ def version_failure(engine: EngineSession, u: Update, error: str, engine_url: st
     for it) tells -- else the refusal (no version: the table above; a 401 or 403: the
     engine wants an API key, named as such, issue 35)."""
     if key_refused(error):
-        return error.split(": HTTP ", 1)[-1].split(": ", 1)[-1]  # (the client's own words)
+        return key_refusal_words(error)  # (the client's own words: none sent, or wrong)
     if "HTTP 404" in error and u.kind_asked:
         if engine.kind == "sglang":
             return ""  # (its /server_info told already)

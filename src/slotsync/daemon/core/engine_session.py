@@ -31,6 +31,12 @@ def key_refused(error: str) -> bool:
     return "HTTP 401:" in error or "HTTP 403:" in error
 
 
+def key_refusal_words(error: str) -> str:
+    """A refused key's ``error`` (``key_refused``) without its step and status prefix
+    (``"version: HTTP 401: "``): the client's own words, which name the status."""
+    return error.split(": HTTP ", 1)[-1].split(": ", 1)[-1]
+
+
 WORKER_FAILED = "Worker failed with error"
 """vLLM's MultiprocExecutor (engines of several workers) wraps a worker's error in this text
 (vLLM 0.32 ``v1/executor/multiproc_executor.py`` ``collective_rpc``)."""

@@ -20,6 +20,7 @@ from typing import Any
 from slotsync.daemon.core import chunk_window, probe, recovery
 from slotsync.daemon.core.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
 from slotsync.daemon.core.engine_session import (
+    key_refusal_words,
     key_refused,
     out_of_step_found,
     replies_in_step,
@@ -96,8 +97,8 @@ class Outcomes:
                 u.stage = STAGE_INDEX["recover"]
                 return self._advance(now)
             # (a refused API key says what to set, whatever the engine's kind: issue 35)
-            return self._fail(now, "engine", error if key_refused(error) else
-                              f"{self.family.display} {route} failed: {error}", [])
+            return self._fail(now, "engine", key_refusal_words(error) if key_refused(error)
+                              else f"{self.family.display} {route} failed: {error}", [])
         u.last_progress = now
         out: list[Action] = []
         if route == "check_replies":
