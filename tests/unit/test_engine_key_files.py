@@ -58,7 +58,7 @@ def test_a_key_file_is_read_at_check_config_and_never_printed(tmp_path, capsys):
     assert "s3cret" not in repr(keys)
 
 
-@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o602])
 def test_a_key_file_others_may_read_is_refused_as_ssh_refuses_a_private_key(tmp_path, mode,
                                                                                capsys):
     k = key_file(tmp_path, "engine.key", "s3cret", mode)

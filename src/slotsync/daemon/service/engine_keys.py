@@ -9,12 +9,13 @@ environ`` and no log (``describe()`` prints the file names). The files are read 
 (``Config.validate``, so ``--check-config`` checks them) and again at each SIGHUP reload; a
 file that cannot serve refuses the start (the reload: keeps the running table and keys).
 
-A key file is refused, as ssh refuses a private key file (``sshkey_perm_ok``): when anyone
-but its owner may read it -- group or others, for a file the daemon's user owns; others,
-for any file (a root-owned file readable by the daemon's group, ``0640 root:slotsync``, is
-the usual service layout and is taken) -- and when it is not a regular file, cannot be
-read, is empty, or holds more than one line, a blank inside the key or a character that is
-not printable ASCII (an HTTP header value).
+A key file is refused, as ssh refuses a private key file (``sshkey_perm_ok``; the rule of
+the peer link's ``curve_secret_key``, ``node_links/peer_keys.py`` ``too_open``): when others
+have any permission on it, or, for a file the daemon's user owns, its group has (a file of
+another owner readable through the daemon's group -- ``0640 root:slotsync``, a Kubernetes
+secret with ``fsGroup`` and ``defaultMode: 0440`` -- is taken); and when it is not a regular
+file, cannot be read, is empty, or holds more than one line, a blank inside the key or a
+character that is not printable ASCII (an HTTP header value).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def read_key_file(path: str, option: str, url: str) -> str:
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{where}: not a regular file")
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o004 or (st.st_uid == os.getuid() and mode & 0o077):
+    if mode & 0o007 or (st.st_uid == os.getuid() and mode & 0o070):
         raise ValueError(
             f"{where}: permissions {mode:04o} are too open: an API key must be readable by "
             f"its owner only (chmod 600 {path}, owned by the daemon's user; ssh refuses a "
