@@ -162,6 +162,23 @@ def span_engine(e: Any) -> SpanEngine:
                       tuple(e.gpu_uuids), e.owner_address)
 
 
+def misplaced_rank(engine: SpanEngine, node: str, rank: int) -> str:
+    """Why trainer rank ``rank`` cannot register for ``engine`` at the daemon of ``node``: the
+    engine table's ``nodes`` put it on another node ('' when they put it on ``node``, or on
+    none: the owner's slot then refuses a rank outside the slot). Each rank publishes to its
+    own node's daemon, since its CUDA IPC handles open only on its node."""
+    part = next((p for p in engine.parts if p.start <= rank < p.end), None)
+    if part is None or part.node == node:
+        return ""
+    mine = next((p for p in engine.parts if p.node == node), None)
+    here = f" (this node's ranks: [{mine.start}, {mine.end}))" if mine else ""
+    return (f"rank {rank} registers at node {node}'s daemon, but the engine table puts rank "
+            f"{rank} of slot [{engine.slot_start}, {engine.slot_start + engine.slot_size}) "
+            f"(engine {engine.url}) on node {part.node}{here}: each rank publishes to the "
+            f"daemon of the node its GPU is on; check the trainer's ranks per node, or the "
+            f"engine table's nodes ({_nodes(engine)})")
+
+
 @dataclass(frozen=True)
 class Relayed:
     """An engine over several nodes that another node's daemon drives: where to relay."""
