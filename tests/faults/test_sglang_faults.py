@@ -118,6 +118,38 @@ def test_a_flush_refused_while_requests_run_fails_the_round_with_no_weight_touch
         box.close()
 
 
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.21"])
+def test_a_retract_pause_with_requests_running_is_flushed_and_the_round_lands(tmp_path,
+                                                                             version):
+    """Issue 35 item 11: ``pause_mode = "retract"`` while requests run. SGLang's own
+    ``pause_generation`` moves them to the waiting queue, where they stay while paused, and
+    SGLang's own ``SchedulerFlushWrapper`` and ``Scheduler.flush_cache`` / ``is_fully_idle``
+    answer the daemon's flush (the SGLang-code engine compiles them from SGLang's source:
+    ``engine/sglang/scheduler_code.py``). A flush that waits for idle (``?timeout=30``, the
+    old request) counts the waiting queue and can only time out, failing every round; the
+    flush SGLang's code allows after a retract pause flushes at once. The round lands, the
+    cache is flushed once, and the requests run again after ``continue_generation``."""
+    box = sglang_box(version)
+    try:
+        assert box.request("POST", "/_slotsync/requests", {"start": 3})[1]["running"] == 3
+        with DaemonProcess(args=table(tmp_path, box.url, kind="sglang",
+                                      pause_mode="retract")) as d:
+            t0 = time.monotonic()
+            ev = run_ranks(d, box.url, True, [{"rounds": 1}] * TP)
+            took = time.monotonic() - t0
+            ok_rounds(ev, 1, box)
+            assert_landed(box, 1)
+        stats = box.stats()
+        assert stats["scheduler_rules"] == "sglang", stats  # SGLang's code, not the mirror
+        c = stats["counts"]
+        assert (c["pause_count"], c["flush_count"], c["flush_refused"]) == (1, 1, 0), c
+        assert stats["requests"]["running"] == 3 and stats["requests"]["aborted"] == 0, stats
+        assert not stats["flush_pending"] and not stats["engine_paused"], stats
+        print(f"retract round with 3 requests running on {version}: {took:.2f} s")
+    finally:
+        box.close()
+
+
 def test_a_session_someone_left_open_is_ended_and_the_round_lands(fresh_sgl):
     """A daemon killed between begin and end leaves SGLang's session open; the next begin
     answers 400 'already open': the daemon ends it and begins once more."""
