@@ -88,7 +88,8 @@ Test-only routes (not SGLang's), under ``/_slotsync/``, no auth:
     "copy_sleep_cycles", "active" (the session is open: replicated on every rank),
     "begin_count", "end_count", "post_load_count", "load_calls", "update_count",
     "release_count", "bytes_loaded", "load_seconds", "num_weights", "held_tensors",
-    "last_error"}, ...]}``.
+    "last_error", "rebuilt_on" ({device index: tensors}: where the rank's UUID lookup put
+    the tensors it received; CPU only)}, ...]}``.
 ``POST /_slotsync/fault``
     the reference engine's fault body plus ``"exit": true`` (``slotsync.engine.sglang.faults``
     says what each fault does). Answers ``{"faults": [...]}``.
