@@ -81,6 +81,35 @@ def test_a_restart_between_rounds_is_seen_and_the_round_is_full(fresh_sgl):
             "updates_succeeded"] == 2
 
 
+def test_a_partial_round_after_a_restart_is_refused_before_the_pause(fresh_sgl):
+    """Issue 35 item 13: after a restart the slot needs a full update; a round whose ranks
+    leave a tensor out (their begins' manifests say so) is refused at the begin, naming the
+    tensor -- before the pause, so the restarted engine keeps serving its checkpoint, with no
+    weight touched (it was refused only at the commit, after the pause and every chunk,
+    leaving the engine paused on torn weights). The full round after it lands."""
+    with DaemonProcess() as d:
+        ok_rounds(run_ranks(d, fresh_sgl.url, True, [{"rounds": 1}] * TP), 1)
+        fresh_sgl.kill()
+        fresh_sgl.start_again()
+        before = fresh_sgl.stats()["counts"]
+        ev = run_ranks(d, fresh_sgl.url, True, [
+            {"rounds": 1, "first_round": 2, "omit": {2: ["lm_head.weight"]}}] * TP)
+        for r in range(TP):
+            (e,) = rounds(ev, r)
+            assert e["status"] == "error" and e["phase"] == "begin", e
+            assert "needs a full update" in e["message"], e
+            assert "leave out 1 of the 6 tensor names" in e["message"], e
+            assert "lm_head.weight" in e["message"], e
+        stats = fresh_sgl.stats()
+        c = {k: stats["counts"][k] - before[k] for k in before}
+        assert c["pause_count"] == 0 and c["update_count"] == 0, c  # never paused
+        assert stats["paused"] is False and stats["engine_paused"] is False, stats
+        assert fresh_sgl.weight_version() != "v2"
+        assert d.status()["slots"][0]["needs_full_update"] is True
+        ok_rounds(run_ranks(d, fresh_sgl.url, True, [{"rounds": 1, "first_round": 3}] * TP), 1)
+        assert_landed(fresh_sgl, 3)
+
+
 def test_a_failed_pause_fails_the_round_before_any_weight_and_generation_goes_on(fresh_sgl):
     before = fresh_sgl.stats()["counts"]
     fresh_sgl.request("POST", "/_slotsync/fault", {"route": "pause_generation", "times": 1,
