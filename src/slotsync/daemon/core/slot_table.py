@@ -105,7 +105,8 @@ class SlotTable:
         elsewhere: dict[tuple[int, int], str] | None = None,
     ) -> list[str]:
         """Declare (or re-declare, on SIGHUP) the engine slots, their URLs and, where known,
-        their workers' GPU UUIDs (checked as a set against the ranks' before each pause) and
+        their workers' GPU UUIDs in worker order (checked as a set against the ranks' before
+        each pause; an SGLang engine's payload is placed by them: ``MergeFacts``) and
         their kinds with SGLang's pause mode (``kinds``: slot -> (kind, pause_mode); a slot
         not in it is detected at its first begin, ``slotsync.daemon.families``).
 
