@@ -5,6 +5,7 @@ declaring the engine."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,11 @@ def ok_rounds(ev: dict, n: int, box: EngineBox | None = None) -> None:
             [e.get("message") for e in got], box.eng.log_tail(3000) if box else "")
 
 
-def table(tmp_path: Path, url: str, **keys: str) -> list[str]:
-    """``slotsyncd`` flags for an engine table declaring the engine (``keys``: more TOML)."""
+def table(tmp_path: Path, url: str, **keys: str | list[str]) -> list[str]:
+    """``slotsyncd`` flags for an engine table declaring the engine (``keys``: more TOML, a
+    string or a list of strings each)."""
     path = tmp_path / "slotsyncd.toml"
-    extra = "".join(f'{k} = "{v}"\n' for k, v in keys.items())
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
     path.write_text(f'[[engines]]\nurl = "{url}"\nslot_start = 0\nslot_size = {TP}\n{extra}')
     return ["--config", str(path)]
 

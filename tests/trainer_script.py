@@ -57,6 +57,13 @@ Key added for issue 26 E (SGLang on one GPU):
 
 * ``gpu_uuid``: with ``cuda``, ``"real"`` publishes under the GPU's own UUID instead of the
   logical one (an engine of one TP rank on that GPU, whose UUID lookup then runs unchanged).
+
+Keys added for issue 35 (SGLang TP order):
+
+* ``gpu_uuid``: any other string: the GPU UUID this rank registers with, on shared memory too
+  (a rank on another rank's logical GPU);
+* ``seed_offset``: round ``k``'s tensors are ``make_tensors(k + seed_offset)`` (ranks with
+  values of their own, to tell whose an engine rank loaded).
 """
 
 from __future__ import annotations
@@ -104,13 +111,19 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
     url = script.get("engine_url", engine_url)
     time.sleep(script.get("register_delay_s", 0))
     cuda = script.get("cuda", False)
-    uuid = None if script.get("gpu_uuid") == "real" else "logical"
-    pub = rank_publisher(endpoint, rank, slot, url, device="cuda:0" if cuda else None,
-                         gpu_uuid=uuid,
-                         packed=packed, staging_bytes=40_000,
-                         staging_buffers=script.get("staging_buffers", 4),
-                         timeout_s=script.get("timeout_s", 20.0),
-                         liveness_s=script.get("liveness_s", 10.0))
+    uuid = script.get("gpu_uuid", "logical")
+    uuid = None if uuid == "real" else uuid
+    kw = {"packed": packed, "staging_bytes": 40_000,
+          "staging_buffers": script.get("staging_buffers", 4),
+          "timeout_s": script.get("timeout_s", 20.0),
+          "liveness_s": script.get("liveness_s", 10.0)}
+    if not cuda and uuid not in (None, "logical"):  # (rank_publisher ignores it on shm)
+        from slotsync.protocol import Publisher
+
+        pub = Publisher(endpoint, rank, slot, url, transport="shm", gpu_uuid=uuid, **kw)
+    else:
+        pub = rank_publisher(endpoint, rank, slot, url, device="cuda:0" if cuda else None,
+                             gpu_uuid=uuid, **kw)
     try:
         try:
             pub.register()
@@ -123,7 +136,7 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
         stop = script.get("stop_before_chunk")
         first = script.get("first_round", 1)
         for k in range(first, first + script.get("rounds", 1)):
-            named = make_tensors(k)
+            named = make_tensors(k + script.get("seed_offset", 0))
             if cuda:
                 named = [(n, t.to("cuda:0")) for n, t in named]
             for name, dt in script.get("dtype_of", {}).items():

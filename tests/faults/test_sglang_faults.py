@@ -81,6 +81,35 @@ def test_a_restart_between_rounds_is_seen_and_the_round_is_full(fresh_sgl):
             "updates_succeeded"] == 2
 
 
+def test_a_partial_round_after_a_restart_is_refused_before_the_pause(fresh_sgl):
+    """Issue 35 item 13: after a restart the slot needs a full update; a round whose ranks
+    leave a tensor out (their begins' manifests say so) is refused at the begin, naming the
+    tensor -- before the pause, so the restarted engine keeps serving its checkpoint, with no
+    weight touched (it was refused only at the commit, after the pause and every chunk,
+    leaving the engine paused on torn weights). The full round after it lands."""
+    with DaemonProcess() as d:
+        ok_rounds(run_ranks(d, fresh_sgl.url, True, [{"rounds": 1}] * TP), 1)
+        fresh_sgl.kill()
+        fresh_sgl.start_again()
+        before = fresh_sgl.stats()["counts"]
+        ev = run_ranks(d, fresh_sgl.url, True, [
+            {"rounds": 1, "first_round": 2, "omit": {2: ["lm_head.weight"]}}] * TP)
+        for r in range(TP):
+            (e,) = rounds(ev, r)
+            assert e["status"] == "error" and e["phase"] == "begin", e
+            assert "needs a full update" in e["message"], e
+            assert "leave out 1 of the 6 tensor names" in e["message"], e
+            assert "lm_head.weight" in e["message"], e
+        stats = fresh_sgl.stats()
+        c = {k: stats["counts"][k] - before[k] for k in before}
+        assert c["pause_count"] == 0 and c["update_count"] == 0, c  # never paused
+        assert stats["paused"] is False and stats["engine_paused"] is False, stats
+        assert fresh_sgl.weight_version() != "v2"
+        assert d.status()["slots"][0]["needs_full_update"] is True
+        ok_rounds(run_ranks(d, fresh_sgl.url, True, [{"rounds": 1, "first_round": 3}] * TP), 1)
+        assert_landed(fresh_sgl, 3)
+
+
 def test_a_failed_pause_fails_the_round_before_any_weight_and_generation_goes_on(fresh_sgl):
     before = fresh_sgl.stats()["counts"]
     fresh_sgl.request("POST", "/_slotsync/fault", {"route": "pause_generation", "times": 1,
@@ -114,6 +143,38 @@ def test_a_flush_refused_while_requests_run_fails_the_round_with_no_weight_touch
             assert box.stats()["paused"] is False
             ok_rounds(run_ranks(d, box.url, True, [{"rounds": 1, "first_round": 2}] * TP), 1)
             assert_landed(box, 2)
+    finally:
+        box.close()
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.21"])
+def test_a_retract_pause_with_requests_running_is_flushed_and_the_round_lands(tmp_path,
+                                                                             version):
+    """Issue 35 item 11: ``pause_mode = "retract"`` while requests run. SGLang's own
+    ``pause_generation`` moves them to the waiting queue, where they stay while paused, and
+    SGLang's own ``SchedulerFlushWrapper`` and ``Scheduler.flush_cache`` / ``is_fully_idle``
+    answer the daemon's flush (the SGLang-code engine compiles them from SGLang's source:
+    ``engine/sglang/scheduler_code.py``). A flush that waits for idle (``?timeout=30``, the
+    old request) counts the waiting queue and can only time out, failing every round; the
+    flush SGLang's code allows after a retract pause flushes at once. The round lands, the
+    cache is flushed once, and the requests run again after ``continue_generation``."""
+    box = sglang_box(version)
+    try:
+        assert box.request("POST", "/_slotsync/requests", {"start": 3})[1]["running"] == 3
+        with DaemonProcess(args=table(tmp_path, box.url, kind="sglang",
+                                      pause_mode="retract")) as d:
+            t0 = time.monotonic()
+            ev = run_ranks(d, box.url, True, [{"rounds": 1}] * TP)
+            took = time.monotonic() - t0
+            ok_rounds(ev, 1, box)
+            assert_landed(box, 1)
+        stats = box.stats()
+        assert stats["scheduler_rules"] == "sglang", stats  # SGLang's code, not the mirror
+        c = stats["counts"]
+        assert (c["pause_count"], c["flush_count"], c["flush_refused"]) == (1, 1, 0), c
+        assert stats["requests"]["running"] == 3 and stats["requests"]["aborted"] == 0, stats
+        assert not stats["flush_pending"] and not stats["engine_paused"], stats
+        print(f"retract round with 3 requests running on {version}: {took:.2f} s")
     finally:
         box.close()
 

@@ -21,8 +21,11 @@ from sglang_rounds import (  # noqa: E402
     table,
 )
 from spawned_ranks import run_ranks  # noqa: E402
+from trainer_script import make_tensors  # noqa: E402
 
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
+from slotsync.engine.checksum import tensor_checksum  # noqa: E402
+from slotsync.protocol.wire import logical_gpu_uuid  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
@@ -78,3 +81,34 @@ def test_the_reference_engines_sglang_routes_take_the_same_rounds():
         box.close()
 
 
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_ranks_on_each_others_gpus_feed_the_tp_rank_on_their_gpu(tmp_path, packed):
+    """Issue 35 item 12: trainer ranks 0 and 1 sit on each other's GPU (rank r registers TP
+    rank 1 - r's GPU UUID), the engine table declares ``gpu_uuids`` in TP-rank order, and each
+    rank publishes values of its own. SGLang's own receive code (the SGLang-code engine's
+    ``_rebuild_cuda_tensor_modified``) rebuilds entry i's tensors on the GPU its UUID names:
+    entry i must be the chunk of the rank on TP rank i's GPU, so that TP rank i reads its
+    own GPU's memory (no peer copy) and loads the values of the rank beside it. (Before: the
+    UUIDs were compared as a set and entry i was slot rank i's, another GPU's.)"""
+    uuids = [logical_gpu_uuid(i) for i in range(TP)]
+    box = sglang_box("0.5.23")
+    try:
+        scripts = [{"rounds": 1, "gpu_uuid": uuids[TP - 1 - r], "seed_offset": 100 * r}
+                   for r in range(TP)]
+        with DaemonProcess(args=table(tmp_path, box.url, kind="sglang",
+                                      gpu_uuids=uuids)) as d:
+            ok_rounds(run_ranks(d, box.url, packed, scripts), 1, box)
+        by_rank = box.checksums()
+        for i in range(TP):
+            beside = TP - 1 - i  # the trainer rank on TP rank i's GPU
+            want = {n: tensor_checksum(t) for n, t in make_tensors(1 + 100 * beside)}
+            assert {n: by_rank[f"tp{i}"].get(n) for n in want} == want, (
+                f"TP rank {i} did not load trainer rank {beside}'s values")
+        for w in box.stats()["workers"]:
+            assert w["gpu_uuid"] == uuids[w["tp_rank"]], w
+            # SGLang's UUID lookup put every tensor TP rank i received on its own device i
+            assert list(w["rebuilt_on"]) == [str(w["tp_rank"])], w
+    finally:
+        box.close()

@@ -1171,6 +1171,73 @@ def test_engine_restarted_with_another_model_takes_its_full_update():
     assert "misses 1 of the 2" in err.message and h.engine.paused
 
 
+def _manifest_round(h: Harness, uid: int, chunks: list[tuple[str, ...]],
+                    dtype: str = "float32", begin_only: bool = False) -> None:
+    """``_send_round`` whose begins carry the manifest of what the chunks will hold;
+    ``begin_only``: the begins and the first chunk (the pause waits for one), no more."""
+    from slotsync.protocol.manifest import manifest_of
+
+    m = manifest_of([(n, dtype, [2, 2]) for names in chunks for n in names])
+    for r in range(h.size):
+        h.send(r, Begin(uid, f"v{uid}", manifest=m))
+    for k, names in enumerate(chunks):
+        for r in range(h.size):
+            h.send(r, chunk(uid, k, r, h.packed, dtype=dtype, names=names))
+        if begin_only:
+            return
+    for r in range(h.size):
+        h.send(r, Commit(uid, len(chunks)))
+
+
+def test_a_partial_round_after_a_restart_is_refused_at_its_begin_from_the_manifest():
+    """Issue 35 item 13 (vLLM; the rule is the core's, every family's): after a restart the
+    slot needs a full update, and a round whose begins' manifests leave out a name the last
+    update loaded is refused at the begin, before the pause -- not at the commit, after the
+    pause and every chunk, which left the restarted engine paused on torn weights. The
+    refusal names what is missing (at most 20 names, then a count)."""
+    h = EventLog()
+    h.register_all()
+    names = tuple(f"t{i:02d}" for i in range(30))
+    _manifest_round(h, 0, [names[:15], names[15:]])
+    assert isinstance(h.last(0), Ack) and h.last(0).phase == "commit"
+    h.engine.restart()
+    h.engine.calls.clear()
+    _manifest_round(h, 1, [names[:4]], begin_only=True)
+    for r in range(2):
+        (err,) = [m for m in h.replies[r] if isinstance(m, Error) and m.update_id == 1
+                  and m.phase == "begin"]
+    assert "needs a full update" in err.message and "leave out 26 of the 30" in err.message
+    assert "t04, t05" in err.message and "t23 and 6 more" in err.message, err.message
+    assert "pause" not in h.engine.calls and not h.engine.paused  # (the engine serves on)
+    assert h.coord.engine.needs_full_update
+    # a full round with a dtype changed passes the begin (the same names and shapes) and lands
+    _manifest_round(h, 2, [names[:15], names[15:]], dtype="float16")
+    assert isinstance(h.last(0), Ack) and h.last(0).phase == "commit", h.last(0)
+    assert h.coord.last_version == "v2" and not h.engine.paused
+
+
+def test_a_restarted_engine_with_another_model_is_not_refused_at_the_begin():
+    """A manifest sharing no name with the last update, on a new engine session: perhaps
+    another model (``engine_model_changed``), left to the commit as before; without a
+    restart the same manifest is refused at the begin (the engine needs a full update after
+    a failed one)."""
+    h = EventLog()
+    h.register_all()
+    _manifest_round(h, 0, [("a", "b"), ("c",)])
+    h.engine.restart()
+    _manifest_round(h, 1, [("x", "y")])
+    assert isinstance(h.last(0), Ack) and h.last(0).phase == "commit", h.last(0)
+    h.engine.fail[("update_weights", 3)] = "HTTP 500: boom"  # (round 2's chunk)
+    _manifest_round(h, 2, [("x", "y")])
+    assert h.engine.paused and h.coord.engine.needs_full_update
+    h.engine.calls.clear()
+    _manifest_round(h, 3, [("a",)], begin_only=True)
+    err = h.replies[0][-1]
+    assert isinstance(err, Error) and err.phase == "begin", err
+    assert "leave out 2 of the 2" in err.message and "x, y" in err.message, err.message
+    assert "pause" not in h.engine.calls
+
+
 def test_connection_lost_since_the_last_round_counts_as_a_possible_restart():
     """A refused or reset connection since the last round: the engine is initialised again;
     the weight version the daemon finished proves it is the same process (no full update);

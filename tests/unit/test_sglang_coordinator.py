@@ -511,3 +511,42 @@ def test_a_dropped_declared_slot_asks_its_engines_kind_again():
     assert h.ended[-1].outcome == "success", h.ended[-1].error
     assert h.engine.requests[:2] == ["GET /version", "GET /server_info"]
     assert h.coord.engine.kind == "sglang"
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "not-declared"])
+def test_each_entry_comes_from_the_rank_on_its_tp_ranks_gpu(declared):
+    """Issue 35 item 12: ranks 0 and 1 on each other's GPU. With ``gpu_uuids`` declared (in
+    TP-rank order) entry i of every chunk is the chunk of the rank whose GPU is TP rank i's
+    (its region, its UUID): SGLang rebuilds an entry on the GPU its UUID names. Without
+    them the daemon cannot know, and entry i is slot rank i's (docs/sglang.md section 1)."""
+    import base64
+
+    from slotsync.protocol.wire import logical_gpu_uuid
+
+    uuids = (logical_gpu_uuid(0), logical_gpu_uuid(1))
+    h = Harness("0.5.23", declare=True)
+    h.table.set_engine_table({(0, 2): URL}, {(0, 2): uuids} if declared else None,
+                             {(0, 2): ("sglang", "in_place")})
+    for r in range(2):
+        h.send(r, reg(r, 0, 2, url=URL, uuid=uuids[1 - r]))
+    h.round(0)
+    assert h.acks()[-1] == ("commit", -1)
+    loads = [b["serialized_named_tensors"] for b in h.engine.bodies
+             if isinstance(b, dict) and b.get("serialized_named_tensors", [EMPTY_UPDATE])[0]
+             not in (EMPTY_UPDATE, base64.b64encode(EMPTY_UPDATE).decode())]
+    assert len(loads) == 2  # (two chunks)
+    for entries in loads:
+        for tp, entry in enumerate(entries):
+            raw = base64.b64decode(entry)
+            rank = 1 - tp if declared else tp  # the rank whose chunk entry tp carries
+            assert f"seg-{rank}".encode() in raw and uuids[1 - rank].encode() in raw, (tp, raw)
+
+
+def test_the_tp_order_follows_the_declared_gpus_only_when_they_are_the_ranks():
+    from slotsync.daemon.sglang.merge import tp_order
+
+    ranks = {4: "u1", 5: "u0", 6: "u2"}
+    assert tp_order(ranks, ("u0", "u1", "u2")) == [5, 4, 6]
+    assert tp_order(ranks, None) == [4, 5, 6]
+    assert tp_order(ranks, ("u0", "u1", "u9")) == [4, 5, 6]  # (refused at the pause)
+    assert tp_order(ranks, ("u0", "u1")) == [4, 5, 6]

@@ -111,3 +111,83 @@ def test_engine_table_kind_and_pause_mode(tmp_path):
         _table(tmp_path, 'kind = "sglang"\npause_mode = "keep"\n')
     with pytest.raises(ConfigError, match="pause_mode is SGLang's"):
         _table(tmp_path, 'kind = "vllm"\npause_mode = "abort"\n')
+
+
+def _doc_chunk_row() -> tuple[str, str]:
+    """docs/sglang.md section 4's ``chunk k`` row: (0.5.21/0.5.23 cell, 0.5.20 cell)."""
+    text = (DOCS / "sglang.md").read_text()
+    section = text.split("## 4. What the daemon does per round", 1)[1].split("\n## ", 1)[0]
+    (row,) = [line for line in section.splitlines() if line.startswith("| chunk k |")]
+    cells = [c.strip() for c in row.strip().strip("|").split(" | ")]
+    assert len(cells) == 3, cells
+    return cells[1], cells[2]
+
+
+def _chunk_body(version: str) -> dict:
+    """The ``/update_weights_from_tensor`` body the daemon sends an SGLang ``version`` engine
+    for one packed chunk of two ranks: the family's merge, then the step's plan."""
+    import msgspec
+    from test_coordinator import chunk
+
+    from slotsync.daemon.core.family import MergeFacts
+    from slotsync.daemon.sglang.family import SGLANG
+    from slotsync.protocol.wire import logical_gpu_uuid
+
+    uuids = {r: logical_gpu_uuid(r) for r in range(2)}
+    merged = SGLANG.merge(0, {r: chunk(0, 0, r) for r in range(2)},
+                          MergeFacts(uuids, True, "shm", 2, SGLANG), None)
+    body = msgspec.json.decode(bytes(SGLANG.chunk_body(merged)))
+    (req,) = plan("update_weights", body, Dialect(version))
+    assert (req.method, req.path) == ("POST", "/update_weights_from_tensor")
+    return req.body
+
+
+@pytest.mark.parametrize("version", sv.SUPPORTED)
+def test_the_chunk_body_per_version_is_what_the_docs_say(version):
+    """Issue 35 item 16: docs/sglang.md section 4 said 0.5.20 gets the chunk body without
+    ``selector``; the daemon sends every version the same body, ``selector`` included
+    (0.5.20 ignores it). The table's row is read: every field the body has is named in the
+    0.5.21+ cell with its value, and the 0.5.20 cell says the same body, selector included."""
+    new, old = _doc_chunk_row()
+    body = _chunk_body(version)
+    assert set(body) == {"serialized_named_tensors", "load_format", "flush_cache",
+                         "abort_all_requests", "selector"}, body
+    assert len(body["serialized_named_tensors"]) == 2  # one entry per TP rank
+    assert (body["load_format"], body["flush_cache"], body["abort_all_requests"],
+            body["selector"]) == ("flattened_bucket", False, False, "all")
+    for key, shown in (("load_format", '"flattened_bucket"'), ("flush_cache", "false"),
+                       ("abort_all_requests", "false"), ("selector", '"all"')):
+        assert f'"{key}": {shown}' in new, (key, new)
+    assert '"serialized_named_tensors"' in new and "no `weight_version`" in new
+    assert "weight_version" not in body
+    assert body == _chunk_body("0.5.23")  # the same body for every version
+    assert old.startswith("the same body, `selector` included"), old
+    assert "without" not in old, old
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("version", sv.SUPPORTED)
+def test_each_version_takes_the_chunk_body_with_sglangs_own_validation(version):
+    """The body of each version through that version's ``UpdateWeightsFromTensorReqInput``,
+    validated by SGLang's own ``msgspec_struct_pydantic_core_schema`` (the SGLang-code
+    engine's structs): 0.5.21+ read ``selector "all"``; 0.5.20 has no such field, ignores it,
+    and keeps ``disable_draft_model`` null (SGLang's default), as the docs say."""
+    pytest.importorskip("pydantic")
+    from pydantic import TypeAdapter
+
+    from slotsync.engine.sglang.http import request_structs, sglang_helpers
+    from slotsync.engine.sglang.state import VERSIONS
+
+    try:
+        helpers = sglang_helpers()
+    except ImportError as e:
+        pytest.skip(f"SGLang is not importable: {e}")
+    cls = request_structs(VERSIONS[version], helpers).update
+    got = TypeAdapter(cls).validate_python(_chunk_body(version))
+    assert (got.load_format, got.flush_cache, got.abort_all_requests, got.weight_version) == (
+        "flattened_bucket", False, False, None)
+    assert len(got.serialized_named_tensors) == 2
+    if version == "0.5.20":
+        assert not hasattr(got, "selector") and got.disable_draft_model is None
+    else:
+        assert got.selector == "all"

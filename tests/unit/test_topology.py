@@ -65,9 +65,34 @@ def test_explicit_engines_equal_dense_default() -> None:
     assert dense.slots == explicit.slots
 
 
-def test_node_spanning_slot_rejected() -> None:
-    with pytest.raises(TopologyError, match=r"\[4, 12\) spans nodes 0\.\.1"):
-        SlotTopology(world_size=16, gpus_per_node=8, engines=[(4, 8)])
+def test_an_engine_over_two_nodes_is_one_slot_with_a_part_on_each() -> None:
+    """docs/multi-node.md's engine: TP=16 over two 8-GPU nodes is one slot [0, 16), its
+    coordinator rank 0, ranks 0-7 on node 0 and 8-15 on node 1 (the engine table's nodes)."""
+    topo = SlotTopology(16, 8, gpus_per_engine=16)
+    assert topo.slots == (EngineSlot(0, 16),)
+    assert topo.coordinators == (0,)
+    assert topo.slot_of(12) == EngineSlot(0, 16) and topo.node_of(12) == 1
+    assert topo.node_parts(topo.slots[0]) == [(0, 0, 8), (1, 8, 16)]
+    # DP replicas of TP=16 over four nodes: two slots of two whole nodes each
+    dp = SlotTopology(32, 8, gpus_per_engine=16)
+    assert [dp.node_parts(s) for s in dp.slots] == [[(0, 0, 8), (1, 8, 16)],
+                                                    [(2, 16, 24), (3, 24, 32)]]
+    # four workers on each of two nodes (vLLM --nnodes 2 with 4 visible GPUs each)
+    half = SlotTopology(16, 8, engines=[(0, 4), (4, 8), (12, 4)])
+    assert half.node_parts((4, 8)) == [(0, 4, 8), (1, 8, 12)]
+    assert half.node_parts(EngineSlot(0, 4)) == [(0, 0, 4)]
+
+
+@pytest.mark.parametrize("engines,text", [
+    ([(4, 10)], r"\[4, 14\) covers nodes 0\.\.1 with unequal numbers of ranks \(node 0: 4, "
+                r"node 1: 6"),
+    ([(4, 16)], r"\[4, 20\) covers nodes 0\.\.2 .*node 0: 4, node 1: 8, node 2: 4"),
+])
+def test_a_slot_over_nodes_with_unequal_parts_is_refused(engines, text) -> None:
+    """vLLM and SGLang --nnodes N run world_size / N workers on each node: a slot that puts
+    another number of ranks on one of its nodes matches no engine."""
+    with pytest.raises(TopologyError, match=text + r".*same number of workers on each"):
+        SlotTopology(world_size=24, gpus_per_node=8, engines=engines)
 
 
 def test_rank_outside_every_slot() -> None:

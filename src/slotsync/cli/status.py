@@ -1,7 +1,9 @@
 """``slotsync status``: one table of the daemon's slots, from its ``/status`` endpoint.
 
-Exit status: 0 when every slot is healthy, 1 when a slot is ``failed`` (engine paused,
-needing a full update), 2 when the daemon cannot be reached or answers garbage.
+Exit status: 0 when every slot is healthy and every peer link up, 1 when a slot is
+``failed`` (engine paused, needing a full update) or a peer link to another node's daemon is
+not up (engines over several nodes: no update of theirs can run), 2 when the daemon cannot be
+reached or answers garbage.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from slotsync.cli.status_peers import render_peers
+from slotsync.cli.status_peers import links_not_up, render_peers
 
 DEFAULT_URL = "http://127.0.0.1:9460"
 
@@ -116,7 +118,13 @@ def render_table(status: dict) -> str:
     ]
     summary = (f"slotsyncd {status.get('version', '?')} at {status.get('endpoint', '?')}: "
                f"{len(rows)} slot(s), {status.get('ranks_connected', 0)} rank(s) registered")
-    out = [summary, *lines] if rows else [summary, "(no slots)"]
+    relayed = status.get("relayed_slots")
+    if relayed and any("ranks_registered" in r for r in relayed):
+        summary += (f" ({sum(len(r.get('ranks_registered', [])) for r in relayed)} of them "
+                    "relayed to the node that drives their slot)")
+    out = [summary, *lines] if rows else [summary, "(no slots of its own: its ranks' slots are "
+                                                   "driven by another node, below)" if relayed
+                                          else "(no slots)"]
     ranks = render_ranks(status)
     peers = render_peers(status)
     return "\n".join(out + (["", ranks] if ranks else []) + (["", peers] if peers else []))
@@ -215,4 +223,9 @@ def main_from_args(args: argparse.Namespace) -> int:
               "STATE shows what the daemon last saw): " + "; ".join(
                   f"{s.get('engine_url')}: {s['engine_unreachable']}" for s in gone),
               file=sys.stderr)
-    return 1 if failed else 0
+    down = links_not_up(status)
+    if down and not args.json:
+        print(f"{len(down)} peer link(s) not up: {'; '.join(down)} (engines over several "
+              "nodes: their updates fail until it is; docs/multi-node.md section 6)",
+              file=sys.stderr)
+    return 1 if failed or down else 0

@@ -39,5 +39,26 @@ def render_peers(status: dict) -> str:
                           for n in r.get("nodes", []))
         out.append(f"slot [{r['slot'][0]},{r['slot'][1]}) {r.get('engine_url')}: driven by node "
                    f"{r['driven_by']} ({r.get('owner_address')}); nodes {nodes}; this node's "
-                   "ranks are relayed there")
+                   "ranks are relayed there" + _relayed_ranks(r, peers.get("node")))
     return "\n".join(out)
+
+
+def _relayed_ranks(r: dict, node: str | None) -> str:
+    """``: 3/4 registered (4, 5, 6; missing 7)`` for a relayed slot's entry from a daemon that
+    lists this node's ranks of it (issue 35); '' from an older one."""
+    if "ranks_expected" not in r:
+        return ""
+    have = r.get("ranks_registered", [])
+    mine = next((n["ranks"] for n in r.get("nodes", []) if n["node"] == node), None)
+    missing = [k for k in range(*mine) if k not in have] if mine else []
+    listed = ", ".join(str(k) for k in have)
+    return (f": {len(have)}/{r['ranks_expected']} registered" + (f" ({listed}" if have else " (")
+            + ("; " if have and missing else "")
+            + (f"missing {', '.join(str(k) for k in missing)}" if missing else "") + ")")
+
+
+def links_not_up(status: dict) -> list[str]:
+    """``node0 (down: ...)`` for each peer link of the ``/status`` document that is not up
+    (``slotsync status`` exits 1 while there is one)."""
+    links = (status.get("peers") or {}).get("links", [])
+    return [f"{lk['node']} ({lk.get('state', 'down')})" for lk in links if not lk.get("up")]

@@ -517,8 +517,14 @@ def _main_sglang(args: argparse.Namespace, specs: list[WorkerSpec],
     startup_time = {"load_weight": t_ranks - t0, "kv_cache_allocation": 0.0,
                     "scheduler_e2e": t_ranks - t0,
                     "tokenizer_e2e": time.perf_counter() - t0, "cuda_graph": {}}
+    rules = None
+    if code:  # SGLang's own scheduler rules (None where only the shim's receive code is)
+        from slotsync.engine.sglang.scheduler_code import load as load_scheduler_code
+
+        rules = load_scheduler_code()
     engine = SglangEngineApp(pool, VERSIONS[args.sglang_version], helpers, front_parser,
-                             config, startup_time, free_received=args.free_received)
+                             config, startup_time, free_received=args.free_received,
+                             scheduler_code=rules)
     for w in pool.workers:
         print(f"[slotsync.engine] TP rank {w.spec.index}: {w.device} gpu_uuid={w.gpu_uuid} "
               f"(parser {wspecs[w.spec.index].parser})", file=sys.stderr, flush=True)

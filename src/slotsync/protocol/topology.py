@@ -8,7 +8,14 @@ rules"):
   default is ``count = gpus_per_engine``, ``offset = i * count``;
 * the **slot coordinator** is the lowest global rank of the slot -- never "TP rank 0" of the
   trainer's layout, which can name several ranks in one slot;
-* a slot lies within one node (CUDA IPC handles are node-local);
+* a slot lies within one node, or covers several nodes with **the same number of ranks on
+  each** (an engine over several nodes, docs/multi-node.md): vLLM ``--nnodes N`` runs
+  ``world_size / N`` workers on every node (vLLM 0.32 ``ParallelConfig.local_world_size``),
+  SGLang 0.5.23 ``--nnodes N`` ``tp_size / N`` (``entrypoints/engine.py``
+  ``_calculate_rank_ranges``); with ranks numbered node by node, a slot over three
+  nodes or more therefore covers whole nodes. Each rank still publishes to its own node's
+  daemon (CUDA IPC handles open only on the node that made them); the engine table lists
+  each node's ranks (``node_parts``);
 * ranks outside every slot are told so (``slot_of`` raises).
 
 This module is pure Python (no torch): the daemon may import it.
@@ -76,6 +83,13 @@ def _fmt_slots(slots: Iterable[EngineSlot]) -> str:
     return ", ".join(str(s) for s in slots) or "(none)"
 
 
+def _node_parts(s: EngineSlot, gpus_per_node: int) -> list[tuple[int, int, int]]:
+    """``(node, start, end)`` of each node ``s`` covers, ranks numbered node by node."""
+    first, last = s.start // gpus_per_node, (s.end - 1) // gpus_per_node
+    return [(n, max(s.start, n * gpus_per_node), min(s.end, (n + 1) * gpus_per_node))
+            for n in range(first, last + 1)]
+
+
 class SlotTopology:
     """The engine slots of one training job, validated against the topology rules.
 
@@ -91,8 +105,9 @@ class SlotTopology:
 
     Raises:
         TopologyError: non-positive sizes or counts; both or neither of ``engines`` and
-            ``gpus_per_engine``; slots that overlap, reach past ``world_size`` or span two
-            nodes. Each message names the offending slots.
+            ``gpus_per_engine``; slots that overlap, reach past ``world_size``, or cover
+            several nodes with unequal numbers of ranks on them. Each message names the
+            offending slots.
     """
 
     def __init__(
@@ -131,12 +146,14 @@ class SlotTopology:
                     f"engine slot {s} reaches past the world size {world_size} "
                     f"(ranks 0..{world_size - 1})"
                 )
-            first_node, last_node = s.start // gpus_per_node, (s.end - 1) // gpus_per_node
-            if first_node != last_node:
+            parts = _node_parts(s, gpus_per_node)
+            if len({end - start for _, start, end in parts}) > 1:
+                split = ", ".join(f"node {n}: {end - start}" for n, start, end in parts)
                 raise TopologyError(
-                    f"engine slot {s} spans nodes {first_node}..{last_node} "
-                    f"({gpus_per_node} GPUs per node); CUDA IPC handles are node-local, so an "
-                    "engine slot must lie within one node"
+                    f"engine slot {s} covers nodes {parts[0][0]}..{parts[-1][0]} with unequal "
+                    f"numbers of ranks ({split}; {gpus_per_node} GPUs per node): an engine over "
+                    "several nodes runs the same number of workers on each (vLLM and SGLang "
+                    "--nnodes N: world size / N per node); align the slot with the nodes"
                 )
         for a, b in zip(slots, slots[1:], strict=False):
             if b.start < a.end:
@@ -196,6 +213,14 @@ class SlotTopology:
             TopologyError: as ``slot_of``.
         """
         return self.slot_of(rank).coordinator == rank
+
+    def node_parts(self, slot: EngineSlot | tuple[int, int]) -> list[tuple[int, int, int]]:
+        """The nodes ``slot`` (an ``EngineSlot`` or ``(start, count)``) covers, as
+        ``(node index, start rank, end rank)`` in rank order: one entry for a slot within one
+        node; for an engine over several nodes, the ``nodes`` of its engine-table entry
+        (docs/multi-node.md: ``{node = NAME, ranks = [start, end]}`` each)."""
+        s = slot if isinstance(slot, EngineSlot) else EngineSlot(*slot)
+        return _node_parts(s, self._gpus_per_node)
 
     def node_of(self, rank: int) -> int:
         """The node index of ``rank`` (``rank // gpus_per_node``).

@@ -567,7 +567,8 @@ class SlotCoordinator(Outcomes, EngineSteps):
         return MergeFacts(
             {r: i.gpu_uuid for r, i in self.ranks.items()}, bool(self.packed),
             self.transport or "cuda", self.engine.world_size or self.size,
-            self.families.known(self.engine))
+            self.families.known(self.engine),
+            self.engine.declared_gpu_uuids or self.engine.gpu_uuids)
 
     def _on_commit(self, rank: int, msg: Commit, now: float) -> list[Action]:
         u = self.current

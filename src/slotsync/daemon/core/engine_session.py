@@ -8,6 +8,7 @@ taken over by the next slot that registers the same engine (``SlotCoordinator.ad
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,9 +74,10 @@ class EngineSession:
     generation is paused (or may be). ``needs_full_update``: the next update must load every
     name of ``last_ok_names`` (after a failed update, a restarted or sleeping engine, I4).
     ``last_ok_names``: the tensor names of the slot's last successful update (a later update
-    that leaves some out is reported or refused). ``mid_update``: a ``/start_weight_update``
-    may be active on some workers (the record file's entries, ``"engine_may_be_mid_update"``
-    in ``/status``).
+    that leaves some out is reported or refused); ``last_ok_layout`` each one's dtype name
+    and shape (a begin's manifest is checked against it, ``Update.names_refusal``).
+    ``mid_update``: a ``/start_weight_update`` may be active on some workers (the record
+    file's entries, ``"engine_may_be_mid_update"`` in ``/status``).
 
     Its session (I9): ``version`` the weight version it should report (seen at the last probe,
     or finished by the daemon since); ``session_suspect`` a refused or reset connection was
@@ -124,6 +126,7 @@ class EngineSession:
     paused: bool = False
     needs_full_update: bool = False
     last_ok_names: frozenset[str] = field(default_factory=frozenset)
+    last_ok_layout: Mapping[str, tuple[str, Sequence[int]]] = field(default_factory=dict)
     mid_update: bool = False
     version: str | None = None
     session_suspect: bool = False
@@ -171,9 +174,9 @@ class EngineSession:
         """Take what a released slot knew of the same engine (paused, mid-update, out of step,
         the last update's names); the engine is initialised again before its next update. The
         engine table's declared UUIDs and the world size stay this slot's own."""
-        for name in ("paused", "needs_full_update", "last_ok_names", "mid_update", "version",
-                     "session_suspect", "asleep", "replies_suspect", "out_of_step",
-                     "recover_first", "restored", "gpu_uuids"):
+        for name in ("paused", "needs_full_update", "last_ok_names", "last_ok_layout",
+                     "mid_update", "version", "session_suspect", "asleep", "replies_suspect",
+                     "out_of_step", "recover_first", "restored", "gpu_uuids"):
             setattr(self, name, getattr(old, name))
         self.draft = dataclasses.replace(old.draft)
         self.initialized = False
@@ -184,6 +187,7 @@ class EngineSession:
         is initialised before its first update."""
         self.initialized = self.mid_update = self.paused = self.asleep = False
         self.version, self.gpu_uuids, self.last_ok_names = None, None, frozenset()
+        self.last_ok_layout = {}
         self.draft = DraftTarget()
         self.vllm_version, self.version_refused, self.dp_layout_refused = None, "", ""
         self.kind, self.sglang_version = self.declared_kind, None

@@ -68,13 +68,17 @@ class MergeFacts:
     """What a merge needs to know of the slot: each rank's GPU UUID, the packed mode, the
     transport (``"cuda"`` or ``"shm"``), the engine's world size and its ``family`` (None: not
     known yet -- complete chunks wait, unmerged, until the version stage told it:
-    ``chunk_window.merge_waiting``)."""
+    ``chunk_window.merge_waiting``); ``engine_gpu_uuids`` the GPU of each engine worker in
+    worker order where known (the engine table's ``gpu_uuids``, else the engine's own
+    report; None: not known), for a family whose payload is indexed by worker (SGLang's, by
+    TP rank: ``daemon/sglang/merge.py``)."""
 
     gpu_uuids: Mapping[int, str]
     packed: bool
     transport: str
     world_size: int
     family: EngineFamily | None = None
+    engine_gpu_uuids: tuple[str, ...] | None = None
 
 
 @dataclass

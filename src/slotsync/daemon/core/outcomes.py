@@ -166,6 +166,7 @@ class Outcomes:
             self.engine.mid_update = False
             self.engine.needs_full_update = False
             self.engine.last_ok_names = frozenset(u.names)
+            self.engine.last_ok_layout = u.layout
             self.last_version = u.weight_version  # I8: recorded only with a successful finish
             self.engine.version = u.weight_version  # what the engine reports from now on
             if u.draft:

@@ -77,6 +77,7 @@ class SlotTable:
         # undeclared slots released with something to remember about their engine, by URL
         self.released: dict[str, SlotCoordinator] = {}
         self.declared: dict[tuple[int, int], str] = {}  # engine table: slot -> URL (optional)
+        self.elsewhere: dict[tuple[int, int], str] = {}  # declared, driven by another node
         self.draining = False  # shutting down: no new registrations or updates
         self._rank_of: dict[bytes, int] = {}  # socket identity -> rank
         self._slot_of_rank: dict[int, SlotCoordinator] = {}
@@ -101,9 +102,11 @@ class SlotTable:
         self, table: dict[tuple[int, int], str],
         gpu_uuids: dict[tuple[int, int], tuple[str, ...]] | None = None,
         kinds: dict[tuple[int, int], tuple[str, str]] | None = None,
+        elsewhere: dict[tuple[int, int], str] | None = None,
     ) -> list[str]:
         """Declare (or re-declare, on SIGHUP) the engine slots, their URLs and, where known,
-        their workers' GPU UUIDs (checked as a set against the ranks' before each pause) and
+        their workers' GPU UUIDs in worker order (checked as a set against the ranks' before
+        each pause; an SGLang engine's payload is placed by them: ``MergeFacts``) and
         their kinds with SGLang's pause mode (``kinds``: slot -> (kind, pause_mode); a slot
         not in it is detected at its first begin, ``slotsync.daemon.families``).
 
@@ -111,6 +114,11 @@ class SlotTable:
         slot with an update in flight when that update ends; a slot no longer declared is
         dropped if no rank is registered in it (else kept, and reported). Returns one line per
         change, for the log.
+
+        ``elsewhere``: slots the engine table declares that another node's daemon drives
+        (slot -> how, e.g. "http://... (driven by node node0)"; issue 35). They get no
+        coordinator here, but a table holding only them is a table all the same: a
+        registration for any other slot is refused, naming them, as on the owner.
         """
         changes: list[str] = []
         gpu_uuids = gpu_uuids or {}
@@ -146,6 +154,7 @@ class SlotTable:
             else:
                 changes.append(f"slot [{key[0]}, {key[1]}) no longer declared but has ranks; kept")
         self.declared = dict(table)
+        self.elsewhere = dict(elsewhere or {})
         return changes
 
     def on_message(self, identity: bytes, msg: ToDaemon, now: float,
@@ -344,10 +353,11 @@ class SlotTable:
         if self.draining:
             return [Reply(identity, Error("register", "the daemon is shutting down", list(key),
                                           fatal=False))]
-        if self.declared:
+        if self.declared or self.elsewhere:
             want = self.declared.get(key)
             if want is None:
-                table = ", ".join(f"[{s}, {e}) {u}" for (s, e), u in sorted(self.declared.items()))
+                table = ", ".join(f"[{s}, {e}) {u}" for (s, e), u in
+                                  sorted({**self.declared, **self.elsewhere}.items()))
                 return [Reply(identity, Error(
                     "register", f"rank {msg.rank} claims slot [{key[0]}, {key[1]}), which the "
                     f"daemon's engine table does not declare (declared: {table})", list(key)))]

@@ -33,7 +33,7 @@ Rules (design.md "Flow of one round"; h11 ``_state.py`` style, the transitions a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -42,7 +42,8 @@ from slotsync.daemon.core.aggregation import SAME_CHUNKS_RULE, ChunkMismatch, Me
 from slotsync.daemon.core.engine_session import EngineSession
 from slotsync.daemon.core.family import ChunkFence, EngineFamily
 from slotsync.daemon.core.registration import RankInfo, uuid_mismatch
-from slotsync.protocol.wire import Chunk
+from slotsync.protocol.manifest import DIGEST_BYTES, manifest_of
+from slotsync.protocol.wire import DTYPE_SIZES, Chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +190,9 @@ class Update:
     loaded: set[int] = field(default_factory=set)  # returned, waiting for an earlier chunk
     consumed_bytes: int = 0
     names: set[str] = field(default_factory=set)  # loaded in this update
+    # each main name's (dtype name, shape) as loaded (EngineSession.last_ok_layout after a
+    # success: the begin of a later update checks its manifest against it, names_refusal)
+    layout: dict[str, tuple[str, Sequence[int]]] = field(default_factory=dict)
     omitted: list[str] = field(default_factory=list)  # the last successful update's, not here
     committed: dict[int, int] = field(default_factory=dict)  # rank -> num_chunks
     last_progress: float = 0.0
@@ -306,6 +310,10 @@ class Update:
         if self.rank_local:  # (each rank its own names)
             for c in self.pending[idx].values():
                 target.update(c.names)
+        if not loaded.draft:
+            for c in self.pending[idx].values() if self.rank_local else (loaded,):
+                self.layout.update(zip(c.names, zip(c.dtype_names, c.shapes, strict=True),
+                                       strict=True))
         del self.pending[idx]
         self.first_arrival.pop(idx, None)
         self.next_index += 1
@@ -369,6 +377,50 @@ class Update:
             "the next chunk or commit",
             missing,
         )
+
+    def names_refusal(self, last_layout: Mapping[str, tuple[str, Sequence[int]]],
+                      needs_full_update: bool) -> str:
+        """Why this update must fail at its begin, before the pause (issue 35 item 13), or
+        '': the engine needs a full update (I4) and the ranks' begins already say that a name
+        of the last successful update (``last_layout``: name -> its dtype name and shape
+        then, ``EngineSession.last_ok_layout``) will not be sent. The commit's
+        ``omitted_refusal`` would refuse the same update only after the pause and every
+        chunk, leaving a restarted engine paused on torn weights.
+
+        What the begins say: in rank-local mode the names each rank declares in clear; else
+        the manifest (``wire.Begin.manifest``, the same on every rank: a digest of each
+        tensor's name, dtype and shape, ``protocol/manifest.py``), where a name counts as
+        sent when its digest with its last shape and any dtype of ``wire.DTYPE_SIZES`` is
+        there (a dtype may change between rounds; a shape may not, the engine's parameter
+        has it). Without a manifest nothing is known before the chunks (the commit decides);
+        a new engine session sent none of the last names is left to the commit too (another
+        model, ``engine_model_changed``). Family-independent: vLLM and SGLang alike.
+        """
+        if not (needs_full_update and last_layout):
+            return ""
+        if self.rank_local:
+            sent = {n for names, _, _ in self.declared.values() for n in names}
+            missing = [n for n in last_layout if n not in sent]
+            how = "the tensors the ranks declare"
+        elif self.manifest:
+            m = self.manifest
+            digests = {m[i:i + DIGEST_BYTES] for i in range(0, len(m), DIGEST_BYTES)}
+            missing = [n for n, (dt, shape) in last_layout.items()
+                       if manifest_of([(n, dt, shape)]) not in digests]
+            missing = [n for n in missing if not any(  # (another dtype, the same shape)
+                manifest_of([(n, dt, last_layout[n][1])]) in digests for dt in DTYPE_SIZES)]
+            how = ("the ranks' manifests; a name sent with another shape counts as left "
+                   "out")
+        else:
+            return ""
+        if not missing or (self.new_session and len(missing) == len(last_layout)):
+            return ""
+        names = sorted(missing)
+        return (f"the slot needs a full update (after a failed one, a restarted or sleeping "
+                f"engine), but the ranks' begins of update {self.update_id} leave out "
+                f"{len(names)} of the {len(last_layout)} tensor names the last successful "
+                f"update loaded: {some_names(names, 20)}; publish every tensor (found at the "
+                f"begin, from {how})")
 
     def omitted_refusal(self, last_ok_names: frozenset[str], needs_full_update: bool,
                         policy: str, draft: bool = False) -> str:
@@ -476,7 +528,8 @@ def begin_step(u: Update, engine: EngineSession, ranks: dict[int, RankInfo], siz
                 if wrong:
                     return BeginStep(fail=wrong)
                 wrong = ((family.pause_refusal(u, engine, engine_url) if family is not None
-                          else "") or stale_draft_refusal(u, engine))
+                          else "") or stale_draft_refusal(u, engine)
+                         or u.names_refusal(engine.last_ok_layout, engine.needs_full_update))
                 if wrong:
                     return BeginStep(fail=wrong)
         u.stage += 1

@@ -10,6 +10,7 @@ cannot pass itself off as another (``owner_links``: its ``Hello`` must name its 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,12 +89,38 @@ def check_keys(node: str, secret_file: str, public_folder: str, owners: dict) ->
     return keys
 
 
+def too_open(secret_file: str) -> str:
+    """Why the secret key file is readable by more than the daemon that owns it, or ''.
+
+    As OpenSSH refuses a private key (``sshkey_perm_ok``: "UNPROTECTED PRIVATE KEY FILE"): a
+    file of this user's must have no group or other permission bits (mode 0600 or 0400); any
+    file must not be readable or writable by others. A file of another user with group bits
+    only passes: that is a mounted secret the daemon reads through its group (Kubernetes'
+    ``fsGroup`` with ``defaultMode: 0440``, deploy/kubernetes/daemonset.yaml). Whoever reads
+    the file can speak as this node on the peer link.
+    """
+    try:
+        st = os.stat(secret_file)
+    except OSError:
+        return ""  # (load_certificate has said why it cannot be read)
+    mode = stat.S_IMODE(st.st_mode)
+    mine = st.st_uid == os.getuid()
+    if mode & 0o007 or (mine and mode & 0o070):
+        who = "others" if mode & 0o007 else "its group"
+        return (f"curve_secret_key {secret_file!r} is accessible by {who} (mode {mode:04o}): "
+                "whoever reads it can speak as this node on the peer link, so it is refused, "
+                f"as ssh refuses such a private key; run `chmod 600 {secret_file}` (owned by "
+                "the daemon's user)")
+    return ""
+
+
 def load_keys(secret_file: str, public_folder: str) -> PeerKeys:
     """Read this daemon's pair and the allowed peers' public keys.
 
     Raises:
-        PeerKeyError: the secret file holds no secret key, a file cannot be read, or the folder
-            holds no ``<node>.key`` file.
+        PeerKeyError: the secret file holds no secret key, is readable by others
+            (``too_open``), a file cannot be read, or the folder holds no ``<node>.key``
+            file.
     """
     try:
         public, secret = zmq.auth.load_certificate(secret_file)
@@ -102,6 +129,9 @@ def load_keys(secret_file: str, public_folder: str) -> PeerKeys:
     if not secret:
         raise PeerKeyError(f"curve_secret_key {secret_file!r} holds no secret key (it is the "
                         "public half: use the .key_secret file)")
+    open_to = too_open(secret_file)
+    if open_to:
+        raise PeerKeyError(open_to)
     peers: dict[bytes, str] = {}
     try:
         names = sorted(os.listdir(public_folder))

@@ -30,8 +30,9 @@ import msgspec
 
 from slotsync.daemon.core.registration import split_relayed  # noqa: F401 (the core reads it)
 
-PEER_PROTOCOL_VERSION = 1
-"""Bumped on any incompatible change below; checked in ``Hello``."""
+PEER_PROTOCOL_VERSION = 2
+"""Bumped on any incompatible change below; checked in ``Hello``. 2: ``SpanEngine`` carries
+``owner_address`` (issue 35)."""
 
 NodeName = Annotated[str, msgspec.Meta(min_length=1, max_length=255,
                                        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
@@ -58,6 +59,9 @@ class SpanEngine(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     owner: NodeName
     parts: tuple[SpanPart, ...]
     gpu_uuids: tuple[str, ...] = ()
+    # the owner's peer_listen as the engine table names it (issue 35: compared in Hello like
+    # every other key, since the docs promise that any difference is refused)
+    owner_address: str = ""
 
 
 class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):

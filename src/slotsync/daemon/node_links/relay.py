@@ -10,7 +10,9 @@ Rules:
 
 * A rank is **relayed** from its ``Register`` for a slot that the engine table declares
   owned by another node, until its connection is gone, it registers for another slot, or
-  the owner's link goes down. Each of its frames goes to the owner unchanged (``Relay``);
+  the owner's link goes down. A ``Register`` of a rank that the table's ``nodes`` put on
+  another node is refused here, naming that node (``spans.misplaced_rank``): its GPU is not
+  on this node (issue 35). Each of its frames goes to the owner unchanged (``Relay``);
   the owner's replies come back unchanged (``Deliver`` → ``ToRank``).
 * A link is **up** from the owner's ``Welcome`` until it is silent for
   ``peer_state.silence_limit(liveness_s)``, its connection closes, or the owner refuses it.
@@ -49,8 +51,19 @@ from slotsync.daemon.node_links.peer_wire import (
     Relay,
     Welcome,
 )
-from slotsync.daemon.node_links.spans import Roles
-from slotsync.protocol.wire import Abort, Begin, Chunk, Commit, Error, Register, ToDaemon
+from slotsync.daemon.node_links.spans import Roles, misplaced_rank
+from slotsync.protocol.wire import (
+    Abort,
+    Begin,
+    Chunk,
+    Commit,
+    Error,
+    ProtocolError,
+    Register,
+    Registered,
+    ToDaemon,
+    decode_from_daemon,
+)
 
 _PHASE = {Register: "register", Begin: "begin", Chunk: "chunk", Commit: "commit",
           Abort: "abort"}
@@ -62,6 +75,18 @@ class _Rank:
     slot: tuple[int, int]
     phase: str = "register"
     update_id: int | None = None
+    rank: int = -1
+    pid: int = 0
+    host: str = ""
+    registered: bool = False  # the owner answered its Register with Registered
+
+
+def _is_registered(frame: bytes) -> bool:
+    """Whether the owner's reply ``frame`` to a rank's ``Register`` accepted it."""
+    try:
+        return isinstance(decode_from_daemon(frame), Registered)
+    except ProtocolError:
+        return False
 
 
 @dataclass
@@ -109,7 +134,12 @@ class RelayLinks:
             if relayed is None:
                 self._ranks.pop(identity, None)  # (re-registered for a slot of this node)
                 return None
-            self._ranks[identity] = _Rank(relayed.owner, slot)
+            misplaced = misplaced_rank(relayed.engine, self.roles.node, msg.rank)
+            if misplaced:
+                self._ranks.pop(identity, None)
+                return [ReplyRank(identity, Error("register", misplaced, list(slot)))]
+            self._ranks[identity] = _Rank(relayed.owner, slot, rank=msg.rank, pid=pid,
+                                          host=msg.hostname)
         rank = self._ranks.get(identity)
         if rank is None:
             return None
@@ -213,7 +243,12 @@ class RelayLinks:
                                                                  "reason": msg.reason})] \
                 + self._flush_pending(o)
         if isinstance(msg, Deliver):
-            return [ToRank(msg.origin, msg.frame)] if msg.origin in self._ranks else []
+            rank = self._ranks.get(msg.origin)
+            if rank is None:
+                return []
+            if rank.phase == "register" and not rank.registered:
+                rank.registered = _is_registered(msg.frame)
+            return [ToRank(msg.origin, msg.frame)]
         if isinstance(msg, Ping):
             return [self._send(link, Pong(msg.sent_s))]
         if isinstance(msg, Pong):
@@ -270,6 +305,26 @@ class RelayLinks:
             d["relayed_ranks"] = sum(r.owner == owner for r in self._ranks.values())
             out.append(d)
         return out
+
+    def relayed_ranks(self) -> dict[tuple[int, int], list[dict]]:
+        """This node's relayed ranks by slot, for ``/status``: rank, pid, host, the phase of
+        its last message, and whether the owner accepted its registration."""
+        out: dict[tuple[int, int], list[dict]] = {slot: [] for slot in self.roles.relayed}
+        for r in sorted(self._ranks.values(), key=lambda r: (r.slot, r.rank)):
+            out.setdefault(r.slot, []).append({"rank": r.rank, "pid": r.pid, "host": r.host,
+                                               "phase": r.phase, "registered": r.registered})
+        return out
+
+    def registered_ranks(self) -> int:
+        """This node's relayed ranks whose registration the owner accepted (they count in
+        ``slotsync_ranks_connected`` on this node)."""
+        return sum(r.registered for r in self._ranks.values())
+
+    def expected_ranks(self) -> int:
+        """The ranks this node's part of each relayed slot holds (``nodes``), for
+        ``slotsync_ranks_expected`` on this node."""
+        return sum(p.end - p.start for r in self.roles.relayed.values()
+                   for p in r.engine.parts if p.node == self.roles.node)
 
     def relayed_slot_owner(self, slot: tuple[int, int]) -> str | None:
         """The owner node of a relayed slot, None for a slot of this node."""

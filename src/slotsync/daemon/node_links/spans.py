@@ -47,9 +47,12 @@ def check_node_name(name: str, what: str) -> None:
 
 
 def check_tcp_address(address: str, what: str) -> None:
-    """Raises ValueError unless ``address`` is ``tcp://HOST:PORT`` with a port 1..65535."""
+    """Raises ValueError unless ``address`` is ``tcp://HOST:PORT`` with a port 1..65535 (the
+    message names a port outside that range as such)."""
     m = _TCP_RE.match(address)
-    if not m or not 0 < int(m.group(2)) < 65536:
+    if m and not 0 < int(m.group(2)) < 65536:
+        raise ValueError(f"{what} {address!r}: port {int(m.group(2))} is outside 1..65535")
+    if not m:
         raise ValueError(f"{what} {address!r} must be tcp://HOST:PORT (the peer link is "
                          "ZeroMQ over TCP)")
 
@@ -93,9 +96,11 @@ def check_spanning(engines: list, node: str, peer_listen: str, secret_key: str,
     objects), for the daemon of node ``node``.
 
     Raises:
-        ValueError: naming the engine and what is wrong: parts that do not cover the slot in
-            order, an owner not among them, this node not among them, an owner address that
-            is not tcp://, or a missing listener or key for the role this node has.
+        ValueError: naming the engine and what is wrong: nodes whose ranks do not cover the
+            slot in order, an owner not among them, this node not among them, an
+            ``owner_address`` missing or not ``tcp://HOST:PORT`` with a port 1..65535 (checked
+            on every node, the owner's too: ``--check-config`` on the owner refuses the table
+            its peers would refuse), or a missing listener or key for the role this node has.
     """
     check_node_name(node, "node")
     owner_here = relay_here = False
@@ -126,11 +131,15 @@ def check_spanning(engines: list, node: str, peer_listen: str, secret_key: str,
         if node not in names:
             raise ValueError(f"{where}: this daemon's node {node!r} (option node) is not one "
                              f"of its nodes {names}; declare an engine only on its nodes")
+        if not e.owner_address:
+            raise ValueError(f"{where}: owner_address is not set: the daemons of the other "
+                             f"nodes connect there (node {e.owner}'s peer_listen, as they reach "
+                             "it, e.g. tcp://10.0.0.1:9461)")
+        check_tcp_address(e.owner_address, f"{where}: owner_address")
         if e.owner == node:
             owner_here = True
         else:
             relay_here = True
-            check_tcp_address(e.owner_address, f"{where}: owner_address")
     if owner_here and not peer_listen:
         raise ValueError(f"peer_listen is not set, but node {node!r} owns an engine over "
                          "several nodes: the other nodes' daemons connect there")
@@ -150,7 +159,24 @@ def check_spanning(engines: list, node: str, peer_listen: str, secret_key: str,
 def span_engine(e: Any) -> SpanEngine:
     """A ``config.EngineEntry`` over several nodes as the peer link carries it."""
     return SpanEngine(e.url, e.slot_start, e.slot_size, e.owner, tuple(e.parts),
-                      tuple(e.gpu_uuids))
+                      tuple(e.gpu_uuids), e.owner_address)
+
+
+def misplaced_rank(engine: SpanEngine, node: str, rank: int) -> str:
+    """Why trainer rank ``rank`` cannot register for ``engine`` at the daemon of ``node``: the
+    engine table's ``nodes`` put it on another node ('' when they put it on ``node``, or on
+    none: the owner's slot then refuses a rank outside the slot). Each rank publishes to its
+    own node's daemon, since its CUDA IPC handles open only on its node."""
+    part = next((p for p in engine.parts if p.start <= rank < p.end), None)
+    if part is None or part.node == node:
+        return ""
+    mine = next((p for p in engine.parts if p.node == node), None)
+    here = f" (this node's ranks: [{mine.start}, {mine.end}))" if mine else ""
+    return (f"rank {rank} registers at node {node}'s daemon, but the engine table puts rank "
+            f"{rank} of slot [{engine.slot_start}, {engine.slot_start + engine.slot_size}) "
+            f"(engine {engine.url}) on node {part.node}{here}: each rank publishes to the "
+            f"daemon of the node its GPU is on; check the trainer's ranks per node, or the "
+            f"engine table's nodes ({_nodes(engine)})")
 
 
 @dataclass(frozen=True)
@@ -211,13 +237,21 @@ def difference(mine: list[SpanEngine], theirs: list[SpanEngine], me: str, them: 
             return (f"node {me} drives engine {url} over nodes {_nodes(e)}, which node {them}'s "
                     "engine table does not declare")
         if t != e:
+            keys = [k for k, f in _KEYS if getattr(t, f) != getattr(e, f)]
             return (f"node {them} declares engine {url} as {_describe(t)}; node {me}, its "
-                    f"owner, as {_describe(e)}")
+                    f"owner, as {_describe(e)} (they differ in {', '.join(keys)}: the "
+                    "engine tables must declare it identically)")
     for url, t in sorted(theirs_by.items()):
         if url not in mine_here:
             return (f"node {them} declares engine {url} as {_describe(t)}, owned by node {me}; "
                     f"node {me}'s engine table has no such engine over node {them}")
     return ""
+
+
+_KEYS = (("url", "url"), ("slot_start", "slot_start"), ("slot_size", "slot_size"),
+         ("owner", "owner"), ("nodes", "parts"), ("gpu_uuids", "gpu_uuids"),
+         ("owner_address", "owner_address"))
+"""The engine-table keys of a ``SpanEngine``, as (TOML key, field)."""
 
 
 def _nodes(e: SpanEngine) -> str:
@@ -227,4 +261,5 @@ def _nodes(e: SpanEngine) -> str:
 def _describe(e: SpanEngine) -> str:
     text = (f"slot [{e.slot_start}, {e.slot_start + e.slot_size}) owned by {e.owner} over "
             f"{_nodes(e)}")
-    return text + (f", GPU UUIDs {list(e.gpu_uuids)}" if e.gpu_uuids else "")
+    text += f", GPU UUIDs {list(e.gpu_uuids)}" if e.gpu_uuids else ""
+    return text + f", owner_address {e.owner_address or '(none)'}"

@@ -13,11 +13,13 @@ slot and URL, ``/status`` shows slots with no rank yet, and SIGHUP re-reads the 
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import re
 import socket
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -245,8 +247,9 @@ class Config:
         d["endpoint"] = self.endpoint()
         d["state_file"] = self.state_path()
         d["node"] = self.node_name()
-        d["engines"] = [{**vars(e), "gpu_uuids": list(e.gpu_uuids),
-                         "parts": [{"node": p.node, "ranks": [p.start, p.end]} for p in e.parts]}
+        d["engines"] = [{**{k: v for k, v in vars(e).items() if k != "parts"},
+                         "gpu_uuids": list(e.gpu_uuids),  # (the TOML's key: nodes)
+                         "nodes": [{"node": p.node, "ranks": [p.start, p.end]} for p in e.parts]}
                         for e in self.engines]
         return d
 
@@ -445,7 +448,8 @@ def read_config_file(path: Path, cfg: Config | None = None) -> Config:
             cfg.engines = _engine_table(path, v)
             continue
         if k not in known:
-            raise ConfigError(f"config file {path}: unknown option {k!r}")
+            raise ConfigError(f"config file {path}: unknown option "
+                              f"{_did_you_mean(k, [*known, 'engines'])}")
         want = _typ(known[k])
         if want is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
@@ -458,15 +462,32 @@ def read_config_file(path: Path, cfg: Config | None = None) -> Config:
     return cfg
 
 
+_ENGINE_KEYS = ("url", "slot_start", "slot_size", "gpu_uuids", "kind", "pause_mode",
+                *KEY_FILES, *spans.TOML_KEYS)
+"""The keys of one ``[[engines]]`` table."""
+
+
+def _did_you_mean(key: str, known: Sequence[str]) -> str:
+    """``'owner_adress' (did you mean 'owner_address'?)``, or the key alone when nothing
+    known is close (difflib's ratio >= 0.75)."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
+
+
 def _engine_table(path: Path, v: object) -> list[EngineEntry]:
     if not isinstance(v, list):
         raise ConfigError(f"config file {path}: 'engines' must be an array of tables "
                           "([[engines]])")
     out = []
     for i, e in enumerate(v):
-        if (not isinstance(e, dict) or not {"url", "slot_start", "slot_size"} <= set(e)
-                or not set(e) <= {"url", "slot_start", "slot_size", "gpu_uuids", "kind",
-                                  "pause_mode", *KEY_FILES, *spans.TOML_KEYS}):
+        unknown = sorted(set(e) - set(_ENGINE_KEYS)) if isinstance(e, dict) else []
+        if unknown:
+            raise ConfigError(f"config file {path}: engines[{i}]: unknown key(s) "
+                              + ", ".join(_did_you_mean(k, _ENGINE_KEYS) for k in unknown)
+                              + "; an engine has url, slot_start, slot_size and optionally "
+                              "gpu_uuids, kind, pause_mode, api_key_file, admin_api_key_file, "
+                              "owner, owner_address and nodes")
+        if not isinstance(e, dict) or not {"url", "slot_start", "slot_size"} <= set(e):
             raise ConfigError(f"config file {path}: engines[{i}] must have url, slot_start, "
                               f"slot_size and optionally gpu_uuids, kind, pause_mode, "
                               f"api_key_file, admin_api_key_file, owner, owner_address and "

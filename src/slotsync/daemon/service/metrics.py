@@ -150,13 +150,16 @@ class Metrics:
             "Age of the oldest update in flight, from its first begin (0: none in flight)",
             registry=r,
         )
+        self._table: SlotTable | None = None
         self.ranks_connected = Gauge(
-            "slotsync_ranks_connected", "Trainer ranks registered with this daemon", registry=r
+            "slotsync_ranks_connected", "Trainer ranks registered with this daemon (with, on a "
+            "relaying node, its ranks the owner's daemon accepted)", registry=r
         )
         self.ranks_expected = Gauge(
             "slotsync_ranks_expected",
             "Trainer ranks the known slots need (sum of slot sizes; a slot is known once it is "
-            "declared in the engine table or one of its ranks registered)",
+            "declared in the engine table or one of its ranks registered; on a relaying node, "
+            "plus this node's ranks of the engines another node drives)",
             registry=r,
         )
         self.slots = Gauge(
@@ -177,6 +180,7 @@ class Metrics:
         scrape-time value wins. Reads happen on the thread that serves ``/metrics``, which must
         be the table's event loop thread.
         """
+        self._table = table
         self.in_flight.set_function(
             lambda: sum(c.current is not None for c in table.slots.values())
         )
@@ -195,8 +199,19 @@ class Metrics:
     def watch_peers(self, peers) -> None:
         """Derive the peer-link series (engines over several nodes) from ``peers``
         (``peer_io.PeerLinks``) at every scrape, labelled by the peer's ``node`` (a fixed set:
-        the nodes of the engine table); nothing is exported for a daemon without links."""
+        the nodes of the engine table); nothing is exported for a daemon without links. On a
+        relaying node (``peers.relay``), after ``watch``: its relayed ranks count in
+        ``slotsync_ranks_connected`` / ``_expected`` too."""
         self.registry.register(_PeerLinkCollector(peers))
+        relay = getattr(peers, "relay", None)
+        table = self._table
+        if relay is not None and table is not None:
+            # a relaying node's own ranks of the engines another node drives count here too
+            # (issue 35: else SlotsyncRanksMissing could never fire on their node)
+            self.ranks_connected.set_function(
+                lambda: table.connected_ranks() + relay.registered_ranks())
+            self.ranks_expected.set_function(
+                lambda: sum(c.size for c in table.slots.values()) + relay.expected_ranks())
 
     def update_ended(self, e: UpdateEnded) -> None:
         """Record one ``UpdateEnded`` action (outcome, duration, chunks, bytes)."""

@@ -41,6 +41,7 @@ from slotsync.daemon.logs import RateLimiter, log_event
 from slotsync.daemon.node_links import spans
 from slotsync.daemon.node_links.peer_io import PeerLinks
 from slotsync.daemon.node_links.peer_keys import PeerKeyError, load_keys
+from slotsync.daemon.node_links.peer_wire import split_relayed
 from slotsync.daemon.service import runtime_dir
 from slotsync.daemon.service.config import Config, ConfigError, read_config_file
 from slotsync.daemon.service.engine_keys import read_engine_keys
@@ -54,8 +55,10 @@ from slotsync.daemon.service.status_server import StatusServer
 from slotsync.daemon.service.systemd import Notifier
 from slotsync.protocol.wire import (
     ChunkMetaCache,
+    Error,
     FromDaemon,
     ProtocolError,
+    Register,
     Registered,
     ToDaemon,
     decode_to_daemon,
@@ -65,15 +68,17 @@ log = logging.getLogger("slotsync.daemon")
 _EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def _engine_table(engines, roles: spans.Roles | None = None) -> tuple[dict, dict, dict]:
+def _engine_table(engines, roles: spans.Roles | None = None) -> tuple[dict, dict, dict, dict]:
     """``config.engines`` as ``SlotTable.set_engine_table`` takes it: URLs, GPU UUIDs and
     kinds (with SGLang's pause mode), without the engines another node drives
-    (``roles.relayed``)."""
-    if roles is not None:
-        engines = [e for e in engines if e.slot not in roles.relayed]
+    (``roles.relayed``), which come last as ``elsewhere`` (named in the table's refusals)."""
+    relayed = roles.relayed if roles is not None else {}
+    elsewhere = {slot: f"{r.engine.url} (driven by node {r.owner})"
+                 for slot, r in relayed.items()}
+    engines = [e for e in engines if e.slot not in relayed]
     return ({e.slot: e.url for e in engines},
             {e.slot: tuple(e.gpu_uuids) for e in engines if e.gpu_uuids},
-            {e.slot: (e.kind, e.pause_mode) for e in engines if e.kind})
+            {e.slot: (e.kind, e.pause_mode) for e in engines if e.kind}, elsewhere)
 
 
 class Daemon:
@@ -379,12 +384,34 @@ class Daemon:
                 if owner is not None:
                     s["nodes"] = [{"node": p.node, "ranks": [p.start, p.end]}
                                   for p in owner.parts]
+            ranks = self.peers.relay.relayed_ranks() if self.peers.relay else {}
             doc["relayed_slots"] = [
                 {"slot": list(slot), "driven_by": r.owner, "owner_address": r.owner_address,
                  "engine_url": r.engine.url,
-                 "nodes": [{"node": p.node, "ranks": [p.start, p.end]} for p in r.engine.parts]}
+                 "nodes": [{"node": p.node, "ranks": [p.start, p.end]} for p in r.engine.parts],
+                 # this node's ranks of it (issue 35: visible on their own node)
+                 "ranks_expected": sum(p.end - p.start for p in r.engine.parts
+                                       if p.node == self.roles.node),
+                 "ranks_registered": [x["rank"] for x in ranks.get(slot, []) if x["registered"]],
+                 "ranks": ranks.get(slot, [])}
                 for slot, r in sorted(self.roles.relayed.items())]
+            doc["ranks_connected"] += sum(len(s["ranks_registered"])
+                                          for s in doc["relayed_slots"])
         return doc
+
+    def _misplaced(self, identity: bytes, msg: ToDaemon) -> Error | None:
+        """The refusal of a ``Register`` for an engine this node drives over several nodes
+        from a rank that the engine table's ``nodes`` put on another node than the one it
+        registers at (issue 35; a relaying node refuses its own such ranks itself)."""
+        if not isinstance(msg, Register):
+            return None
+        engine = self.roles.owned.get((msg.slot_start, msg.slot_start + msg.slot_size))
+        if engine is None:
+            return None
+        where = split_relayed(identity)
+        why = spans.misplaced_rank(engine, where[0] if where else self.roles.node, msg.rank)
+        return Error("register", why, [engine.slot_start, engine.slot_start + engine.slot_size]
+                     ) if why else None
 
     # ------------------------------------------------------------------ adapters
 
@@ -393,6 +420,10 @@ class Daemon:
         """``Intake``: a valid message from ``identity`` (peer process ``pid``, 0 unknown;
         ``frame``: as received), unless it is for an engine another node drives."""
         if await self.peers.rank_message(identity, msg, frame, pid):
+            return
+        refusal = self._misplaced(identity, msg)
+        if refusal is not None:
+            await self._send(identity, refusal)
             return
         await self.executor.execute(self.table.on_message(identity, msg, time.monotonic(), pid))
 
@@ -404,6 +435,10 @@ class Daemon:
         except ProtocolError as e:
             self.metrics.bad_messages.inc()
             await self._refused(identity, e)
+            return
+        refusal = self._misplaced(identity, msg)
+        if refusal is not None:
+            await self._send(identity, refusal)
             return
         await self.executor.execute(self.table.on_message(identity, msg, time.monotonic(), pid))
 

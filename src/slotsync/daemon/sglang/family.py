@@ -66,7 +66,8 @@ class SglangFamily:
 
     def merge(self, index: int, got: Mapping[int, Chunk], facts: MergeFacts,
               u: Update | None) -> MergedChunk:
-        """SGLang's body (``merge.merge_chunk``).
+        """SGLang's body (``merge.merge_chunk``: entry i from the rank on TP rank i's GPU
+        where the engine table declares the GPUs, ``merge.tp_order``).
 
         Raises:
             ChunkMismatch: a rank-local update (vLLM's mode), or as ``merge.merge_chunk``.
@@ -76,7 +77,8 @@ class SglangFamily:
                                 "load their own ranks' tensors); SGLang has no such mode")
         return sglang_merge.merge_chunk(
             index, got, {r: facts.gpu_uuids[r] for r in got}, packed=facts.packed,
-            transport=facts.transport, world_size=facts.world_size)
+            transport=facts.transport, world_size=facts.world_size,
+            engine_gpu_uuids=facts.engine_gpu_uuids)
 
     def chunk_body(self, merged: MergedChunk) -> Any:
         # (the whole /update_weights_from_tensor body, made at merge time: merge.py)

@@ -20,8 +20,9 @@ Rules (docs/sglang-contract.md 7.4; routes of SGLang 0.5.20 / 0.5.21 / 0.5.23,
                           continue_generation is harmless when not)
     init_weight_transfer_engine  (none: SGLang needs no init)           {}
     pause                 POST /pause_generation {"mode": M}            {}
-                          then, M abort, or retract where flushable:
-                          POST /flush_cache?timeout=T (200, else 400)
+                          then, M abort: POST /flush_cache?timeout=T;
+                          M retract where flushable: POST /flush_cache
+                          (200, else 400; ``flush_path``)
     finish_recover        0.5.21+: POST /end_weight_update {}           {}
     start_weight_update   0.5.21+: POST /begin_weight_update            {}
                           {"selector": "all"}
@@ -61,7 +62,33 @@ the old weights, and needs no flush; ``retract`` sends running requests back to 
 ``abort`` aborts every request and flushes."""
 
 FLUSH_TIMEOUT_S = 30.0
-"""``/flush_cache``'s own wait for the scheduler to go idle, seconds (``?timeout=``)."""
+"""``/flush_cache``'s own wait for the scheduler to go idle after an ``abort`` pause, seconds
+(``?timeout=``; ``flush_path``)."""
+
+
+def flush_path(pause_mode: str) -> str:
+    """The ``/flush_cache`` request after a pause in ``pause_mode`` (``abort`` or ``retract``),
+    as SGLang's code allows each (0.5.20-0.5.23: ``SchedulerFlushWrapper.handle``,
+    scheduler_components/flush_wrapper.py; ``Scheduler.flush_cache``, scheduler.py L5518,
+    0.5.23):
+
+    * ``retract``: no ``timeout``. The pause leaves the scheduler paused with the running
+      requests moved to its waiting queue (``pause_generation``, L5817), where they stay
+      until ``continue_generation`` (the loop only ingests while paused, L2034). The wrapper's
+      waiting path (``timeout`` > 0) asks ``is_fully_idle()``, which counts that queue, so it
+      can only time out ("Timed out waiting for idle state.", issue 35 item 11); with
+      ``timeout`` 0 it calls ``flush_cache`` at once, whose rule is
+      ``is_fully_idle(ignore_waiting=self._engine_paused)``: the retracted requests are
+      ignored (0.5.21+; 0.5.20 counts them and is never flushed after a retract pause,
+      ``Dialect.flushes``).
+    * ``abort``: ``timeout=FLUSH_TIMEOUT_S``. The tokenizer aborts every request and never
+      pauses the scheduler (tokenizer_manager.py L2267-2280), which retires the aborted
+      requests over its next loop turns: the wrapper's wait for ``is_fully_idle()`` is what
+      lets them drain.
+    """
+    if pause_mode == "retract":
+        return "/flush_cache"
+    return f"/flush_cache?timeout={FLUSH_TIMEOUT_S:g}"
 
 NO_SESSION = "no weight-update session is open"
 """SGLang 0.5.21+'s 400 for ``/end_weight_update`` with no session open (scheduler
@@ -177,7 +204,7 @@ def plan(step: str, body: Any, dialect: Dialect) -> list[Request]:
     if step == "pause":
         out = [Request("POST", "/pause_generation", {"mode": dialect.pause_mode})]
         if dialect.flushes:
-            out.append(Request("POST", f"/flush_cache?timeout={FLUSH_TIMEOUT_S:g}"))
+            out.append(Request("POST", flush_path(dialect.pause_mode)))
         return out
     if step == "finish_recover":
         return ([Request("POST", "/end_weight_update", {}, tolerated=NO_SESSION)]

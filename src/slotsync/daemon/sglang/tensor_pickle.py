@@ -510,12 +510,12 @@ def rank_entry_unpacked(handles: Sequence[Handle], gpu_uuid: str, names: Sequenc
 
 
 def serialized_named_tensors(chunks: Mapping[int, Chunk], uuid_of_rank: Mapping[int, str], *,
-                             packed: bool) -> list[bytes]:
+                             packed: bool, order: Sequence[int] | None = None) -> list[bytes]:
     """The ``serialized_named_tensors`` of one ``/update_weights_from_tensor`` call: one raw
-    pickle per rank, in ascending rank order (= TP rank order: the slot's rank
-    ``slot_start + r`` feeds TP rank ``r``, contract 6). The HTTP client sends the list as
-    JSON, where msgspec writes ``bytes`` as standard base64, which SGLang's ``Base64Bytes``
-    decodes.
+    pickle per rank, in TP-rank order: ``order`` (the slot's ranks, TP rank 0's first:
+    ``merge.tp_order``), by default ascending (the slot's rank ``slot_start + r`` feeds TP
+    rank ``r``, contract 6). The HTTP client sends the list as JSON, where msgspec writes
+    ``bytes`` as standard base64, which SGLang's ``Base64Bytes`` decodes.
 
     Args:
         chunks: the chunk of each rank of the slot (slot rank -> ``wire.Chunk``). Packed:
@@ -523,6 +523,7 @@ def serialized_named_tensors(chunks: Mapping[int, Chunk], uuid_of_rank: Mapping[
             one handle per tensor (:func:`rank_entry_unpacked`).
         uuid_of_rank: the GPU UUID of the TP rank each slot rank feeds (torch's format).
         packed: ``load_format="flattened_bucket"`` (True) or ``None``.
+        order: the ranks of ``uuid_of_rank`` in TP-rank order (None: ascending).
 
     A rank with nothing to load gets ``rank_entry_packed(None, uuid, [], [], [], [])`` (or the
     unpacked ``[]``) from the caller; every rank must have its entry (fewer entries than TP
@@ -530,7 +531,8 @@ def serialized_named_tensors(chunks: Mapping[int, Chunk], uuid_of_rank: Mapping[
 
     Raises:
         SglangPayloadError: the chunks' ranks are not exactly ``uuid_of_rank``'s, or not
-            consecutive; two ranks name the same GPU; or any refusal of the per-rank writers,
+            consecutive, or ``order`` is not an order of them; two ranks name the same GPU;
+            or any refusal of the per-rank writers,
             prefixed with the rank, its TP rank and the chunk index.
         TypeError: a handle that is not a handle record.
     """
@@ -545,6 +547,11 @@ def serialized_named_tensors(chunks: Mapping[int, Chunk], uuid_of_rank: Mapping[
     if ranks[-1] - ranks[0] != len(ranks) - 1:
         raise SglangPayloadError(f"ranks {ranks} are not consecutive: entry r goes to TP rank "
                                  "r")
+    if order is not None:
+        if sorted(order) != ranks:
+            raise SglangPayloadError(f"order {list(order)} is not an order of the ranks "
+                                     f"{ranks}")
+        ranks = list(order)
     seen: dict[str, int] = {}
     for rank in ranks:
         other = seen.setdefault(uuid_of_rank[rank], rank)

@@ -182,6 +182,8 @@ class ReferenceParser:
 
     def __init__(self, gpu_uuids: Sequence[str]) -> None:
         self.gpu_uuids = tuple(gpu_uuids)
+        self.rebuilt_on: dict[int, int] = {}
+        """How many tensors were rebuilt on each device index (``SglangCpuStandin``'s)."""
         self.allowed: dict[tuple[str, str], Any] = {
             **{g: self.rebuild for g in _REBUILD_GLOBALS},
             ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"):
@@ -247,6 +249,7 @@ class ReferenceParser:
         if len(args) != 15:
             raise TypeError(f"rebuild_cuda_tensor() takes 15 arguments ({len(args)} given)")
         args = (*args[:6], self.device_from_maybe_uuid(args[6]), *args[7:])
+        self.rebuilt_on[args[6]] = self.rebuilt_on.get(args[6], 0) + 1
         if is_shm_args(args):
             return rebuild_shm_tensor(*args)
         if args[7] is None or args[8] == 0:

@@ -36,6 +36,7 @@ from typing import Any
 from aiohttp import web
 
 from slotsync.engine.pool import WorkerPool
+from slotsync.engine.sglang.scheduler_code import SglangSchedulerCode
 from slotsync.engine.sglang.state import FLUSH_BUSY, FLUSH_TIMED_OUT, SglangState
 
 
@@ -51,13 +52,17 @@ class Scheduler:
         state: the engine-level state (shared with the front).
         frees_before_barrier: the ranks free the received tensors before answering (0.5.20),
             else rank 0 frees them after the TP barrier, before the reply (0.5.21+).
+        code: SGLang's own pause, idle rule, flush and flush wrapper
+            (``slotsync.engine.sglang.scheduler_code``, the SGLang-code engine), or None for
+            the mirror of them in ``SglangState`` and here.
     """
 
-    def __init__(self, pool: WorkerPool, state: SglangState, frees_before_barrier: bool
-                 ) -> None:
+    def __init__(self, pool: WorkerPool, state: SglangState, frees_before_barrier: bool,
+                 code: SglangSchedulerCode | None = None) -> None:
         self.pool = pool
         self.state = state
         self.frees_before_barrier = frees_before_barrier
+        self.code = code
         self.flush_waiter: asyncio.Future | None = None
         """A flush waiting for the scheduler to be idle (``SchedulerFlushWrapper``)."""
         self._queue: asyncio.Queue | None = None
@@ -81,7 +86,15 @@ class Scheduler:
         exception in a handler kills the engine."""
         assert self._queue is not None
         while True:
-            fn, fut, request = await self._queue.get()
+            if self.code is not None and self.code.pending():
+                # SGLang's loop calls check_pending every turn (scheduler.py L2261)
+                try:
+                    fn, fut, request = await asyncio.wait_for(self._queue.get(), 0.02)
+                except TimeoutError:
+                    self.code.check_pending()
+                    continue
+            else:
+                fn, fut, request = await self._queue.get()
             try:
                 result = await fn()
             except Exception as e:  # noqa: BLE001 - every scheduler exception is fatal
@@ -90,6 +103,8 @@ class Scheduler:
                 return
             if not fut.done():
                 fut.set_result(result)
+            if self.code is not None:
+                self.code.check_pending()
             await self.notify()
 
     def dispatch(self, fn: Callable[[], Awaitable[Any]], request: web.Request | None
@@ -207,9 +222,31 @@ class Scheduler:
                 raise SchedulerDied(f"TP rank 0: {why}")
         return success, message
 
+    def pause(self, mode: str) -> None:
+        """``Scheduler.pause_generation`` (``in_place`` or ``retract``): SGLang's own code
+        where the engine runs it, else ``SglangState.scheduler_pause``."""
+        if self.code is not None:
+            self.code.pause(mode)
+        else:
+            self.state.scheduler_pause(mode)
+
     async def flush(self, timeout: float) -> Any:
         """``SchedulerFlushWrapper.handle``: (ok, message) at once, or the future of it when
-        the flush waits up to ``timeout`` seconds for the scheduler to be idle."""
+        the flush waits up to ``timeout`` seconds for the scheduler to be idle (SGLang's own
+        wrapper and ``Scheduler.flush_cache`` where the engine runs them, else the mirror)."""
+        if self.code is not None:
+            waiter = asyncio.get_running_loop().create_future()
+
+            def answer(ok: bool, message: str) -> None:
+                self.flush_waiter = None
+                if not waiter.done():
+                    waiter.set_result((ok, message))
+
+            now = self.code.flush(timeout, answer)
+            if now is not None:
+                return now
+            self.flush_waiter = waiter
+            return waiter
         if self.flush_waiter is not None:
             return False, FLUSH_BUSY
         if timeout <= 0.0 or self.state.is_fully_idle():

@@ -79,14 +79,17 @@ Test-only routes (not SGLang's), under ``/_slotsync/``, no auth:
     "paused" (the tokenizer's flag), "engine_paused" (the scheduler's), "pause_mode",
     "weight_version" (``/model_info``'s), "scheduler_weight_version", "session_open",
     "session_selector", "requests": {"held", "waiting", "running", "finished", "aborted"},
-    "flush_pending", "counts": {"pause_count", "continue_count", "begin_count", "end_count",
-    "update_count", "flush_count", "flush_refused", "abort_all_count", "version_updates"},
+    "flush_pending", "scheduler_rules" (``"sglang"``: SGLang's own pause, idle rule and flush
+    wrapper, ``scheduler_code.py``; ``"mirror"``: ``state.py``'s),
+    "counts": {"pause_count", "continue_count", "begin_count", "end_count", "update_count",
+    "flush_count", "flush_refused", "abort_all_count", "version_updates"},
     "route_counts", "faults", "startup_time", "workers": [{"index", "tp_rank", "gpu_uuid",
     "pid", "device", "parser", "uuid_standin", "sglang_file", "copy_stream",
     "copy_sleep_cycles", "active" (the session is open: replicated on every rank),
     "begin_count", "end_count", "post_load_count", "load_calls", "update_count",
     "release_count", "bytes_loaded", "load_seconds", "num_weights", "held_tensors",
-    "last_error"}, ...]}``.
+    "last_error", "rebuilt_on" ({device index: tensors}: where the rank's UUID lookup put
+    the tensors it received; CPU only)}, ...]}``.
 ``POST /_slotsync/fault``
     the reference engine's fault body plus ``"exit": true`` (``slotsync.engine.sglang.faults``
     says what each fault does). Answers ``{"faults": [...]}``.
@@ -158,11 +161,15 @@ class SglangEngineApp:
             the TP barrier whatever the version -- a 0.5.20 engine freeing as 0.5.21+ does,
             whose replies then no longer prove every rank's copies (the GPU garbage test's
             negative control, issue 26 E).
+        scheduler_code: ``scheduler_code.load()``'s factory: SGLang's own pause, idle rule,
+            flush and flush wrapper (the SGLang-code engine); None: the mirror in
+            ``state.py`` / ``scheduler.py``.
     """
 
     def __init__(self, pool: WorkerPool, version: SglangVersion, helpers: SchemaHelpers,
                  parser: Any, config: ServerConfig, startup_time: dict[str, Any],
-                 free_received: str = "version") -> None:
+                 free_received: str = "version",
+                 scheduler_code: Callable[[SglangState], Any] | None = None) -> None:
         if free_received not in ("version", "after-barrier"):
             raise ValueError(f"free_received must be 'version' or 'after-barrier', not "
                              f"{free_received!r}")
@@ -179,7 +186,9 @@ class SglangEngineApp:
                                  fault_table=SglangFaultTable())
         self.validator = BodyValidator(version, helpers)
         self.structs = self.validator.structs
-        self.scheduler = Scheduler(pool, self.state, self.frees_before_barrier)
+        self.scheduler = Scheduler(
+            pool, self.state, self.frees_before_barrier,
+            scheduler_code(self.state) if scheduler_code is not None else None)
         # SGLang (uvicorn) sets no body limit; aiohttp's default of 1 MiB would refuse a
         # chunk of a few thousand tensors on 8 ranks
         self.app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
@@ -276,7 +285,7 @@ class SglangEngineApp:
             mode = obj.mode
 
             async def scheduler_pause() -> None:
-                self.state.scheduler_pause(mode)
+                self.scheduler.pause(mode)
 
             self.scheduler.dispatch(scheduler_pause, request)  # sent, not awaited (L2270-2271)
         await self.scheduler.notify()
@@ -456,6 +465,7 @@ class SglangEngineApp:
             "session_selector": session.selector if session is not None else None,
             "requests": asdict(s.requests),
             "flush_pending": self.scheduler.flush_waiter is not None,
+            "scheduler_rules": "sglang" if self.scheduler.code is not None else "mirror",
             "counts": dict(s.counts), "route_counts": s.fault_table.route_counts,
             "faults": s.fault_table.as_json(), "startup_time": self.startup_time,
             "workers": [{**w, "active": session is not None} for w in workers],

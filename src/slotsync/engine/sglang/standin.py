@@ -60,6 +60,8 @@ def rebuild_original(*args: Any) -> torch.Tensor:
         whatever ``rebuild_shm_tensor`` or torch's ``rebuild_cuda_tensor`` raise.
     """
     original = _SAVED["rebuild"]
+    owner = _SAVED["owner"]
+    owner.rebuilt_on[args[6]] = owner.rebuilt_on.get(args[6], 0) + 1
     if is_shm_args(args):
         return rebuild_shm_tensor(*args)
     if args[7] is None or args[8] == 0:  # torch: "storage points to nullptr"
@@ -73,6 +75,10 @@ class SglangCpuStandin:
 
     def __init__(self, uuids: tuple[str, ...]) -> None:
         self.uuids = uuids
+        self.rebuilt_on: dict[int, int] = {}
+        """How many tensors SGLang's ``_rebuild_cuda_tensor_modified`` rebuilt on each device
+        index (argument 6 after its UUID lookup): a TP rank's entry naming another rank's
+        GPU is rebuilt there, and its copy goes peer to peer on a GPU host."""
 
     def uninstall(self) -> None:
         """Put back torch's ``device_count`` / ``get_device_properties`` and the saved

@@ -228,8 +228,22 @@ class SglangWorkerHost:
             "copy_sleep_cycles": self.spec.copy_sleep_cycles, **self.counts,
             "bytes_loaded": self.model.bytes_loaded, "load_seconds": self.load_seconds,
             "num_weights": len(self.model.params), "held_tensors": self.held_tensors,
-            "last_error": self.last_error,
+            "last_error": self.last_error, "rebuilt_on": self._rebuilt_on(),
         }
+
+    def _rebuilt_on(self) -> dict[str, int]:
+        """Tensors rebuilt per device index, by SGLang's UUID lookup (the CPU stand-in's
+        count) or the reference parser's mirror of it; ``{}`` on CUDA (not counted)."""
+        if self.device.type == "cuda":
+            return {}
+        if self.parser.name == "sglang":
+            from slotsync.engine.sglang.standin import installed
+
+            standin = installed()
+            counts = standin.rebuilt_on if standin is not None else {}
+        else:
+            counts = self.parser.rebuilt_on
+        return {str(i): n for i, n in sorted(counts.items())}
 
 
 def _count(named_tensors: Any) -> int:
