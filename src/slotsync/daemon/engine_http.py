@@ -156,10 +156,9 @@ class EngineHttp:
 
     def key_for(self, path: str) -> tuple[str, str]:
         """``(key, option)``: the API key a request to ``path`` carries and the engine
-        table's option it came from (``('', '')``: none). Here the API key on every request
-        (vLLM 0.32's ``--api-key`` guards only ``/v1``, ``/v2``, ``/inference`` and
-        ``/cohere``, ``serve/middleware/authenticate.py``, so its weight-transfer routes do
-        not need it; a proxy in front of them may); SGLang's client chooses per route."""
+        table's option it came from (``('', '')``: none). Here the API key on every request;
+        a family's client whose server wants another key on some routes says so (SGLang's:
+        ``daemon/sglang/routes.py`` ``key_for``)."""
         return (self.keys.api_key, "api_key_file") if self.keys.api_key else ("", "")
 
     def key_wanted(self, path: str) -> str:

@@ -79,6 +79,14 @@ class VllmClient(EngineHttp):
     json_only = JSON_ONLY
     absent_is_none = ABSENT_IS_NONE
 
+    def key_for(self, path: str) -> tuple[str, str]:
+        """The engine's API key (``api_key_file``) on every request, if the table gives one
+        (issue 35). vLLM has no admin key, and vLLM 0.32's ``--api-key`` guards only
+        ``/v1``, ``/v2``, ``/inference`` and ``/cohere`` (``serve/middleware/
+        authenticate.py`` ``GUARDED_PREFIX``): its weight-transfer routes take the key
+        without needing it; a proxy in front of them may want it."""
+        return (self.keys.api_key, "api_key_file") if self.keys.api_key else ("", "")
+
     async def call(self, route: str, body: Any = None) -> Any:
         """Call ``route`` (a key of ``ROUTES``) with JSON ``body``; return the parsed reply.
 
