@@ -186,14 +186,19 @@ def test_the_refusals_name_what_to_set_and_never_a_key():
 # ------------------------------------------------------------------ named in detection
 
 
-def test_a_401_in_kind_detection_is_named_as_a_refused_key_not_a_missing_version():
-    """A fresh daemon meets an SGLang server started with --api-key: its ``/version`` and
-    ``/server_info`` answer 401. The begin fails saying so, not "did not say its vLLM
-    version"."""
+@pytest.mark.parametrize("seen", [None, "sglang"], ids=["fresh", "seen-sglang"])
+def test_a_401_in_kind_detection_is_named_as_a_refused_key_not_a_missing_version(seen):
+    """A daemon meets an SGLang server started with --api-key: its ``/version`` and
+    ``/server_info`` answer 401 -- on a fresh daemon, or on one that had seen SGLang there
+    (the version step asked again after a reset connection). The begin fails saying so, not
+    "did not say its vLLM version", nor as a kind the table never declared."""
     table = SlotTable(Timeouts(10, 10, 10))
     from test_coordinator import chunk, ident, reg
 
     out = [a for r in range(2) for a in table.on_message(ident(r), reg(r, 0, 2, url=URL), 0.0)]
+    if seen:
+        engine = table.coordinator((0, 2)).engine
+        engine.kind, engine.sglang_version, engine.session_suspect = seen, "0.5.23", True
     for r in range(2):
         out += table.on_message(ident(r), Begin(0, "v0"), 0.0)
     for r in range(2):
@@ -205,10 +210,13 @@ def test_a_401_in_kind_detection_is_named_as_a_refused_key_not_a_missing_version
     c = table.coordinator((0, 2))
     ended: list[UpdateEnded] = []
     for call in calls:
-        path = "/version" if call.route == "version" else "/server_info"
-        err = f"{call.route}: HTTP 401: " + key_refusal(URL, 401, path, "", "")
-        ended += [a for a in c.on_engine_result(call.call_id, False, None, err, 0.0)
-                  if isinstance(a, UpdateEnded)]
+        path = "/version" if call.route == "version" and not seen else "/server_info"
+        if seen and call.route == "server_info":  # (SGLang's client: no request, None)
+            out = c.on_engine_result(call.call_id, True, None, "", 0.0)
+        else:
+            err = f"{call.route}: HTTP 401: " + key_refusal(URL, 401, path, "", "")
+            out = c.on_engine_result(call.call_id, False, None, err, 0.0)
+        ended += [a for a in out if isinstance(a, UpdateEnded)]
     (e,) = ended
     assert "refused the daemon's API key (HTTP 401" in e.error, e.error
     assert "set api_key_file" in e.error and "did not say its vLLM version" not in e.error
