@@ -180,8 +180,8 @@ def _status(url: str, key: str | None) -> int:
 def test_vllms_own_api_key_middleware_guards_v1_only_and_the_daemon_syncs(tmp_path):
     """vLLM 0.32's ``--api-key`` (``AuthenticationMiddleware``, here through ``VLLM_API_KEY``
     as ``vllm serve`` reads it) answers 401 on ``/v1`` without the key and leaves the
-    weight-transfer routes open: a daemon with ``api_key_file`` (the key on every request)
-    and one without both sync the engine."""
+    weight-transfer routes open; a daemon with ``api_key_file`` (the key on every request)
+    syncs the engine."""
     pytest.importorskip("torch")
     from engines import EngineBox
     from spawned_ranks import run_ranks
@@ -195,18 +195,18 @@ def test_vllms_own_api_key_middleware_guards_v1_only_and_the_daemon_syncs(tmp_pa
         assert _status(box.url + "/v1/models", None) == 401  # (vLLM's middleware)
         assert _status(box.url + "/v1/models", "wrong") == 401
         assert _status(box.url + "/v1/models", "vllm-key-89") == 404  # (passed it: no route)
-        assert _status(box.url + "/version", None) == 200  # (not guarded)
+        for path in ("/version", "/get_world_size", "/is_paused", "/weight_info"):
+            assert _status(box.url + path, None) == 200, path  # (not guarded)
         key = _key(tmp_path, "engine.key", "vllm-key-89")
-        for k, args in enumerate(([f'api_key_file = "{key}"'], []), start=1):
-            cfg = tmp_path / f"t{k}.toml"
-            cfg.write_text(f'[[engines]]\nurl = "{box.url}"\nslot_start = 0\nslot_size = 2\n'
-                           + "".join(a + "\n" for a in args))
-            with DaemonProcess(args=["--config", str(cfg)]) as d:
-                ev = run_ranks(d, box.url, True, [{"rounds": 1, "first_round": k}] * 2)
-                assert [e["status"] for e in ev[0] if e["event"] == "round"] == ["ok"], ev
-            assert box.weight_version() == f"v{k}"
-            want = {n: tensor_checksum(t) for n, t in make_tensors(k)}
-            for sums in box.checksums().values():
-                assert {n: sums.get(n) for n in want} == want
+        cfg = tmp_path / "t.toml"
+        cfg.write_text(f'[[engines]]\nurl = "{box.url}"\nslot_start = 0\nslot_size = 2\n'
+                       f'api_key_file = "{key}"\n')
+        with DaemonProcess(args=["--config", str(cfg)]) as d:
+            ev = run_ranks(d, box.url, True, [{"rounds": 1}] * 2)
+            assert [e["status"] for e in ev[0] if e["event"] == "round"] == ["ok"], ev
+        assert box.weight_version() == "v1"
+        want = {n: tensor_checksum(t) for n, t in make_tensors(1)}
+        for sums in box.checksums().values():
+            assert {n: sums.get(n) for n in want} == want
     finally:
         box.close()

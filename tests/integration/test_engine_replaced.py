@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -49,50 +50,38 @@ def _kind(d: DaemonProcess) -> str | None:
     return d.status()["slots"][0]["engine_kind"]
 
 
-def test_a_vllm_engine_replaced_by_sglang_and_back_is_told_again():
-    """No engine table: a round on the vLLM-kind engine, then SGLang at its port, then the
-    vLLM kind again: each next round lands, the kind in ``/status`` follows the engine."""
-    box = EngineBox(TP, impl_name="reference")
-    try:
-        with DaemonProcess() as d:
-            _round(d, box, 1)
-            assert _kind(d) == "vllm"
-            box = _replace(box, "sglang")
-            _round(d, box, 2)
-            assert _kind(d) == "sglang"
-            assert "engine_kind_rechecked" in d.log_tail(200_000)
-            box = _replace(box, "reference")
-            _round(d, box, 3)
-            assert _kind(d) == "vllm"
-    finally:
-        box.close()
-
-
-def test_after_slots_drop_on_a_declared_slot_the_kind_is_told_again(tmp_path):
-    """An engine table declaring the slot without a kind: the slot is kept through
-    ``slotsync slots drop`` (what the daemon knows of its engine stays), but its kind is
-    asked again; declared ``kind = "vllm"`` at a URL that now serves SGLang is refused naming
-    the table, not as a failed vLLM route."""
+def test_an_engine_replaced_by_the_other_kind_is_told_again_and_after_slots_drop(tmp_path):
+    """An engine table declaring the slot without a kind (a slot left by its ranks and taken
+    by new ones keeps what the daemon knows of its engine, declared or not). A round on the
+    vLLM-kind engine; SGLang at its port: the next round lands (the kind told again in its
+    begin), ``/status`` says SGLang. A table declaring ``kind = "vllm"`` at that URL is
+    refused naming the table, not as a failed vLLM route. The vLLM kind back at the port and
+    ``slotsync slots drop``: the kind is unknown until the next round, which lands."""
     box = EngineBox(TP, impl_name="reference")
     try:
         with DaemonProcess(args=table(tmp_path, box.url)) as d:
             _round(d, box, 1)
+            assert _kind(d) == "vllm"
             box = _replace(box, "sglang")
-            out = subprocess.run([sys.executable, "-m", "slotsync", "slots", "drop", "0",
-                                  str(TP), "--url", d.status_url], capture_output=True,
-                                 text=True, timeout=60)
-            assert out.returncode == 0, out.stderr
-            assert _kind(d) is None  # (asked again at the next begin)
             _round(d, box, 2)
             assert _kind(d) == "sglang"
-        (tmp_path / "declared").mkdir()
-        with DaemonProcess(args=table(tmp_path / "declared", box.url, kind="vllm")) as d:
-            ev = run_ranks(d, box.url, True, [{"rounds": 1, "first_round": 3}] * TP)
+            assert "engine_kind_rechecked" in Path(d.log_path).read_text()
+            (tmp_path / "declared").mkdir()
+            with DaemonProcess(args=table(tmp_path / "declared", box.url, kind="vllm")) as d2:
+                ev = run_ranks(d2, box.url, True, [{"rounds": 1, "first_round": 3}] * TP)
             for r in range(TP):
                 (e,) = rounds(ev, r)
                 assert e["status"] == "error", e
                 assert "get_world_size failed" not in e["message"], e["message"]
                 assert 'declare kind = "sglang"' in e["message"], e["message"]
             assert box.stats()["paused"] is False  # (refused before the pause)
+            box = _replace(box, "reference")
+            out = subprocess.run([sys.executable, "-m", "slotsync", "slots", "drop", "0",
+                                  str(TP), "--url", d.status_url], capture_output=True,
+                                 text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            assert _kind(d) is None  # (asked again at the next begin)
+            _round(d, box, 4)
+            assert _kind(d) == "vllm"
     finally:
         box.close()
