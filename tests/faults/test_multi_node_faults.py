@@ -300,6 +300,66 @@ def test_relaying_daemon_killed_or_cut_off_fails_the_owners_update_naming_the_no
     row.outcome = "pass"
 
 
+HANG_S = 2.0  # a fault holds the engine's first update_weights this long before it loads
+
+
+def test_relaying_daemon_killed_while_the_engine_loads_fails_at_once_naming_all_its_ranks(
+        rec, pool, nodes, box):
+    """Issue 35 items 1 and 2. node1's daemon is SIGKILLed while the engine loads the round's
+    first chunk (a fault holds ``update_weights`` HANG_S before it reads the ranks' memory).
+    node1's ranks lose their daemon and free their staging memory, which the engine then
+    fails to read ("No such file or directory: '/dev/shm/...'"). The owner's listener sees the
+    link's connection close at once and fails the update first: node0's ranks are told, well
+    before the silence limit (0.8 x LIVE_S), that node1's daemon is unreachable, every one of
+    ranks 4-7 in the text and in ``missing_ranks`` -- not the engine's HTTP 500, not one rank
+    of four. The engine is left paused, needing a full update; node1's daemon restarted, the
+    next round is one."""
+    from slotsync.daemon.node_links.peer_state import silence_limit
+
+    row = new_row(rec, box, "relaying daemon SIGKILL mid-load",
+                  f"node1's daemon killed while the engine's update_weights (held {HANG_S:g} "
+                  "s) loads its ranks' chunk")
+    calls = engine_stats(box)["route_counts"].get("update_weights", 0)
+    box.request("POST", "/_slotsync/fault", {"route": "update_weights", "status": 200,
+                                             "hang_s": HANG_S})
+    run = start_round(pool, nodes, box.url, 1)
+    closed: list[float] = []
+
+    def kill_once_loading() -> None:
+        if closed or engine_stats(box)["route_counts"].get("update_weights", 0) <= calls:
+            return
+        d = nodes.daemon(1)
+        d.proc.kill()
+        d.proc.wait()  # (its kernel closed the daemon's connections: the link's too)
+        closed.append(time.monotonic())
+        nodes.kill(1)
+
+    try:
+        run.wait(60, watch=kill_once_loading)
+    finally:
+        box.request("POST", "/_slotsync/fault", {"clear": True})
+    assert closed, f"the engine never loaded: {run.events}"
+    relayed = on_node(1)
+    for r, e in told(run, on_node(0)).items():
+        assert e["phase"] == "rank_gone" and e["missing_ranks"] == relayed, (r, e)
+        assert f"node {NODES[1]}'s daemon is unreachable: its peer-link connection closed" \
+            in e["message"], (r, e)
+        for rr in relayed:
+            assert f"{rr} (pid {run.pid(rr)}" in e["message"], (r, rr, e)
+        assert "update_weights" not in e["message"] and "HTTP 500" not in e["message"], e
+    row.detect_s = round(detect_s(run, on_node(0), closed[0]), 3)
+    print(f"connection closed -> node0's ranks told: {row.detect_s} s")
+    assert row.detect_s < silence_limit(LIVE_S), row.detect_s  # (not the silence: the close)
+    row.rank_errors = describe_errors(run, 1, [0, PER_NODE])
+    row.engine_after_fault = assert_failed_and_paused(nodes, box)
+    nodes.restart(1)
+    row.engine_final = recover(pool, nodes, box, 2)
+    row.happened = (f"the owner saw node1's link close and failed the update in "
+                    f"{row.detect_s} s naming ranks 4-7 and node1's daemon, before the "
+                    "engine's failure to read their freed memory; daemon restarted")
+    row.outcome = "pass"
+
+
 @pytest.mark.parametrize("how", ["killed", "cut_off"])
 def test_owner_killed_or_cut_off_tells_every_rank_on_both_nodes(rec, pool, nodes, box, how):
     """node0's daemon (the owner) is SIGKILLed, or node0's link taken down, while rank 4
