@@ -35,6 +35,7 @@ from slotsync.daemon.node_links.peer_state import (
 )
 from slotsync.daemon.node_links.peer_wire import Relay, Welcome, relayed_identity
 from slotsync.protocol.wire import Error
+from slotsync.testing.ports import free_port
 
 # ------------------------------------------------------------------------------ libzmq
 
@@ -158,8 +159,7 @@ def test_a_closed_connection_is_told_with_the_fd_its_frames_came_from(ctx):
 def test_nothing_listening_is_a_failed_connect_not_a_handshake(ctx):
     """Item 5: a connect where nothing listens closes before any connection (CLOSED): the
     adapter asks the OS why; no handshake failure is told."""
-    with ctx.socket(zmq.ROUTER) as probe:  # (a port just freed: nothing listens there)
-        port = probe.bind_to_random_port("tcp://127.0.0.1")
+    port = free_port()  # (nothing listens there)
     _sock, mon, _ = _client(ctx, zmq.curve_keypair()[0], f"tcp://127.0.0.1:{port}")
     facts = _facts(mon, DealerWatch(), 5, until=lambda f: f)
     assert facts and all(f == ConnectFailed() for f in facts)
@@ -277,3 +277,67 @@ def test_nothing_listening_and_no_answer_are_told_apart():
     (err,) = _of(ReplyRank, r2.poll(LIVE + 0.1))
     assert f"no answer from {ENTRY.owner_address}" in err.msg.message
     assert "nothing listens" not in err.msg.message
+
+
+# ------------------------------------------------------------------------------ the order
+
+
+def test_an_engine_failure_reaches_the_table_only_after_the_peer_links_settled():
+    """Item 1's order: an engine call's failure waits for the links' news (``settle``: the
+    listener's monitor events, the silence), so that a link lost first fails the update with
+    its cause, and the engine's consequential error (the lost node's ranks freed the memory
+    it reads) finds the update already failed."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from slotsync.daemon.core.actions import EngineCall
+    from slotsync.daemon.engine_http import EngineError
+    from slotsync.daemon.logs import RateLimiter
+    from slotsync.daemon.service.executor import ActionExecutor
+    from slotsync.daemon.service.mid_update_record import MidUpdateRecord
+
+    order: list[str] = []
+
+    class Table:
+        def coordinator(self, slot):
+            return SimpleNamespace(engine_url="http://engine:8000", engine=None)
+
+        def on_connection_lost(self, url, now):
+            return []
+
+        def on_engine_result(self, slot, call_id, ok, result, error, now):
+            order.append(f"table: ok={ok}")
+            return []
+
+        def mid_update_engines(self):
+            return []
+
+    class Families:
+        def client_for(self, engine, url):
+            return url, lambda *a: SimpleNamespace(connection_errors=0)
+
+        async def call(self, client, route, body, engine):
+            raise EngineError(route, 500, "No such file or directory: '/dev/shm/slotsync-1-r4'")
+
+    async def settle() -> None:
+        order.append("settle")
+
+    async def main() -> None:
+        ex = ActionExecutor(Table(), MidUpdateRecord(None), SimpleNamespace(
+            observe_request=lambda *a: None), lambda *a: asyncio.sleep(0),
+            RateLimiter(1, 1.0), 1.0, lambda: None, time.monotonic, Families())
+        ex.settle = settle
+        await ex.execute([EngineCall(1, 0, "update_weights", {}, (0, 8))])
+        await asyncio.gather(*ex.tasks)
+
+    asyncio.run(main())
+    assert order == ["settle", "table: ok=False"]
+
+
+def test_a_handshake_with_something_that_is_not_curve_is_not_called_a_key_mismatch():
+    text = link_monitor.handshake_failed("node0", "protocol",
+                                         zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH, "k")
+    assert "does not speak CURVE" in text and "key mismatch" not in text
+    text = link_monitor.handshake_failed("node0", "protocol",
+                                         zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC, "/p/node0.key")
+    assert "(zmtp cryptographic): likely a key mismatch: /p/node0.key" in text

@@ -157,6 +157,9 @@ def key_refused(owner: str, node: str, status: int) -> str:
 def handshake_failed(owner: str, kind: str, code: int, key_file: str) -> str:
     """A handshake with ``owner`` failed otherwise (``HandshakeFailed`` ``kind`` and
     ``code``); ``key_file``: where this node reads ``owner``'s public key."""
+    if kind == "protocol" and code == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return (f"what answers there does not speak CURVE (mechanism mismatch): is "
+                f"owner_address node {owner}'s peer_listen, not another ZeroMQ service?")
     if kind == "closed":
         how = "node {o}'s daemon closed the connection during the CURVE handshake"
     else:

@@ -357,6 +357,7 @@ class PeerLinks:
                     break
                 await self._router_frame(frames)
                 await self._router_events()
+                await asyncio.sleep(0)  # (a burst of frames: let an engine's answer in)
 
     async def _router_frame(self, frames: list) -> None:
         assert self.owner is not None
@@ -462,8 +463,7 @@ class PeerLinks:
                                                getattr(e, "strerror", None) or str(e))
         finally:
             self._probes.pop(owner, None)
-        if why:
-            await self._execute(self.relay.on_connect_failed(owner, time.monotonic(), why))
+        await self._execute(self.relay.on_connect_failed(owner, time.monotonic(), why))
 
     def _stop_connecting(self, owner: str) -> None:
         """End libzmq's own connecting to ``owner`` (after a failed handshake it would try

@@ -194,8 +194,8 @@ class RelayLinks:
 
     def on_connect_failed(self, owner: str, now: float, why: str) -> list[PeerAction]:
         """A connect attempt to ``owner`` failed before any connection (``why``:
-        ``link_monitor.connect_failure``): told with the link's state from now on, and in
-        ``peer_not_connected``."""
+        ``link_monitor.connect_failure``; '' when the adapter's own connect then got through):
+        told with the link's state from now on, and in ``peer_not_connected``."""
         self.owners[owner].attempt = why
         return []
 
@@ -294,6 +294,7 @@ class RelayLinks:
             d = self.owners[owner].link.to_status(now)
             d["engines"] = [e.url for e in engines]
             d["relayed_ranks"] = sum(r.owner == owner for r in self._ranks.values())
+            d["cause"] = "" if d["up"] else self._attempt(self.owners[owner])  # (issue 35)
             out.append(d)
         return out
 
@@ -309,10 +310,13 @@ class RelayLinks:
         return SendPeer(link.node, msg)
 
     def _attempt(self, o: _Owner) -> str:
-        """What the connect attempts met, or (never connected, nothing met) no answer."""
-        if o.attempt or o.link.last_heard is not None or o.link.state.startswith("refused"):
+        """What the connect attempts met; once a link never up waited ``liveness_s`` with
+        nothing met at all, no answer."""
+        link = o.link
+        if o.attempt or link.last_heard is not None or link.state.startswith("refused") \
+                or not (o.warned or link.state.startswith("down: not connected")):
             return o.attempt
-        return connect_failure(o.link.node, o.link.address, "no answer")
+        return connect_failure(link.node, link.address, "no answer")
 
     def _why_unreachable(self, link: LinkState) -> str:
         if link.state.startswith("refused: "):  # (reached, and it said no: issue 35)
