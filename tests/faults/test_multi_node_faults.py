@@ -271,10 +271,16 @@ def test_relaying_daemon_killed_or_cut_off_fails_the_owners_update_naming_the_no
     owners = on_node(0)
     for r, e in told(run, owners).items():
         assert f"node {NODES[1]}'s daemon is unreachable" in e["message"], (r, e)
-        # (the update fails at the first of node1's ranks that it still needs)
-        assert e["missing_ranks"] and set(e["missing_ranks"]) <= set(on_node(1)), (r, e)
+        # (every one of node1's ranks, which it still needs: it named the first, issue 35)
+        assert e["missing_ranks"] == on_node(1), (r, e)
+        if how == "killed":  # (its connection closed: told at once, issue 35 item 2)
+            assert "its peer-link connection closed" in e["message"], (r, e)
     row.detect_s = round(detect_s(run, owners, t_fault), 2)
     assert row.detect_s <= LIVE_S + SLACK_S, row.detect_s
+    if how == "killed":
+        from slotsync.daemon.node_links.peer_state import silence_limit
+
+        assert row.detect_s < silence_limit(LIVE_S), row.detect_s  # (not by silence)
     relayed = told(run, on_node(1))
     waiting = [r for r in on_node(1) if r != stalled]
     if how == "cut_off":

@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from multi_node import NODES, PER_NODE, SLOT, Cluster  # noqa: E402
+from multi_node import NODES, PER_NODE, SLOT, WORKERS, Cluster  # noqa: E402
 from state_readers import wait_for  # noqa: E402
 
 from slotsync.protocol.errors import SlotsyncError  # noqa: E402
@@ -118,6 +118,23 @@ def test_the_link_comes_back_by_itself_after_a_refused_key_is_fixed(nodes, tmp_p
     assert wait_for(nodes.links_up, 30), (nodes.link(1, NODES[0]), nodes.logs())
     took = time.monotonic() - fixed
     print(f"link up {took:.2f} s after node0 came back")
+    assert took <= LIVE_S + SLACK_S, took
+
+
+def test_the_link_comes_back_by_itself_after_a_refused_hello_is_fixed_on_the_owner(nodes):
+    """The acceptance "the link comes back by itself after any refusal is fixed on the other
+    side, within liveness_s", for the owner's own refusal: node0 restarted with another
+    split of the ranks refuses node1's Hello; node0 restarted with the right table, node1
+    (untouched) is linked again within liveness_s."""
+    wrong = [(NODES[0], 0, 2), (NODES[1], 2, WORKERS)]
+    restart_with(nodes, 0, nodes.config_text(0, parts=wrong))
+    assert wait_for(lambda: link_state(nodes, 1).startswith("refused"), 10 + LIVE_S), \
+        (link_state(nodes, 1), nodes.logs())
+    nodes.restart(0)
+    fixed = time.monotonic()
+    assert wait_for(nodes.links_up, 30), (nodes.link(1, NODES[0]), nodes.logs())
+    took = time.monotonic() - fixed
+    print(f"link up {took:.2f} s after node0 came back with the right table")
     assert took <= LIVE_S + SLACK_S, took
 
 
