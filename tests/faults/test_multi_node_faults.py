@@ -271,10 +271,16 @@ def test_relaying_daemon_killed_or_cut_off_fails_the_owners_update_naming_the_no
     owners = on_node(0)
     for r, e in told(run, owners).items():
         assert f"node {NODES[1]}'s daemon is unreachable" in e["message"], (r, e)
-        # (the update fails at the first of node1's ranks that it still needs)
-        assert e["missing_ranks"] and set(e["missing_ranks"]) <= set(on_node(1)), (r, e)
+        # (every one of node1's ranks, which it still needs: it named the first, issue 35)
+        assert e["missing_ranks"] == on_node(1), (r, e)
+        if how == "killed":  # (its connection closed: told at once, issue 35 item 2)
+            assert "its peer-link connection closed" in e["message"], (r, e)
     row.detect_s = round(detect_s(run, owners, t_fault), 2)
     assert row.detect_s <= LIVE_S + SLACK_S, row.detect_s
+    if how == "killed":
+        from slotsync.daemon.node_links.peer_state import silence_limit
+
+        assert row.detect_s < silence_limit(LIVE_S), row.detect_s  # (not by silence)
     relayed = told(run, on_node(1))
     waiting = [r for r in on_node(1) if r != stalled]
     if how == "cut_off":
@@ -293,10 +299,71 @@ def test_relaying_daemon_killed_or_cut_off_fails_the_owners_update_naming_the_no
     else:
         nodes.net.link_up(1)
     row.engine_final = recover(pool, nodes, box, 2)
-    row.happened = ("the owner found the link silent and failed the update naming node1; "
+    row.happened = (("the owner saw the link's connection close" if how == "killed" else
+                     "the owner found the link silent") + " and failed the update naming node1; "
                     + ("node1's ranks lost their daemon; daemon restarted"
                        if how == "killed" else
                        "node1's daemon told its ranks node0 is unreachable; link up again"))
+    row.outcome = "pass"
+
+
+HANG_S = 2.0  # a fault holds the engine's first update_weights this long before it loads
+
+
+def test_relaying_daemon_killed_while_the_engine_loads_fails_at_once_naming_all_its_ranks(
+        rec, pool, nodes, box):
+    """Issue 35 items 1 and 2. node1's daemon is SIGKILLed while the engine loads the round's
+    first chunk (a fault holds ``update_weights`` HANG_S before it reads the ranks' memory).
+    node1's ranks lose their daemon and free their staging memory, which the engine then
+    fails to read ("No such file or directory: '/dev/shm/...'"). The owner's listener sees the
+    link's connection close at once and fails the update first: node0's ranks are told, well
+    before the silence limit (0.8 x LIVE_S), that node1's daemon is unreachable, every one of
+    ranks 4-7 in the text and in ``missing_ranks`` -- not the engine's HTTP 500, not one rank
+    of four. The engine is left paused, needing a full update; node1's daemon restarted, the
+    next round is one."""
+    from slotsync.daemon.node_links.peer_state import silence_limit
+
+    row = new_row(rec, box, "relaying daemon SIGKILL mid-load",
+                  f"node1's daemon killed while the engine's update_weights (held {HANG_S:g} "
+                  "s) loads its ranks' chunk")
+    calls = engine_stats(box)["route_counts"].get("update_weights", 0)
+    box.request("POST", "/_slotsync/fault", {"route": "update_weights", "status": 200,
+                                             "hang_s": HANG_S})
+    run = start_round(pool, nodes, box.url, 1)
+    closed: list[float] = []
+
+    def kill_once_loading() -> None:
+        if closed or engine_stats(box)["route_counts"].get("update_weights", 0) <= calls:
+            return
+        d = nodes.daemon(1)
+        d.proc.kill()
+        d.proc.wait()  # (its kernel closed the daemon's connections: the link's too)
+        closed.append(time.monotonic())
+        nodes.kill(1)
+
+    try:
+        run.wait(60, watch=kill_once_loading)
+    finally:
+        box.request("POST", "/_slotsync/fault", {"clear": True})
+    assert closed, f"the engine never loaded: {run.events}"
+    relayed = on_node(1)
+    for r, e in told(run, on_node(0)).items():
+        assert e["phase"] == "rank_gone" and e["missing_ranks"] == relayed, (r, e)
+        assert f"node {NODES[1]}'s daemon is unreachable: its peer-link connection closed" \
+            in e["message"], (r, e)
+        for rr in relayed:
+            assert f"{rr} (pid {run.pid(rr)}" in e["message"], (r, rr, e)
+        assert "update_weights" not in e["message"] and "HTTP 500" not in e["message"], e
+    row.detect_s = round(detect_s(run, on_node(0), closed[0]), 3)
+    print(f"connection closed -> node0's ranks told: {row.detect_s} s")
+    assert row.detect_s < silence_limit(LIVE_S), row.detect_s  # (not the silence: the close)
+    row.rank_errors = describe_errors(run, 1, [0, PER_NODE])
+    row.engine_after_fault = assert_failed_and_paused(nodes, box)
+    nodes.restart(1)
+    row.engine_final = recover(pool, nodes, box, 2)
+    row.happened = (f"the owner saw node1's link close and failed the update in "
+                    f"{row.detect_s} s naming ranks 4-7 and node1's daemon, before the "
+                    "engine's failure to read their freed memory; daemon restarted")
     row.outcome = "pass"
 
 
@@ -417,7 +484,7 @@ def test_a_stranger_key_is_refused_and_nothing_it_relays_is_used(rec, pool, node
     """A daemon in a third namespace calls itself node1 but holds a key pair of its own (not
     node1's key in the owner's allow-list). The owner refuses the CURVE handshake and logs
     it (``peer_key_refused``, counted); the stranger's daemon sees its handshake refused and
-    its ranks 4-7 are told that node0's daemon cannot be reached, as it does not accept
+    its ranks 4-7 are told that node0's daemon refused its peer link, as it does not accept
     this node's key. Meanwhile the real ranks 0-7 run a round: it succeeds, and the
     owner's slot holds exactly the real processes (nothing the stranger sent was used)."""
     row = new_row(rec, box, "stranger's key", "a daemon calling itself node1 with a key "
@@ -444,8 +511,9 @@ def test_a_stranger_key_is_refused_and_nothing_it_relays_is_used(rec, pool, node
             r: real.pid(r) for r in range(WORKERS)}, ranks
         for r in range(PER_NODE, WORKERS):
             (e,) = [e for e in strange.events[r] if e["event"] == "register_error"]
-            assert f"node {NODES[0]}'s daemon, which drives this engine, cannot be reached" \
-                in e["message"], e
+            # (reached, and it said no: a refusal, not "cannot be reached", issue 35 item 5)
+            assert f"node {NODES[0]}'s daemon, which drives this engine, refused this node's " \
+                "peer link" in e["message"], e
             assert f"node {NODES[0]}'s daemon does not accept this node's key" in e["message"]
         assert "peer_handshake_failed" in stranger.log_tail(20000)
         log = nodes.daemon(0).log_tail(20000)

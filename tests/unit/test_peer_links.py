@@ -154,7 +154,10 @@ def test_relay_refused_link_answers_at_once_and_gives_up_waiting():
     r.on_connected("node0", 0.0)
     r.on_rank_message(b"r4", _register(), b"reg", 11, 0.0)
     (err,) = _of(ReplyRank, r.on_message("node0", Refuse("node node1 declares ..."), 0.1))
-    assert "refused: node node1 declares" in err.msg.message
+    # (reached, and it said no: told as a refusal, not as "cannot be reached", issue 35)
+    assert "node node0's daemon, which drives this engine, refused this node's peer link at " \
+        "tcp://10.0.0.1:9461: node node1 declares" in err.msg.message
+    assert "cannot be reached" not in err.msg.message
     (err,) = _of(ReplyRank, r.on_rank_message(b"r5", _register(5), b"reg", 12, 0.2))
     assert err.msg.phase == "register"
     # never connected: a rank waits up to liveness_s, then is told

@@ -56,3 +56,19 @@ def test_relaying_node_status_says_who_drives_its_slot():
 def test_a_daemon_without_links_shows_no_peer_part():
     text = render_table({"version": "t", "endpoint": "ipc:///x", "slots": []})
     assert "PEER" not in text and "node" not in text
+
+
+def test_status_says_what_a_down_links_connect_attempts_met_and_the_refused_handshakes():
+    """Issue 35 items 4 and 5: the LINK column said only "down: not connected within 10 s";
+    the owner's listener showed nothing of the handshakes it refused."""
+    from slotsync.daemon.node_links.link_monitor import connect_failure
+
+    r = _relay()
+    r.on_connect_failed("node0", 0.1, connect_failure("node0", ENTRY.owner_address, "refused"))
+    r.poll(11.0)
+    text = render_table(_doc({"node": "node1", "listen": "", "links": r.status(11.0)}))
+    assert f"link to node0: nothing listens at {ENTRY.owner_address} (connection refused): " \
+        "check owner_address" in text
+    text = render_table(_doc({"node": "node0", "listen": "tcp://0.0.0.0:9461", "links": [],
+                              "handshakes_refused": 2}))
+    assert "2 handshake(s) refused on the listener" in text

@@ -34,6 +34,12 @@ def render_peers(status: dict) -> str:
     if rows:
         out += _table(["PEER", "ROLE", "ADDRESS", "LINK", "LAST HEARD", "MSGS IN/OUT", "RTT",
                        "ENGINES"], rows)
+    out += [f"link to {link['node']}: {link['cause']}" for link in peers.get("links", [])
+            if link.get("cause")]  # (what its connect attempts met: issue 35)
+    if peers.get("handshakes_refused"):
+        out.append(f"{peers['handshakes_refused']} handshake(s) refused on the listener (a "
+                   "key not allowed, a stale key of this node): see peer_key_refused and "
+                   "peer_handshake_failed in the log")
     for r in status.get("relayed_slots", []):
         nodes = ", ".join(f"{n['node']} [{n['ranks'][0]}, {n['ranks'][1]})"
                           for n in r.get("nodes", []))

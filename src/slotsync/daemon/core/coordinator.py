@@ -362,23 +362,33 @@ class SlotCoordinator(Outcomes, EngineSteps):
     def on_rank_gone(self, rank: int, identity: bytes, now: float, why: str,
                      released: bool = False) -> list[Action]:
         """Rank ``rank``'s connection ``identity`` closed or its process exited (``why``, e.g.
-        "its process (pid 12) exited"). An update in flight that still needs the rank fails at
-        once, naming it (instead of at a deadline); one it already committed to goes on (it
-        needs nothing more from the rank), unless ``released``: the rank lives on and was told
-        the update failed, so it frees its staging memory while the engine may still load from
-        it (a relayed rank whose node's link went down, issue 25). A connection the rank no
-        longer uses is ignored."""
-        info = self.ranks.get(rank)
-        if info is None or info.identity != identity or info.gone_at is not None:
-            return []
-        info.gone_at, info.gone_why = now, why
-        u = self.current
-        needed = u is not None and (rank not in u.committed or released)
-        out: list[Action] = [SlotEvent(self.slot, "rank_gone", {
-            "rank": rank, "pid": info.peer_pid or info.pid, "host": info.hostname, "why": why,
-            "update_id": u.update_id if u is not None else None}, warning=needed)]
+        "its process (pid 12) exited"): ``on_ranks_gone`` for one rank."""
+        return self.on_ranks_gone([(rank, identity)], now, why, released)
+
+    def on_ranks_gone(self, gone: list[tuple[int, bytes]], now: float, why: str,
+                      released: bool = False) -> list[Action]:
+        """Ranks' connections (``(rank, identity)``) closed, for one reason ``why``. An update
+        in flight that still needs any of them fails at once, naming every one it needs
+        (issue 35: a relaying node's link lost names all its ranks, not the first); one they
+        committed to goes on (it needs nothing more of them), unless ``released``: they live
+        on and were told the update failed, so they free their staging memory while the
+        engine may still load from it (a relayed rank whose node's link went down, issue 25).
+        A connection a rank no longer uses is ignored."""
+        u, out, needed = self.current, [], []
+        for rank, identity in gone:
+            info = self.ranks.get(rank)
+            if info is None or info.identity != identity or info.gone_at is not None:
+                continue
+            info.gone_at, info.gone_why = now, why
+            need = u is not None and (rank not in u.committed or released)
+            out.append(SlotEvent(self.slot, "rank_gone", {
+                "rank": rank, "pid": info.peer_pid or info.pid, "host": info.hostname,
+                "why": why, "update_id": u.update_id if u is not None else None}, warning=need))
+            needed += [info] if need else []
         if needed:
-            out += self._fail(now, "rank_gone", f"{info.who} is gone: {why}", [rank])
+            who = needed[0].who + " is" if len(needed) == 1 else "ranks " + ", ".join(
+                f"{i.rank} ({i.process})" for i in needed) + " are"
+            out += self._fail(now, "rank_gone", f"{who} gone: {why}", [i.rank for i in needed])
         return out
 
     def on_rank_seen(self, rank: int, identity: bytes, now: float) -> None:

@@ -215,6 +215,20 @@ class SlotTable:
             return []
         return self._slot_of_rank[rank].on_rank_gone(rank, identity, now, why, released)
 
+    def on_connections_gone(self, identities: list[bytes], now: float, why: str,
+                            released: bool = False) -> list[Action]:
+        """Several connections gone for one reason (a relaying node's peer link lost): each
+        slot fails its update once, naming every rank of them it needs
+        (``SlotCoordinator.on_ranks_gone``)."""
+        by_slot: dict[int, tuple[SlotCoordinator, list[tuple[int, bytes]]]] = {}
+        for identity in identities:
+            rank = self._rank_of.get(identity)
+            if rank is not None:
+                c = self._slot_of_rank[rank]
+                by_slot.setdefault(id(c), (c, []))[1].append((rank, identity))
+        return [a for c, gone in by_slot.values()
+                for a in c.on_ranks_gone(gone, now, why, released)]
+
     def poll(self, now: float) -> list[Action]:
         """Check every slot's deadlines, and release slots whose ranks are all gone."""
         out: list[Action] = []

@@ -7,10 +7,12 @@ table's replies to relayed ranks come in through ``deliver``.
 Rules:
 
 * A link is **up** from an accepted ``Hello`` until it is silent for
-  ``peer_state.silence_limit(liveness_s)`` (pings go every ``ping_interval``), its connection
-  closes, or a new ``Hello`` replaces it. Going down, every rank relayed over it is gone
-  (``RanksGone``, naming the node and why): an update that needs them fails as it would for
-  a rank of this node whose process died, and the next one is a full update.
+  ``peer_state.silence_limit(liveness_s)`` (pings go every ``ping_interval``), the connection
+  that said the ``Hello`` closes (``on_connection_closed``: told at once by the listener's
+  socket monitor when the other daemon is killed, issue 35), or a new ``Hello`` replaces it.
+  Going down, every rank relayed over it is gone, all in one ``RanksGone`` naming the node
+  and why: an update that needs them fails as it would for ranks of this node whose
+  processes died, naming every one of them, and the next one is a full update.
 * A ``Hello`` is refused (``Refuse``, and a log line) when the key's node and the node it
   names differ, the link protocol differs, or the node's engine table declares the engines
   this node owns over it differently (``spans.difference`` names the first difference).
@@ -67,8 +69,10 @@ class OwnerLinks:
         }
         self._origins: dict[str, set[bytes]] = {peer: set() for peer in self.links}
 
-    def on_message(self, peer: str, msg: PeerMessage, now: float) -> list[PeerAction]:
-        """A decoded message on the link of the daemon whose key speaks for node ``peer``."""
+    def on_message(self, peer: str, msg: PeerMessage, now: float,
+                   conn: int | None = None) -> list[PeerAction]:
+        """A decoded message on the link of the daemon whose key speaks for node ``peer``,
+        from connection ``conn`` (the adapter's id of it: its file descriptor)."""
         link = self.links.get(peer)
         if link is None:  # (its key is allowed, but it takes part in no engine of ours)
             return [LinkEvent("warning", "peer_refused", {
@@ -78,7 +82,7 @@ class OwnerLinks:
         link.last_heard = now
         link.messages_in += 1
         if isinstance(msg, Hello):
-            return self._hello(link, msg, now)
+            return self._hello(link, msg, now, conn)
         if isinstance(msg, Ping):
             return [self._send(link, Pong(msg.sent_s))]
         if isinstance(msg, Pong):
@@ -107,12 +111,15 @@ class OwnerLinks:
             return []
         return [self._send(link, Deliver(where[1], frame))]
 
-    def on_disconnected(self, peer: str, now: float, why: str) -> list[PeerAction]:
-        """The connection of ``peer``'s daemon closed (``why``)."""
-        link = self.links.get(peer)
-        if link is None or not link.up:
-            return []
-        return self._down(link, now, why)
+    def on_connection_closed(self, conn: int, now: float) -> list[PeerAction]:
+        """Connection ``conn`` closed. The link it carried goes down at once (its daemon was
+        killed or stopped, or its host closed it): no waiting for the silence limit. A
+        connection no link uses now (one a reconnect replaced) changes nothing."""
+        for link in self.links.values():
+            if link.up and link.conn == conn:
+                return self._down(link, now, "its peer-link connection closed (the daemon "
+                                  "stopped or was killed, or its host closed the connection)")
+        return []
 
     def poll(self, now: float) -> list[PeerAction]:
         """Pings due, and links silent too long (down)."""
@@ -154,7 +161,8 @@ class OwnerLinks:
         link.messages_out += 1
         return SendPeer(link.node, msg)
 
-    def _hello(self, link: LinkState, msg: Hello, now: float) -> list[PeerAction]:
+    def _hello(self, link: LinkState, msg: Hello, now: float,
+               conn: int | None) -> list[PeerAction]:
         reason = ""
         if msg.node != link.node:
             reason = (f"the key of node {link.node} speaks as node {msg.node} (each node's "
@@ -174,12 +182,13 @@ class OwnerLinks:
                                                               "reason": reason}),
                           self._send(link, Refuse(reason))]
         link.up, link.state, link.since, link.last_ping = True, "up", now, now
+        link.conn = conn
         return out + [LinkEvent("info", "peer_link_up", {"node": link.node,
                                                          "daemon_version": msg.daemon_version}),
                       self._send(link, Welcome(self.node))]
 
     def _down(self, link: LinkState, now: float, why: str) -> list[PeerAction]:
-        link.up, link.state, link.since = False, f"down: {why}", now
+        link.up, link.state, link.since, link.conn = False, f"down: {why}", now, None
         link.downs += 1
         gone = sorted(self._origins[link.node])
         self._origins[link.node].clear()

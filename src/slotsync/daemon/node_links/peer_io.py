@@ -2,14 +2,22 @@
 
 Thin adapters around the I/O-free ``owner_links.OwnerLinks`` and ``relay.RelayLinks``:
 
-* ``PeerListener`` (a node that owns an engine over several nodes): a ROUTER bound to
+* The listener (a node that owns an engine over several nodes): a ROUTER bound to
   ``peer_listen``, a CURVE server; pyzmq's ``zmq.auth`` authenticator, on the listener's own
   context, accepts only the public keys of ``peer_public_keys`` and names each connection by
   its key's node (the frame's ``User-Id``). A refused key is logged (rate-limited) and
-  counted; libzmq drops the handshake, so nothing it sent reaches the daemon.
-* ``PeerConnector`` (a node whose ranks feed an engine another node drives): one DEALER per
+  counted; libzmq drops the handshake, so nothing it sent reaches the daemon. Its socket
+  monitor (``link_monitor.RouterWatch``) tells when a link's connection closes (the link is
+  down at once: a killed daemon's kernel closes it) and when a connection fails its CURVE
+  handshake (logged and counted, with where it came from: a stale key of this node there).
+  Each frame's connection is its file descriptor (``zmq.SRCFD``); the monitor's events are
+  taken before each frame, so a close is told before what came after it (issue 35).
+* The connections (a node whose ranks feed an engine another node drives): one DEALER per
   owner, a CURVE client that knows the owner's public key (``<owner>.key``), reconnecting by
-  itself; its monitor says when the handshake succeeded (``Hello``) or the connection closed.
+  itself; its monitor (``link_monitor.DealerWatch``) says when the handshake succeeded
+  (``Hello``), failed (after which the state machine's ``Reconnect`` connects again, with the
+  owner's key file read again), or the connection closed; when a connect attempt fails, a
+  plain TCP connect asks the OS why (refused, unreachable, no answer).
 * ``PeerLinks``: what the ``Daemon`` holds: both of the above as its table needs them, the
   timers, and the routing of replies to relayed ranks.
 
@@ -21,7 +29,10 @@ each fault to ``liveness_s`` (``peer_state.silence_limit``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -33,12 +44,22 @@ import zmq.utils.monitor
 import zmq.utils.z85
 
 from slotsync.daemon.logs import RateLimiter, log_event
+from slotsync.daemon.node_links import link_monitor
+from slotsync.daemon.node_links.link_monitor import (
+    Closed,
+    ConnectFailed,
+    DealerWatch,
+    HandshakeFailed,
+    Handshaken,
+    RouterWatch,
+)
 from slotsync.daemon.node_links.owner_links import OwnerLinks
 from slotsync.daemon.node_links.peer_keys import PeerKeys
 from slotsync.daemon.node_links.peer_state import (
     LinkEvent,
     PeerAction,
     RanksGone,
+    Reconnect,
     ReplyRank,
     SendPeer,
     ToRank,
@@ -76,6 +97,22 @@ class _KeyAllowList:
                       hint="a daemon whose public key is not in peer_public_keys tried the "
                       "peer link; nothing it sent is used")
         return False
+
+
+def _remote_address(fd: int) -> str:
+    """``"host:port"`` of the TCP connection on ``fd`` (a duplicate is asked, the original
+    left alone), '' when it cannot be told (closed already)."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return ""
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except (OSError, ValueError):
+        return ""
+    finally:
+        sock.close()
 
 
 def _tune(sock: zmq.Socket, liveness_s: float) -> None:
@@ -120,11 +157,17 @@ class PeerLinks:
         self._ctx: zmq.asyncio.Context | None = None
         self._auth: zmq.auth.asyncio.AsyncioAuthenticator | None = None
         self._router: zmq.asyncio.Socket | None = None
+        self._router_monitor: zmq.asyncio.Socket | None = None
+        self._router_watch = RouterWatch()
         self._router_routing: dict[str, bytes] = {}  # node -> its DEALER's routing id
         self._dealers: dict[str, zmq.asyncio.Socket] = {}
         self._monitors: dict[str, zmq.asyncio.Socket] = {}
+        self._watches: dict[str, DealerWatch] = {}
+        self._server_keys: dict[str, bytes] = {}  # owner -> the public key its DEALER uses
+        self._probes: dict[str, asyncio.Task] = {}  # owner -> the connect probe running
         self._tasks: list[asyncio.Task] = []
         self.bound_address = ""
+        self.handshakes_refused = 0  # keys refused and CURVE handshakes failed (listener)
 
     @property
     def active(self) -> bool:
@@ -146,7 +189,7 @@ class PeerLinks:
         self._auth = zmq.auth.asyncio.AsyncioAuthenticator(self._ctx)
         self._auth.start()  # before any socket that authenticates binds (RFC 27)
         self._auth.configure_curve_callback(PEER_ZAP_DOMAIN, _KeyAllowList(
-            self.keys, self._rejects, lambda: self.metrics.bad_messages.inc()))
+            self.keys, self._rejects, self._handshake_refused))
         keys = self.keys  # (the User-Id of a connection: the node its key speaks for)
         self._auth.curve_user_id = (  # type: ignore[method-assign]
             lambda key: keys.peers.get(zmq.utils.z85.encode(key), ""))
@@ -165,21 +208,21 @@ class PeerLinks:
                 raise zmq.ZMQError(e.errno, f"peer_listen {self.peer_listen}: {e}") from None
             self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._router = sock
+            self._router_monitor = sock.get_monitor_socket(link_monitor.ROUTER_EVENTS)
             self._tasks.append(asyncio.create_task(self._listen(), name="slotsync-peers-in"))
         if self.relay is not None:
             for owner, o in self.relay.owners.items():
                 key = self.keys.key_of(owner)
                 sock = self._ctx.socket(zmq.DEALER)
                 _tune(sock, self.liveness_s)
-                sock.curve_serverkey = key or b"0" * 40  # (checked at config load)
+                sock.curve_serverkey = self._server_keys[owner] = key or b"0" * 40  # (checked)
                 sock.curve_secretkey, sock.curve_publickey = self.keys.secret, self.keys.public
                 sock.routing_id = self.node.encode()
                 sock.setsockopt(zmq.IMMEDIATE, 1)  # (nothing queued for a connection not made)
                 sock.setsockopt(zmq.RECONNECT_IVL, 200)
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(200, int(self.liveness_s * 250)))
-                self._monitors[owner] = sock.get_monitor_socket(
-                    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+                self._monitors[owner] = sock.get_monitor_socket(link_monitor.DEALER_EVENTS)
+                self._watches[owner] = DealerWatch()
                 sock.connect(o.link.address)
                 self._dealers[owner] = sock
                 self._tasks.append(asyncio.create_task(self._connection(owner),
@@ -187,16 +230,21 @@ class PeerLinks:
 
     async def close(self) -> None:
         """Stop the loops, close the sockets and the authenticator, end the context."""
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._probes.values()]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks, self._probes = [], {}
         for owner, sock in self._dealers.items():
             sock.disable_monitor()
             self._monitors[owner].close(linger=0)
             sock.close(linger=0)
         self._dealers.clear()
         if self._router is not None:
+            self._router.disable_monitor()
+            if self._router_monitor is not None:
+                self._router_monitor.close(linger=0)
+                self._router_monitor = None
             self._router.close(linger=0)
             self._router = None
         if self._auth is not None:
@@ -262,11 +310,24 @@ class PeerLinks:
         if self.relay is not None:
             await self._execute(self.relay.poll(now))
 
+    async def settle(self) -> None:
+        """Take what the listener's monitor holds now, and the links' silence: called before
+        an engine call's failure reaches the slot table (``ActionExecutor``'s ``settle``), so
+        that a link lost first is the update's cause, not the engine's error that followed
+        it (issue 35: node1's daemon killed mid-update, its ranks free the memory that the
+        engine then fails to read, "No such file or directory: '/dev/shm/...'")."""
+        if self.owner is None:
+            return
+        await self._router_events()
+        await self._execute(self.owner.poll(time.monotonic()))
+
     def status(self, now: float) -> dict:
-        """``/status``'s ``peers``: this node, the listener and each link."""
+        """``/status``'s ``peers``: this node, the listener and each link; with a listener,
+        ``handshakes_refused`` (keys refused and CURVE handshakes failed there)."""
         return {
             "node": self.node,
             "listen": self.bound_address or self.peer_listen,
+            **({"handshakes_refused": self.handshakes_refused} if self._router else {}),
             "links": (self.owner.status(now) if self.owner else [])
             + (self.relay.status(now) if self.relay else []),
         }
@@ -282,20 +343,67 @@ class PeerLinks:
 
     async def _listen(self) -> None:
         assert self._router is not None and self.owner is not None
+        poller = zmq.asyncio.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        if self._router_monitor is not None:
+            poller.register(self._router_monitor, zmq.POLLIN)
         while True:
-            frames = await self._router.recv_multipart(copy=False)
-            if len(frames) != 2:
-                continue
-            node = frames[1].get("User-Id") or ""
-            if not node:
-                continue
-            self._router_routing[node] = frames[0].bytes
+            await poller.poll()
+            await self._router_events()
+            while True:  # (the monitor's events first, before each frame: see the docstring)
+                try:
+                    frames = await self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                await self._router_frame(frames)
+                await self._router_events()
+                await asyncio.sleep(0)  # (a burst of frames: let an engine's answer in)
+
+    async def _router_frame(self, frames: list) -> None:
+        assert self.owner is not None
+        if len(frames) != 2:
+            return
+        node = frames[1].get("User-Id") or ""
+        if not node:
+            return
+        self._router_routing[node] = frames[0].bytes
+        try:
+            msg = decode_peer(frames[1].bytes)
+        except PeerProtocolError as e:
+            self._bad(node, str(e))
+            return
+        await self._execute(self.owner.on_message(node, msg, time.monotonic(),
+                                                  frames[1].get(zmq.SRCFD)))
+
+    async def _router_events(self) -> None:
+        """Every event the listener's monitor holds now, in order (never waits)."""
+        while self._router_monitor is not None and self.owner is not None:
             try:
-                msg = decode_peer(frames[1].bytes)
-            except PeerProtocolError as e:
-                self._bad(node, str(e))
+                raw = await self._router_monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ev = zmq.utils.monitor.parse_monitor_message(raw)
+            if ev["event"] == zmq.EVENT_ACCEPTED:
+                self._router_watch.accepted(ev["value"], _remote_address(ev["value"]))
                 continue
-            await self._execute(self.owner.on_message(node, msg, time.monotonic()))
+            fact = self._router_watch.on_event(ev["event"], ev["value"])
+            if isinstance(fact, Closed):
+                self._router_watch.forget(fact.fd)
+                await self._execute(self.owner.on_connection_closed(fact.fd, time.monotonic()))
+            elif isinstance(fact, HandshakeFailed):
+                where = self._router_watch.forget(fact.fd or 0)
+                text = link_monitor.handshake_from(where, self.node, fact.kind, fact.code)
+                if fact.kind == "closed":  # (a TCP check, a connect probe: no key involved)
+                    log.debug("peer connection closed during its handshake: %s", text)
+                    continue
+                self._handshake_refused()
+                if self._rejects.allow(f"handshake {where.rpartition(':')[0]}",
+                                       time.monotonic()):
+                    log_event(log, logging.WARNING, "peer_handshake_failed", reason=text)
+
+    def _handshake_refused(self) -> None:
+        self.handshakes_refused += 1
+        self.metrics.bad_messages.inc()
 
     async def _connection(self, owner: str) -> None:
         assert self.relay is not None
@@ -307,20 +415,7 @@ class PeerLinks:
             ready = dict(await poller.poll())
             if monitor in ready:
                 event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())
-                now = time.monotonic()
-                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    await self._execute(self.relay.on_connected(owner, now))
-                elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                    await self._execute(self.relay.on_handshake_failed(
-                        owner, now, f"node {owner}'s daemon does not accept this node's key "
-                        f"(is {self.node}.key in its peer_public_keys?)"))
-                elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                    await self._execute(self.relay.on_handshake_failed(
-                        owner, now, f"the CURVE handshake with node {owner} failed (does "
-                        f"{owner}.key here hold node {owner}'s public key?)"))
-                elif event["event"] == zmq.EVENT_DISCONNECTED:
-                    await self._execute(self.relay.on_disconnected(
-                        owner, now, "its connection closed"))
+                await self._dealer_event(owner, event["event"], event["value"])
             if sock in ready:
                 frame = await sock.recv()
                 try:
@@ -329,6 +424,72 @@ class PeerLinks:
                     self._bad(owner, str(e))
                     continue
                 await self._execute(self.relay.on_message(owner, msg, time.monotonic()))
+
+    async def _dealer_event(self, owner: str, event: int, value: int) -> None:
+        assert self.relay is not None and self.keys is not None
+        fact = self._watches[owner].on_event(event, value)
+        now = time.monotonic()
+        if isinstance(fact, Handshaken):
+            await self._execute(self.relay.on_connected(owner, now))
+        elif isinstance(fact, HandshakeFailed):
+            self._stop_connecting(owner)  # (the state machine's Reconnect connects again)
+            why = link_monitor.key_refused(owner, self.node, fact.code) if fact.kind == "auth" \
+                else link_monitor.handshake_failed(owner, fact.kind, fact.code,
+                                                   self.keys.key_file(owner))
+            await self._execute(self.relay.on_handshake_failed(owner, now, why))
+        elif isinstance(fact, Closed):
+            await self._execute(self.relay.on_disconnected(owner, now, "its connection closed"))
+        elif isinstance(fact, ConnectFailed) and owner not in self._probes:
+            self._probes[owner] = asyncio.create_task(self._probe(owner),
+                                                      name=f"slotsync-peer-probe-{owner}")
+
+    async def _probe(self, owner: str) -> None:
+        """libzmq's connect to ``owner`` failed and says not why: a plain TCP connect asks the
+        OS (refused: nothing listens; unreachable; no answer within ``liveness_s``)."""
+        assert self.relay is not None
+        address = self.relay.owners[owner].link.address
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        why = ""
+        try:
+            async with asyncio.timeout(self.liveness_s):
+                _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+            writer.close()  # (something accepts now: libzmq's next attempt gets through)
+        except ConnectionRefusedError:
+            why = link_monitor.connect_failure(owner, address, "refused")
+        except TimeoutError:
+            why = link_monitor.connect_failure(owner, address, "no answer")
+        except (OSError, ValueError) as e:
+            why = link_monitor.connect_failure(owner, address, "unreachable",
+                                               getattr(e, "strerror", None) or str(e))
+        finally:
+            self._probes.pop(owner, None)
+        await self._execute(self.relay.on_connect_failed(owner, time.monotonic(), why))
+
+    def _stop_connecting(self, owner: str) -> None:
+        """End libzmq's own connecting to ``owner`` (after a failed handshake it would try
+        every ``RECONNECT_IVL`` with the same key, or, after a refused key, never again)."""
+        assert self.relay is not None
+        with contextlib.suppress(zmq.ZMQError):
+            self._dealers[owner].disconnect(self.relay.owners[owner].link.address)
+
+    def _reconnect(self, owner: str) -> None:
+        """``Reconnect``: connect to ``owner`` again, with its key file read again (a fixed
+        ``<owner>.key`` is used without a restart)."""
+        assert self.relay is not None and self.keys is not None
+        sock = self._dealers.get(owner)
+        if sock is None:
+            return
+        self._stop_connecting(owner)
+        path = self.keys.key_file(owner)
+        try:
+            key, _ = zmq.auth.load_certificate(path)
+        except (OSError, ValueError) as e:
+            log.debug("cannot read %s again: %s", path, e)
+        else:
+            if key != self._server_keys.get(owner):
+                sock.curve_serverkey = self._server_keys[owner] = key
+                log_event(log, logging.INFO, "peer_key_reloaded", node=owner, path=path)
+        sock.connect(self.relay.owners[owner].link.address)
 
     def _bad(self, node: str, error: str) -> None:
         self.metrics.bad_messages.inc()
@@ -349,6 +510,8 @@ class PeerLinks:
                 await self._send_rank(a.identity, a.frame)
             elif isinstance(a, ReplyRank):
                 await self._send_rank(a.identity, encode(a.msg))
+            elif isinstance(a, Reconnect):
+                self._reconnect(a.node)
             elif isinstance(a, LinkEvent):
                 log_event(log, _LEVELS[a.level], a.event, **a.fields)
         if actions:

@@ -25,11 +25,17 @@ class PeerKeyError(ValueError):
 
 @dataclass(frozen=True)
 class PeerKeys:
-    """This daemon's key pair and the public keys it accepts (40-character z85 bytes)."""
+    """This daemon's key pair and the public keys it accepts (40-character z85 bytes), read
+    from folder ``folder`` (``peer_public_keys``)."""
 
     public: bytes
     secret: bytes
     peers: dict[bytes, str]  # public key -> the node it speaks for
+    folder: str = ""
+
+    def key_file(self, node: str) -> str:
+        """The file that holds ``node``'s public key: ``<folder>/<node>.key``."""
+        return os.path.join(self.folder, f"{node}.key")
 
     def key_of(self, node: str) -> bytes | None:
         """The public key of ``node``, or None when the folder has none."""
@@ -150,4 +156,4 @@ def load_keys(secret_file: str, public_folder: str) -> PeerKeys:
     if not peers:
         raise PeerKeyError(f"peer_public_keys {public_folder!r} holds no <node>.key file "
                         "(slotsync keys NODE makes one per node)")
-    return PeerKeys(public, secret, peers)
+    return PeerKeys(public, secret, peers, public_folder)

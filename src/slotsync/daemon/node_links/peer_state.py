@@ -62,6 +62,14 @@ class ReplyRank:
 
 
 @dataclass(frozen=True)
+class Reconnect:
+    """Relaying node: connect to ``node``'s daemon again (a refused handshake ends libzmq's
+    own retries; the owner's key file is read again first: it may have been fixed)."""
+
+    node: str
+
+
+@dataclass(frozen=True)
 class LinkEvent:
     """A change of a link worth a log line: ``event`` (``peer_link_up``, ``peer_link_down``,
     ``peer_refused``, ...) and its fields."""
@@ -71,7 +79,7 @@ class LinkEvent:
     fields: dict = field(default_factory=dict)
 
 
-PeerAction = SendPeer | ToTable | RanksGone | ToRank | ReplyRank | LinkEvent
+PeerAction = SendPeer | ToTable | RanksGone | ToRank | ReplyRank | Reconnect | LinkEvent
 
 
 @dataclass
@@ -94,6 +102,7 @@ class LinkState:
     rtt_s: float | None = None
     last_ping: float = 0.0
     downs: int = 0  # times the link went down
+    conn: int | None = None  # owner side: the connection (its fd) that said the accepted Hello
 
     def to_status(self, now: float) -> dict:
         """The ``/status`` entry of this link."""

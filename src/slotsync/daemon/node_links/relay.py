@@ -18,7 +18,14 @@ Rules:
   ``peer_state.silence_limit(liveness_s)``, its connection closes, or the owner refuses it.
   Frames of a rank that arrive while the link is coming up wait for it, up to
   ``liveness_s``; then, and for any frame while the link is down or refused, the rank gets an
-  ``Error`` naming the owner node, its address and why (a ``SlotsyncError`` in the trainer).
+  ``Error`` naming the owner node, its address and why (a ``SlotsyncError`` in the trainer):
+  a refusal as one (the owner was reached and said no: its ``Refuse``, its ``zmq.auth``
+  refusing this node's key, a CURVE handshake that failed, likely a key mismatch), a link
+  down with what the last connect attempt met (``on_connect_failed``: nothing listens there,
+  no host answers, no answer at all; ``link_monitor.connect_failure``).
+* A refused handshake is tried again every ``peer_state.ping_interval(liveness_s)``
+  (``Reconnect``: libzmq itself never retries after a refused key), so the link comes back
+  by itself within ``liveness_s`` of the refusal's cause being fixed (issue 35).
 * Going down, every relayed rank of that owner gets that ``Error`` and is forgotten: its next
   message is answered "not registered" by the slot table, and its publisher registers again
   (relayed anew once the link is back). The owner, seeing the link go down too, fails the
@@ -29,10 +36,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slotsync.daemon.node_links.link_monitor import connect_failure
 from slotsync.daemon.node_links.peer_state import (
     LinkEvent,
     LinkState,
     PeerAction,
+    Reconnect,
     ReplyRank,
     SendPeer,
     ToRank,
@@ -95,6 +104,8 @@ class _Owner:
     pending: list[tuple[bytes, Relay]] = field(default_factory=list)  # (identity, frame)
     pending_since: float | None = None
     warned: bool = False  # the link's outage was logged (peer_not_connected)
+    attempt: str = ""  # what the last connect attempt met (link_monitor.connect_failure)
+    retry_at: float | None = None  # when to connect again after a refused handshake
 
 
 class RelayLinks:
@@ -200,6 +211,7 @@ class RelayLinks:
             out = self._down(o, now, "the connection was made again")
         else:
             out = []
+        o.attempt, o.retry_at = "", None
         o.link.state, o.link.since = "hello sent", now
         engines = self.roles.owners()[owner][1]
         return out + [self._send(o.link, Hello(self.roles.node, PEER_PROTOCOL_VERSION,
@@ -210,11 +222,19 @@ class RelayLinks:
         o = self.owners[owner]
         return self._down(o, now, why) if o.link.up else []
 
+    def on_connect_failed(self, owner: str, now: float, why: str) -> list[PeerAction]:
+        """A connect attempt to ``owner`` failed before any connection (``why``:
+        ``link_monitor.connect_failure``; '' when the adapter's own connect then got through):
+        told with the link's state from now on, and in ``peer_not_connected``."""
+        self.owners[owner].attempt = why
+        return []
+
     def on_handshake_failed(self, owner: str, now: float, why: str) -> list[PeerAction]:
         """The CURVE handshake with ``owner`` failed (``why``: e.g. the owner does not accept
         this node's key): the link is refused until a handshake succeeds; waiting ranks are
-        told. Logged once per change of state."""
+        told; a ``Reconnect`` is due in ``ping_interval``. Logged once per change of state."""
         o = self.owners[owner]
+        o.retry_at = now + ping_interval(self.liveness_s)
         out = self._down(o, now, "") if o.link.up else []
         state = f"refused: {why}"
         if o.link.state != state:
@@ -273,11 +293,15 @@ class RelayLinks:
                 if not link.state.startswith("down: not connected"):
                     link.state = f"down: not connected within {self.liveness_s:g} s"
                 out += self._flush_pending(o)
+            if o.retry_at is not None and now >= o.retry_at and not link.up:
+                o.retry_at = None  # (set again if this attempt is refused too)
+                out.append(Reconnect(link.node))
             if not link.up and not o.warned and now - (link.since or self._started(now)) \
                     > self.liveness_s and not link.state.startswith("refused"):
                 o.warned = True  # (once per outage: a wrong owner_address, a dead owner)
                 out.append(LinkEvent("warning", "peer_not_connected", {
                     "node": link.node, "address": link.address, "state": link.state,
+                    "cause": self._attempt(o),
                     "for_s": round(now - (link.since or self._started(now)), 1)}))
         return out
 
@@ -294,6 +318,8 @@ class RelayLinks:
                 if not o.warned:
                     ds.append((o.link.since or (self._first_poll or 0.0)) + self.liveness_s
                               + 0.01)
+                if o.retry_at is not None:
+                    ds.append(o.retry_at)
         return min(ds) if ds else None
 
     def status(self, now: float) -> list[dict]:
@@ -303,6 +329,7 @@ class RelayLinks:
             d = self.owners[owner].link.to_status(now)
             d["engines"] = [e.url for e in engines]
             d["relayed_ranks"] = sum(r.owner == owner for r in self._ranks.values())
+            d["cause"] = "" if d["up"] else self._attempt(self.owners[owner])  # (issue 35)
             out.append(d)
         return out
 
@@ -337,9 +364,22 @@ class RelayLinks:
         link.messages_out += 1
         return SendPeer(link.node, msg)
 
+    def _attempt(self, o: _Owner) -> str:
+        """What the connect attempts met; once a link never up waited ``liveness_s`` with
+        nothing met at all, no answer."""
+        link = o.link
+        if o.attempt or link.last_heard is not None or link.state.startswith("refused") \
+                or not (o.warned or link.state.startswith("down: not connected")):
+            return o.attempt
+        return connect_failure(link.node, link.address, "no answer")
+
     def _why_unreachable(self, link: LinkState) -> str:
+        if link.state.startswith("refused: "):  # (reached, and it said no: issue 35)
+            return (f"node {link.node}'s daemon, which drives this engine, refused this "
+                    f"node's peer link at {link.address}: {link.state[len('refused: '):]}")
+        attempt = self._attempt(self.owners[link.node])
         return (f"node {link.node}'s daemon, which drives this engine, cannot be reached at "
-                f"{link.address} ({link.state})")
+                f"{link.address} ({link.state}{': ' + attempt if attempt else ''})")
 
     def _refuse_rank(self, identity: bytes, rank: _Rank, link: LinkState) -> list[PeerAction]:
         self._ranks.pop(identity, None)

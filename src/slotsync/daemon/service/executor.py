@@ -57,6 +57,10 @@ class ActionExecutor:
         after: called after each batch of actions (deadlines may have moved).
         now: the monotonic clock.
         families: the engine families (their clients: ``Families.client_for``).
+
+    Attributes:
+        settle: awaited before an engine call's failure reaches the table (the peer links'
+            ``PeerLinks.settle``: a link lost first is the cause, not the engine's error).
     """
 
     def __init__(self, table: SlotTable, record: MidUpdateRecord, metrics: Metrics,
@@ -69,6 +73,7 @@ class ActionExecutor:
         self._rejects, self._engine_timeout_s = rejects, engine_timeout_s
         self.clients: dict[str, EngineHttp] = {}
         self.keys: dict[str, EngineKeys] = {}  # engine URL -> its API keys (set_keys)
+        self.settle: Callable[[], Awaitable[None]] | None = None
         self.tasks: set[asyncio.Task] = set()
         self.last_update = ""  # the last update's outcome, for STATUS=
         # Record writes run in order on one thread, off the event loop (a slow state disk
@@ -209,6 +214,8 @@ class ActionExecutor:
                 result, ok, err = None, False, str(e)
             if client.connection_errors != lost:  # refused / reset: a restarted engine?
                 await self.execute(self.table.on_connection_lost(url, self._now()))
+        if not ok and self.settle is not None:
+            await self.settle()
         await self.execute(self.table.on_engine_result(call.slot, call.call_id, ok, result, err,
                                                        self._now()))
 

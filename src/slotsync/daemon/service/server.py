@@ -133,6 +133,8 @@ class Daemon:
                                self._relayed_gone, self._send_raw, self._after_actions,
                                self.metrics)
         self.metrics.watch_peers(self.peers)
+        self.executor.settle = self.peers.settle  # (a link lost is told before the engine's
+        # error that followed it: issue 35)
         self._relayed_meta = ChunkMetaCache()
         self.restored: list[MidUpdateEngine] = []
         # Set by the signal handlers only (uvicorn's Server.handle_exit); the main loop and
@@ -448,10 +450,8 @@ class Daemon:
         daemon has told them the update failed and they release their staging memory: the
         update in flight fails even where they had committed, since
         the engine may still be loading their chunks (a cut after the commit)."""
-        now = time.monotonic()
-        actions: list[Action] = []
-        for ident in identities:
-            actions += self.table.on_connection_gone(ident, now, why, released=link_lost)
+        actions = self.table.on_connections_gone(identities, time.monotonic(), why,
+                                                 released=link_lost)  # (all named: issue 35)
         if actions:
             await self.executor.execute(actions)
 
