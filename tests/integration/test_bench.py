@@ -274,3 +274,184 @@ def test_bench_ep_dry_run_on_cpu(engine, capsys):
     assert local["staging_bytes_per_rank"] == local["bytes_per_worker"] == share
     assert fig["ratios_rank_local_over_today"]["bytes_per_worker"] == share / fig["model_bytes"]
     assert "checksums after the rank-local rounds: 72/72" in out.out, out.out
+
+
+# ------------------------------------------------------------------ issue 35 item 17
+
+
+def _meminfo(tmp_path, available_kb: int):
+    f = tmp_path / "meminfo"
+    f.write_text(f"MemTotal: 24000000 kB\nMemAvailable: {available_kb} kB\n")
+    return f
+
+
+def test_bench_control_refuses_a_run_bigger_than_the_memory(tmp_path, monkeypatch, capsys):
+    """``slotsync bench control --ranks 1000`` overloaded a 24 GiB machine: now it is
+    refused before anything starts, naming the estimate, MemAvailable and a --ranks that
+    fits (the demo's check, ``slotsync.testing.memory``); the biggest session of --sweep is
+    checked too; ``--skip-memory-check`` starts it anyway."""
+    from slotsync.bench import cli
+    from slotsync.demo import MEMINFO_ENV
+
+    monkeypatch.setenv(MEMINFO_ENV, str(_meminfo(tmp_path, 22_000_000)))  # 22.5 GB
+    started: list[tuple] = []
+
+    class Started(Exception):
+        pass
+
+    def session(*a, **k):
+        started.append(a)
+        raise Started
+
+    monkeypatch.setattr(cli, "run_session", session)
+    for argv in (["control", "--ranks", "1000"],
+                 ["control", "--ranks", "1", "--sweep", "--sweep-ranks", "1,500"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([*argv, "--report", ""])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and started == [], err
+        assert "the run would need about " in err and "Traceback" not in err
+        assert "more than 80% of the 22.5 GB this machine has available (MemAvailable)" in err
+        assert "or pass --skip-memory-check to start anyway" in err, err
+    assert "--sweep-ranks 500 with --sweep-tensors 100000:" in err and "lower the --sweep" in err
+    with pytest.raises(SystemExit):
+        cli.main(["control", "--ranks", "1000", "--report", ""])
+    err = capsys.readouterr().err
+    assert err.startswith("slotsync bench control: --ranks 1000 --slots 1: ")
+    assert "1000 trainer rank processes and 1000 engine workers" in err
+    fit = int(err.split("use --ranks ")[1].split()[0])
+    from slotsync.bench.control_memory import estimate_control_memory
+
+    assert estimate_control_memory(fit, 1, 18867) <= 0.8 * 22e6 * 1024
+    assert estimate_control_memory(fit + 1, 1, 18867) > 0.8 * 22e6 * 1024
+    with pytest.raises(Started):
+        cli.main(["control", "--ranks", "1000", "--skip-memory-check", "--report", ""])
+    assert len(started) == 1 and started[0][0] == 1000
+
+
+def _bench_argv(module: str) -> list[str]:
+    return [sys.executable, "-m", module, *([] if module == "slotsync.bench" else ["bench"]),
+            "control", "--ranks", "2", "--tensors", "200", "--rounds", "5000", "--modes",
+            "unpacked", "--report", ""]
+
+
+@pytest.fixture
+def short_tmp():
+    """An empty temporary folder for a bench run, removed after the test: a short path, for
+    the daemon's socket inside it (a Unix socket path has at most 107 bytes)."""
+    import pathlib
+    import shutil
+    import tempfile
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="b"))
+    yield tmp
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_bench_running(run, ranks: int = 2, timeout_s: float = 240) -> None:
+    """Wait until the bench's daemon is up and its ``ranks`` rank processes run (children of
+    its forkserver), and two seconds more (the ranks at work)."""
+    import time
+
+    def cmd(pid: int) -> str:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def parent(pid: int) -> int:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            return 0
+
+    def running() -> bool:
+        pids = run.pids()
+        daemon = any("slotsync.daemon" in cmd(p) for p in pids)
+        forked = [p for p in pids if "forkserver" in cmd(p) and "forkserver" in cmd(parent(p))]
+        return daemon and len(forked) >= ranks
+
+    deadline = time.monotonic() + timeout_s
+    while not running():
+        assert run.proc.poll() is None and time.monotonic() < deadline, (
+            run.stdout + "".join(run.err))
+        time.sleep(0.2)
+    time.sleep(2)
+
+
+@pytest.mark.parametrize("module", ["slotsync.bench", "slotsync"])
+def test_bench_control_ctrl_c_is_one_line_and_130(short_tmp, module):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) stops
+    ``python -m slotsync.bench control`` / ``slotsync bench control`` with one line on
+    stderr and exit status 130 (before: a KeyboardInterrupt traceback by the former); every
+    process of the run is gone and the temporary folder holds nothing of it."""
+    import signal
+
+    from marked_runs import MarkedRun
+
+    tmp = short_tmp
+    run = MarkedRun(_bench_argv(module), env={"TMPDIR": str(tmp)})
+    try:
+        _wait_bench_running(run)
+        run.signal(signal.SIGINT, group=True)
+        rc, out, err = run.finish(120)
+        assert rc == 130, out[-2000:] + err[-3000:]
+        assert "Traceback" not in out + err, err[-3000:]
+        assert [line for line in err.splitlines() if line.strip()] == [
+            "slotsync bench control: interrupted; its ranks, engines and daemon are stopped "
+            "and its folder removed"], err
+        assert run.wait_gone(30) == []
+        assert sorted(os.listdir(tmp)) == []
+    finally:
+        run.kill_all()
+
+
+def test_bench_control_killed_leaves_one_folder_which_the_next_run_removes(
+        short_tmp, monkeypatch, capsys):
+    """A SIGKILLed ``slotsync bench control`` left ``pymp-*``, ``slotsync-engine-*.log`` and
+    ``slotsyncd-*/`` in /tmp: now everything of the run, multiprocessing's folder included,
+    is in one folder it owns, every process of the run stops with it, and the next run
+    removes that folder at its start (as the demo's does)."""
+    import multiprocessing.util
+    import signal
+    import tempfile
+
+    from marked_runs import MarkedRun
+
+    from slotsync.bench import cli
+
+    tmp = short_tmp
+    run = MarkedRun(_bench_argv("slotsync"), env={"TMPDIR": str(tmp)})
+    try:
+        _wait_bench_running(run)
+        run.signal(signal.SIGKILL)
+        run.finish(60)
+        assert run.wait_gone(60) == [], "the run's processes outlived it"
+        left = sorted(os.listdir(tmp))
+        assert len(left) == 1 and left[0].startswith("slotsync-bench-"), left
+        inside = {p.name.split("-")[0] for p in (tmp / left[0]).iterdir()}
+        assert {"pid", "pymp", "engine"} <= inside, inside  # (its engine's log)
+        assert any((tmp / left[0]).rglob("slotsyncd.log")), inside  # (its daemon's folder)
+    finally:
+        run.kill_all()
+    # the next run (here in this process, whose multiprocessing folder exists already)
+    multiprocessing.util.get_temp_dir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_session", interrupted)
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["control", "--ranks", "1", "--tensors", "10", "--report", ""])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C (a KeyboardInterrupt in the session) was not handled")
+    out = capsys.readouterr()
+    assert exit_.value.code == 130, out.err
+    assert f"(removed 1 folder(s) of killed runs: {tmp / left[0]})" in out.out, out.out
+    assert os.listdir(tmp) == []

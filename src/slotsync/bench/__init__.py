@@ -5,9 +5,10 @@ What lives here: ``cli`` (the ``slotsync bench`` / ``python -m slotsync.bench`` 
 with ``hop_run``, ``vs_vllm`` with ``vs_vllm_rounds`` and ``vllm_trainer_standin``,
 ``oversize``, ``fsdp_gather``, ``gather_kernel``, ``ep``, ``soak``, ``profile_chunk``; the
 last six also run as ``python -m slotsync.bench.NAME``), what they share (``control``: the
-control-plane rounds and their timing; ``gpu``: the CUDA IPC run; ``model``: Qwen3-30B-A3B's
+control-plane rounds and their timing; ``control_memory``: the memory a control session needs,
+checked before it starts; ``gpu``: the CUDA IPC run; ``model``: Qwen3-30B-A3B's
 tensor shapes and chunking; ``fake_exports``: synthetic export handles; ``report``: the
-Markdown sections of BENCHMARKS.md, the machine line, the integer options).
+Markdown sections of BENCHMARKS.md, the machine line, the integer options, the sweep's plot).
 
 What it may import: the daemon, the engines, ``slotsync.testing``, ``slotsync.protocol``,
 torch (inside the functions that run on a rank or a GPU). Never the CLI (``slotsync.cli``) or

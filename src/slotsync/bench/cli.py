@@ -19,9 +19,25 @@ import sys
 import time
 from typing import Any, NoReturn
 
-from slotsync.bench.control import SYSTEMS, Phase, SystemTimes, median, ms, p99, run_session
+from slotsync.bench.control import (
+    SYSTEMS,
+    Phase,
+    SystemTimes,
+    median,
+    ms,
+    p99,
+    run_session,
+)
+from slotsync.bench.control_memory import memory_problem_of
 from slotsync.bench.model import Qwen3MoeConfig, chunk_specs, qwen3_moe_specs, uniform_specs
-from slotsync.bench.report import command_line, int_arg, machine_line, table, update_section
+from slotsync.bench.report import (
+    command_line,
+    int_arg,
+    machine_line,
+    plot_scaling,
+    table,
+    update_section,
+)
 
 MiB = 1 << 20
 
@@ -79,6 +95,9 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--section", default="control",
                    help="section of --report to rewrite (default control; e.g. control-h200 "
                         "for a run on the GPU host's CPUs)")
+    c.add_argument("--skip-memory-check", action="store_true",
+                   help="start even when the memory estimate of the biggest session exceeds "
+                        "80%% of MemAvailable")
     g = sub.add_parser("gpu", help="data plane by CUDA IPC vs a plain device-to-device copy",
                        description=__doc__)
     g.add_argument("--ranks", type=positive_int, default=1, help="ranks (logical GPUs on cuda:0)")
@@ -231,8 +250,47 @@ HEAD = ["system", "chunk median ms", "chunk p99 ms", "engine call ms/chunk",
         "round median ms", "round p99 ms", "rounds"]
 
 
+BENCH_FOLDER_PREFIX = "slotsync-bench-"
+"""``slotsync bench control`` keeps every file of its run, and of the processes it starts, in
+one folder ``<tmp>/slotsync-bench-*`` (``testing.owned_folders.owned_folder``)."""
+
+
 def control_main(args: argparse.Namespace) -> int:
-    """``slotsync bench control``: side by side, then (``--sweep``) scaling."""
+    """``slotsync bench control``: side by side, then (``--sweep``) scaling. Refuses (2)
+    options it cannot run and a run whose memory estimate exceeds 80% of MemAvailable (unless
+    ``--skip-memory-check``); Ctrl-C stops it with one line and 130, SIGTERM unwinds it
+    (143). Every temporary file, of this process and of the ranks, engines and daemon it
+    starts, is in one folder removed at the end; a SIGKILLed run's is removed at the next
+    run's start."""
+    import signal
+
+    from slotsync.testing.owned_folders import owned_folder
+
+    problem = memory_problem_of(args)
+    if problem:
+        print(f"slotsync bench control: {problem}", file=sys.stderr)
+        return 2
+
+    def _term(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)  # (unwinds: ranks, engines, daemon stopped, folder gone)
+
+    previous = signal.signal(signal.SIGTERM, _term)
+    stale: list[str] = []
+    try:
+        with owned_folder(BENCH_FOLDER_PREFIX, stale) as folder:
+            if stale:
+                print(f"(removed {len(stale)} folder(s) of killed runs: {', '.join(stale)})",
+                      flush=True)
+            return _control_run(args, folder)
+    except KeyboardInterrupt:
+        print("slotsync bench control: interrupted; its ranks, engines and daemon are stopped "
+              "and its folder removed", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _control_run(args: argparse.Namespace, folder: str) -> int:
     out: list[str] = []
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
@@ -291,13 +349,14 @@ def control_main(args: argparse.Namespace) -> int:
         res = run_session(args.ranks, args.slots, mode == "packed",
                           [Phase("main", args.tensors, args.rounds, args.warmup, args.layers)],
                           systems=systems, staging_bytes=staging,
-                          staging_buffers=args.staging_buffers, engine_urls=args.engine_url)
+                          staging_buffers=args.staging_buffers, engine_urls=args.engine_url,
+                          folder=folder)
         _say(out, f"### {mode} ({time.perf_counter() - t0:.0f} s wall)")
         _say(out)
         _say(out, table(HEAD, _rows_for(res["main"])))
         _say(out)
     if args.sweep:
-        _sweep(args, out, staging)
+        _sweep(args, out, staging, folder)
     _say(out, f"_total {time.perf_counter() - t_all:.0f} s_")
     if args.report:
         update_section(args.report, args.section, "\n".join(out))
@@ -305,7 +364,7 @@ def control_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sweep(args: argparse.Namespace, out: list[str], staging: int) -> None:
+def _sweep(args: argparse.Namespace, out: list[str], staging: int, folder: str) -> None:
     """Scaling: ranks x tensors per round (packed), slots per daemon, rounds served."""
     _say(out, "### Scaling (packed, uniform 3 MiB tensors)")
     _say(out)
@@ -313,7 +372,7 @@ def _sweep(args: argparse.Namespace, out: list[str], staging: int) -> None:
     rows = []
     for n in args.sweep_ranks:
         phases = [Phase(f"t{k}", k, args.sweep_rounds, 1) for k in args.sweep_tensors]
-        res = run_session(n, 1, True, phases, staging_bytes=staging)
+        res = run_session(n, 1, True, phases, staging_bytes=staging, folder=folder)
         by_ranks[n] = {}
         for k in args.sweep_tensors:
             r = res[f"t{k}"]
@@ -333,7 +392,7 @@ def _sweep(args: argparse.Namespace, out: list[str], staging: int) -> None:
     by_slots: dict[int, dict[str, float]] = {}
     for s in args.sweep_slots:
         res = run_session(1, s, True, [Phase("s", k_slots, args.sweep_rounds, 1)],
-                          staging_bytes=staging)
+                          staging_bytes=staging, folder=folder)
         r = res["s"]
         a, b = median(r["slotsync"].round_s), median(r["baseline"].round_s)
         by_slots[s] = {"slotsync": a, "baseline": b}
@@ -347,7 +406,7 @@ def _sweep(args: argparse.Namespace, out: list[str], staging: int) -> None:
     _say(out)
     g = args.growth_rounds
     res = run_session(2, 1, True, [Phase("g", 1000, g, 0)], systems=("slotsync",),
-                      staging_bytes=staging)
+                      staging_bytes=staging, folder=folder)
     t = res["g"]["slotsync"]
     first = [x for x, r in zip(t.chunk_s, t.chunk_round, strict=True) if r < 10]
     last = [x for x, r in zip(t.chunk_s, t.chunk_round, strict=True) if r >= g - 10]
@@ -363,39 +422,10 @@ def _sweep(args: argparse.Namespace, out: list[str], staging: int) -> None:
     ]))
     _say(out)
     if args.plot:
-        _plot(args.plot, by_ranks, by_slots)
+        plot_scaling(args.plot, by_ranks, by_slots)
         _say(out, f"Plot: `{args.plot}` (time per round against tensors per round, per ranks; "
                   "and against slots).")
         _say(out)
-
-
-def _plot(path: str, by_ranks: dict[int, dict[int, dict[str, float]]],
-          by_slots: dict[int, dict[str, float]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for i, (n, pts) in enumerate(sorted(by_ranks.items())):
-        ks = sorted(pts)
-        color = f"C{i}"
-        ax1.plot(ks, [pts[k]["slotsync"] for k in ks], "o-", color=color,
-                 label=f"slotsync, {n} ranks")
-        ax1.plot(ks, [pts[k]["baseline"] for k in ks], "x--", color=color,
-                 label=f"baseline, {n} ranks")
-    ax1.set(xscale="log", yscale="log", xlabel="tensors per round",
-            ylabel="seconds per round (median)", title="Packed, 1 slot")
-    ax1.legend(fontsize=7)
-    ss = sorted(by_slots)
-    ax2.plot(ss, [by_slots[s]["slotsync"] for s in ss], "o-", label="slotsync")
-    ax2.plot(ss, [by_slots[s]["baseline"] for s in ss], "x--", label="baseline")
-    ax2.set(xlabel="slots per daemon (1 rank each)", ylabel="seconds per round (median)",
-            title="1000 tensors per round")
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------- gpu
@@ -536,8 +566,12 @@ def _print_profiles(directory: str, top: int = 14) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m slotsync.bench``."""
+    """``python -m slotsync.bench``; Ctrl-C: one line, exit status 130."""
     p = argparse.ArgumentParser(prog="python -m slotsync.bench", description=__doc__)
     build_parser(p)
     a: Any = p.parse_args(argv)
-    sys.exit(main_from_args(a))
+    try:
+        sys.exit(main_from_args(a))
+    except KeyboardInterrupt:
+        print("slotsync bench: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -40,6 +40,7 @@ import pickle
 import queue
 import re
 import statistics
+import tempfile
 import time
 import traceback
 import urllib.request
@@ -205,7 +206,15 @@ class _Http:
 
 def _rank_main(rank: int, plan: SessionPlan, results: Any) -> None:
     """Entry point of one rank process (spawn context); puts ("result", rank, data) or
-    ("error", rank, traceback) on ``results``."""
+    ("error", rank, traceback) on ``results``. Stops when the process that started it (the
+    forkserver, which stops with the bench) dies, even by SIGKILL (``die_with_parent``);
+    ignores Ctrl-C, which reaches the whole process group: the bench stops its ranks."""
+    import signal
+
+    from slotsync.testing.processes import die_with_parent
+
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the bench's: it stops the ranks
     try:
         results.put(("result", rank, _rank_session(rank, plan)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -381,10 +390,13 @@ def run_session(
     engine_urls: Sequence[str] | None = None,
     timeout_s: float = 600.0,
     log: Any = None,
+    folder: str | None = None,
 ) -> dict[str, dict[str, SystemTimes]]:
     """Start a daemon (and, unless ``engine_urls`` is given, one discarding reference engine
     per slot with ``ranks_per_slot`` workers), run the rank processes through ``phases``, and
     return ``{phase label: {system: SystemTimes}}``; round times are the slowest rank's.
+    ``folder``: where the daemon's runtime folder and the engines' logs go, and the temporary
+    folder (``TMPDIR``) of both (default: new temporary files and the usual folder).
 
     Raises:
         RuntimeError: a rank failed (its traceback is in the message) or timed out.
@@ -393,18 +405,30 @@ def run_session(
     from slotsync.testing.ports import free_port
     from slotsync.testing.processes import DaemonProcess
 
+    env = {"TMPDIR": folder} if folder else None
+
+    def engine_log() -> str | None:
+        if folder is None:
+            return None
+        fd, path = tempfile.mkstemp(prefix="engine-", suffix=".log", dir=folder)
+        os.close(fd)
+        return path
+
     engines: list[ReferenceEngine] = []
     try:
         if engine_urls is None:
             for _ in range(slots):
                 engines.append(ReferenceEngine(workers=ranks_per_slot, discard=True,
-                                               startup_timeout_s=300))
+                                               startup_timeout_s=300, env=env,
+                                               log_path=engine_log()))
             urls = tuple(e.url for e in engines)
         else:
             if len(engine_urls) != slots:
                 raise ValueError(f"{len(engine_urls)} engine URLs for {slots} slots")
             urls = tuple(engine_urls)
-        with DaemonProcess(args=["--log-level", "warning"]) as daemon:
+        runtime = tempfile.mkdtemp(prefix="d", dir=folder) if folder else None
+        with DaemonProcess(args=["--log-level", "warning"], runtime_dir=runtime,
+                           env=env) as daemon:
             plan = SessionPlan(
                 ranks_per_slot, slots, packed, staging_bytes, daemon.endpoint, urls,
                 daemon.status_url, free_port(), tuple(phases), tuple(systems), timeout_s,
@@ -416,26 +440,51 @@ def run_session(
             e.stop()
 
 
+def _start_forkserver_deaf_to_ctrl_c() -> None:
+    """Start multiprocessing's forkserver (if not running) with SIGINT ignored from its first
+    instruction: Ctrl-C reaches the whole process group, and a forkserver still importing
+    torch printed a KeyboardInterrupt traceback (its own SIG_IGN comes after the imports; an
+    ignored signal stays ignored across exec, and Python keeps it so). Its ranks inherit it."""
+    import signal
+    import threading
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _run_ranks(plan: SessionPlan, log: Any) -> dict[str, dict[str, SystemTimes]]:
     # Ranks fork from a forkserver that imported torch once: a sweep starts many sessions, and
     # each rank's own import of torch (~1 s of CPU) was most of a tiny session's time. The
     # timings are taken inside the ranks, after their start.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "slotsync.bench.control"])
+    _start_forkserver_deaf_to_ctrl_c()
     q = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, plan, q), daemon=True)
              for r in range(plan.world)]
-    for p in procs:
-        p.start()
     got: dict[int, Any] = {}
     deadline = time.monotonic() + plan.timeout_s * max(1, len(plan.phases))
     try:
+        for p in procs:
+            p.start()
         while len(got) < plan.world:
             item = next_rank_report(q, procs, deadline, "bench ranks")
             if item is None:
                 continue
             _, rank, data = item
             got[rank] = data
+    except BaseException:  # Ctrl-C, SIGTERM, a failed rank: stop every rank at once, rank 0
+        for p in reversed(procs):  # (Gloo's store) last, so that none sees a peer go and
+            if p.pid is not None and p.is_alive():  # prints c10d's warnings
+                p.kill()
+        raise
     finally:
         for p in procs:
             p.join(10)

@@ -107,3 +107,35 @@ def int_arg(lowest: int, highest: int | None = None) -> Callable[[str], int]:
         return v
 
     return parse
+
+
+def plot_scaling(path: str, by_ranks: dict[int, dict[int, dict[str, float]]],
+                 by_slots: dict[int, dict[str, float]]) -> None:
+    """``slotsync bench control --sweep``'s PNG at ``path``: seconds per round against tensors
+    per round for each rank count (``by_ranks[ranks][tensors][system]``), and against slots
+    (``by_slots[slots][system]``). (Moved from ``cli``, issue 35.)"""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for i, (n, pts) in enumerate(sorted(by_ranks.items())):
+        ks = sorted(pts)
+        color = f"C{i}"
+        ax1.plot(ks, [pts[k]["slotsync"] for k in ks], "o-", color=color,
+                 label=f"slotsync, {n} ranks")
+        ax1.plot(ks, [pts[k]["baseline"] for k in ks], "x--", color=color,
+                 label=f"baseline, {n} ranks")
+    ax1.set(xscale="log", yscale="log", xlabel="tensors per round",
+            ylabel="seconds per round (median)", title="Packed, 1 slot")
+    ax1.legend(fontsize=7)
+    ss = sorted(by_slots)
+    ax2.plot(ss, [by_slots[s]["slotsync"] for s in ss], "o-", label="slotsync")
+    ax2.plot(ss, [by_slots[s]["baseline"] for s in ss], "x--", label="baseline")
+    ax2.set(xlabel="slots per daemon (1 rank each)", ylabel="seconds per round (median)",
+            title="1000 tensors per round")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -7,7 +7,10 @@ routes and its own payload code in each TP rank) and N trainer ranks (processes 
 file); each round the ranks perturb the weights identically, publish them through the daemon
 into the engine (packed or unpacked), and rank 0 checks that every engine worker's checksums
 equal the trainers' and that the engine's weight version advanced. Exit status 0 only if every
-round matched.
+round matched. With ``--nodes 2``, the walkthrough of engines over several nodes
+(docs/multi-node.md): a daemon per node (network namespaces joined by a veth pair as root,
+else on loopback), CURVE keys made in the demo's folder, one engine whose workers span both
+nodes, driven by node0's daemon while node1's relays its ranks over the peer link.
 
 On a machine without a GPU the transport is POSIX shared memory (the CPU stand-in for CUDA IPC);
 with CUDA it is CUDA IPC, with real GPU UUIDs when there is a GPU per rank, else several
@@ -16,7 +19,8 @@ logical UUIDs on one GPU.
 Here: the command line (``build_parser``, ``main_from_args``); ``config`` (the options, the
 default model, the memory estimate checked before anything starts), ``run`` (``run_demo``:
 daemon, engines, rounds, verification), ``ranks`` (the trainer rank processes and their
-senders) and ``leftovers`` (what a SIGKILLed demo left, removed at the next start).
+senders), ``nodes`` (``--nodes 2``: the two nodes, their keys, tables and daemons) and
+``leftovers`` (what a SIGKILLed demo left, removed at the next start).
 
 A layer below ``slotsync.cli`` and above the benches, the daemon, the engines, ``testing`` and
 ``protocol``, which it may import (and ``slotsync.console``); only ``slotsync.cli`` imports it.
@@ -39,6 +43,7 @@ from slotsync.demo.config import (
     mem_available,
     memory_problem,
 )
+from slotsync.demo.nodes import NETS, netns_problem
 from slotsync.demo.run import run_demo
 
 __all__ = ["MEMINFO_ENV", "build_parser", "find_default_model", "main_from_args", "run_demo"]
@@ -79,6 +84,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="how the ranks send: slotsync's Publisher (default), or vLLM's own "
                    "trainer API (WeightTransferTrainerFactory.trainer_init with "
                    "SlotsyncTrainerInitInfo and a ModuleSource; needs vllm installed)")
+    p.add_argument("--nodes", type=int, choices=[1, 2], default=1,
+                   help="2: engines over several nodes on this machine -- a daemon per node "
+                   "(CURVE keys made in the demo's folder), half the ranks on each, one "
+                   "engine over all ranks owned by node0, node1's daemon relaying its ranks "
+                   "over the peer link (docs/multi-node.md); needs an even --ranks (default 1)")
+    p.add_argument("--nodes-net", choices=list(NETS), default="auto",
+                   help="--nodes 2: netns (two Linux network namespaces joined by a veth "
+                   "pair, the daemons inside them, the peer link across; needs root), "
+                   "loopback (both daemons on 127.0.0.1, their own runtime folders) or auto "
+                   "(netns as root, else loopback; the default)")
     p.add_argument("--skip-memory-check", action="store_true",
                    help="start even when the memory estimate exceeds 80%% of MemAvailable")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks")
@@ -104,6 +119,21 @@ def main_from_args(args: argparse.Namespace) -> int:
     if args.gpus_per_engine is not None and args.ranks % args.gpus_per_engine:
         return fail(f"--gpus-per-engine {args.gpus_per_engine} must divide --ranks "
                     f"{args.ranks}")
+    nodes, net = getattr(args, "nodes", 1), getattr(args, "nodes_net", "auto")
+    if nodes > 1:
+        if args.ranks % nodes:
+            return fail(f"--nodes {nodes} puts half the ranks on each node: --ranks must be "
+                        f"even, got {args.ranks}")
+        if args.gpus_per_engine not in (None, args.ranks):
+            return fail(f"--nodes {nodes} runs one engine over all ranks, across both nodes: "
+                        f"leave out --gpus-per-engine (got {args.gpus_per_engine})")
+        if args.backend == "vllm-api":
+            return fail(f"--nodes {nodes} sends through slotsync's Publisher; --backend "
+                        "vllm-api runs on one node (leave out --nodes or --backend)")
+        why = netns_problem()
+        if net == "netns" and why:
+            return fail(f"--nodes-net netns: network namespaces cannot be made here ({why}); "
+                        "run as root or use --nodes-net loopback")
     if not args.timeout_s > 0:
         return fail(f"--timeout-s must be > 0, got {args.timeout_s}")
     if not args.staging_mb * 1024 * 1024 >= 1024:
@@ -117,7 +147,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         return fail(problem)
     if not args.skip_memory_check:  # before anything starts (--ranks 32 once ate 18 GB)
         problem = memory_problem(args.ranks, args.gpus_per_engine, model.stat().st_size,
-                                 mem_available())
+                                 mem_available(), nodes)
         if problem:
             return fail(problem)
     from slotsync.testing.vllm_notices import hide_triton_notice_in_children
@@ -151,7 +181,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         return fail("--device cuda, but no CUDA device is visible (use --device cpu)")
     cfg = DemoConfig(Path(model), args.ranks, args.rounds, args.packed, device,
                      int(args.staging_mb * 1024 * 1024), args.timeout_s, args.verbose,
-                     args.gpus_per_engine, args.engine, args.backend)
+                     args.gpus_per_engine, args.engine, args.backend, nodes, net)
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the daemon and engines are stopped
     # (they also get SIGTERM if this process dies outright: see launcher.die_with_parent)
     import signal

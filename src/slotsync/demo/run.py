@@ -56,6 +56,10 @@ def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
     transport = "CUDA IPC" if cfg.device == "cuda" else "shared memory (CPU)"
     layout = ("one engine slot" if len(slots) == 1
               else f"{len(slots)} engine slots of {per}")
+    half = cfg.ranks // cfg.nodes
+    if cfg.nodes > 1:
+        layout = (f"one engine slot over 2 nodes (node0: ranks [0, {half}), node1: "
+                  f"[{half}, {cfg.ranks}))")
     kind = {"reference": "", "vllm": ", vLLM's own engine code",
             "sglang": ", SGLang's own receive code (SGLang 0.5.23's rules)"}[cfg.engine]
     if cfg.backend == "vllm-api":
@@ -71,21 +75,35 @@ def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
           ExitStack() as stack):
         leftovers.write_owner(tmp)  # a later demo removes the folder if this one is killed
         t0 = time.perf_counter()
-        daemon = stack.enter_context(DaemonProcess(runtime_dir=tmp))
+        uds = None
+        if cfg.nodes > 1:  # a daemon per node; the engine on a socket every namespace reaches
+            from slotsync.demo.nodes import DemoNodes
+
+            uds = os.path.join(tmp, "engine.sock")
+            nodes = stack.enter_context(DemoNodes(tmp, cfg.ranks, f"unix://{uds}",
+                                                  cfg.nodes_net, say, cfg.timeout_s))
+            daemons = nodes.daemons
+        else:
+            daemons = [stack.enter_context(DaemonProcess(runtime_dir=tmp))]
         engines = [
             stack.enter_context(ReferenceEngine(
                 workers=per, device=cfg.device,
                 gpu_uuids=[uuids[r] for r in ranks] if uuids else None,
                 cuda_devices=[devices[r] for r in ranks] if devices else None,
                 model=cfg.model, log_path=os.path.join(tmp, f"engine{e}.log"),
-                impl=cfg.engine, startup_timeout_s=300.0,
+                impl=cfg.engine, startup_timeout_s=300.0, uds=uds,
             ))
             for e, ranks in enumerate(slots)
         ]
-        say(f"  daemon {daemon.endpoint} (status {daemon.status_url}); "
-            + ", ".join(f"engine {e.url} for ranks [{r[0]}, {r[-1] + 1})"
-                        for e, r in zip(engines, slots, strict=True))
-            + f"; started in {time.perf_counter() - t0:.1f} s")
+        if cfg.nodes > 1:
+            say(f"  engine {engines[0].url}: {cfg.ranks} workers over both nodes (workers "
+                f"[0, {half}) node0's, [{half}, {cfg.ranks}) node1's), driven by node0's "
+                f"daemon; started in {time.perf_counter() - t0:.1f} s")
+        else:
+            say(f"  daemon {daemons[0].endpoint} (status {daemons[0].status_url}); "
+                + ", ".join(f"engine {e.url} for ranks [{r[0]}, {r[-1] + 1})"
+                            for e, r in zip(engines, slots, strict=True))
+                + f"; started in {time.perf_counter() - t0:.1f} s")
         ctx = rank_context or mp.get_context("spawn")
         init_file = os.path.join(tmp, "gloo-init")
         urls = [e.url for e in engines]
@@ -93,8 +111,8 @@ def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
         results = RankResults([reader for reader, _ in pipes])
         stack.callback(results.close)
         procs = [
-            ctx.Process(target=rank_main, args=(r, cfg, daemon.endpoint, urls, init_file,
-                                                 uuids, writer), daemon=True)
+            ctx.Process(target=rank_main, args=(r, cfg, [d.endpoint for d in daemons], urls,
+                                                 init_file, uuids, writer), daemon=True)
             for r, (_, writer) in enumerate(pipes)
         ]
         stack.callback(stop_ranks, procs)  # first out: ranks before engines and daemon
@@ -146,16 +164,42 @@ def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
                 f"{_weight_version(eng)!r}; "
                 f"start/finish per worker {starts}/{finishes}; paused={stats.get('paused')}; "
                 f"workers on {where}")
-        for s_ in daemon.status()["slots"]:
-            say(f"  daemon: slot [{s_['slot'][0]}, {s_['slot'][1]}) state {s_['state']}, "
-                f"updates ok {s_['updates_succeeded']}, failed {s_['updates_failed']}"
-                + (f", last error: {s_['last_error']}" if s_["last_error"] else ""))
+        for k, daemon in enumerate(daemons):
+            failures += _say_daemon(say, daemon, f"node{k}'s daemon" if cfg.nodes > 1
+                                    else "daemon")
         if failures or done < cfg.ranks:
-            say(f"slotsync demo FAILED ({failures} failure(s)); daemon log tail:\n"
-                f"{daemon.log_tail(2000)}\nengine log tail:\n{engines[0].log_tail(2000)}")
+            say(f"slotsync demo FAILED ({failures} failure(s)); "
+                + "".join(f"daemon log tail ({d.log_path}):\n{d.log_tail(2000)}\n"
+                          for d in daemons)
+                + f"engine log tail:\n{engines[0].log_tail(2000)}")
             return 1
     say("slotsync demo OK: every round's engine checksums equal the trainers'")
     return 0
+
+
+def _say_daemon(say, daemon, who: str) -> int:
+    """Print a daemon's slots and peer links from its ``/status``; returns 1 when a peer link
+    is down (the relayed rounds went over it), else 0."""
+    status = daemon.status()
+    for s_ in status["slots"]:
+        by_node: dict[str, list[int]] = {}
+        for r in s_.get("ranks", []):
+            by_node.setdefault(r.get("node") or "", []).append(r["rank"])
+        nodes = ("" if "" in by_node or not by_node else "; ranks by node: " + ", ".join(
+            f"{n} {sorted(rs)}" for n, rs in sorted(by_node.items())))
+        say(f"  {who}: slot [{s_['slot'][0]}, {s_['slot'][1]}) state {s_['state']}, "
+            f"updates ok {s_['updates_succeeded']}, failed {s_['updates_failed']}"
+            + (f", last error: {s_['last_error']}" if s_["last_error"] else "") + nodes)
+    down = 0
+    for lk in (status.get("peers") or {}).get("links", []):
+        down += 0 if lk.get("up") else 1
+        say(f"  {who}: peer link to {lk.get('node')} ({lk.get('role')}) "
+            f"{'up' if lk.get('up') else 'DOWN'}, messages in/out "
+            f"{lk.get('messages_in', 0)}/{lk.get('messages_out', 0)}")
+    for r in status.get("relayed_slots", []):
+        say(f"  {who}: slot [{r['slot'][0]}, {r['slot'][1]}) driven by node {r['driven_by']} "
+            f"({r.get('owner_address')}); this node's ranks relayed there")
+    return down
 
 
 def _weight_version(engine) -> str:
