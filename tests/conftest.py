@@ -48,6 +48,25 @@ def _engine_of_module(request: pytest.FixtureRequest) -> Iterator[None]:
     engines._module_default = None
 
 
+@pytest.fixture
+def run_module() -> Any:
+    """``run_module([sys.executable, "-m", module, *args], env=None, timeout_s=120)``: as
+    ``subprocess.run(..., capture_output=True, text=True)``, the process forked from the run's
+    engine zygote (``slotsync.testing.zygote.Zygote.run``), which has imported torch and
+    vLLM: for command-line tests of tools that import them (each a few seconds of CPU as a
+    new interpreter). A plain subprocess where the zygote is off (``SLOTSYNC_TEST_ZYGOTE=0``)."""
+    import subprocess
+
+    def run(argv: list[str], env: dict[str, str] | None = None,
+            timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+        if _zygote is None:
+            return subprocess.run(argv, capture_output=True, text=True, env=env,
+                                  timeout=timeout_s)
+        return _zygote.run(argv, env, timeout_s)
+
+    return run
+
+
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Any]:
     """A started ``ReferenceEngine(workers=2)`` (skips without torch: its workers need it)."""
@@ -124,27 +143,40 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 _zygote: Any = None
+_daemon_zygote: Any = None
 ZYGOTE_SOCKET_ENV = "SLOTSYNC_TEST_ZYGOTE_SOCKET"  # the run's zygote, for xdist's workers
+DAEMON_ZYGOTE_SOCKET_ENV = "SLOTSYNC_TEST_DAEMON_ZYGOTE_SOCKET"  # ... and its daemon zygote
+
+
+def _zygote_of_run(config: pytest.Config, kind: str, socket_env: str) -> Any:
+    """The run's ``kind`` zygote (``slotsync.testing.zygote``): started by the first process
+    (xdist's controller starts it now, its imports running while the workers collect, and
+    shares it through ``socket_env``); xdist's workers attach to it."""
+    from slotsync.testing.zygote import Zygote
+
+    shared = os.environ.get(socket_env)
+    if shared:  # an xdist worker: the controller's zygote
+        return Zygote(attach=shared, kind=kind)
+    zygote = Zygote(kind=kind)
+    if getattr(config.option, "numprocesses", None):  # xdist's controller: start it now
+        os.environ[socket_env] = zygote.start()
+    return zygote  # (one process: it starts with the first engine or daemon)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _zygote
+    global _zygote, _daemon_zygote
     if os.environ.get("SLOTSYNC_TEST_ZYGOTE", "1") not in ("0", ""):
-        # CPU engines fork from one warm process per run (slotsync.testing.zygote): an engine
-        # then starts in about a second instead of paying torch's and vLLM's imports again
-        # (issue 24). The first process starts it; xdist's workers attach to it.
+        # CPU engines fork from one warm process per run: an engine then starts in about a
+        # second instead of paying torch's and vLLM's imports again (issue 24); daemons fork
+        # from another, which has imported only the daemon's modules (~0.5 s of CPU saved per
+        # daemon, a few hundred daemons a run: issue 35).
         from slotsync.engine.launcher import use_zygote
-        from slotsync.testing.zygote import Zygote
+        from slotsync.testing.processes import use_daemon_zygote
 
-        shared = os.environ.get(ZYGOTE_SOCKET_ENV)
-        if shared:  # an xdist worker: the controller's zygote
-            _zygote = Zygote(attach=shared)
-        elif getattr(config.option, "numprocesses", None):  # xdist's controller: start it
-            _zygote = Zygote()  # now (its imports run while the workers collect) and share it
-            os.environ[ZYGOTE_SOCKET_ENV] = _zygote.start()
-        else:  # one process: the zygote starts with the first engine
-            _zygote = Zygote()
+        _zygote = _zygote_of_run(config, "engine", ZYGOTE_SOCKET_ENV)
         use_zygote(_zygote)
+        _daemon_zygote = _zygote_of_run(config, "daemon", DAEMON_ZYGOTE_SOCKET_ENV)
+        use_daemon_zygote(_daemon_zygote)
     chosen = config.getoption("--engine")
     if chosen:
         os.environ[ENGINE_ENV] = chosen  # (also for the rank processes the tests spawn)
@@ -165,7 +197,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Stop this process's warm helpers (the engine zygote, the ranks' forkserver) before
     the leak check (``leak_check.py``) looks for what the run left running."""
-    global _zygote
+    global _zygote, _daemon_zygote
     from engines import remove_model_files
 
     remove_model_files()
@@ -175,6 +207,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         use_zygote(None)
         _zygote.close()
         _zygote = None
+    if _daemon_zygote is not None:
+        from slotsync.testing.processes import use_daemon_zygote
+
+        use_daemon_zygote(None)
+        _daemon_zygote.close()
+        _daemon_zygote = None
     from multiprocessing import forkserver
 
     if getattr(forkserver._forkserver, "_forkserver_pid", None):

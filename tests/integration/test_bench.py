@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -149,14 +148,13 @@ def test_bench_control_tiny_packed_with_two_regions_and_section(tmp_path, capsys
     assert "<!-- bench:control-x -->" in text and "2 staging region(s)" in text
 
 
-def test_bench_gpu_profile_writes_and_prints_profiles(tmp_path):
+def test_bench_gpu_profile_writes_and_prints_profiles(tmp_path, run_module):
     prof = tmp_path / "prof"
-    out = subprocess.run(
+    out = run_module(
         [sys.executable, "-m", "slotsync.bench", "gpu", "--device", "cpu", "--layers", "1",
          "--experts", "4", "--vocab", "1000", "--hidden", "256", "--staging-mb", "2",
          "--rounds", "2", "--no-unpacked", "--no-single-buffer", "--profile", str(prof),
-         "--report", ""],
-        capture_output=True, text=True, timeout=120,
+         "--report", ""], timeout_s=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     files = sorted(p.name for p in prof.iterdir())
@@ -164,10 +162,10 @@ def test_bench_gpu_profile_writes_and_prints_profiles(tmp_path):
     assert "### engine-worker-0.prof" in out.stdout and "plan_pack" in out.stdout
 
 
-def test_profile_chunk_prints_the_split():
-    out = subprocess.run(
+def test_profile_chunk_prints_the_split(run_module):
+    out = run_module(
         [sys.executable, "-m", "slotsync.bench.profile_chunk", "--ranks", "2", "--repeat", "2"],
-        capture_output=True, text=True, timeout=120,
+        timeout_s=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "one unpacked chunk" in out.stdout and "merge:" in out.stdout
@@ -195,10 +193,9 @@ def test_profile_chunk_prints_the_split():
     (["hop", "--rounds", "1"], "--rounds 1 leaves no counted round after --warmup 1"),
     (["vs-vllm", "--slotsync-regions", "9"], "--slotsync-regions: invalid choice: 9"),
 ])
-def test_bench_refuses_bad_arguments_before_starting_anything(args, want):
+def test_bench_refuses_bad_arguments_before_starting_anything(args, want, run_module):
     report = [] if "--report" in args else ["--report", ""]
-    out = subprocess.run([sys.executable, "-m", "slotsync.bench", *args, *report],
-                         capture_output=True, text=True, timeout=60)
+    out = run_module([sys.executable, "-m", "slotsync.bench", *args, *report], timeout_s=60)
     assert out.returncode == 2 and want in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
 
@@ -207,14 +204,12 @@ def test_bench_refuses_bad_arguments_before_starting_anything(args, want):
                                             ("fsdp-gather", "slotsync.bench.fsdp_gather"),
                                             ("gather", "slotsync.bench.gather_kernel"),
                                             ("ep", "slotsync.bench.ep")])
-def test_bench_forwards_to_the_issue_17_benchmarks(name, prog):
+def test_bench_forwards_to_the_issue_17_benchmarks(name, prog, run_module):
     """``slotsync bench oversize`` / ``fsdp-gather`` hand their options to the module's own
     command line (its --help, and its refusal of a bad option)."""
-    out = subprocess.run([sys.executable, "-m", "slotsync", "bench", name, "--help"],
-                         capture_output=True, text=True, timeout=120)
+    out = run_module([sys.executable, "-m", "slotsync", "bench", name, "--help"])
     assert out.returncode == 0 and f"python -m {prog}" in out.stdout, out.stdout + out.stderr
-    bad = subprocess.run([sys.executable, "-m", "slotsync", "bench", name, "--no-such-flag"],
-                         capture_output=True, text=True, timeout=120)
+    bad = run_module([sys.executable, "-m", "slotsync", "bench", name, "--no-such-flag"])
     assert bad.returncode == 2 and "--no-such-flag" in bad.stderr, bad.stderr
 
 
@@ -226,11 +221,10 @@ def test_bench_forwards_to_the_issue_17_benchmarks(name, prog):
     (["--layers", "49"], "argument --layers: must be 1..48, got 49"),
     (["--repeat", "0"], "argument --repeat: must be >= 1, got 0"),
 ])
-def test_bench_gather_refuses_what_it_cannot_run(args, want):
+def test_bench_gather_refuses_what_it_cannot_run(args, want, run_module):
     """``slotsync bench gather`` (the copy kernels, issue 27) needs a GPU: without one, and
     with an option out of range, it says so in one line naming the option, and exits 2."""
-    out = subprocess.run([sys.executable, "-m", "slotsync", "bench", "gather", *args],
-                         capture_output=True, text=True, timeout=120)
+    out = run_module([sys.executable, "-m", "slotsync", "bench", "gather", *args])
     assert out.returncode == 2 and want in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
 
@@ -238,12 +232,11 @@ def test_bench_gather_refuses_what_it_cannot_run(args, want):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
 @pytest.mark.parametrize(("name", "dry_run"), [("oversize", "--device cpu"),
                                                ("ep", "--device cpu --tiny")])
-def test_gpu_benchmarks_without_a_gpu_name_their_dry_run(name, dry_run):
+def test_gpu_benchmarks_without_a_gpu_name_their_dry_run(name, dry_run, run_module):
     """``bench oversize`` / ``bench ep`` default to ``--device cuda``: on a machine without
     CUDA they say so in one line naming their CPU dry run, exit 2, before starting anything
     (they used to start ranks and end in a CUDA traceback)."""
-    out = subprocess.run([sys.executable, "-m", "slotsync", "bench", name],
-                         capture_output=True, text=True, timeout=120)
+    out = run_module([sys.executable, "-m", "slotsync", "bench", name])
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"no CUDA device is visible (use {dry_run} " in out.stderr
     assert "Traceback" not in out.stderr

@@ -12,7 +12,6 @@ one module-scoped engine they share (issue 16).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 import urllib.error
@@ -688,15 +687,15 @@ def test_restart_forgets_version_and_pause_one_worker_bare_assert(tmp_path: Path
 
 
 @pytest.mark.parametrize("impl", ["reference", "vllm"])
-def test_a_missing_model_file_is_a_usage_error_before_any_worker_starts(tmp_path, impl) -> None:
+def test_a_missing_model_file_is_a_usage_error_before_any_worker_starts(tmp_path, impl,
+                                                                       run_module) -> None:
     """``--model`` naming no file: exit 2 with the path, not a worker's traceback later."""
     missing = tmp_path / "nope.safetensors"
-    run = subprocess.run([sys.executable, "-m", "slotsync.engine", "--impl", impl,
-                          "--workers", "1", "--model", str(missing)],
-                         capture_output=True, text=True, timeout=120)
+    run = run_module([sys.executable, "-m", "slotsync.engine", "--impl", impl,
+                      "--workers", "1", "--model", str(missing)])
     assert run.returncode == 2, run.stderr[-800:]
     assert f"--model {missing}: no such file" in run.stderr
     assert "Traceback" not in run.stderr
-    run = subprocess.run([sys.executable, "-m", "slotsync.engine", "--workers", "1",
-                          "--model", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    run = run_module([sys.executable, "-m", "slotsync.engine", "--workers", "1",
+                      "--model", str(tmp_path)])
     assert run.returncode == 2 and f"--model {tmp_path}: not a file" in run.stderr

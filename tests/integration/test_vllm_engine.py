@@ -605,9 +605,9 @@ def test_multiproc_executor_leaves_later_replies_unread(model_path: Path) -> Non
         assert request(eng, "POST", "/collective_rpc", ranks) == (200, {"results": ["0", None]})
 
 
-def test_impl_vllm_refuses_without_model_or_vllm(tmp_path: Path) -> None:
+def test_impl_vllm_refuses_without_model_or_vllm(tmp_path: Path, run_module) -> None:
     cmd = [sys.executable, "-m", "slotsync.engine", "--impl", "vllm", "--workers", "1"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = run_module(cmd)
     assert out.returncode == 2 and "--impl vllm needs --model" in out.stderr
     fake = tmp_path / "fake" / "vllm"
     fake.mkdir(parents=True)
@@ -615,6 +615,7 @@ def test_impl_vllm_refuses_without_model_or_vllm(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")])}
     (tmp_path / "m.safetensors").write_bytes(b"")  # (a file: --model is checked first)
+    # (a new interpreter: the fake vllm must be what it imports)
     out = subprocess.run([*cmd, "--model", str(tmp_path / "m.safetensors")],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 2, out.stderr[-2000:]

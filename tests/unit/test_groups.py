@@ -36,11 +36,15 @@ def _worker(rank: int, init_file: str, result_dir: str) -> None:
 
 @pytest.mark.slow
 def test_slot_groups_reduce_over_own_slot_only(tmp_path: Path) -> None:
-    mp.spawn(
+    from spawned_ranks import rank_context
+
+    rank_context()  # the ranks fork from the warm forkserver (torch imported once, issue 35)
+    mp.start_processes(
         _worker,
         args=(str(tmp_path / "init"), str(tmp_path)),
         nprocs=WORLD,
         join=True,
+        start_method="forkserver",
     )
     for rank in range(WORLD):
         got, want, size = map(int, (tmp_path / f"rank{rank}").read_text().split())

@@ -104,6 +104,19 @@ class DaemonStartError(RuntimeError):
     """``slotsyncd`` exited or did not print its ready line in time."""
 
 
+_daemon_zygote: Any = None  # a slotsync.testing.zygote.Zygote(kind="daemon"), or None
+
+
+def use_daemon_zygote(zygote: Any) -> None:
+    """Start this process's :class:`DaemonProcess` daemons (those outside a network namespace)
+    by forking them from ``zygote`` (``slotsync.testing.zygote.Zygote(kind="daemon")``, which
+    has imported the daemon's modules once) instead of a new interpreter each; None:
+    subprocesses again. For tests only (``tests/conftest.py``): such a daemon is the zygote's
+    child, and its ``/proc/<pid>/cmdline`` is the zygote's."""
+    global _daemon_zygote
+    _daemon_zygote = zygote
+
+
 class DaemonProcess:
     """``python -m slotsync.daemon`` in a subprocess.
 
@@ -144,11 +157,15 @@ class DaemonProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "slotsync.daemon", "--runtime-dir", runtime_dir,
                "--status-port", "0", *(args or [])]
-        if netns is not None:
-            cmd = ["ip", "netns", "exec", netns, *cmd]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env={**os.environ, **(env or {})},
-                                     preexec_fn=die_with_parent)
+        full_env = {**os.environ, **(env or {})}
+        self.proc: Any
+        if netns is None and _daemon_zygote is not None:
+            self.proc = self._fork(cmd, full_env)
+        else:
+            if netns is not None:
+                cmd = ["ip", "netns", "exec", netns, *cmd]
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
+                                         text=True, env=full_env, preexec_fn=die_with_parent)
         self.endpoint = ""
         self.status_port = 0
         try:
@@ -158,6 +175,20 @@ class DaemonProcess:
             if self._tmp is not None:
                 self._tmp.cleanup()
             raise
+
+    def _fork(self, cmd: list[str], env: dict[str, str]) -> Any:
+        """The daemon forked from the daemon zygote (:func:`use_daemon_zygote`), its stdout a
+        pipe read here as ``Popen``'s would be (``proc.stdout``), its stderr the log."""
+        r, w = os.pipe()
+        try:
+            proc = _daemon_zygote.spawn(cmd, env, self.log_path, stdout_fd=w, cwd=os.getcwd())
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        proc.stdout = open(r, encoding="utf-8")  # noqa: SIM115 - closed in stop()
+        return proc
 
     def _wait_ready(self, startup_timeout_s: float) -> None:
         deadline = time.monotonic() + startup_timeout_s

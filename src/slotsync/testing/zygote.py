@@ -15,6 +15,11 @@ zygote the same way. So nothing outlives the test process.
 
 Only tests use it (``slotsync.engine.launcher.use_zygote``, set by ``tests/conftest.py``): a
 demo's engines must be its own children, to die with it.
+
+A second kind, ``Zygote(kind="daemon")``, imports only :data:`PRELOAD_DAEMON` (what
+``python -m slotsync.daemon`` imports; never torch) and forks the tests' daemons
+(``slotsync.testing.processes.use_daemon_zygote``): a daemon then starts without its ~0.5 s
+of imports, a few hundred times a run.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 PRELOAD = (
     "torch", "safetensors.torch", "aiohttp.web", "msgspec", "uvloop",
@@ -56,6 +62,10 @@ PRELOAD_SGLANG = ("pydantic", "sglang.srt.utils.msgspec_utils", "sglang.srt.util
 (``slotsync.engine.__main__.SGLANG_FRONT_IMPORTS``; ~0.2 s after vLLM's imports, which
 already load transformers). The environment variables SGLang's import sets (cache folders)
 stay in the zygote: each child gets its request's environment."""
+PRELOAD_DAEMON = ("slotsync.daemon.main",)
+"""What a ``kind="daemon"`` zygote imports: the daemon's own modules (no torch, no engine:
+the daemon's import contracts hold in its children too)."""
+KINDS = ("engine", "daemon")
 
 
 class ZygoteError(RuntimeError):
@@ -70,6 +80,8 @@ class ForkedProcess:
         args: the argv it was asked to run.
         returncode: None while it runs; its exit status once :meth:`poll` or :meth:`wait`
             saw it exit (``-N`` for a death by signal ``N``, as ``Popen``).
+        stdout: a file its starter reads the child's stdout from (``Popen``'s
+            ``stdout=PIPE``), where the starter set one; else None.
     """
 
     def __init__(self, conn: socket.socket, pid: int, args: list[str]) -> None:
@@ -78,6 +90,7 @@ class ForkedProcess:
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
+        self.stdout: IO[str] | None = None
 
     def _read(self, timeout_s: float | None) -> None:
         self._conn.settimeout(timeout_s)
@@ -137,9 +150,15 @@ class Zygote:
     Args:
         startup_timeout_s: bound on its imports, seconds.
         attach: the socket path of a zygote another process started (and will stop).
+        kind: ``"engine"`` (torch, vLLM and SGLang preloaded: :data:`PRELOAD`) or
+            ``"daemon"`` (the daemon's modules only: :data:`PRELOAD_DAEMON`).
     """
 
-    def __init__(self, startup_timeout_s: float = 300.0, attach: str | None = None) -> None:
+    def __init__(self, startup_timeout_s: float = 300.0, attach: str | None = None,
+                 kind: str = "engine") -> None:
+        if kind not in KINDS:
+            raise ValueError(f"zygote kind {kind!r}: use one of {KINDS}")
+        self.kind = kind
         self.startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
@@ -164,7 +183,7 @@ class Zygote:
             return self.path
         self._dir = tempfile.mkdtemp(prefix="slotsync-zygote-")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "slotsync.testing.zygote", self.path],
+            [sys.executable, "-m", "slotsync.testing.zygote", self.path, self.kind],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=open(os.path.join(self._dir, "zygote.log"), "wb"),  # noqa: SIM115
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
@@ -192,10 +211,13 @@ class Zygote:
         self.start()
         self._wait_ready()
 
-    def spawn(self, argv: Sequence[str], env: dict[str, str], log_path: str | os.PathLike[str]
-              ) -> ForkedProcess:
+    def spawn(self, argv: Sequence[str], env: dict[str, str], log_path: str | os.PathLike[str],
+              stdout_fd: int | None = None, cwd: str | None = None) -> ForkedProcess:
         """Fork a child running ``argv`` (``[python, "-m", module, *args]``) with environment
-        ``env`` and stdout / stderr appended to ``log_path``.
+        ``env`` and stdout / stderr appended to ``log_path``; ``stdout_fd``: a file descriptor
+        of this process (e.g. a pipe's write end) that becomes the child's stdout instead
+        (passed over the socket, ``SCM_RIGHTS``; the caller closes its own copy); ``cwd``: the
+        child's working folder (default: the zygote's, which is its starter's).
 
         Raises:
             ValueError: ``argv`` is not a ``python -m module`` command line.
@@ -209,8 +231,13 @@ class Zygote:
         self._wait_ready()
         conn = socket.socket(socket.AF_UNIX)
         conn.connect(self.path)
-        conn.sendall(json.dumps({"module": argv[2], "argv": argv[3:], "env": env,
-                                 "log": str(log_path)}).encode() + b"\n")
+        request = json.dumps({"module": argv[2], "argv": argv[3:], "env": env,
+                              "log": str(log_path), "cwd": cwd}).encode() + b"\n"
+        if stdout_fd is None:
+            conn.sendall(request)
+        else:  # the fd rides on the request's first bytes
+            sent = socket.send_fds(conn, [request], [stdout_fd])
+            conn.sendall(request[sent:])
         conn.settimeout(30.0)
         buf = b""
         while b"\n" not in buf:
@@ -222,6 +249,35 @@ class Zygote:
         child = ForkedProcess(conn, int(json.loads(line)["pid"]), argv)
         child._buf = rest
         return child
+
+    def run(self, argv: Sequence[str], env: dict[str, str] | None = None,
+            timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+        """``subprocess.run(argv, capture_output=True, text=True)`` for a ``python -m module``
+        command line, the process forked from this zygote (a command-line tool that imports
+        torch or vLLM starts without paying those imports again). Runs in this process's
+        working folder, with ``env`` (default: this process's environment).
+
+        Raises:
+            subprocess.TimeoutExpired: it ran longer than ``timeout_s`` (it is killed).
+            ValueError, ZygoteError: as :meth:`spawn`.
+        """
+        with tempfile.TemporaryDirectory(prefix="slotsync-zygote-run-") as tmp:
+            out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            fd = os.open(out_path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                child = self.spawn(argv, dict(os.environ if env is None else env), err_path,
+                                   stdout_fd=fd, cwd=os.getcwd())
+            finally:
+                os.close(fd)
+            try:
+                code = child.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(10)
+                raise
+            return subprocess.CompletedProcess(
+                list(argv), code, Path(out_path).read_text(errors="replace"),
+                Path(err_path).read_text(errors="replace"))
 
     def close(self) -> None:
         """Stop the zygote (its children get SIGTERM) and remove its folder; an attached one
@@ -250,8 +306,12 @@ class Zygote:
 # ------------------------------------------------------------------------------ the zygote
 
 
-def _child(request: dict, listener: socket.socket, conns: list[socket.socket]) -> None:
-    """In the forked child: become ``python -m module argv`` and exit with its status."""
+def _child(request: dict, listener: socket.socket, conns: list[socket.socket],
+           fds: list[int], others: list[int]) -> None:
+    """In the forked child: become ``python -m module argv`` and exit with its status
+    (``fds``: the request's passed descriptors, ``[stdout]`` or none; ``others``: those of
+    other requests not yet served, closed here: a pipe's reader must see EOF when its own
+    child exits)."""
     import runpy
 
     from slotsync.testing.processes import die_with_parent
@@ -262,12 +322,20 @@ def _child(request: dict, listener: socket.socket, conns: list[socket.socket]) -
         listener.close()
         for c in conns:
             c.close()
+        for f in others:
+            os.close(f)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+        if fds:  # the caller's own stdout (a pipe it reads)
+            os.dup2(fds[0], 1)
+            for f in fds:
+                os.close(f)
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -295,12 +363,13 @@ def _child(request: dict, listener: socket.socket, conns: list[socket.socket]) -
             os._exit(code)
 
 
-def serve(path: str) -> None:
-    """The zygote's loop: import :data:`PRELOAD`, listen on ``path``, fork per request, report
-    each child's exit on its request's connection; exit when the control connection closes."""
-    from slotsync.testing.processes import die_with_parent
-
-    die_with_parent()
+def _preload(kind: str) -> None:
+    """Import what children of a ``kind`` zygote import (:data:`PRELOAD`, or
+    :data:`PRELOAD_DAEMON`)."""
+    if kind == "daemon":
+        for module in PRELOAD_DAEMON:
+            importlib.import_module(module)
+        return
     for module in PRELOAD:
         importlib.import_module(module)
     try:
@@ -317,6 +386,16 @@ def serve(path: str) -> None:
     else:
         for module in PRELOAD_SGLANG:
             importlib.import_module(module)
+
+
+def serve(path: str, kind: str = "engine") -> None:
+    """The zygote's loop: import what ``kind`` preloads, listen on ``path``, fork per request,
+    report each child's exit on its request's connection; exit when the control connection
+    closes."""
+    from slotsync.testing.processes import die_with_parent
+
+    die_with_parent()
+    _preload(kind)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path + ".tmp")
     listener.listen(64)
@@ -327,6 +406,7 @@ def serve(path: str) -> None:
     conns: list[socket.socket] = []
     control: socket.socket | None = None
     pending: dict[socket.socket, bytes] = {}
+    passed: dict[socket.socket, list[int]] = {}  # descriptors a request brought
     while True:
         for key, _ in sel.select(timeout=0.05):
             sock = key.fileobj
@@ -336,11 +416,15 @@ def serve(path: str) -> None:
                 pending[c] = b""
                 sel.register(c, selectors.EVENT_READ)
                 continue
-            data = sock.recv(1 << 20)
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
+            if fds:
+                passed.setdefault(sock, []).extend(fds)
             if not data:
                 sel.unregister(sock)
                 conns.remove(sock)
                 pending.pop(sock, None)
+                for f in passed.pop(sock, []):
+                    os.close(f)
                 if sock is control:
                     return  # the owner is done: exit; the children follow (PDEATHSIG)
                 continue
@@ -354,9 +438,13 @@ def serve(path: str) -> None:
                 control = sock
                 continue
             sel.unregister(sock)
+            fds = passed.pop(sock, [])
             pid = os.fork()
             if pid == 0:
-                _child(request, listener, conns)
+                _child(request, listener, conns, fds,
+                       [f for fs in passed.values() for f in fs])
+            for f in fds:  # (the child has them now)
+                os.close(f)
             children[pid] = sock
             sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         while children:
@@ -379,4 +467,4 @@ def serve(path: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], *sys.argv[2:3])
