@@ -27,6 +27,7 @@ suite's (``tests/gen_reliability.py``).
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -544,17 +545,19 @@ def stranger_key(secret: Any) -> str:
 @REFERENCE_ONLY
 def test_a_node_declaring_another_engine_table_is_refused_naming_the_difference(
         rec, pool, nodes, box):
-    """node1's daemon restarted with an engine table that splits the ranks [0, 2) / [2, 8)
-    where the owner's says [0, 4) / [4, 8): the owner refuses its Hello, logging the
-    difference, and node1's ranks' registrations are refused with it. node1's right table
-    restored, the next round is a full update."""
-    row = new_row(rec, box, "another engine table", "node1's daemon restarted with the ranks "
-                  "split [0, 2) / [2, 8) (the owner's: [0, 4) / [4, 8))")
+    """node1's daemon restarted with an engine table that lists the engine's GPU UUIDs in
+    reverse order (a split of unequal ranks is refused at start): the owner refuses its Hello,
+    logging the difference, and node1's ranks' registrations are refused with it. node1's
+    right table restored, the next round is a full update."""
+    row = new_row(rec, box, "another engine table", "node1's daemon restarted with the "
+                  "engine's gpu_uuids reversed")
     nodes.daemon(1).stop()
-    wrong = [(NODES[0], 0, 2), (NODES[1], 2, WORKERS)]
-    nodes.start(1, nodes.config_text(1, parts=wrong))
+    right = nodes.config_text(1)
+    listed = right.split("gpu_uuids = ")[1].split("\n")[0]
+    nodes.start(1, right.replace(listed, json.dumps(json.loads(listed)[::-1])))
     want = (f"node {NODES[1]} declares engine {nodes.engine_url} as slot [0, {WORKERS}) "
-            f"owned by {NODES[0]} over {NODES[0]} [0, 2), {NODES[1]} [2, {WORKERS})")
+            f"owned by {NODES[0]} over {NODES[0]} [0, {PER_NODE}), {NODES[1]} "
+            f"[{PER_NODE}, {WORKERS}), GPU UUIDs [")
     assert wait_for(lambda: (nodes.link(0, NODES[1]) or {}).get("state", "")
                     .startswith("refused"), 10), nodes.link(0, NODES[1])
     assert want in nodes.link(0, NODES[1])["state"]

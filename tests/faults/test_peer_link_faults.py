@@ -123,10 +123,10 @@ def test_the_link_comes_back_by_itself_after_a_refused_key_is_fixed(nodes, tmp_p
 
 def test_the_link_comes_back_by_itself_after_a_refused_hello_is_fixed_on_the_owner(nodes):
     """The acceptance "the link comes back by itself after any refusal is fixed on the other
-    side, within liveness_s", for the owner's own refusal: node0 restarted with another
-    split of the ranks refuses node1's Hello; node0 restarted with the right table, node1
-    (untouched) is linked again within liveness_s."""
-    wrong = [(NODES[0], 0, 2), (NODES[1], 2, WORKERS)]
+    side, within liveness_s", for the owner's own refusal: node0 restarted with the nodes
+    listed in the other order refuses node1's Hello; node0 restarted with the right table,
+    node1 (untouched) is linked again within liveness_s."""
+    wrong = [(NODES[1], 0, PER_NODE), (NODES[0], PER_NODE, WORKERS)]
     restart_with(nodes, 0, nodes.config_text(0, parts=wrong))
     assert wait_for(lambda: link_state(nodes, 1).startswith("refused"), 10 + LIVE_S), \
         (link_state(nodes, 1), nodes.logs())

@@ -38,11 +38,13 @@ def test_sighup_keeps_the_running_table_when_a_spanning_engine_changed(tmp_path,
     path = d.config.config_file
     with open(path) as f:
         text = f.read()
-    with open(path, "w") as f:  # node0 now [0, 2), node1 [2, 8)
-        f.write(text.replace("ranks = [0, 4]", "ranks = [0, 2]").replace("ranks = [4, 8]",
-                                                                         "ranks = [2, 8]"))
+    with open(path, "w") as f:  # node1 now [0, 4), node0 [4, 8)
+        f.write(text.replace('node = "node0", ranks', 'node = "X", ranks')
+                .replace('node = "node1", ranks', 'node = "node0", ranks')
+                .replace('node = "X", ranks', 'node = "node1", ranks'))
     with caplog.at_level(logging.ERROR, logger="slotsync.daemon"):
         d.reload()
     (record,) = [r for r in caplog.records if r.getMessage() == "reload_failed"]
     assert "change only at a restart" in record.slotsync_fields["error"]
-    assert [p.end for p in d.roles.owned[(0, 8)].parts] == [4, 8]
+    assert [(p.node, p.end) for p in d.roles.owned[(0, 8)].parts] == [("node0", 4),
+                                                                       ("node1", 8)]

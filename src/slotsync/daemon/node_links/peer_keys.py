@@ -131,7 +131,8 @@ def load_keys(secret_file: str, public_folder: str) -> PeerKeys:
     try:
         public, secret = zmq.auth.load_certificate(secret_file)
     except (OSError, ValueError, IndexError) as e:
-        raise PeerKeyError(f"curve_secret_key {secret_file!r}: {e}") from None
+        raise PeerKeyError(f"curve_secret_key {secret_file!r}: {e} (not a key file of "
+                           "`slotsync keys NODE`, which makes NODE.key_secret)") from None
     if not secret:
         raise PeerKeyError(f"curve_secret_key {secret_file!r} holds no secret key (it is the "
                         "public half: use the .key_secret file)")
@@ -149,9 +150,13 @@ def load_keys(secret_file: str, public_folder: str) -> PeerKeys:
         node = name[:-len(".key")]
         try:
             check_node_name(node, "key file")
+        except ValueError as e:
+            raise PeerKeyError(f"peer_public_keys {public_folder!r}: {name}: {e}") from None
+        try:
             key, _ = zmq.auth.load_certificate(os.path.join(public_folder, name))
         except (OSError, ValueError) as e:
-            raise PeerKeyError(f"peer_public_keys {public_folder!r}: {name}: {e}") from None
+            raise PeerKeyError(f"peer_public_keys {public_folder!r}: {name}: {e} (copy the "
+                               f"{name} that `slotsync keys {node}` made there)") from None
         peers[key] = node
     if not peers:
         raise PeerKeyError(f"peer_public_keys {public_folder!r} holds no <node>.key file "

@@ -126,6 +126,12 @@ def check_spanning(engines: list, node: str, peer_listen: str, secret_key: str,
         if len(names) < 2:
             raise ValueError(f"{where}: nodes lists one node; an engine on one node needs no "
                              "owner or nodes")
+        sizes = {p.end - p.start for p in e.parts}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"{where}: the nodes hold unequal numbers of ranks ({_nodes(e)}): a slot over "
+                "several nodes has the same number on each (vLLM --nnodes: each node runs "
+                "world_size / nnodes workers); split the slot evenly")
         if e.owner not in names:
             raise ValueError(f"{where}: owner {e.owner!r} is not one of its nodes {names}")
         if node not in names:
@@ -138,6 +144,13 @@ def check_spanning(engines: list, node: str, peer_listen: str, secret_key: str,
         check_tcp_address(e.owner_address, f"{where}: owner_address")
         if e.owner == node:
             owner_here = True
+            listen_port = _port(peer_listen)
+            if listen_port and listen_port != _port(e.owner_address):
+                raise ValueError(
+                    f"{where}: owner_address {e.owner_address!r} is not this owner's "
+                    f"peer_listen {peer_listen!r} (port {_port(e.owner_address)}, not "
+                    f"{listen_port}): the other nodes connect to owner_address, where "
+                    "nothing would listen; give both the same port")
         else:
             relay_here = True
     if owner_here and not peer_listen:
@@ -154,6 +167,12 @@ def check_spanning(engines: list, node: str, peer_listen: str, secret_key: str,
             ok = os.path.isfile(path) if kind == "file" else os.path.isdir(path)
             if not ok:
                 raise ValueError(f"{option} {path!r} is not a {kind}")
+
+
+def _port(address: str) -> int:
+    """The port of a ``tcp://HOST:PORT`` address (0 when it is not one)."""
+    m = _TCP_RE.match(address)
+    return int(m.group(2)) if m else 0
 
 
 def span_engine(e: Any) -> SpanEngine:
@@ -247,6 +266,12 @@ def difference(mine: list[SpanEngine], theirs: list[SpanEngine], me: str, them: 
                     f"node {me}'s engine table has no such engine over node {them}")
     return ""
 
+
+COMPARED_KEYS = ("url", "slot_start", "slot_size", "owner", "nodes", "gpu_uuids",
+                 "owner_address")
+"""The engine-table keys the owner compares with each connecting node's (``difference``);
+the others (``kind``, ``pause_mode``, ``api_key_file``, ``admin_api_key_file``) are the
+owner's alone, read only by the daemon that drives the engine, and ignored elsewhere."""
 
 _KEYS = (("url", "url"), ("slot_start", "slot_start"), ("slot_size", "slot_size"),
          ("owner", "owner"), ("nodes", "parts"), ("gpu_uuids", "gpu_uuids"),

@@ -238,6 +238,25 @@ class Config:
             if why:
                 raise ValueError(self.folder_error(folder, option, holds, why))
 
+    def missing_peer_keys(self) -> str:
+        """Why the owner's ``peer_public_keys`` cannot admit a node its engines span ('' when
+        it can): ``--check-config`` refuses it. The daemon itself starts (it refuses such a
+        peer at connection, logged: the way to shut a node out), so this is not in
+        ``validate``. Call after ``validate``."""
+        peers = spans.roles(self.engines, self.node_name()).peers_of_owned()
+        if not peers:
+            return ""
+        from slotsync.daemon.node_links.peer_keys import load_keys
+
+        keys = load_keys(self.curve_secret_key, self.peer_public_keys)
+        lacking = sorted(n for n in peers if keys.key_of(n) is None)
+        if not lacking:
+            return ""
+        return (f"peer_public_keys {self.peer_public_keys!r} has no key of node(s) "
+                f"{', '.join(lacking)} ({lacking[0]}.key missing), whose daemons relay to this "
+                f"owner and would be refused: copy their .key files there (`slotsync keys "
+                f"{lacking[0]}` makes a pair)")
+
     def describe(self) -> dict:
         """The effective options as a JSON-able dict (``--check-config`` prints it)."""
         d = {f.name: getattr(self, f.name) for f in fields(self)
@@ -406,10 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
         "like the options with underscores, plus [[engines]] tables with url, slot_start, "
         "slot_size and optionally kind, pause_mode, gpu_uuids, api_key_file and "
         "admin_api_key_file: files holding the API keys the engine was started with, "
-        "readable by the daemon's user only, never on a command line) < SLOTSYNC_<OPTION> "
-        "environment variables (e.g. SLOTSYNC_STATUS_PORT) < flags. Signals: SIGTERM/SIGINT "
-        "stop (updates in flight get --shutdown-grace-s to finish), SIGHUP re-reads the "
-        "engine table and its API key files from the config file.",
+        "readable by the daemon's user only, never on a command line; for an engine over "
+        "several nodes also owner, owner_address and nodes, see docs/multi-node.md) < "
+        "SLOTSYNC_<OPTION> environment variables (e.g. SLOTSYNC_STATUS_PORT) < flags. "
+        "Signals: SIGTERM/SIGINT stop (updates in flight get --shutdown-grace-s to finish), "
+        "SIGHUP re-reads the engine table and its API key files from the config file.",
     )
     p.add_argument("--version", action="version", version=f"slotsyncd {__version__}")
     p.add_argument("--config", type=Path, help="TOML file with any of the options below")
@@ -492,12 +512,11 @@ def _engine_table(path: Path, v: object) -> list[EngineEntry]:
                               f"slot_size and optionally gpu_uuids, kind, pause_mode, "
                               f"api_key_file, admin_api_key_file, owner, owner_address and "
                               f"nodes; got {e!r}")
-        if not isinstance(e["url"], str) or not all(
-            isinstance(e[k], int) and not isinstance(e[k], bool)
-            for k in ("slot_start", "slot_size")
-        ):
-            raise ConfigError(f"config file {path}: engines[{i}]: url must be a string, "
-                              "slot_start and slot_size integers")
+        for k, want in (("url", str), ("slot_start", int), ("slot_size", int)):
+            if not isinstance(e[k], want) or isinstance(e[k], bool):
+                raise ConfigError(f"config file {path}: engines[{i}]: {k} must be "
+                                  f"{'a string' if want is str else 'an integer'}, got "
+                                  f"{e[k]!r} ({type(e[k]).__name__})")
         uuids = e.get("gpu_uuids", [])
         if not isinstance(uuids, list) or not all(isinstance(u, str) for u in uuids):
             raise ConfigError(f"config file {path}: engines[{i}]: gpu_uuids must be a list of "
@@ -573,4 +592,7 @@ def load_config(argv: list[str] | None = None,
         name = str(e).split(" ", 1)[0]  # (validate names the option first)
         where = f" (set by {cfg.sources[name]})" if name in cfg.sources else ""
         parser.exit(2, f"slotsyncd: error: {e}{where}\n")
+    missing = cfg.missing_peer_keys() if args.check_config else ""
+    if missing:
+        parser.exit(2, f"slotsyncd: error: {missing}\n")
     return cfg, bool(args.check_config)
