@@ -83,3 +83,14 @@ def test_default_folder_is_the_current_one(tmp_path, capsys, monkeypatch):
     assert code == 0 and out.splitlines()[:2] == ["node0.key", "node0.key_secret"]
     assert (tmp_path / "node0.key").exists() and (tmp_path / "node0.key_secret").exists()
     assert f'curve_secret_key = "{tmp_path / "node0.key_secret"}"' in out
+
+
+def test_an_unknown_option_is_named_and_no_node_is_asked_for(tmp_path, capsys, monkeypatch):
+    """Issue 35 (fresh-user trial): `slotsync keys -x` said "the following arguments are
+    required: NODE" instead of naming the unknown option."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run(["-x"], capsys)
+    assert code == 2 and "unrecognized arguments: -x" in err, err
+    code, _, err = _run([], capsys)
+    assert code == 2 and "name at least one NODE" in err, err
+    assert list(tmp_path.iterdir()) == []

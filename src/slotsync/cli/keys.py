@@ -22,7 +22,9 @@ from pathlib import Path
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(prog="slotsync keys", description=__doc__)
-    p.add_argument("nodes", nargs="+", metavar="NODE",
+    # nargs="*" and the check in main_from_args: with "+", argparse reports a missing NODE
+    # before an unknown option (`slotsync keys -x`), naming the wrong thing.
+    p.add_argument("nodes", nargs="*", metavar="NODE",
                    help="node name, as the daemon's `node` option and the engine table's "
                    "`nodes` name it (letters, digits, '_', '.', '-')")
     p.add_argument("--dir", default=".", metavar="D",
@@ -36,6 +38,10 @@ def main_from_args(args: argparse.Namespace) -> int:
     from slotsync.daemon.node_links.spans import check_node_name
 
     folder = Path(args.dir)
+    if not args.nodes:
+        print("slotsync keys: error: name at least one NODE (e.g. slotsync keys node0 node1)",
+              file=sys.stderr)
+        return 2
     if len(set(args.nodes)) != len(args.nodes):
         print("slotsync keys: a node is named twice", file=sys.stderr)
         return 2
