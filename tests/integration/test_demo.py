@@ -136,7 +136,10 @@ def test_verify_reports_a_mismatching_worker():
     (["--model", "tests"], "is a directory"),
     (["--timeout-s", "0"], "--timeout-s must be > 0"),
     (["--staging-mb", "0.0001"], "--staging-mb must be at least 1 KiB"),
-    (["--ranks", "0"], "--ranks and --rounds must be >= 1"),
+    (["--ranks", "0"], "--ranks must be >= 1, got 0"),
+    (["--rounds", "-2"], "--rounds must be >= 1, got -2"),
+    (["--nodes-net", "netns"], "--nodes-net netns chooses how the nodes of --nodes 2"),
+    (["--nodes-net", "loopback", "--nodes", "1"], "with one node it has nothing to do"),
     (["--ranks", "100000"], "at most 64"),
     (["--ranks", "4", "--gpus-per-engine", "3"], "must divide --ranks 4"),
 ])
