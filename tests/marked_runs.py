@@ -30,16 +30,22 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # (a background job's parent may ignore it)
 
 
+def _ignored_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (as a script's `cmd &` starts it)
+
+
 class MarkedRun:
     """``argv`` started now; ``env``: extra environment variables. Its stdout and stderr are
-    collected by threads; its processes' pids are sampled every second into :attr:`seen`."""
+    collected by threads; its processes' pids are sampled every second into :attr:`seen`.
+    ``sigint_ignored``: started with SIGINT ignored (``setsid cmd &`` from a script)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None,
+                 sigint_ignored: bool = False) -> None:
         self.mark = secrets.token_hex(6)
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **(env or {}), MARK_ENV: self.mark}, start_new_session=True,
-            preexec_fn=_default_sigint)
+            preexec_fn=_ignored_sigint if sigint_ignored else _default_sigint)
         self.out: list[str] = []
         self.err: list[str] = []
         self.seen: set[int] = set()

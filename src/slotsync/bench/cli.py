@@ -570,6 +570,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m slotsync.bench", description=__doc__)
     build_parser(p)
     a: Any = p.parse_args(argv)
+    import signal
+
+    # (Ctrl-C raises KeyboardInterrupt even if started with SIGINT ignored: `slotsync.cli`'s
+    # take_ctrl_c says why; this module may not import the CLI package)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         sys.exit(main_from_args(a))
     except KeyboardInterrupt:

@@ -93,7 +93,11 @@ def _specs(plan: HopPlan) -> list[TensorSpec]:
 
 def _rank_main(rank: int, plan: HopPlan, barrier: Any, results: Any) -> None:
     """Entry point of one rank process; puts ("result"|"error"|"progress", rank, data) on
-    ``results``."""
+    ``results``. Ignores Ctrl-C, which reaches the whole process group: the bench stops its
+    ranks."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         results.put(("result", rank, _rank_session(rank, plan, barrier, results)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -362,11 +366,11 @@ def _with_descendants(pid: int) -> list[int]:
 def _forkserver() -> Any:
     """The ranks' multiprocessing context: they fork from a forkserver that imported torch
     once (as ``bench control``'s do), started now if it is not running yet."""
-    from multiprocessing import forkserver
-
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "slotsync.bench.hop_run"])
-    forkserver.ensure_running()
+    from slotsync.bench.control import _start_forkserver_deaf_to_ctrl_c
+
+    _start_forkserver_deaf_to_ctrl_c()  # (not interrupted while importing torch)
     return ctx
 
 

@@ -71,9 +71,25 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(CLOSED_STDOUT_EXIT)
 
 
+def take_ctrl_c() -> None:
+    """Make Ctrl-C (SIGINT) raise ``KeyboardInterrupt`` here even when this process started
+    with SIGINT ignored (``slotsync demo &`` from a script, ``setsid``): the daemon, engines
+    and ranks the demo and benches start react to SIGINT anyway, since a terminal's Ctrl-C or
+    ``kill -INT -- -PGID`` reaches the whole process group, so a command still ignoring it
+    reported their exits as failures ("no socket", "Connection refused") and exited 1
+    instead of "slotsync: interrupted" and 130 (issue 35)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _main(argv: list[str] | None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("demo", "bench"):
+        take_ctrl_c()
     if args.command == "demo":
         from slotsync import demo
 

@@ -93,7 +93,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="--nodes 2: netns (two Linux network namespaces joined by a veth "
                    "pair, the daemons inside them, the peer link across; needs root), "
                    "loopback (both daemons on 127.0.0.1, their own runtime folders) or auto "
-                   "(netns as root, else loopback; the default)")
+                   "(netns as root, else loopback; the default). Refused without --nodes 2")
     p.add_argument("--skip-memory-check", action="store_true",
                    help="start even when the memory estimate exceeds 80%% of MemAvailable")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks")
@@ -108,8 +108,9 @@ def main_from_args(args: argparse.Namespace) -> int:
         print(f"slotsync demo: {text}", file=sys.stderr)
         return 2
 
-    if args.ranks < 1 or args.rounds < 1:
-        return fail("--ranks and --rounds must be >= 1")
+    for name, value in (("--ranks", args.ranks), ("--rounds", args.rounds)):
+        if value < 1:
+            return fail(f"{name} must be >= 1, got {value}")
     if args.ranks > MAX_DEMO_RANKS:
         return fail(f"--ranks {args.ranks}: the demo starts a process per rank and an engine "
                     f"worker per rank on this machine; at most {MAX_DEMO_RANKS}")
@@ -120,6 +121,10 @@ def main_from_args(args: argparse.Namespace) -> int:
         return fail(f"--gpus-per-engine {args.gpus_per_engine} must divide --ranks "
                     f"{args.ranks}")
     nodes, net = getattr(args, "nodes", 1), getattr(args, "nodes_net", "auto")
+    if nodes == 1 and net != "auto":
+        return fail(f"--nodes-net {net} chooses how the nodes of --nodes 2 are joined; with "
+                    "one node it has nothing to do (add --nodes 2 --ranks N with N even, or "
+                    "leave out --nodes-net)")
     if nodes > 1:
         if args.ranks % nodes:
             return fail(f"--nodes {nodes} puts half the ranks on each node: --ranks must be "

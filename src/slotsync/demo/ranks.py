@@ -35,6 +35,9 @@ def rank_main(rank: int, cfg: DemoConfig, endpoints: list[str], engine_urls: lis
     rank publishes to its own node's."""
     import signal
 
+    # Ctrl-C reaches the whole process group: the demo stops its ranks (SIGTERM); a rank
+    # interrupted while importing torch printed "Process SpawnProcess-N: Traceback"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from slotsync.testing.processes import die_with_parent
     from slotsync.testing.vllm_notices import hide_triton_notice_if_asked
 
