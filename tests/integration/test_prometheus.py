@@ -98,7 +98,7 @@ def test_every_alert_the_docs_promise_is_a_rule():
     exprs = {r["expr"].strip() for g in yaml.safe_load(ALERTS.read_text())["groups"]
              for r in g["rules"]}
     promised = {m for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-                for m in re.findall(r"[Aa]lert on `([^`]+)`", doc.read_text())}
+                for m in re.findall(r"[Aa]lert\s+on\s+`([^`]+)`", doc.read_text())}
     assert "slotsync_peer_link_up == 0" in promised
     assert promised <= exprs, sorted(promised - exprs)
 

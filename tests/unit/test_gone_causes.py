@@ -58,6 +58,10 @@ def test_the_close_of_a_stopped_process_is_a_missed_heartbeat_and_of_a_running_o
 
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
+        # (just after the fork a loaded machine may show it in D, reading its interpreter)
+        deadline = time.monotonic() + 30
+        while process_state(p.pid) not in ("R", "S") and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert process_state(p.pid) in ("R", "S")
         running = closed_why(p.pid, process_state(p.pid), 10.0, 8192)
         os.kill(p.pid, signal.SIGSTOP)
