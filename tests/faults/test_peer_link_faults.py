@@ -121,6 +121,26 @@ def test_the_link_comes_back_by_itself_after_a_refused_key_is_fixed(nodes, tmp_p
     assert took <= LIVE_S + SLACK_S, took
 
 
+def test_the_link_comes_back_after_repeated_refusals_once_nothing_else_is_due(nodes, tmp_path):
+    """Item 3, as the fresh-clone run met it: node0 gone long enough for node1 to warn that
+    nothing listens (its last timer deadline spent), then back refusing node1's key several
+    times, then fixed. Each refusal after the first changes nothing that is logged, yet sets
+    the next try's time: the adapter must wake its timer for it, or node1 never tries again
+    (it did not, and the link stayed down for good)."""
+    nodes.daemon(0).stop()
+    assert wait_for(lambda: "peer_not_connected" in nodes.daemon(1).log_tail(20000),
+                    10 + 2 * LIVE_S), nodes.logs()
+    nodes.start(0, nodes.config_text(0, public=allow_list_without_node1(nodes, tmp_path)))
+    assert wait_for(lambda: nodes.daemon(0).status()["peers"]["handshakes_refused"] >= 3,
+                    10 + 4 * LIVE_S), nodes.logs()
+    nodes.restart(0)  # (its own configuration: node1's key allowed again)
+    fixed = time.monotonic()
+    assert wait_for(nodes.links_up, 30), (nodes.link(1, NODES[0]), nodes.logs())
+    took = time.monotonic() - fixed
+    print(f"link up {took:.2f} s after node0 came back")
+    assert took <= LIVE_S + SLACK_S, took
+
+
 def test_the_link_comes_back_by_itself_after_a_refused_hello_is_fixed_on_the_owner(nodes):
     """The acceptance "the link comes back by itself after any refusal is fixed on the other
     side, within liveness_s", for the owner's own refusal: node0 restarted with the nodes

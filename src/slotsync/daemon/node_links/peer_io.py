@@ -437,6 +437,9 @@ class PeerLinks:
                 else link_monitor.handshake_failed(owner, fact.kind, fact.code,
                                                    self.keys.key_file(owner))
             await self._execute(self.relay.on_handshake_failed(owner, now, why))
+            # (a refusal like the last one returns no action but sets the next try's time:
+            # the timer must see it, or, with nothing else due, node1 never tries again)
+            self._wake()
         elif isinstance(fact, Closed):
             await self._execute(self.relay.on_disconnected(owner, now, "its connection closed"))
         elif isinstance(fact, ConnectFailed) and owner not in self._probes:
