@@ -64,6 +64,12 @@ Keys added for issue 35 (SGLang TP order):
   (a rank on another rank's logical GPU);
 * ``seed_offset``: round ``k``'s tensors are ``make_tensors(k + seed_offset)`` (ranks with
   values of their own, to tell whose an engine rank loaded).
+
+Keys for holding on (the rank stays registered and alive after its rounds):
+
+* ``hold_s``: that many seconds before closing;
+* ``hold_until``: a file path: the hold ends as soon as it exists (``hold_s`` then bounds it;
+  issue 35: a test ends the hold once it has checked what it needed, instead of waiting it out).
 """
 
 from __future__ import annotations
@@ -205,9 +211,18 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
                                         update_id=e.update_id, fatal=e.fatal,
                                         error_type=type(e).__name__))
     finally:
-        time.sleep(script.get("hold_s", 0))  # (keep the connection: the rank stays alive)
+        _hold(script.get("hold_s", 0), script.get("hold_until"))  # (the rank stays alive)
         pub.close()
         results.put(event("exit", rank))
+
+
+def _hold(seconds: float, until: str | None) -> None:
+    """Sleep ``seconds``, or less once the file ``until`` exists."""
+    import os
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not (until and os.path.exists(until)):
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
 def _chunks(named, limit):

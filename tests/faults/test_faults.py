@@ -656,14 +656,16 @@ def test_wrong_topology_job_exits_then_the_right_one_registers(rec, pool, eng):
     row.outcome = "pass"
 
 
-def test_second_process_claiming_a_live_rank_is_refused(rec, pool, eng, daemon):
+def test_second_process_claiming_a_live_rank_is_refused(rec, pool, eng, daemon, tmp_path):
     """Two processes claim rank 0 (a launcher bug): the second is refused at registration,
     naming both pids; the first process's rounds go on (before, every update failed with
     "rank 0 re-registered during update")."""
     row = rec.row("two processes claim one rank", "packed",
                   "rank 0 and 1 registered and alive; a second process registers rank 0")
-    run = pool.start(daemon.endpoint, [job(0, SLOT_A, eng.url, True, rounds=0, hold_s=12),
-                                       job(1, SLOT_A, eng.url, True, rounds=0, hold_s=12)])
+    release = str(tmp_path / "release")  # the first two hold on until the check is done
+    run = pool.start(daemon.endpoint, [
+        job(0, SLOT_A, eng.url, True, rounds=0, hold_s=60, hold_until=release),
+        job(1, SLOT_A, eng.url, True, rounds=0, hold_s=60, hold_until=release)])
     def both_registered() -> bool:
         try:
             return len(slot_status(daemon)["ranks_registered"]) == 2
@@ -679,6 +681,8 @@ def test_second_process_claiming_a_live_rank_is_refused(rec, pool, eng, daemon):
     took = time.monotonic() - t0
     assert f"already registered by pid {run.pid(0)}" in err["message"], err
     assert f"pid {second.pid(0)} on" in err["message"] and "claims it too" in err["message"], err
+    assert run.procs[0].process.is_alive(), "rank 0's first process let go before the check"
+    open(release, "w").close()
     run.wait(30)
     s = slot_status(daemon)
     assert s["updates_failed"] == 0, s
