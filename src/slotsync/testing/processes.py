@@ -118,7 +118,9 @@ def use_daemon_zygote(zygote: Any) -> None:
 
 
 class DaemonProcess:
-    """``python -m slotsync.daemon`` in a subprocess.
+    """``python -m slotsync.daemon`` in a subprocess (in tests: forked from the daemon zygote
+    where :func:`use_daemon_zygote` set one and ``netns`` is None; ``proc`` then answers as
+    ``Popen`` does, ``stdout`` included).
 
     Args:
         runtime_dir: folder for the ZeroMQ socket (default: a new temporary folder).
