@@ -94,6 +94,17 @@ def refuse_node1_key(cluster: Cluster, tmp_path: Path) -> None:
         (link_state(cluster, 1), cluster.logs())
 
 
+def restart_owner_allowing_node1_and_wait_link_back(cluster: Cluster) -> None:
+    """node0 restarted with its own configuration (node1's key allowed again); the link must
+    be up within ``liveness_s`` (plus scheduling slack), node1 untouched."""
+    cluster.restart(0)
+    fixed = time.monotonic()
+    assert wait_for(cluster.links_up, 30), (cluster.link(1, NODES[0]), cluster.logs())
+    took = time.monotonic() - fixed
+    print(f"link up {took:.2f} s after node0 came back")
+    assert took <= LIVE_S + SLACK_S, took
+
+
 def test_a_refused_key_is_told_to_ranks_as_a_refusal(nodes, tmp_path):
     """Item 5: node0's allow-list lacks node1's key. node1's rank is told that node0's daemon
     refused this node's peer link, and why (its key; node1.key to add), not that it "cannot
@@ -113,12 +124,7 @@ def test_the_link_comes_back_by_itself_after_a_refused_key_is_fixed(nodes, tmp_p
     key was refused for good)."""
     refuse_node1_key(nodes, tmp_path)
     time.sleep(LIVE_S)  # (refused for a while: several tries)
-    nodes.restart(0)  # (its own configuration: node1's key allowed again)
-    fixed = time.monotonic()
-    assert wait_for(nodes.links_up, 30), (nodes.link(1, NODES[0]), nodes.logs())
-    took = time.monotonic() - fixed
-    print(f"link up {took:.2f} s after node0 came back")
-    assert took <= LIVE_S + SLACK_S, took
+    restart_owner_allowing_node1_and_wait_link_back(nodes)
 
 
 def test_the_link_comes_back_after_repeated_refusals_once_nothing_else_is_due(nodes, tmp_path):
@@ -133,12 +139,7 @@ def test_the_link_comes_back_after_repeated_refusals_once_nothing_else_is_due(no
     nodes.start(0, nodes.config_text(0, public=allow_list_without_node1(nodes, tmp_path)))
     assert wait_for(lambda: nodes.daemon(0).status()["peers"]["handshakes_refused"] >= 3,
                     10 + 4 * LIVE_S), nodes.logs()
-    nodes.restart(0)  # (its own configuration: node1's key allowed again)
-    fixed = time.monotonic()
-    assert wait_for(nodes.links_up, 30), (nodes.link(1, NODES[0]), nodes.logs())
-    took = time.monotonic() - fixed
-    print(f"link up {took:.2f} s after node0 came back")
-    assert took <= LIVE_S + SLACK_S, took
+    restart_owner_allowing_node1_and_wait_link_back(nodes)
 
 
 def test_the_link_comes_back_by_itself_after_a_refused_hello_is_fixed_on_the_owner(nodes):

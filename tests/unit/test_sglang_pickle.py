@@ -54,7 +54,6 @@ import __future__
 import ast
 import binascii
 import hashlib
-import importlib.util
 import io
 import json
 import math
@@ -127,13 +126,9 @@ def _unavailable(reason: str) -> None:
 
 def _installed_sglang_dir() -> Path | None:
     """The installed ``sglang`` package's folder, found without importing it."""
-    try:
-        spec = importlib.util.find_spec("sglang")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
+    from slotsync.engine.sglang.scheduler_code import installed_root
+
+    return installed_root()
 
 
 def _wheel(version: str) -> Path:
