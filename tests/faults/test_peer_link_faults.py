@@ -180,10 +180,15 @@ def test_a_stale_owner_key_is_named_on_both_nodes_and_its_fix_brings_the_link_ba
     assert f"likely a key mismatch: {key_file} must hold node {NODES[0]}'s current public " \
         "key" in message, message
     assert "peer_handshake_failed" in nodes.daemon(1).log_tail(20000)
-    assert wait_for(lambda: "peer_handshake_failed" in nodes.daemon(0).log_tail(20000), 10)
-    owner_log = nodes.daemon(0).log_tail(20000)
-    line = next(ln for ln in owner_log.splitlines() if "peer_handshake_failed" in ln)
-    assert f"from {nodes.net.address(1)}:" in line and f"{NODES[0]}.key" in line, line
+    # node1 tries again every liveness_s / 5. A try whose connection libzmq closed before the
+    # owner read its accept event is logged "from an unknown address" (nothing left to ask
+    # the address of: CI saw it once under load); the next tries are read in time.
+    def owner_lines() -> list[str]:
+        return [ln for ln in nodes.daemon(0).log_tail(20000).splitlines()
+                if "peer_handshake_failed" in ln]
+    assert wait_for(lambda: any(f"from {nodes.net.address(1)}:" in ln
+                                for ln in owner_lines()), 10 + LIVE_S), nodes.logs()
+    assert all(f"{NODES[0]}.key" in ln for ln in owner_lines()), owner_lines()
     assert rejected(nodes) > before
     assert nodes.daemon(0).status()["peers"]["handshakes_refused"] >= 1
     shutil.copy(nodes.public / f"{NODES[0]}.key", folder / f"{NODES[0]}.key")
