@@ -39,6 +39,7 @@ The schema is a package, one module per part (``from slotsync.protocol.wire impo
 * ``to_daemon``: ``Register``, ``Begin``, ``Chunk``, ``OutgoingChunk``, ``Commit``, ``Abort``,
   ``Query``, ``Close``;
 * ``from_daemon``: ``Registered``, ``Ack``, ``Error``, ``Waiting``;
+* ``adapter``: ``AdapterBegin``, ``AdapterData``, ``AdapterTensor`` (adapter rounds, issue 36);
 * ``codec``: ``encode``, ``decode_to_daemon`` (with ``ChunkMetaCache``), ``decode_from_daemon``.
 
 Each imports only the ones listed before it. Pure Python: msgspec, no torch, nothing of
@@ -47,6 +48,14 @@ Each imports only the ones listed before it. Pure Python: msgspec, no torch, not
 
 from __future__ import annotations
 
+from slotsync.protocol.wire.adapter import (
+    ADAPTER_ALIGN,
+    AdapterBegin,
+    AdapterData,
+    AdapterTensor,
+    part_offsets,
+    served_name,
+)
 from slotsync.protocol.wire.codec import (
     ChunkMetaCache,
     decode_from_daemon,
@@ -105,6 +114,12 @@ from slotsync.protocol.wire.to_daemon import (
 )
 
 __all__ = [
+    "ADAPTER_ALIGN",
+    "AdapterBegin",
+    "AdapterData",
+    "AdapterTensor",
+    "part_offsets",
+    "served_name",
     "Abort",
     "Ack",
     "Begin",

@@ -11,6 +11,7 @@ import re
 
 import msgspec
 
+from slotsync.protocol.wire.adapter import AdapterBegin, AdapterData
 from slotsync.protocol.wire.fields import (
     MAX_MESSAGE_BYTES_DEFAULT,
     PROTOCOL_VERSION,
@@ -96,7 +97,8 @@ class ChunkMetaCache:
 _encoder = msgspec.msgpack.Encoder()
 _to_daemon = msgspec.msgpack.Decoder(ToDaemon)
 _to_daemon_raw_lists = msgspec.msgpack.Decoder(
-    Register | Begin | _ChunkWithRawLists | Commit | Abort | Query | Close)
+    Register | Begin | _ChunkWithRawLists | Commit | Abort | Query | Close | AdapterBegin
+    | AdapterData)
 _from_daemon = msgspec.msgpack.Decoder(FromDaemon)
 
 

@@ -12,7 +12,8 @@ import msgspec
 
 from slotsync.protocol.wire.fields import PROTOCOL_VERSION
 
-Phase = Literal["register", "begin", "chunk", "commit", "abort", "engine"]
+Phase = Literal["register", "begin", "chunk", "commit", "abort", "engine", "adapter_begin",
+                "adapter_data"]
 
 
 class Registered(msgspec.Struct, tag="registered"):
@@ -55,12 +56,17 @@ class Ack(msgspec.Struct, tag="ack"):
     paused by someone else at the begin (vLLM resumes it at its full ``/wake_up``)."""
 
     update_id: int
-    phase: Literal["begin", "chunk", "commit"]
+    phase: Literal["begin", "chunk", "commit", "adapter_begin", "adapter_data"]
     index: int = -1
     seconds: float = 0.0
     omitted_names: list[str] = []
     omitted_count: int = 0
     resumed: bool = True
+    # adapter rounds (issue 36, wire/adapter.py): at "adapter_begin", how the rank hands over
+    # its part ("host": a shared-memory segment the daemon reads; "device": the registered
+    # transport's handle); at "adapter_data", the name every engine of the slot now serves
+    transport: str = ""
+    served_name: str = ""
 
 
 class Error(msgspec.Struct, tag="error"):

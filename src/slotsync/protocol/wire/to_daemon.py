@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from slotsync.protocol.wire.adapter import AdapterBegin, AdapterData
 from slotsync.protocol.wire.fields import (
     DTYPE_SIZES,
     MAX_VERSION_CHARS,
@@ -248,4 +249,5 @@ class Close(msgspec.Struct, tag="close", forbid_unknown_fields=True):
     reason: ShortStr = ""
 
 
-ToDaemon = Register | Begin | Chunk | Commit | Abort | Query | Close
+ToDaemon = (Register | Begin | Chunk | Commit | Abort | Query | Close | AdapterBegin
+            | AdapterData)

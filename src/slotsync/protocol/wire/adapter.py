@@ -1,0 +1,174 @@
+"""The messages of an adapter round (issue 36): ``AdapterBegin`` and ``AdapterData``, a rank's
+part of one LoRA adapter, and ``AdapterTensor``, one tensor's part in it.
+
+An adapter round takes the slot's next update id, as a base-weight round does (the two never
+overlap on one engine). Each rank of the slot sends:
+
+1. ``AdapterBegin``: the adapter's name, version and PEFT config, and the tensors of its part
+   (names, dtypes, whole shapes, the rows of dim 0 it holds, a sha256 of the part's bytes).
+   The daemon waits for every rank of the slot, checks that their parts tile each tensor
+   exactly and that every engine of the slot can hold the adapter, and answers
+   ``Ack(phase="adapter_begin", transport=...)`` -- or an ``Error`` before any engine call.
+2. ``AdapterData``: one handle to the part's bytes, the tensors back to back in
+   ``AdapterBegin.tensors`` order, each at the next multiple of :data:`ADAPTER_ALIGN` bytes
+   (:func:`part_offsets`). ``transport="host"``: a ``ShmHandle`` (the rank copied its part
+   into a POSIX shared-memory segment it owns: the daemon reads the bytes, vLLM's path);
+   ``"device"``: the handle of the rank's registered transport (CUDA IPC on a GPU; the
+   engine maps the rank's memory, SGLang's path).
+
+The daemon answers ``Ack(phase="adapter_data", served_name=...)`` once the adapter is
+servable on every engine of the slot under ``served_name`` (:func:`served_name`); the rank
+may then free its part. On an ``Error`` the previous version stays served.
+
+Pure Python, no torch (the daemon imports it, design.md I6); imports ``fields`` and
+``handles``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated
+
+import msgspec
+
+from slotsync.protocol.wire.fields import (
+    DTYPE_SIZES,
+    Dims,
+    DtypeName,
+    FieldError,
+    Name,
+    NonNeg,
+)
+from slotsync.protocol.wire.handles import Handle
+
+ADAPTER_ALIGN = 256
+"""Each tensor of a rank's part starts at a multiple of this many bytes from the handle's
+start (a multiple of every dtype's itemsize, as SGLang's ``FlattenedTensorBucket`` views
+need, and of CUDA's allocation granule for reads)."""
+
+MAX_CONFIG_BYTES = 64 * 1024
+"""Largest ``config_json`` (bytes of UTF-8): a PEFT ``adapter_config.json`` is ~1 KiB."""
+
+MAX_ADAPTER_TENSORS = 100_000
+
+_LORA_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def served_name(lora_name: str, version: int) -> str:
+    """The name an engine serves version ``version`` of adapter ``lora_name`` under, e.g.
+    ``"math@v3"``: each version is a distinct adapter on the engine (a new LoRA id), so the
+    new one loads beside the old one and requests name the version they want."""
+    return f"{lora_name}@v{version}"
+
+
+def part_offsets(tensors: list[AdapterTensor]) -> tuple[list[int], int]:
+    """Byte offset of each tensor of a rank's part from its handle's start, and the part's
+    total bytes (the last tensor's end): tensors back to back in order, each rounded up to
+    :data:`ADAPTER_ALIGN`."""
+    offsets, end = [], 0
+    for t in tensors:
+        start = -(-end // ADAPTER_ALIGN) * ADAPTER_ALIGN
+        offsets.append(start)
+        end = start + t.nbytes
+    return offsets, end
+
+
+def check_config(config_json: str) -> int:
+    """Check a PEFT ``adapter_config.json`` text; return its LoRA rank ``r``.
+
+    Raises:
+        ValueError: not a JSON object, or ``r`` is not a positive integer, or
+            ``target_modules`` is missing (PEFT ``LoraConfig``'s fields).
+    """
+    try:
+        config = json.loads(config_json)
+    except ValueError as e:
+        raise ValueError(f"config_json is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError("config_json must be a JSON object (PEFT's adapter_config.json)")
+    r = config.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise ValueError(f"config_json's LoRA rank 'r' must be a positive integer, not {r!r}")
+    if not config.get("target_modules"):
+        raise ValueError("config_json has no 'target_modules' (PEFT's LoraConfig needs them)")
+    return r
+
+
+class AdapterTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One tensor of a rank's adapter part: its PEFT ``name`` (e.g.
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), ``dtype``, the
+    whole tensor's ``shape``, the rows ``[row_start, row_stop)`` of dim 0 this rank holds
+    (the whole tensor: ``0, shape[0]``) and ``sha256``, the hex digest of those rows' bytes
+    in C order."""
+
+    name: Name
+    dtype: DtypeName
+    shape: Dims
+    row_start: NonNeg
+    row_stop: NonNeg
+    sha256: str
+
+    def __post_init__(self) -> None:
+        if not self.shape:
+            raise FieldError("shape", f"adapter tensor {self.name!r} has no dims")
+        if not (self.row_start < self.row_stop <= self.shape[0]):
+            raise FieldError("row_start", f"adapter tensor {self.name!r}: rows "
+                             f"[{self.row_start}, {self.row_stop}) are not within its "
+                             f"{self.shape[0]} rows")
+        if not _SHA256_RE.match(self.sha256):
+            raise FieldError("sha256", f"adapter tensor {self.name!r}: sha256 must be 64 "
+                             "lower-case hex digits")
+
+    @property
+    def whole(self) -> bool:
+        """This part is the whole tensor."""
+        return self.row_start == 0 and self.row_stop == self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this part (its rows)."""
+        n = (self.row_stop - self.row_start) * DTYPE_SIZES[self.dtype]
+        for d in self.shape[1:]:
+            n *= d
+        return n
+
+
+class AdapterBegin(msgspec.Struct, tag="adapter_begin", forbid_unknown_fields=True):
+    """A rank's part of version ``version`` of LoRA adapter ``lora_name`` (round
+    ``update_id``). ``config_json``: the PEFT ``adapter_config.json`` text, the same on every
+    rank; ``tensors``: this rank's part, possibly empty (another rank holds everything)."""
+
+    update_id: NonNeg
+    lora_name: str
+    version: NonNeg
+    config_json: Annotated[str, msgspec.Meta(min_length=2, max_length=MAX_CONFIG_BYTES)]
+    tensors: Annotated[list[AdapterTensor], msgspec.Meta(max_length=MAX_ADAPTER_TENSORS)]
+
+    def __post_init__(self) -> None:
+        if not _LORA_NAME_RE.match(self.lora_name):
+            raise FieldError("lora_name", f"lora_name {self.lora_name!r} must be 1-64 of "
+                             "A-Z a-z 0-9 _ . - (starting with a letter or digit)")
+        try:
+            check_config(self.config_json)
+        except ValueError as e:
+            raise FieldError("config_json", str(e)) from None
+        seen: set[str] = set()
+        for t in self.tensors:
+            if t.name in seen:
+                raise FieldError("tensors", f"adapter tensor {t.name!r} is listed twice")
+            seen.add(t.name)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's part as laid out behind its handle (:func:`part_offsets`)."""
+        return part_offsets(self.tensors)[1]
+
+
+class AdapterData(msgspec.Struct, tag="adapter_data", forbid_unknown_fields=True):
+    """The bytes of the rank's part of round ``update_id``: ``handle`` covers them, laid out
+    as :func:`part_offsets` says (None: the rank's part is empty)."""
+
+    update_id: NonNeg
+    handle: Handle | None = None
