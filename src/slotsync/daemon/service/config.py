@@ -98,6 +98,8 @@ class Config:
     max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT  # cap on one frame from a rank
     chunks_in_flight: int = 3  # /update_weights calls per engine at once (1: one at a time)
     omitted_names: str = "warn"  # an update leaving out names the last one loaded: warn|refuse
+    adapter_dir: str = ""  # LoRA adapter folders vLLM loads (issue 36); "" = <runtime_dir>/adapters
+    adapter_load_timeout_s: float = 120.0  # an adapter's folder write, and its load call
     allow_uids: str = ""  # peers allowed by user id (comma list); "" = the daemon's own uid
     allow_gids: str = ""  # peers allowed by group id (comma list); "" = the daemon's own gid
     log_level: str = "info"
@@ -123,6 +125,13 @@ class Config:
         """The durable in-flight record's path."""
         base = self.state_dir or self.runtime_dir or default_runtime_dir()
         return os.path.join(base, "inflight.json")
+
+    def adapter_path(self) -> str:
+        """The folder of the LoRA adapter folders the daemon writes for vLLM engines
+        (``adapter_dir``, else ``adapters`` in the runtime dir: a tmpfs under systemd's
+        RuntimeDirectory or ``$XDG_RUNTIME_DIR``)."""
+        return self.adapter_dir or os.path.join(self.runtime_dir or default_runtime_dir(),
+                                                "adapters")
 
     def origin(self, name: str) -> str:
         """Where option ``name``'s value came from: a flag, an environment variable, the
@@ -171,7 +180,8 @@ class Config:
                 raise ValueError(f"{name} must be a comma-separated list of numeric ids, got "
                                  f"{getattr(self, name)!r}")
         for name in ("begin_timeout_s", "chunk_timeout_s", "commit_timeout_s",
-                     "engine_timeout_s", "shutdown_grace_s", "liveness_s", "slot_release_s"):
+                     "engine_timeout_s", "shutdown_grace_s", "liveness_s", "slot_release_s",
+                     "adapter_load_timeout_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not 0.1 <= self.liveness_s <= 3600:
@@ -179,7 +189,7 @@ class Config:
         if self.slot_release_s < 0:
             raise ValueError(f"slot_release_s must be >= 0, got {self.slot_release_s}")
         for name in ("begin_timeout_s", "chunk_timeout_s", "commit_timeout_s",
-                     "engine_timeout_s"):
+                     "engine_timeout_s", "adapter_load_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:
@@ -238,6 +248,10 @@ class Config:
             why = unusable_folder(folder)
             if why:
                 raise ValueError(self.folder_error(folder, option, holds, why))
+        why = unusable_folder(self.adapter_path())  # (made at start, mode 0700)
+        if why:
+            raise ValueError(self.folder_error(self.adapter_path(), "adapter_dir",
+                                               "LoRA adapter folders for vLLM go there", why))
 
     def missing_peer_keys(self) -> str:
         """Why the owner's ``peer_public_keys`` cannot admit a node its engines span ('' when
@@ -266,6 +280,7 @@ class Config:
         d["state_dir"] = os.path.dirname(self.state_path())
         d["endpoint"] = self.endpoint()
         d["state_file"] = self.state_path()
+        d["adapter_dir"] = self.adapter_path()
         d["node"] = self.node_name()
         d["engines"] = [{**{k: v for k, v in vars(e).items() if k != "parts"},
                          "gpu_uuids": list(e.gpu_uuids),  # (the TOML's key: nodes)
@@ -335,6 +350,10 @@ _HELP = {
     "omitted_names": "what a successful update that leaves out tensor names the slot's last "
     "successful update loaded does: warn (log line, metric, PublishStats.omitted_names; vLLM "
     "keeps those tensors' old values) or refuse (fail it before the finish)",
+    "adapter_dir": "folder where the daemon writes the LoRA adapters vLLM engines load "
+    "(issue 36; created mode 0700; default: adapters in the runtime dir, a tmpfs under systemd)",
+    "adapter_load_timeout_s": "seconds an adapter round's folder write, and its load call on "
+    "the engine, may take each before the round fails (the previous version stays served)",
     "allow_uids": "user ids whose processes may connect (comma list; default: the daemon's "
     "own; root always)",
     "allow_gids": "group ids whose processes may connect (comma list; default: the daemon's "

@@ -169,10 +169,9 @@ class AdapterRounds(AdapterAnswers):
             why = self._no_adapters(family)
         if not why and support is not None:
             why = support.refusal(plan)
-        if not why:
+        if not why:  # (the same version may be one the engine lost: told by its list)
             cur = self.adapters.current(plan.lora_name)
-            why = version_refusal(plan, cur and cur.version, bool(cur and cur.state == LOST),
-                                  self.engine_url)
+            why = version_refusal(plan, cur and cur.version, True, self.engine_url)
         if why:
             return self._adapter_fail(now, "adapter_begin", why)
         a.phase = AdapterPhase.INFO
@@ -310,6 +309,8 @@ class AdapterRounds(AdapterAnswers):
                 return [AdapterFiles(self._call_id, self.slot, a.update_id, a.plan,
                                      dict(a.data), self.timeouts.adapter_load_s)]
             return self._adapter_load(a, now)
+        if a.phase is AdapterPhase.FILES and a.folder:  # (written: on_adapter_files)
+            return self._adapter_load(a, now)
         return []
 
     def _adapter_info(self, a: AdapterRound, now: float) -> list[Action]:
@@ -435,7 +436,7 @@ class AdapterRounds(AdapterAnswers):
 
     def _adapter_failed_next(self, a: AdapterRound, now: float) -> list[Action]:
         """A failed round with no call out: undo its load (``drop``), else end it."""
-        if a.load_sent_at and not a.dropping:
+        if a.phase is AdapterPhase.LOAD and not a.dropping:
             a.dropping = True
             support, name = self._adapter_support(), a.plan.served_name
             return [self._adapter_call("drop", name, support.unload_route,
