@@ -127,11 +127,11 @@ def test_limits_refuse_naming_the_flag_to_set():
     assert off == "engine http://e (vLLM) does not serve LoRA adapters: start it with " \
                   "--enable-lora"
     small = limits_refusal(plan, LoraLimits(True, 0, 2, FLAGS), set(), "http://e", "vLLM")
-    assert "r=4, above engine http://e's --max-lora-rank 2: start it with --max-lora-rank 4" \
+    assert "r=4, above engine http://e's max_lora_rank 2: set --max-lora-rank to 4 or more" \
         in small
     full = limits_refusal(plan, LoraLimits(True, 1, 8, FLAGS), {"math@v0"}, "http://e", "x")
     assert ("would hold 2 adapters at once (math@v0, math@v1: a new version is loaded "
-            "beside the one it replaces), above its --max-loras 1: start it with --max-loras 2"
+            "beside the one it replaces), above its max_loras 1: set --max-loras to 2 or more"
             in full)
     assert limits_refusal(plan, LoraLimits(True, 2, 4, FLAGS), {"math@v0"}, "e", "x") == ""
     assert limits_refusal(plan, LoraLimits(True), {"a@v1", "b@v1"}, "e", "x") == ""  # unknown
@@ -162,4 +162,4 @@ def test_retired_folders_outlive_one_more_version():
         ledger.entries[f"m@v{v}"] = AdapterEntry("m", v, f"m@v{v}", SERVED, folder=f"/f/{v}")
     assert ledger.retire("m@v1") == []  # kept: a running request may read it again
     assert ledger.retire("m@v2") == ["/f/1"]
-    assert ledger.folders_in_use() == {"/f/3"} and ledger.retired == [("m", "/f/2")]
+    assert ledger.folders_in_use() == {"/f/2", "/f/3"} and ledger.retired == [("m", "/f/2")]

@@ -231,7 +231,8 @@ def test_sglang_round_acks_begin_with_device_and_loads_from_the_ranks_handles():
     ("lora off", lambda h: setattr(h.engine, "lora_info", {"vllm_config": {}}),
      "does not serve LoRA adapters: start it with --enable-lora"),
     ("rank", lambda h: setattr(h.engine, "lora_info", {"vllm_config": {"lora_config": {
-        "max_lora_rank": 2}}}), "r=4, above engine http://engine:8000's --max-lora-rank 2"),
+        "max_lora_rank": 2}}}), "r=4, above engine http://engine:8000's max_lora_rank 2: set "
+     "--max-lora-rank"),
 ])
 def test_refused_by_the_engines_limits_before_any_call_that_changes_it(why, setup, words):
     h = started()

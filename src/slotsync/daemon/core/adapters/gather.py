@@ -142,16 +142,17 @@ def limits_refusal(plan: AdapterPlan, limits: LoraLimits, held: Iterable[str],
     included: the new version is loaded before the old one goes), or ''. A limit of 0 is
     unknown and not checked."""
     if not limits.enabled:
-        return (f"engine {engine_url} ({display}) does not serve LoRA adapters: start it with "
-                f"{limits.flag('enabled')}")
+        flag = limits.flag("enabled")  # (a flag, or the family's sentence of what is missing)
+        how = f"start it with {flag}" if flag.startswith("-") else flag
+        return f"engine {engine_url} ({display}) does not serve LoRA adapters: {how}"
     if limits.max_lora_rank and plan.lora_rank > limits.max_lora_rank:
         return (f"adapter {plan.served_name} has LoRA rank r={plan.lora_rank}, above engine "
-                f"{engine_url}'s {limits.flag('max_lora_rank')} {limits.max_lora_rank}: start "
-                f"it with {limits.flag('max_lora_rank')} {plan.lora_rank} or more")
+                f"{engine_url}'s max_lora_rank {limits.max_lora_rank}: set "
+                f"{limits.flag('max_lora_rank')} to {plan.lora_rank} or more")
     names = sorted(set(held) | {plan.served_name})
     if limits.max_loras and len(names) > limits.max_loras:
         return (f"engine {engine_url} would hold {len(names)} adapters at once "
                 f"({', '.join(names)}: a new version is loaded beside the one it replaces), "
-                f"above its {limits.flag('max_loras')} {limits.max_loras}: start it with "
-                f"{limits.flag('max_loras')} {len(names)} or more")
+                f"above its max_loras {limits.max_loras}: set {limits.flag('max_loras')} to "
+                f"{len(names)} or more")
     return ""

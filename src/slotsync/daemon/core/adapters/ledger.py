@@ -20,8 +20,9 @@ files are kept until the next version of that adapter is unloaded (vLLM: a reque
 running on the old version re-reads its folder after a base-weight finish, whose
 ``reset_lora_state`` dropped it from the workers: ``vllm/v1/worker/gpu_model_runner.py``
 ``reset_lora_state`` via ``Worker.finish_weight_update``; its ``LoRARequest`` keeps the path).
-A folder is in use (``folders_in_use``: never removed, at shutdown neither) while an entry or
-a stray name has it.
+A folder is in use (``folders_in_use``: never removed, at the daemon's stop neither) while an
+entry, a stray name or ``retired`` has it (docs/lora-vllm-notes.md: a folder vLLM re-reads
+that is gone kills its engine core).
 """
 
 from __future__ import annotations
@@ -108,9 +109,10 @@ class AdapterLedger:
 
     def folders_in_use(self) -> set[str]:
         """Folders an engine may read: every entry's (lost ones included: the version may be
-        published again, and the folder is named by its served name) and every stray's."""
+        published again, and the folder is named by its served name), every stray's, and the
+        retired ones (a request admitted before their unload may still run)."""
         return {e.folder for e in self.entries.values() if e.folder} | {
-            f for f in self.stray.values() if f}
+            f for f in self.stray.values() if f} | {f for _, f in self.retired}
 
     def reconcile(self, listed: set[str], reloadable: bool, engine_url: str | None
                   ) -> Reconciled:
