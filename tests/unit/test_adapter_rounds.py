@@ -462,3 +462,30 @@ def test_chunks_of_a_base_round_still_work_after_an_adapter_round():
     for r in range(2):
         h.send(r, Commit(1, 1))
     assert h.ended[-1].outcome == "success" and set(h.engine.loras) == {"math@v1"}
+
+
+def test_a_query_during_an_adapter_round_names_what_it_waits_for():
+    h = started(timeouts=Timeouts(30, 40, 50))
+    h.send(0, begin(0, two_rank_parts()[0]))
+    h.now = 10.0
+    h.send(0, wire.Query(0))
+    w = h.replies[0][-1]
+    assert isinstance(w, wire.Waiting) and w.phase == "adapter_begin" and w.missing_ranks == [1]
+    assert "adapter begin (begin_timeout_s) of rank(s) 1 (adapter round 0 (math@v1) of slot " \
+        "[0, 2)); 30 s, 20 s left" in w.text
+
+
+def test_the_next_job_on_the_engine_takes_over_its_adapters():
+    """An undeclared slot released after its job went keeps what the engine holds: the next
+    job's slot on the same engine adopts it (the version order, the folders in use)."""
+    h = started()
+    h.adapter_round(0, version=2)
+    for r in range(2):
+        h.run(h.table.on_connection_gone(ident(r), h.now, "its process exited"))
+    h.now = 1000.0
+    h.run(h.table.poll(h.now))
+    assert h.table.slots == {} and h.table.adapter_folders_in_use() == {
+        "/adapters/slot-0-2/math@v2"}
+    h.register_all()
+    h.adapter_round(1, version=1, data=False)
+    assert "version 1 is a version older than version 2" in h.error(0, 1).message

@@ -309,7 +309,8 @@ class SlotTable:
         if key not in self.declared and not keep_slot:
             del self.slots[key]
             if c.engine_url and (c.mid_update_state() is not None or c.engine.paused
-                                 or c.engine.needs_full_update or c.engine.last_ok_names):
+                                 or c.engine.needs_full_update or c.engine.last_ok_names
+                                 or c.adapters.entries or c.adapters.stray):  # (issue 36)
                 self.released[c.engine_url.rstrip("/")] = c
         return [SlotEvent(key, "slot_released", {
             "engine": c.engine_url, "reason": reason,
