@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from adapter_ranks import B, begin, laid_out, part, two_rank_parts
+from adapter_ranks import A, B, begin, laid_out, part, two_rank_parts
 from test_coordinator import Harness, ScriptedEngine, chunk, ident, reg
 from test_third_family import ToyFamily
 
@@ -212,14 +212,25 @@ def whole_parts(version: int = 1) -> dict:
 
 def test_sglang_round_acks_begin_with_device_and_loads_from_the_ranks_handles():
     h = started(kind="sglang")
-    h.adapter_round(0, version=1, parts=whole_parts())
-    assert h.engine.calls == [*INFO, "load_lora_adapter"]
+    h.adapter_round(0, version=1, parts=whole_parts(), data=False)
+    h.engine.hold = True  # (the load's answer proves TP rank 0's copies only)
+    for r in range(2):
+        n = len(laid_out(whole_parts()[r]))
+        h.send(r, wire.AdapterData(0, wire.ShmHandle(f"lora-{r}", 0, n)))
+    h.answer_until("prove_adapter_copies")
+    assert h.acks(0) == [("adapter_begin", "device")]  # the ranks' memory may still be read
+    h.answer_pending()
+    assert h.engine.calls == [*INFO, "load_lora_adapter", "prove_adapter_copies"]
+    assert h.engine.bodies[-1] == {"action": "checksum", "skip_tensor_list": [""],
+                                   "selector": "target"}
     assert h.acks(0) == [("adapter_begin", "device"), ("adapter_data", "math@v1")]
     assert h.folders == []  # (SGLang reads the ranks' memory)
-    body = h.engine.bodies[-1]
+    body = h.engine.bodies[-2]
     assert body["lora_name"] == "math@v1" and len(body["serialized_named_tensors"]) == 2
+    assert set(body["expected_checksums"]) == {A, B}
     h.adapter_round(1, version=2, parts=whole_parts(2))
-    assert h.engine.calls[-2:] == ["load_lora_adapter", "unload_lora_adapter"]
+    assert h.engine.calls[-3:] == ["load_lora_adapter", "prove_adapter_copies",
+                                   "unload_lora_adapter"]
     assert set(h.engine.loras) == {"math@v2"}
     # a tensor split over ranks: refused by the family before any engine call
     calls = len(h.engine.calls)
@@ -227,18 +238,20 @@ def test_sglang_round_acks_begin_with_device_and_loads_from_the_ranks_handles():
     assert "is split over ranks" in h.error(0, 2).message and len(h.engine.calls) == calls
 
 
-@pytest.mark.parametrize("why, setup, words", [
+@pytest.mark.parametrize("why, setup, words, calls", [
     ("lora off", lambda h: setattr(h.engine, "lora_info", {"vllm_config": {}}),
-     "does not serve LoRA adapters: start it with --enable-lora"),
+     "does not serve LoRA adapters: start it with --enable-lora", INFO),
+    # (vLLM's own rule, PEFTHelper.validate_legal, asked of the family with /server_info)
     ("rank", lambda h: setattr(h.engine, "lora_info", {"vllm_config": {"lora_config": {
-        "max_lora_rank": 2}}}), "r=4, above engine http://engine:8000's max_lora_rank 2: set "
-     "--max-lora-rank"),
+        "max_lora_rank": 2}}}), "its LoRA rank 4 is above the server's max_lora_rank 2 (set "
+     "--max-lora-rank", INFO[:2]),
 ])
-def test_refused_by_the_engines_limits_before_any_call_that_changes_it(why, setup, words):
+def test_refused_by_the_engines_limits_before_any_call_that_changes_it(why, setup, words,
+                                                                       calls):
     h = started()
     setup(h)
     h.adapter_round(0, version=1, data=False)
-    assert h.engine.calls == INFO  # (reads only)
+    assert h.engine.calls == calls  # (reads only)
     for r in range(2):
         (err,) = h.errors(r)
         assert err.phase == "adapter_begin" and words in err.message, err.message

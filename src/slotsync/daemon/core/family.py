@@ -32,7 +32,7 @@ A family never imports another (the pyproject's layers); what both use lives bel
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -126,17 +126,31 @@ class AdapterSupport(Protocol):
         """What the engine can hold, from the version stage's answers (``{"version": ...,
         "server_info": ...}``, an answer that failed left out)."""
 
-    def refusal(self, plan: AdapterPlan) -> str:
-        """Why this family cannot take ``plan`` at all (e.g. a layout it cannot load), or ''."""
+    def refusal(self, plan: AdapterPlan, answers: Mapping[str, Any] | None = None) -> str:
+        """Why this family cannot take ``plan`` (e.g. a layout it cannot load), or '';
+        asked before any engine call and again with the version stage's ``answers`` (the
+        engine's own settings)."""
 
     def served(self, listing: Any) -> set[str]:
         """The adapters' served names in the answer of ``list_route``."""
 
     def load_body(self, plan: AdapterPlan, folder: str, handles: Mapping[int, Handle | None],
-                  gpu_uuids: Mapping[int, str], tp_size: int) -> Any:
+                  gpu_uuids: Mapping[int, str], tp_size: int,
+                  engine_gpu_uuids: Sequence[str] | None = None) -> Any:
         """The body of ``load_route`` for ``plan``: from ``folder`` (``write_files``' result,
         '' for a ``"device"`` family) or the ranks' ``handles`` (rank -> its
-        ``AdapterData.handle``) with their GPU UUIDs (rank -> UUID) and the engine's TP size."""
+        ``AdapterData.handle``) with their GPU UUIDs (rank -> UUID), the engine's TP size and
+        its workers' GPUs where declared.
+
+        Raises:
+            ValueError: a body the engine could not take (named; the round fails, nothing
+                was sent).
+        """
+
+    def proof(self, tp_size: int, engine: EngineSession) -> tuple[str, Any] | None:
+        """``(step, body)`` of the call whose successful answer, sent after the load's,
+        proves that the engine read all of the ranks' memory (SGLang with several TP ranks:
+        the load's answer proves TP rank 0's copies only); None: the load's answer proves it."""
 
     def unload_body(self, served_name: str) -> Any:
         """The body of ``unload_route`` for ``served_name``."""

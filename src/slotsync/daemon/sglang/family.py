@@ -8,7 +8,7 @@ is at SGLang. Its version and layout are read at the version stage
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,20 +52,32 @@ class SglangAdapters:
     reloadable = False
     load_route, unload_route, list_route = "load_lora_adapter", "unload_lora_adapter", "models"
 
-    def limits(self, answers: Mapping[str, Any]) -> LoraLimits:
+    @staticmethod
+    def _info(answers: Mapping[str, Any]) -> Any:
         # (the version step is GET /server_info for an engine known as SGLang; server_info
         # carries it when the kind was asked: daemon/families.py)
-        return sglang_adapters.lora_limits(answers.get("server_info") or answers.get("version"))
+        return answers.get("server_info") or answers.get("version")
 
-    def refusal(self, plan: AdapterPlan) -> str:
-        return sglang_adapters.refusal(plan)
+    def limits(self, answers: Mapping[str, Any]) -> LoraLimits:
+        return sglang_adapters.lora_limits(self._info(answers))
+
+    def refusal(self, plan: AdapterPlan, answers: Mapping[str, Any] | None = None) -> str:
+        return sglang_adapters.refusal(plan, self._info(answers) if answers else None)
 
     def served(self, listing: Any) -> set[str]:
         return sglang_adapters.served_adapters(listing)
 
     def load_body(self, plan: AdapterPlan, folder: str, handles: Mapping[int, Any],
-                  gpu_uuids: Mapping[int, str], tp_size: int) -> Any:
-        return sglang_adapters.load_body(plan, handles, gpu_uuids, tp_size)
+                  gpu_uuids: Mapping[int, str], tp_size: int,
+                  engine_gpu_uuids: Sequence[str] | None = None) -> Any:
+        return sglang_adapters.load_body(plan, handles, gpu_uuids, tp_size,
+                                         engine_gpu_uuids=engine_gpu_uuids)
+
+    def proof(self, tp_size: int, engine: EngineSession) -> tuple[str, Any] | None:
+        """``/weights_checker`` hashing nothing, past a TP collective (``adapters.proving_body``:
+        the load's reply proves TP rank 0's copies only)."""
+        body = sglang_adapters.proving_body(tp_size, engine.sglang_version)
+        return None if body is None else ("prove_adapter_copies", body)
 
     def unload_body(self, served_name: str) -> Any:
         return sglang_adapters.unload_body(served_name)

@@ -8,7 +8,7 @@ Its version and DP layout are read at the version stage (``slotsync.daemon.famil
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +48,20 @@ class VllmAdapters:
     def limits(self, answers: Mapping[str, Any]) -> LoraLimits:
         return vllm_adapters.lora_limits(answers.get("server_info"))
 
-    def refusal(self, plan: AdapterPlan) -> str:
-        return vllm_adapters.refusal(plan)
+    def refusal(self, plan: AdapterPlan, answers: Mapping[str, Any] | None = None) -> str:
+        limits = vllm_adapters.lora_limits(answers.get("server_info")) if answers else None
+        return vllm_adapters.refusal(plan, limits)
 
     def served(self, listing: Any) -> set[str]:
         return vllm_adapters.served_adapters(listing)
 
     def load_body(self, plan: AdapterPlan, folder: str, handles: Mapping[int, Any],
-                  gpu_uuids: Mapping[int, str], tp_size: int) -> Any:
+                  gpu_uuids: Mapping[int, str], tp_size: int,
+                  engine_gpu_uuids: Sequence[str] | None = None) -> Any:
         return vllm_adapters.load_body(plan.served_name, folder)
+
+    def proof(self, tp_size: int, engine: EngineSession) -> None:
+        return None  # (the daemon read the ranks' memory itself, before the load)
 
     def unload_body(self, served_name: str) -> Any:
         return vllm_adapters.unload_body(served_name)

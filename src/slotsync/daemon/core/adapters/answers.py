@@ -35,8 +35,8 @@ class AdapterAnswers:
             out += self._adapter_reloaded(name, ok, error, now - sent, support)
         elif purpose in ("cleanup", "unload"):
             out += self._adapter_unloaded(name, ok, error, support, stray=purpose == "cleanup")
-        elif purpose == "load" and a is not None:
-            out += self._adapter_loaded(a, ok, error, now, support)
+        elif purpose in ("load", "prove") and a is not None:
+            out += self._adapter_loaded(a, ok, error, now, support, purpose == "prove")
         elif purpose == "drop" and a is not None:
             out += self._adapter_dropped(a, ok, error, support)
         return out + self._advance(now)
@@ -67,15 +67,23 @@ class AdapterAnswers:
         return list(verdict.events)
 
     def _adapter_loaded(self, a: AdapterRound, ok: bool, error: str, now: float,
-                        support: Any) -> list[Action]:
+                        support: Any, proved: bool) -> list[Action]:
+        """The load returned (or, ``proved``, the call after it that proves every copy out
+        of the ranks' memory finished: ``AdapterSupport.proof``)."""
         plan = a.plan
         entry = self.adapters.entries.get(plan.served_name)
         if a.failure is not None:  # (failed meanwhile: undone by _adapter_failed_next)
             return []
-        if not (ok or support.already_loaded(error)):
+        if not (ok or (not proved and support.already_loaded(error))):
+            what = "prove its copies done" if proved else "load it"
             a.failure = ("adapter_data", self._adapter_message(
-                a, f"engine {self.engine_url} could not load it: {error}"), [])
+                a, f"engine {self.engine_url} could not {what}: {error}"), [])
             return []
+        proof = None if proved else support.proof(self.engine.world_size or self.size,
+                                                  self.engine)
+        if proof is not None:  # (SGLang over several TP ranks: rank 0's reply only)
+            return [self._adapter_call("prove", plan.served_name, proof[0], proof[1], now,
+                                       self.timeouts.adapter_load_s)]
         entry.state, entry.loaded_at, entry.error = SERVED, now, ""
         for name, e in list(self.adapters.entries.items()):  # (a lost older version)
             if e.lora_name == plan.lora_name and e.state == LOST and name != plan.served_name:

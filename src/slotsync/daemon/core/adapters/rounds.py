@@ -17,6 +17,7 @@ comes back through ``on_engine_result`` (``_on_adapter_result``), the folder an
     ─► Ack(adapter_begin, transport) to every rank; strays unloaded, lost versions reloaded
     ─► every rank's AdapterData (its handle checked: round.handle_refusal)
     ─► "host": AdapterFiles (the daemon writes the folder) ─► load (``adapter_load_s``)
+    ─► "device" over several TP ranks: a call that proves every copy done (SGLang's)
     ─► Ack(adapter_data, served_name) to every rank; log adapter_loaded; the round ends
     ─► unload of the previous version (its folder kept one more round: ledger.retire)
 
@@ -328,7 +329,7 @@ class AdapterRounds(AdapterAnswers):
                                       else f"engine {self.engine_url}'s kind could not be told "
                                       "from its /version and /server_info")
         if "list" not in a.answers:
-            why = support.refusal(a.plan)
+            why = support.refusal(a.plan, a.answers)
             if why:
                 return self._adapter_fail(now, "adapter_begin", why)
             a.answers["list"] = None
@@ -382,7 +383,8 @@ class AdapterRounds(AdapterAnswers):
         try:
             body = support.load_body(plan, a.folder, dict(a.data),
                                      {r: i.gpu_uuid for r, i in self.ranks.items()},
-                                     self.engine.world_size or self.size)
+                                     self.engine.world_size or self.size,
+                                     self.engine.declared_gpu_uuids)
         except ValueError as e:
             return self._adapter_fail(now, "adapter_data", str(e))
         self.adapters.entries[plan.served_name] = AdapterEntry(
