@@ -155,6 +155,9 @@ class AdapterSupport(Protocol):
     def unload_body(self, served_name: str) -> Any:
         """The body of ``unload_route`` for ``served_name``."""
 
+    def explain(self, error: str) -> str:
+        """A failed load's ``error`` (``str(EngineError)``) in words saying what to do."""
+
     def absent(self, error: str) -> bool:
         """An unload's ``error`` says the engine does not hold that name (nothing to undo)."""
 

@@ -82,6 +82,9 @@ class SglangAdapters:
     def unload_body(self, served_name: str) -> Any:
         return sglang_adapters.unload_body(served_name)
 
+    def explain(self, error: str) -> str:
+        return error  # (SGLang's own words: LoRAUpdateOutput.error_message)
+
     def absent(self, error: str) -> bool:
         """SGLang 0.5.23 ``LoRARegistry.unregister``: "LoRA with name ... does not exist"."""
         return "does not exist" in error

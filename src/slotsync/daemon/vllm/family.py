@@ -8,6 +8,7 @@ Its version and DP layout are read at the version stage (``slotsync.daemon.famil
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,12 @@ class VllmAdapters:
 
     def unload_body(self, served_name: str) -> Any:
         return vllm_adapters.unload_body(served_name)
+
+    def explain(self, error: str) -> str:
+        """``adapters.load_error_text`` for an HTTP answer (a 404 without the route: set
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; LoRA off; vLLM's refusal), else ``error``."""
+        m = re.search(r"HTTP (\d+): (.*)", error, re.S)
+        return vllm_adapters.load_error_text(int(m[1]), m[2]) if m else error
 
     def absent(self, error: str) -> bool:
         """vLLM 0.32 ``OpenAIServingModels._check_unload_lora_adapter_request``: a 404 "cannot

@@ -76,8 +76,9 @@ class AdapterAnswers:
             return []
         if not (ok or (not proved and support.already_loaded(error))):
             what = "prove its copies done" if proved else "load it"
+            why = error if proved else support.explain(error)
             a.failure = ("adapter_data", self._adapter_message(
-                a, f"engine {self.engine_url} could not {what}: {error}"), [])
+                a, f"engine {self.engine_url} could not {what}: {why}"), [])
             return []
         proof = None if proved else support.proof(self.engine.world_size or self.size,
                                                   self.engine)
