@@ -506,3 +506,17 @@ def test_the_next_job_on_the_engine_takes_over_its_adapters():
     h.register_all()
     h.adapter_round(1, version=1, data=False)
     assert "version 1 is a version older than version 2" in h.error(0, 1).message
+
+
+def test_a_rank_that_aborts_fails_the_round_and_a_forced_drop_ends_one():
+    h = started()
+    h.adapter_round(0, version=1, data=False)
+    h.send(1, wire.Abort(0, "SlotsyncTimeout: no Ack(adapter_data) within 30 s"))
+    err = h.error(0, 0)
+    assert err.phase == "adapter_data" and "rank 1 aborted adapter round 0: SlotsyncTimeout" \
+        in err.message and "load_lora_adapter" not in h.engine.calls
+    h.adapter_round(1, version=1, data=False)  # a round waiting for its data
+    with pytest.raises(RuntimeError, match="has update 1 in flight"):
+        h.table.drop((0, 2), h.now)
+    h.run(h.table.drop((0, 2), h.now, force=True))
+    assert "dropped by the operator" in h.error(1, 1).message and h.table.slots == {}

@@ -26,6 +26,7 @@ from slotsync.daemon.core.coordinator import Action, Reply, SlotCoordinator, Slo
 from slotsync.daemon.core.family import Families
 from slotsync.protocol.wire import (
     NOT_REGISTERED,
+    Abort,
     AdapterBegin,
     AdapterData,
     Begin,
@@ -201,6 +202,8 @@ class SlotTable:
             return c.on_adapter_message(rank, msg, now)
         if isinstance(msg, Begin) and (refused := c.adapter_refuses_begin(rank, msg)):
             return refused  # (an adapter round and a base round never overlap)
+        if isinstance(msg, Abort) and (aborted := c.adapter_abort(rank, msg, now)) is not None:
+            return aborted
         return c.on_message(rank, msg, now)
 
     def on_bad_message(self, identity: bytes, err: ProtocolError, now: float) -> list[Action]:
@@ -279,10 +282,11 @@ class SlotTable:
             known = ", ".join(f"[{s}, {e})" for s, e in sorted(self.slots)) or "none"
             raise KeyError(f"no slot [{slot[0]}, {slot[1]}) (slots: {known})")
         out: list[Action] = []
-        if c.current is not None:
+        running = c.current or c.adapter_round  # (a base update, or an adapter round)
+        if running is not None:
             if not force:
                 raise RuntimeError(
-                    f"slot [{slot[0]}, {slot[1]}) has update {c.current.update_id} in flight; "
+                    f"slot [{slot[0]}, {slot[1]}) has update {running.update_id} in flight; "
                     "drop it with force (`slotsync slots drop --force`) to fail that update "
                     "first")
             out += c.on_daemon_stop(now, reason, phase="dropped")  # (no engine call goes out)

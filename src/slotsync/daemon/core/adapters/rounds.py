@@ -64,7 +64,15 @@ from slotsync.daemon.core.adapters.ledger import (
 from slotsync.daemon.core.adapters.round import AdapterPhase, AdapterRound, handle_refusal
 from slotsync.daemon.core.registration import split_relayed
 from slotsync.daemon.core.update import Update
-from slotsync.protocol.wire import Ack, AdapterBegin, AdapterData, Begin, Error, ProtocolError
+from slotsync.protocol.wire import (
+    Abort,
+    Ack,
+    AdapterBegin,
+    AdapterData,
+    Begin,
+    Error,
+    ProtocolError,
+)
 
 INFO_ROUTES = ("version", "server_info")
 """The info stage's first steps: the base round's version stage (``update.BEGIN_STAGES``),
@@ -215,6 +223,16 @@ class AdapterRounds(AdapterAnswers):
             return None
         return self._adapter_fail(now, malformed.phase_of(err),
                                   malformed.describe(rank, err), [])
+
+    def adapter_abort(self, rank: int, msg: Abort, now: float) -> list[Action] | None:
+        """Rank ``rank`` aborts (its publisher gave up, e.g. its own timeout): the adapter
+        round it names fails, every rank told; None when it names none (the base rules)."""
+        a = self.adapter_round
+        if a is None or self.current is not None or msg.update_id != a.update_id:
+            return None
+        why = f": {msg.reason}" if msg.reason else ""
+        return self._adapter_fail(now, self._adapter_phase(a), f"rank {rank} aborted adapter "
+                                  f"round {a.update_id}{why}", [])
 
     def adapter_ranks_gone(self, now: float) -> list[Action]:
         """Ranks' connections went (``on_rank_gone`` marked them): a round that still needs
