@@ -42,6 +42,10 @@ class LoraEngine:
         self.loras: dict[str, str] = {}
         self.requests: list[str] = []
         self.fail: tuple[int, str] | None = None
+        self.slow_s = 0.0  # the next load takes this long (and then registers the name)
+        # vLLM's OpenAIServingModels takes lora_resolver_lock[lora_name] in load and unload:
+        # an unload of a name waits for its load to end
+        self.locks: dict[str, asyncio.Lock] = {}
 
     async def handle(self, request: web.Request) -> web.Response:
         path = request.path
@@ -59,6 +63,13 @@ class LoraEngine:
                                                    for n, p in self.loras.items())]})
         body = await request.json()
         name = body["lora_name"]
+        async with self.locks.setdefault(name, asyncio.Lock()):
+            return await self.lora_route(path, name, body)
+
+    async def lora_route(self, path: str, name: str, body: dict) -> web.Response:
+        if path == "/v1/load_lora_adapter" and self.slow_s:
+            slow, self.slow_s = self.slow_s, 0.0
+            await asyncio.sleep(slow)  # (the daemon gave up meanwhile; vLLM goes on)
         if path == "/v1/load_lora_adapter":
             if self.fail is not None:
                 (status, message), self.fail = self.fail, None
@@ -228,6 +239,45 @@ async def test_a_restarted_engine_gets_its_adapter_again_before_the_next_ack(tmp
         loads = [p for p in engine.requests if p.endswith("load_lora_adapter")]
         assert loads == ["/v1/load_lora_adapter"] * 2 + ["/v1/unload_lora_adapter"]
         assert set(engine.loras) == {"math@v2"}  # v1 loaded again from its folder, replaced
+    finally:
+        for r in ranks:
+            r.close()
+        ctx.destroy(linger=0)
+        await d.stop()
+        await runner.cleanup()
+
+
+async def test_a_load_past_its_deadline_is_undone_and_the_previous_version_stays(tmp_path):
+    """adapter_load_timeout_s 1: the load of v2 takes 3 s and registers v2 after the daemon
+    gave up; the daemon's unload of v2 waits for it (vLLM's per-name lock) and removes it:
+    the engine never keeps a version the ranks were told failed."""
+    engine = LoraEngine({f"math@v{v}": expected(v) for v in (1, 2)})
+    runner, url = await serve_engine(engine.handle, path="/{route:.*}")
+    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
+                      adapter_load_timeout_s=1.0))
+    await d.start()
+    ctx = zmq.Context()
+    ranks: list[ShmRank] = []
+
+    def first() -> list[object]:
+        ranks.extend(ShmRank(ctx, d.endpoint, r, url) for r in (0, 1))
+        return adapter_round(ranks, 0, 1)
+
+    try:
+        assert all(isinstance(a, wire.Ack) for a in await asyncio.to_thread(first))
+        engine.slow_s = 3.0
+        t0 = time.monotonic()
+        for err in await asyncio.to_thread(adapter_round, ranks, 1, 2):
+            assert isinstance(err, wire.Error) and err.phase == "adapter_data", err
+            assert "no answer within 1 s (adapter_load_timeout_s)" in err.message
+            assert "(math@v1 stays served)" in err.message
+        assert time.monotonic() - t0 >= 3.0  # (the errors waited for the unload of v2)
+        assert engine.loras == {"math@v1": str(Path(d.config.adapter_path(), "slot-0-2",
+                                                    "math@v1"))}
+        (s,) = d.status()["slots"]
+        assert [(a["served_name"], a["state"]) for a in s["adapters"]] == [("math@v1",
+                                                                          "served")]
+        assert "no answer within 1 s" in s["adapter_last_error"]
     finally:
         for r in ranks:
             r.close()
