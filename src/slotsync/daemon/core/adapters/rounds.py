@@ -194,8 +194,14 @@ class AdapterRounds(AdapterAnswers):
 
     def _on_adapter_data(self, rank: int, msg: AdapterData, now: float) -> list[Action]:
         a = self.adapter_round
-        if a is None or msg.update_id != a.update_id or a.failure is not None:
+        if a is not None and msg.update_id == a.update_id and a.failure is not None:
+            return self._rank_error(rank, "adapter_data", f"adapter data for round "
+                                    f"{a.update_id}, which failed: {a.failure[1]}", a.update_id)
+        if a is None or msg.update_id != a.update_id:
             cur = "none" if a is None else str(a.update_id)
+            if self.adapter_last_error and f"adapter round {msg.update_id} " in \
+                    self.adapter_last_error:
+                cur += f"; round {msg.update_id} failed: {self.adapter_last_error}"
             return self._rank_error(rank, "adapter_data", f"adapter data for update "
                                     f"{msg.update_id}, but the adapter round in flight is {cur}",
                                     msg.update_id)
