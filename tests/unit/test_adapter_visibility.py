@@ -107,6 +107,24 @@ def test_adapter_round_ends_count_by_outcome_with_duration_and_bytes():
     assert _sample(text, 'slotsync_adapter_load_duration_seconds_bucket{le="+Inf"}') == 3
 
 
+def test_slot_events_that_end_adapter_rounds_are_counted_and_others_ignored():
+    """``Metrics.slot_event`` reads the two ``SlotEvent``s that end an adapter round, with
+    the fields the core writes (``core/adapters/answers.py``: ``adapter_loaded``;
+    ``core/adapters/rounds.py``: ``adapter_failed``)."""
+    m = Metrics("t")
+    m.slot_event("adapter_loaded", {"engine": "http://e:1", "update_id": 3,
+                                    "served_name": "math@v3", "bytes": 4096, "seconds": 0.02,
+                                    "load_s": 0.01, "replaces": "math@v2"})
+    m.slot_event("adapter_failed", {"engine": "http://e:1", "update_id": 4,
+                                    "adapter": "math@v4", "seconds": 0.5, "error": "400"})
+    m.slot_event("rank_gone", {"rank": 0})
+    text = generate_latest(m.registry).decode()
+    assert _sample(text, 'slotsync_adapter_loads_total{outcome="success"}') == 1
+    assert _sample(text, 'slotsync_adapter_loads_total{outcome="failed"}') == 1
+    assert _sample(text, "slotsync_adapter_bytes_total") == 4096
+    assert _sample(text, "slotsync_adapter_load_duration_seconds_sum") == 0.52
+
+
 def test_adapter_metrics_pass_promtool_check_metrics():
     promtool = shutil.which("promtool")
     if promtool is None:
@@ -150,6 +168,27 @@ def test_status_table_shows_each_engines_adapters_versions_and_states():
     assert lines[5:] == ["[0,2) serves math@v3 (12.5 MB)", "[2,4) serves no adapter"]
     # and the whole table carries it between the ranks and the peers
     assert "\nSLOT   ENGINE       ADAPTER" in status_cli.render_table(_doc(table))
+
+
+def test_status_says_each_engines_round_in_flight_and_rounds_so_far():
+    table = _table_with_adapters({(0, 2): [_adapter("math", 3, "served", nbytes=0)],
+                                  (2, 4): []})
+    doc = _doc(table)
+    doc["slots"][0].update(adapter_round={"update_id": 5, "adapter": "math@v4",
+                                          "phase": "load", "failing": False},
+                           adapter_rounds_succeeded=3, adapter_rounds_failed=1,
+                           adapter_last_error="vLLM refused the load: 400 ... (start vLLM "
+                                              "with --max-lora-rank 64)")
+    doc["slots"][1].update(adapter_round={"update_id": 1, "adapter": "code@v1",
+                                          "phase": "begin", "failing": True},
+                           adapter_rounds_succeeded=0, adapter_rounds_failed=0)
+    lines = render_adapters(doc, now=1000.0).splitlines()
+    assert lines[1].split()[2:5] == ["math@v3", "served", "-"]  # (nbytes 0: not known)
+    assert lines[2:] == [
+        "[0,2) serves math@v3 (-); adapter round in flight: math@v4, phase load; 3 adapter "
+        "round(s) succeeded, 1 failed, the last: vLLM refused the load: 400 ... (start vLLM "
+        "with --max-lora-rank 64)",
+        "[2,4) serves no adapter; adapter round in flight: code@v1, phase begin (failing)"]
 
 
 def test_status_without_adapters_shows_no_adapter_part():

@@ -235,6 +235,6 @@ def main_from_args(args: argparse.Namespace) -> int:
     lost = lost_adapters(status)
     if lost and not args.json:
         print(f"{len(lost)} adapter version(s) lost (the engine should serve them and does "
-              "not; requests naming them fail until the daemon loads them again or a newer "
-              "version is published): " + "; ".join(lost), file=sys.stderr)
+              "not; requests naming them fail until the trainer publishes them again): "
+              + "; ".join(lost), file=sys.stderr)
     return 1 if failed or down or lost else 0

@@ -32,8 +32,8 @@ Wiring in the daemon (``service/server.py``'s ``Daemon``)::
     ...
     # for every UpdateEnded action:
     self.metrics.update_ended(action)
-    # for every adapter round that ended (issue 36), loaded or not:
-    self.metrics.adapter_round_ended(outcome, seconds, nbytes)
+    # for every SlotEvent action (the adapter rounds' ends, issue 36; the others are ignored):
+    self.metrics.slot_event(action.event, action.fields)
     # each engine client's observe callback (the executor, ``service/executor.py``):
     cls(url, timeout, self.metrics.observe_request)  # VllmClient or SglangClient
 """
@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import platform
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from prometheus_client import (
@@ -71,10 +72,13 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 OUTCOMES = ("success", "failed")  # UpdateEnded.outcome, and an adapter round's
+ADAPTER_ROUND_END_EVENTS = {"adapter_loaded": "success", "adapter_failed": "failed"}
+"""The ``SlotEvent`` names that end an adapter round, and the outcome each counts as."""
 ADAPTER_STATES = ("served", "loading", "reloading", "unloading", "lost")
 """The ``state`` of an adapter version in a slot's ``/status`` ``"adapters"`` entries
-(``daemon/core/slot_status.py``): ``lost`` is a version the engine should serve and does not
-(it restarted, or evicted it, and the daemon could not load it again)."""
+(``daemon/core/slot_status.py``, ``core/adapters/ledger.py``'s ``STATES``): ``lost`` is a
+version the engine should serve and does not (it restarted and the daemon holds no copy to
+load again: SGLang's adapters, which the engine read from the ranks' memory)."""
 
 
 class Metrics:
@@ -84,8 +88,9 @@ class Metrics:
         version: the daemon's version, exported in ``slotsync_build_info``.
 
     Call ``watch(table)`` once after the ``SlotTable`` exists, ``update_ended(e)`` for every
-    ``UpdateEnded`` action, ``adapter_round_ended(...)`` for every adapter round that ended,
-    and pass ``observe_request`` to each ``VllmClient``. The attributes
+    ``UpdateEnded`` action, ``slot_event(e.event, e.fields)`` for every ``SlotEvent`` (or
+    ``adapter_round_ended(...)`` for every adapter round that ended), and pass
+    ``observe_request`` to each ``VllmClient``. The attributes
     (``updates``, ``update_duration``, ``chunks``, ``bytes``, ``bad_messages``, ...) stay public
     for callers that record directly.
     """
@@ -271,6 +276,16 @@ class Metrics:
         self.adapter_load_duration.observe(seconds)
         if outcome == "success":
             self.adapter_bytes.inc(nbytes)
+
+    def slot_event(self, event: str, fields: Mapping[str, Any]) -> None:
+        """Record a ``SlotEvent`` action that ends an adapter round (issue 36; any other
+        event is ignored, so the executor may pass every one): ``adapter_loaded`` (fields
+        ``seconds``, ``bytes``) is a success, ``adapter_failed`` (``seconds``) a failure, as
+        ``core/adapters/answers.py`` and ``core/adapters/rounds.py`` write them."""
+        if event in ADAPTER_ROUND_END_EVENTS:
+            self.adapter_round_ended(ADAPTER_ROUND_END_EVENTS[event],
+                                     float(fields.get("seconds") or 0.0),
+                                     int(fields.get("bytes") or 0))
 
     def observe_request(self, route: str, seconds: float, ok: bool) -> None:
         """``VllmClient``'s observe callback: one vLLM HTTP request ended."""
