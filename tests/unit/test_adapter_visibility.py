@@ -218,3 +218,43 @@ def test_status_exits_1_and_names_the_lost_adapter_on_stderr(capsys, state, rc):
                 in err and "--max-loras 2" in err), err
     else:
         assert "lost" not in err, err
+
+
+# ------------------------------------------------- against the core's adapter rounds
+
+
+def test_the_cores_adapter_rounds_show_in_metrics_and_status():
+    """The core's own rounds (``tests/unit/test_adapter_rounds.py``'s harness: a scripted
+    engine with LoRA routes) through ``Metrics`` (the table at scrape time, the ``SlotEvent``s
+    as the executor passes them) and ``slotsync status``'s renderer: a vLLM round served, then
+    an SGLang engine's restart that loses its adapter. (Skipped where the core's adapter
+    rounds are not there yet.)"""
+    rounds = pytest.importorskip("test_adapter_rounds")
+
+    for kind in ("vllm", "sglang"):
+        h = rounds.started(kind=kind)
+        m = Metrics("t")
+        m.watch(h.table)
+        for version in (1, 2):  # (SGLang's stand-in takes whole tensors only)
+            h.adapter_round(version - 1, version=version, parts=rounds.whole_parts(version)
+                            if kind == "sglang" else None)
+        for e in h.events:
+            m.slot_event(e.event, e.fields)
+        text = generate_latest(m.registry).decode()
+        assert _sample(text, 'slotsync_adapter_served_version{lora_name="math",'
+                             'slot="[0,2)"}') == 2, kind
+        assert _sample(text, 'slotsync_adapter_loads_total{outcome="success"}') == 2
+        doc = {"version": "t", "slots": [h.coord.status()]}
+        assert "[0,2) serves math@v2 (" in render_adapters(doc) and not lost_adapters(doc)
+    # (h: the SGLang engine) it restarts; the next round's begin finds math@v2 lost
+    h.engine.restart()
+    h.adapter_round(2, version=2, parts=rounds.whole_parts(2), data=False)
+    text = generate_latest(m.registry).decode()
+    assert _sample(text, 'slotsync_adapter_versions{lora_name="math",slot="[0,2)",'
+                         'state="lost"}') == 1
+    assert _sample(text, 'slotsync_adapter_served_version{lora_name="math",'
+                         'slot="[0,2)"}') == 0
+    doc = {"version": "t", "slots": [h.coord.status()]}
+    (lost,) = lost_adapters(doc)
+    assert lost.startswith("[0,2) math@v2: ") and "publish version 2" in lost, lost
+    assert " LOST " in render_adapters(doc)
