@@ -390,3 +390,64 @@ def test_chunk_rows_is_torch_chunks_split() -> None:
                 start, stop = adapter_inputs.chunk_rows(dim0, world, i)
                 want = pieces[i].tolist() if i < len(pieces) else []
                 assert list(range(start, stop)) == want, (dim0, world, i)
+
+
+@pytest.mark.parametrize("transport,fail", [("device", False), ("device", True),
+                                            ("host", False)])
+def test_a_cuda_rank_packs_one_device_buffer_exports_it_and_gives_it_back_when_unacked(
+        make_daemon: Callable[..., FakeDaemon], endpoint: str,
+        monkeypatch: pytest.MonkeyPatch, transport: str, fail: bool) -> None:
+    """The cuda transport's path on the CPU: the "device" buffer is a CPU tensor, its export
+    a stand-in record (test_publisher.py's), as the unpacked tests do. "device": the part is
+    exported from the packed buffer and the host copy unlinked before the data goes out; an
+    export the daemon did not acknowledge is given back (an Error at the data), one it did
+    is not; "host": the segment goes, the buffer is never exported."""
+    from slotsync.protocol.rank.adapters import part as adapter_part
+
+    exported: list[bytes] = []
+    released: list[int] = []
+    collected: list[int] = []
+
+    def export(buf: torch.Tensor) -> wire.CudaIpcHandle:
+        exported.append(buf.numpy().tobytes())
+        return test_publisher._stand_in_cuda_handle(buf.numel(), 5)
+
+    monkeypatch.setattr(adapter_part, "cuda_ipc_handle", export)
+    monkeypatch.setattr(adapter_part, "release_unconsumed",
+                        lambda h: released.append(h.ref_counter_offset))
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: collected.append(1))
+    inner = Adapterd(transport)
+    segments_at_data: list[list[str]] = []
+
+    def script(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.AdapterData):
+            segments_at_data.append(_no_segments())
+            if fail:
+                return [wire.Error("adapter_data", "engine 0 died mid-load", [0, 2],
+                                   msg.update_id)]
+        return inner(msg)
+
+    daemon = make_daemon(script)
+    tensors = _adapter()
+    with _publisher(endpoint) as pub:
+        pub.transport = "cuda"  # (its device stays the CPU: the buffer is a CPU tensor)
+        if fail:
+            with pytest.raises(SlotsyncError, match="died mid-load"):
+                pub.publish_adapter("math", tensors, CONFIG, 1)
+        else:
+            assert pub.publish_adapter("math", tensors, CONFIG, 1).transport == transport
+        (data,) = daemon.of_type(wire.AdapterData)
+        offsets, total = wire.part_offsets(daemon.of_type(wire.AdapterBegin)[0].tensors)
+        if transport == "device":
+            assert isinstance(data.handle, wire.CudaIpcHandle) and data.handle.nbytes == total
+            (blob,) = exported
+            assert segments_at_data == [[]]  # (the host copy went before the data)
+            assert released == ([5] if fail else []) and collected == [1]
+        else:
+            assert isinstance(data.handle, wire.ShmHandle) and exported == released == []
+            (blob,) = inner.parts
+            assert collected == []
+        for off, src in zip(offsets, tensors.values(), strict=True):
+            assert blob[off : off + len(_raw(src))] == _raw(src)
+        assert _no_segments() == []
+    assert _no_segments() == []
