@@ -40,7 +40,7 @@ log = logging.getLogger("slotsync.protocol.rank.publisher")  # (the log lines st
 
 PARALLEL_DIGEST_BYTES = 32 << 20
 """Parts of at least this many bytes are hashed by up to 4 threads (``hashlib`` releases the
-GIL while it hashes)."""
+GIL while it hashes), on shm while the next tensors are copied."""
 
 
 def _sha256(view: torch.Tensor) -> str:
@@ -74,16 +74,19 @@ class AdapterPart:
         self.consumed = False  # the daemon acknowledged the data: the engine has its bytes
         self.copy_s = self.digest_s = 0.0
 
-    def fill(self) -> None:
-        """Allocate the copies and copy the tensors in (on CUDA: pack on the device, then one
-        copy to the host; the host copy is complete when this returns).
+    def fill(self) -> list[str]:
+        """Allocate the copies, copy the tensors in and return the sha256 hex digest of each
+        tensor's bytes (its rows, C order), taken from the host copy. On CUDA the tensors are
+        packed on the device, then copied to the host in one transfer; on shm each tensor's
+        digest is taken (by up to 4 threads: ``hashlib`` releases the GIL) while the next
+        ones are copied, for a part of ``PARALLEL_DIGEST_BYTES`` or more.
 
         Raises:
             MemoryError: the segment (``/dev/shm``) or the device buffer cannot be allocated
                 (names the size and where).
         """
         if not self.tensors:
-            return
+            return []
         t0 = time.perf_counter()
         try:
             self.segment = ShmSegment(self.nbytes, rank=self.rank)
@@ -94,44 +97,45 @@ class AdapterPart:
         self._owned.append(self.segment)
         host = self.segment.tensor
         assert host is not None
-        with torch.no_grad():
-            if self.transport == "cuda":
-                try:
-                    buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
-                except RuntimeError as e:  # torch.OutOfMemoryError is one
-                    raise MemoryError(f"cannot allocate {self.nbytes} bytes on {self.device} "
-                                      f"for this rank's adapter part: {e}") from None
-                self.device_buffer = buf
-                self._copy_into(buf)
-                host.copy_(buf)  # (to pageable memory: returns once the copy is done)
-            else:
-                self._copy_into(host)
-        self.copy_s = time.perf_counter() - t0
+        views = [host[off : off + t.nbytes] for t, off in zip(self.tensors, self.offsets,
+                                                               strict=True)]
+        workers = min(4, os.cpu_count() or 1) if self.nbytes >= PARALLEL_DIGEST_BYTES else 0
+        pool = ThreadPoolExecutor(workers) if workers > 1 and len(views) > 1 else None
+        try:
+            with torch.no_grad():
+                if self.transport == "cuda":
+                    try:
+                        buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+                    except RuntimeError as e:  # torch.OutOfMemoryError is one
+                        raise MemoryError(f"cannot allocate {self.nbytes} bytes on "
+                                          f"{self.device} for this rank's adapter part: "
+                                          f"{e}") from None
+                    self.device_buffer = buf
+                    self._copy_into(buf)
+                    host.copy_(buf)  # (to pageable memory: returns once the copy is done)
+                    hashed = [pool.submit(_sha256, v) for v in views] if pool else []
+                else:
+                    hashed = []
+                    for t, view in zip(self.tensors, views, strict=True):
+                        if t.nbytes:
+                            view.copy_(raw_bytes(t.local))
+                        if pool:
+                            hashed.append(pool.submit(_sha256, view))
+            t1 = time.perf_counter()
+            digests = ([f.result() for f in hashed] if pool
+                       else [_sha256(v) for v in views])
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+        del views, host  # (no view of the segment may outlive it: ShmSegment.close_and_unlink)
+        self.copy_s, self.digest_s = t1 - t0, time.perf_counter() - t1
+        return digests
 
     def _copy_into(self, buf: torch.Tensor) -> None:
         for t, off in zip(self.tensors, self.offsets, strict=True):
             n = t.nbytes
             if n:
                 buf[off : off + n].copy_(raw_bytes(t.local))
-
-    def digests(self) -> list[str]:
-        """The sha256 hex digest of each tensor's bytes (its rows, C order), from the host
-        copy (``fill`` first)."""
-        if not self.tensors:
-            return []
-        assert self.segment is not None and self.segment.tensor is not None
-        t0 = time.perf_counter()
-        host = self.segment.tensor
-        views = [host[off : off + t.nbytes] for t, off in zip(self.tensors, self.offsets,
-                                                               strict=True)]
-        if self.nbytes >= PARALLEL_DIGEST_BYTES and len(views) > 1:
-            with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
-                out = list(pool.map(_sha256, views))
-        else:
-            out = [_sha256(v) for v in views]
-        del views, host  # (no view of the segment may outlive it: ShmSegment.close_and_unlink)
-        self.digest_s = time.perf_counter() - t0
-        return out
 
     def handle(self, transport: str) -> wire.Handle | None:
         """The handle of the part for the daemon's ``transport`` (None: an empty part), and

@@ -201,10 +201,10 @@ def publish_adapter(
     part = AdapterPart(parts, rank=pub.rank, transport=pub.transport, device=pub.device,
                        owned=pub._exporter.segments)
     try:
-        part.fill()
+        digests = part.fill()
         fields = {"lora_name": lora_name, "version": version, "config_json": config_json,
                   "tensors": _begin(0, lora_name, version, config_json, parts,
-                                    part.digests()).tensors}
+                                    digests).tensors}
         uid, ack, begin_wait = _send_begin(pub, fields)
         if ack.transport not in ("host", "device"):
             raise SlotsyncError(
