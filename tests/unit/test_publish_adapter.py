@@ -316,6 +316,7 @@ def _bad_inputs() -> list[tuple[str, dict, str]]:
          "not in tensors"),
         ("rows-form", {"tensors": {q: a[q]}, "rows": {q: 3}}, "(row_start, whole_shape)"),
         ("version-negative", {"version": -1}, "version must be >= 0"),
+        ("version-huge", {"version": 1 << 63}, "below 2**63"),
         ("version-bool", {"version": True}, "version must be an int"),
         ("version-str", {"version": "3"}, "version must be an int"),
         ("config-no-r", {"config": {"target_modules": ["q_proj"]}}, "'r' must be a positive"),

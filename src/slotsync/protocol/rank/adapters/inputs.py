@@ -74,16 +74,17 @@ class PartTensor:
 
 
 def version_of(version: object) -> int:
-    """An adapter version the wire carries: an int >= 0 (not a bool).
+    """An adapter version the wire carries: an int >= 0 (not a bool), below 2**63.
 
     Raises:
-        TypeError: not an int. ValueError: negative.
+        TypeError: not an int. ValueError: negative or too large.
     """
     if not isinstance(version, int) or isinstance(version, bool):
         raise TypeError(f"version must be an int >= 0 (each round's version above the last), "
                         f"got {type(version).__name__} {version!r}"[:200])
-    if version < 0:
-        raise ValueError(f"version must be >= 0, got {version}")
+    if not 0 <= version < 1 << 63:
+        raise ValueError(f"version must be >= 0 and below 2**63 (a msgpack int), got "
+                         f"{version}")
     return version
 
 
