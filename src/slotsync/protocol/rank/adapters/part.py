@@ -15,7 +15,10 @@ Lifetime (design.md I3): the copy handed over lives until the daemon's
 unlinks the segment, drops the device buffer and, on CUDA, runs ``torch.cuda.ipc_collect()``.
 An export the engine was never known to consume (no ack: an error, a timeout, an interrupt)
 is given back first (``export.release_unconsumed``), as the base-weight ledger does for
-chunks never acknowledged (``export_ledger.py``).
+chunks never acknowledged (``export_ledger.py``). Should the engine have mapped and released
+it after all, the counter goes below zero, which torch's IPC limbo frees as it frees zero
+(``CudaIPCSentDataLimbo::collect`` keeps only blocks whose counter is above zero); an engine
+still reading it then reads freed memory, which the digests it checks catch.
 """
 
 from __future__ import annotations
@@ -164,11 +167,6 @@ class AdapterPart:
             seg.close_and_unlink()
             if seg in self._owned:
                 self._owned.remove(seg)
-
-    @property
-    def freed(self) -> bool:
-        """Nothing of the part is held any more."""
-        return self.segment is None and self.device_buffer is None and self.export is None
 
     def free(self) -> None:
         """Unlink the segment, drop the device buffer (giving back an export the daemon did
