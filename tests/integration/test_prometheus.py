@@ -59,7 +59,7 @@ def _sample(text: str, name: str) -> float:
 def test_alert_rules_pass_promtool_check():
     r = _run([_tool("promtool"), "check", "rules", str(ALERTS)])
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 6 rules found" in r.stdout
+    assert "SUCCESS: 8 rules found" in r.stdout
 
 
 def test_alert_rules_fire_as_specified():
@@ -75,12 +75,19 @@ def test_example_prometheus_config_is_valid():
 
 def test_alert_rules_use_only_exported_metrics():
     """Every slotsync_* name in the rules is a metric the daemon exports (the peer-link
-    series: a daemon with a peer link)."""
+    series: a daemon with a peer link; the adapter series: a slot with an adapter)."""
     import re
 
     from slotsync.daemon.node_links.peer_state import LinkState
 
     m = Metrics("test")
+    table = SlotTable(Timeouts(), "test")
+    _register(table, 0, 0, 2, 0.0)
+    (c,) = table.slots.values()
+    c.status = lambda now=None: {"slot": [0, 2], "adapters": [  # (issue 36's entry)
+        {"lora_name": "math", "version": 3, "served_name": "math@v3", "state": "served",
+         "nbytes": 10, "loaded_at": 1.0, "error": None}]}
+    m.watch(table)
     m.watch_peers(type("Peers", (), {"links": lambda self: [LinkState("node0", "relays")]})())
     exported = generate_latest(m.registry).decode()
     for name in set(re.findall(r"slotsync_[a-z_]+", ALERTS.read_text())):

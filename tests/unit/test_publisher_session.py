@@ -195,3 +195,23 @@ def test_draft_chunks_come_after_every_main_chunk() -> None:
     s.begin("w")
     with pytest.raises(ValueError, match="declared no draft part"):
         s.next_chunk_part(True)
+
+
+def test_an_adapter_round_takes_the_shared_update_id_and_an_error_ends_it() -> None:
+    # (issue 36: base-weight and adapter rounds share one id sequence on a slot)
+    s = _session()
+    assert s.adapter_round() == NEXT and s.update_id == NEXT
+    with pytest.raises(RuntimeError, match="still open"):
+        s.begin("v")
+    with pytest.raises(RuntimeError, match="still open"):
+        s.adapter_round()
+    begin_ack = ps.Awaited("adapter_begin", NEXT)
+    assert s.receive(_ack("adapter_begin"), begin_ack) is ps.Outcome.MATCH
+    assert s.receive(_ack("adapter_data"), begin_ack) is ps.Outcome.STALE
+    assert begin_ack.describe() == f"Ack(adapter_begin) for update {NEXT}"
+    # a daemon that forgot us (restarted) ends the round: nothing of it goes out again
+    gone = wire.Error("register", "not registered", update_id=NEXT, code=wire.NOT_REGISTERED)
+    assert s.receive(gone, ps.Awaited("adapter_begin", NEXT)) is ps.Outcome.ERROR
+    assert s.error_action(gone) is ps.ErrorAction.END
+    s.end()
+    assert s.begin("v").update_id == NEXT + 1  # (the next round, base or adapter)

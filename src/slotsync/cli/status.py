@@ -1,9 +1,10 @@
 """``slotsync status``: one table of the daemon's slots, from its ``/status`` endpoint.
 
 Exit status: 0 when every slot is healthy and every peer link up, 1 when a slot is
-``failed`` (engine paused, needing a full update) or a peer link to another node's daemon is
-not up (engines over several nodes: no update of theirs can run), 2 when the daemon cannot be
-reached or answers garbage.
+``failed`` (engine paused, needing a full update), a peer link to another node's daemon is
+not up (engines over several nodes: no update of theirs can run) or an engine has lost a LoRA
+adapter version it should serve (issue 36: requests naming it fail), 2 when the daemon cannot
+be reached or answers garbage.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import urllib.error
 import urllib.request
 
+from slotsync.cli.status_adapters import lost_adapters, render_adapters
 from slotsync.cli.status_peers import links_not_up, render_peers
 
 DEFAULT_URL = "http://127.0.0.1:9460"
@@ -126,8 +128,10 @@ def render_table(status: dict) -> str:
                                                    "driven by another node, below)" if relayed
                                           else "(no slots)"]
     ranks = render_ranks(status)
+    adapters = render_adapters(status)
     peers = render_peers(status)
-    return "\n".join(out + (["", ranks] if ranks else []) + (["", peers] if peers else []))
+    return "\n".join(out + (["", ranks] if ranks else []) + (["", adapters] if adapters else [])
+                     + (["", peers] if peers else []))
 
 
 def _ago(s: float | None, suffix: str = " ago") -> str:
@@ -228,4 +232,9 @@ def main_from_args(args: argparse.Namespace) -> int:
         print(f"{len(down)} peer link(s) not up: {'; '.join(down)} (engines over several "
               "nodes: their updates fail until it is; docs/multi-node.md section 6)",
               file=sys.stderr)
-    return 1 if failed or down else 0
+    lost = lost_adapters(status)
+    if lost and not args.json:
+        print(f"{len(lost)} adapter version(s) lost (the engine should serve them and does "
+              "not; requests naming them fail until the trainer publishes them again): "
+              + "; ".join(lost), file=sys.stderr)
+    return 1 if failed or down or lost else 0

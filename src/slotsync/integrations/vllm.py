@@ -37,6 +37,11 @@ Speculative-decoding draft models (issue 18): vLLM 0.32's trainer API has no way
 and ``RayVLLMWeightSyncClient`` have no ``start_draft_weight_update``), so this backend sends
 the main model only; a round with a draft part goes through ``Publisher.publish(...,
 draft=...)`` (docs/publisher.md, "Draft models").
+LoRA adapters (issue 36): vLLM 0.32's trainer API has no adapter path either (nothing in
+``vllm/distributed/weight_transfer/`` names LoRA: ``send_weights`` takes one weight source and
+the clients have no adapter call), so this backend sends base weights only; an adapter round
+goes through its publisher, ``engine.publisher.publish_adapter(...)`` (docs/publisher.md,
+"LoRA adapters").
 A source whose rank holds only part of the model (expert or pipeline parallelism: vLLM 0.32's
 ``held_names()`` not None, vLLM 0.33's ``owned_names(rank)`` short of ``metadata``) runs in
 rank-local mode (``Publisher(rank_local=True)``, docs/rank-local.md): the rank publishes only

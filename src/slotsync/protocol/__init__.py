@@ -14,8 +14,9 @@ SlotTopology, SlotsyncError, ...``). Two layers live here:
   ``slotsync.protocol.rank``). It imports the schema and torch, never the daemon, an engine or
   a benchmark.
 
-The torch-dependent names (``Publisher``, ``PublishStats``, ``new_slot_groups``, the export
-helpers) are loaded lazily on first access, so ``import slotsync.protocol`` stays torch-free.
+The torch-dependent names (``Publisher``, ``PublishStats``, ``AdapterStats``,
+``new_slot_groups``, the export helpers) are loaded lazily on first access, so
+``import slotsync.protocol`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from slotsync.protocol.wire import PROTOCOL_VERSION, logical_gpu_uuid, normalize
 if TYPE_CHECKING:
     from slotsync.protocol.rank.export import ShmSegment, cuda_ipc_handle, gpu_uuid_of
     from slotsync.protocol.rank.groups import new_slot_groups
-    from slotsync.protocol.rank.publisher import Publisher, PublishStats
+    from slotsync.protocol.rank.publisher import AdapterStats, Publisher, PublishStats
     from slotsync.protocol.rank.staging import StagingBuffer
 
 _LAZY = {
+    "AdapterStats": "slotsync.protocol.rank.publisher",
     "Publisher": "slotsync.protocol.rank.publisher",
     "PublishStats": "slotsync.protocol.rank.publisher",
     "new_slot_groups": "slotsync.protocol.rank.groups",
@@ -45,6 +47,7 @@ _LAZY = {
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AdapterStats",
     "EngineSlot",
     "PublishStats",
     "Publisher",

@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["DAEMON_GONE", "SlotsyncError", "SlotsyncTimeout"]
+__all__ = ["ADAPTERS_UNSUPPORTED", "DAEMON_GONE", "SlotsyncError", "SlotsyncTimeout"]
 
 DAEMON_GONE = "daemon_gone"
 """``SlotsyncError.code`` when the connection to the daemon closed while waiting for a reply
 (the daemon exited, was killed, or answered no heartbeat within the publisher's
 ``liveness_s``)."""
+
+ADAPTERS_UNSUPPORTED = "adapters_unsupported"
+"""``SlotsyncError.code`` when ``Publisher.publish_adapter`` finds a daemon that does not know
+adapter rounds (a slotsyncd older than issue 36 cannot decode ``wire.AdapterBegin``)."""
 
 
 class SlotsyncError(Exception):
@@ -23,8 +27,9 @@ class SlotsyncError(Exception):
     Attributes:
         phase: the step that failed: ``register``, ``begin``, ``chunk``, ``commit``,
             ``abort``, ``engine``, ``draft`` (a failure after the main session of a round
-            with a draft part finished: only the draft needs a full update; issue 18) (from
-            the daemon) or ``protocol`` (bad reply).
+            with a draft part finished: only the draft needs a full update; issue 18),
+            ``adapter_begin``, ``adapter_data`` (an adapter round, issue 36: the previous
+            version stays served) (from the daemon) or ``protocol`` (bad reply).
         message: the daemon's own text.
         slot: the engine slot ``(start, end)``, or ``None`` if the daemon did not know it.
         update_id: the failed update's id, or ``None`` (e.g. registration).

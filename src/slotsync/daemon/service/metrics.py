@@ -6,8 +6,11 @@ Conventions (https://prometheus.io/docs/practices/naming/):
   ``_total``; ``slotsync_build_info`` is the usual constant-1 info gauge;
 * small, fixed label sets only: ``outcome`` (2 values), ``route`` (the vLLM routes of
   ``daemon/vllm/client.py``'s ``ROUTES``), ``state`` (the ``SlotState`` values). Nothing is
-  labelled by rank, slot, update id or weight version: those are unbounded over a run and
-  belong in ``/status`` and the logs;
+  labelled by rank, update id or weight version: those are unbounded over a run and belong in
+  ``/status`` and the logs. The one exception, the adapter series (issue 36), is labelled by
+  ``slot`` and ``lora_name``: the slots of this daemon's engine table and the adapter names
+  the trainer publishes are a few each for a job, and an alert must name the engine whose
+  adapter is lost; the adapter's version is a value, never a label;
 * every labelled child that can exist is created at start, so a counter's first increment is
   seen by ``increase()`` (a series that appears at 1 has no increase) and gauges read 0, not
   "absent";
@@ -29,6 +32,8 @@ Wiring in the daemon (``service/server.py``'s ``Daemon``)::
     ...
     # for every UpdateEnded action:
     self.metrics.update_ended(action)
+    # for every SlotEvent action (the adapter rounds' ends, issue 36; the others are ignored):
+    self.metrics.slot_event(action.event, action.fields)
     # each engine client's observe callback (the executor, ``service/executor.py``):
     cls(url, timeout, self.metrics.observe_request)  # VllmClient or SglangClient
 """
@@ -37,7 +42,8 @@ from __future__ import annotations
 
 import platform
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from prometheus_client import (
@@ -65,7 +71,14 @@ disable_created_metrics()
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
-OUTCOMES = ("success", "failed")  # UpdateEnded.outcome
+OUTCOMES = ("success", "failed")  # UpdateEnded.outcome, and an adapter round's
+ADAPTER_ROUND_END_EVENTS = {"adapter_loaded": "success", "adapter_failed": "failed"}
+"""The ``SlotEvent`` names that end an adapter round, and the outcome each counts as."""
+ADAPTER_STATES = ("served", "loading", "reloading", "unloading", "lost")
+"""The ``state`` of an adapter version in a slot's ``/status`` ``"adapters"`` entries
+(``daemon/core/slot_status.py``, ``core/adapters/ledger.py``'s ``STATES``): ``lost`` is a
+version the engine should serve and does not (it restarted and the daemon holds no copy to
+load again: SGLang's adapters, which the engine read from the ranks' memory)."""
 
 
 class Metrics:
@@ -75,7 +88,9 @@ class Metrics:
         version: the daemon's version, exported in ``slotsync_build_info``.
 
     Call ``watch(table)`` once after the ``SlotTable`` exists, ``update_ended(e)`` for every
-    ``UpdateEnded`` action, and pass ``observe_request`` to each ``VllmClient``. The attributes
+    ``UpdateEnded`` action, ``slot_event(e.event, e.fields)`` for every ``SlotEvent`` (or
+    ``adapter_round_ended(...)`` for every adapter round that ended), and pass
+    ``observe_request`` to each ``VllmClient``. The attributes
     (``updates``, ``update_duration``, ``chunks``, ``bytes``, ``bad_messages``, ...) stay public
     for callers that record directly.
     """
@@ -143,6 +158,25 @@ class Metrics:
             registry=r,
         )
 
+        # ---- adapter rounds (issue 36), recorded by adapter_round_ended
+        self.adapter_loads = Counter(
+            "slotsync_adapter_loads", "Adapter rounds that ended, by outcome (failed: the "
+            "previous version stays served)", ["outcome"], registry=r
+        )
+        for outcome in OUTCOMES:
+            self.adapter_loads.labels(outcome)
+        self.adapter_load_duration = Histogram(
+            "slotsync_adapter_load_duration_seconds",
+            "Duration of one adapter round, first AdapterBegin to its end (successful and "
+            "failed)",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.adapter_bytes = Counter(
+            "slotsync_adapter_bytes", "Bytes of the adapters loaded (every rank's part; "
+            "successful rounds)", registry=r
+        )
+
         # ---- gauges derived from the slot table at scrape time (see watch)
         self.in_flight = Gauge("slotsync_updates_in_flight", "Updates in flight", registry=r)
         self.in_flight_age = Gauge(
@@ -181,6 +215,7 @@ class Metrics:
         be the table's event loop thread.
         """
         self._table = table
+        self.registry.register(_AdapterCollector(table))
         self.in_flight.set_function(
             lambda: sum(c.current is not None for c in table.slots.values())
         )
@@ -223,6 +258,34 @@ class Metrics:
         self.omitted_names.inc(e.omitted_names)
         if outcome == "success":
             self.last_success.set(time.time())
+
+    def adapter_round_ended(self, outcome: str, seconds: float, nbytes: int = 0) -> None:
+        """Record one adapter round that ended (issue 36): the service calls it once per
+        round of a slot, when the round's last ``Ack(phase="adapter_data")`` or its ``Error``
+        goes to the ranks.
+
+        Args:
+            outcome: ``"success"`` (the version is servable on the slot's engine) or
+                ``"failed"`` (refused or failed at any phase; anything else counts as
+                failed, to keep the label set fixed).
+            seconds: from the round's first ``AdapterBegin`` to its end.
+            nbytes: the adapter's bytes (every rank's part); counted only on success.
+        """
+        outcome = outcome if outcome in OUTCOMES else "failed"
+        self.adapter_loads.labels(outcome).inc()
+        self.adapter_load_duration.observe(seconds)
+        if outcome == "success":
+            self.adapter_bytes.inc(nbytes)
+
+    def slot_event(self, event: str, fields: Mapping[str, Any]) -> None:
+        """Record a ``SlotEvent`` action that ends an adapter round (issue 36; any other
+        event is ignored, so the executor may pass every one): ``adapter_loaded`` (fields
+        ``seconds``, ``bytes``) is a success, ``adapter_failed`` (``seconds``) a failure, as
+        ``core/adapters/answers.py`` and ``core/adapters/rounds.py`` write them."""
+        if event in ADAPTER_ROUND_END_EVENTS:
+            self.adapter_round_ended(ADAPTER_ROUND_END_EVENTS[event],
+                                     float(fields.get("seconds") or 0.0),
+                                     int(fields.get("bytes") or 0))
 
     def observe_request(self, route: str, seconds: float, ok: bool) -> None:
         """``VllmClient``'s observe callback: one vLLM HTTP request ended."""
@@ -273,3 +336,46 @@ class _PeerLinkCollector:
             msgs.add_metric([link.node, "out"], link.messages_out)
             downs.add_metric([link.node], link.downs)
         yield from (up, heard, rtt, msgs, downs)
+
+
+class _AdapterCollector:
+    """``slotsync_adapter_served_version`` and ``slotsync_adapter_versions``: the adapters of
+    each slot's engine, read at scrape time from the slots' ``/status`` entries (their
+    ``"adapters"`` list, issue 36), never from the core's ledger directly. One series per
+    (slot, adapter name) the entries name, ``slot`` written as in ``/status`` and the logs
+    (``[0,2)``); every state of ``ADAPTER_STATES`` is exported for each, at 0 where no version
+    is in it, so that ``slotsync_adapter_versions{state="lost"} > 0`` has a series to read
+    before an adapter is lost. Nothing for a slot without adapters."""
+
+    def __init__(self, table: SlotTable) -> None:
+        self.table = table
+
+    def describe(self):
+        return []  # (the series depend on the adapters loaded; read at collect)
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        served = GaugeMetricFamily(
+            "slotsync_adapter_served_version", "Highest version of the adapter the slot's "
+            "engine serves (0: none, e.g. every version lost)", labels=["slot", "lora_name"])
+        versions = GaugeMetricFamily(
+            "slotsync_adapter_versions", "Versions of the adapter on the slot's engine, by "
+            "state (lost: the engine should serve it and does not)",
+            labels=["slot", "lora_name", "state"])
+        for _, c in sorted(self.table.slots.items()):
+            doc = c.status()
+            entries = doc.get("adapters") or []
+            if not entries:
+                continue
+            slot = f"[{doc['slot'][0]},{doc['slot'][1]})"
+            for name in sorted({e["lora_name"] for e in entries}):
+                mine = [e for e in entries if e["lora_name"] == name]
+                served.add_metric([slot, name], max(
+                    (e["version"] for e in mine if e["state"] == "served"), default=0))
+                states = ADAPTER_STATES + tuple(sorted(
+                    {e["state"] for e in mine} - set(ADAPTER_STATES)))  # (a newer state)
+                for state in states:
+                    versions.add_metric([slot, name, state],
+                                        sum(e["state"] == state for e in mine))
+        yield from (served, versions)

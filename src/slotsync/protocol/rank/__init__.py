@@ -10,7 +10,8 @@ digests kept across rounds); ``gc_hold.py`` (the cyclic GC held off during ``pub
 ``export.py``, ``staging.py``, ``chunk_export.py``, ``export_ledger.py``, ``shm_segment.py``,
 ``sharded.py`` and ``gather.py`` (tensors to handle records: CUDA IPC and shared memory, the
 staging memory, DTensor shards, the Triton gather); ``groups.py`` (per-slot
-``torch.distributed`` groups).
+``torch.distributed`` groups); ``adapters/`` (``Publisher.publish_adapter``: a LoRA adapter
+round, issue 36).
 
 Layer: above the schema in ``slotsync.protocol`` (``wire``, ``topology``, ``errors``,
 ``chunking``, ``manifest``, ``liveness``, ``endpoint``), which it imports, with torch, zmq and

@@ -62,6 +62,9 @@ import torch
 from slotsync.protocol import wire
 from slotsync.protocol.chunking import cut
 from slotsync.protocol.rank import inputs
+from slotsync.protocol.rank.adapters import round as adapter_round
+from slotsync.protocol.rank.adapters.inputs import Rows
+from slotsync.protocol.rank.adapters.round import AdapterStats
 from slotsync.protocol.rank.connection import PublisherConnection
 from slotsync.protocol.rank.export import gpu_uuid_of
 from slotsync.protocol.rank.gc_hold import held_during
@@ -71,7 +74,7 @@ from slotsync.protocol.topology import EngineSlot
 
 __all__ = ["DEFAULT_STAGING_BUFFERS", "DEFAULT_STAGING_BYTES", "MAX_STAGING_BUFFERS",
            "MAX_UNACKED_CHUNKS",
-           "PublishStats", "Publisher"]
+           "AdapterStats", "PublishStats", "Publisher"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -442,6 +445,62 @@ class Publisher(PublisherConnection):
             omitted_count=ack.omitted_count if ack else 0,
             engine_resumed=ack.resumed if ack else True,
         )
+
+    @_one_thread
+    def publish_adapter(
+        self,
+        lora_name: str,
+        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        config: Mapping[str, object] | str,
+        version: int,
+        *,
+        rows: Rows | None = None,
+    ) -> AdapterStats:
+        """Publish version ``version`` of LoRA adapter ``lora_name`` to every engine of the
+        slot (issue 36; docs/publisher.md "LoRA adapters"): returns once each engine serves
+        it as ``wire.served_name(lora_name, version)`` (``"math@v3"``), the previous version
+        staying served until then. Every rank of the slot calls it with the same
+        ``lora_name``, ``version`` and ``config``, each with its part; no collective. The
+        engine is not paused. The rank's part is copied (a shared-memory segment; on a GPU
+        also one packed device buffer) before anything is sent, so the tensors may change
+        once this returns; the copy is freed before it returns or raises.
+
+        Args:
+            lora_name: 1-64 of ``A-Z a-z 0-9 _ . -``, starting with a letter or digit.
+            tensors: this rank's part under PEFT names, as
+                ``peft.get_peft_model_state_dict(model)`` gives them (its output as it is:
+                ``...q_proj.lora_A.weight``, the names ``save_pretrained`` writes; a name that
+                still holds the adapter's name, ``lora_A.default.weight``, is refused), in a
+                mapping or ``(name, tensor)`` pairs; empty when other ranks of the slot hold
+                everything. Each tensor is whole unless ``rows`` says otherwise; an FSDP2
+                DTensor sharded ``(Shard(0),)`` on a 1-D mesh is this rank's local rows (the
+                mesh must be the slot's ranks). Across the slot's ranks the parts must tile
+                each tensor's rows exactly: a whole tensor is sent by one rank only.
+            config: the PEFT adapter config, ``peft_model.peft_config["default"].to_dict()``
+                or the text of ``adapter_config.json``; needs ``r`` and ``target_modules``.
+            version: an int >= 0, above the version the slot serves.
+            rows: ``name -> (row_start, whole_shape)`` for a plain tensor that holds rows
+                ``[row_start, row_start + len)`` of dim 0 of a tensor of ``whole_shape``.
+
+        Returns:
+            ``AdapterStats`` (the served name, this rank's bytes, time per phase).
+
+        Raises:
+            TypeError, ValueError: a bad argument, before anything is sent: names that
+                repeat or hold an adapter name, a dtype outside ``wire.DTYPE_SIZES``, tensors
+                on different devices, a DTensor of another layout, ``rows`` that do not fit,
+                a config without ``r`` or ``target_modules``, a negative version, a part
+                over ``adapters.inputs.MAX_PART_BYTES``.
+            MemoryError: the part cannot be allocated (``/dev/shm`` or the GPU).
+            SlotsyncError: the daemon refused the round (a version not above the served
+                one, an engine without LoRA, ranks that disagree or do not tile; the
+                previous version stays served) or the load failed; ``code
+                "adapters_unsupported"``: the daemon is older than adapter rounds;
+                ``"daemon_gone"``: it went away.
+            SlotsyncTimeout: no reply within ``timeout_s``.
+            RuntimeError: an update is open.
+        """
+        return adapter_round.publish_adapter(self, lora_name, tensors, config, version, rows)
 
     def _draft_input(
         self,

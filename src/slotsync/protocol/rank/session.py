@@ -74,9 +74,9 @@ class ErrorAction(Enum):
 class Awaited:
     """What the publisher is waiting for: ``Registered`` (phase ``register``; an Error without
     update id answers it too), or the ``Ack`` of ``phase`` for ``update_id`` (chunk:
-    ``index``)."""
+    ``index``; ``adapter_begin`` / ``adapter_data``: the steps of an adapter round, issue 36)."""
 
-    phase: Literal["register", "begin", "chunk", "commit"]
+    phase: Literal["register", "begin", "chunk", "commit", "adapter_begin", "adapter_data"]
     update_id: int | None = None
     index: int = -1
 
@@ -221,6 +221,28 @@ class PublisherSession:
         self.begin_rank_local = rank_local or {}
         return wire.Begin(update_id=uid, weight_version=weight_version, manifest=manifest,
                           draft=draft, **self.begin_rank_local, **self.declared_settings())
+
+    def adapter_round(self) -> int:
+        """Open the next update id for an adapter round (issue 36, ``rank/adapters/``): no
+        ``Begin`` and no chunks (the caller builds its ``wire.AdapterBegin`` and
+        ``wire.AdapterData``); ``end`` closes it, as any update. An Error of it ends it
+        (``error_action``: nothing to begin again here; the adapter round sends its begin
+        again itself after a daemon restart).
+
+        Raises:
+            RuntimeError: an update is open.
+        """
+        if self.update_id is not None:
+            raise RuntimeError(f"update {self.update_id} is still open; commit or abort it first")
+        uid = self.update_id = self.next_id
+        self.num_chunks = self.bytes = 0
+        self.unacked.clear()
+        self.early_acks.clear()
+        self.begin_version = None
+        self.begin_manifest = b""
+        self.has_draft, self.draft_from = False, None
+        self.begin_rank_local = {}
+        return uid
 
     def declared_settings(self) -> dict[str, int]:
         """The settings a ``Begin`` declares: those of ``settings`` the daemon compares
