@@ -21,6 +21,7 @@ import numpy as np
 import zmq
 from adapter_ranks import A, B, laid_out, two_rank_parts
 from aiohttp import web
+from prometheus_client import generate_latest
 from fake_http_engine import serve_engine
 from safetensors import safe_open
 from test_daemon_liveness import Rank
@@ -205,6 +206,11 @@ async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engin
                 break
             await asyncio.sleep(0.05)
         assert not (slot / "math@v3").exists()
+        # the rounds' ends in Prometheus (the executor hands every SlotEvent to Metrics)
+        text = generate_latest(d.metrics.registry).decode()
+        assert 'slotsync_adapter_loads_total{outcome="success"} 2.0' in text, text
+        assert 'slotsync_adapter_loads_total{outcome="failed"} 1.0' in text
+        assert 'slotsync_adapter_served_version{lora_name="math",slot="[0,2)"} 2.0' in text
     finally:
         for r in ranks:
             r.close()

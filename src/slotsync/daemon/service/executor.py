@@ -127,6 +127,7 @@ class ActionExecutor:
             elif isinstance(a, SlotEvent):
                 log_event(log, logging.WARNING if a.warning else logging.INFO, a.event,
                           slot=slot_text(a.slot), **a.fields)
+                self.metrics.slot_event(a.event, a.fields)  # (adapter rounds' ends, issue 36)
             elif isinstance(a, AdapterFiles):
                 self.spawn(self._adapter_files(a))
             elif isinstance(a, RemoveAdapterFiles) and self.adapter_io is not None:
