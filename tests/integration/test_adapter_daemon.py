@@ -21,8 +21,8 @@ import numpy as np
 import zmq
 from adapter_ranks import A, B, laid_out, two_rank_parts
 from aiohttp import web
-from prometheus_client import generate_latest
 from fake_http_engine import serve_engine
+from prometheus_client import generate_latest
 from safetensors import safe_open
 from test_daemon_liveness import Rank
 

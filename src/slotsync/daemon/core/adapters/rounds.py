@@ -227,8 +227,11 @@ class AdapterRounds(AdapterAnswers):
         if a is None or self.current is not None or a.acked or a.failure is not None or (
                 not malformed.fails_update(err, a.update_id)):
             return None
-        return self._adapter_fail(now, malformed.phase_of(err),
-                                  malformed.describe(rank, err), [])
+        # (its own phase: malformed.phase_of stays "decode" for the adapter kinds, as a daemon
+        # before issue 36 answers them, which the publisher tells apart: rank/adapters/round.py)
+        phase = err.kind if err.kind in ("adapter_begin", "adapter_data") else \
+            malformed.phase_of(err)
+        return self._adapter_fail(now, phase, malformed.describe(rank, err), [])
 
     def adapter_abort(self, rank: int, msg: Abort, now: float) -> list[Action] | None:
         """Rank ``rank`` aborts (its publisher gave up, e.g. its own timeout): the adapter
