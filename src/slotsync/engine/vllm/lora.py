@@ -128,6 +128,8 @@ def lora_model_runner(model: torch.nn.Module, draft: torch.nn.Module | None,
         def _load_adapter(self, lora_request: Any) -> Any:
             lora = super()._load_adapter(lora_request)
             self.loads += 1
+            held = self._adapter_manager.list_adapters()
+            self.read_sums = {k: v for k, v in self.read_sums.items() if k in held}
             self.read_sums[lora.id] = _checksums(lora)
             return lora
 
