@@ -37,6 +37,14 @@ file in ``DEST``                                       what it is
                                                        headed by its line range; only the
                                                        import statements those names come from
                                                        are kept, one name each
+``sglang/srt/managers/tp_worker.py``                  copied unchanged, **never imported**:
+                                                       its source is read by
+                                                       ``slotsync.engine.sglang.lora_code.receive``
+                                                       (``ast``), which compiles
+                                                       ``TpModelWorker``'s LoRA receive methods
+                                                       (``load_lora_adapter_from_tensors``:
+                                                       the bucket, the checksum check) for the
+                                                       adapter GPU test (issue 36)
 ``sglang/__init__.py``, ``sglang/srt/__init__.py``,    package markers (the real
 ``sglang/srt/utils/__init__.py``,                      ``sglang/__init__.py`` imports the whole
 ``sglang/srt/weight_sync/__init__.py``                 front end, ``srt/utils/__init__.py``
@@ -67,7 +75,8 @@ Then it imports the result in a fresh interpreter with ``PYTHONPATH=DEST`` (and 
 SGLang's own lookup over a faked ``get_device_properties``; torch's original rebuild replaced
 by a recorder that returns a CPU buffer, as no IPC handle can be opened there) and
 ``FlattenedTensorBucket.reconstruct_tensors``, and come out with the names, dtypes, shapes and
-bytes written (``--no-check`` skips this).
+bytes written, and that ``lora_code.receive`` compiles ``TpModelWorker``'s LoRA methods from
+the shim's ``tp_worker.py`` without importing it (``--no-check`` skips this).
 
 Use it on the GPU machine: ``SLOTSYNC_SGLANG_SHIM=DEST python -m slotsync.engine --impl sglang
 --device cuda ...`` (the engine puts ``DEST`` first on its workers' ``sys.path``);
@@ -99,6 +108,11 @@ COPIED = ("srt/utils/patch_torch.py", "srt/weight_sync/tensor_bucket.py",
 """Copied unchanged (paths inside the sglang package). The last two are the engine front's
 (``slotsync.engine.sglang.http``: SGLang's body validation and auth decision; they import
 only the standard library, msgspec and pydantic_core)."""
+
+SOURCE_ONLY = ("srt/managers/tp_worker.py",)
+"""Copied unchanged for their source only (``lora_code.receive`` cuts methods out of them with
+``ast``); importing them would need the whole runtime. No ``__init__.py`` is written beside
+them, so nothing imports them by accident."""
 
 ROOTS = ("SafeUnpickler", "MultiprocessingSerializer", "normalize_serialized_named_tensor_payload",
          "normalize_serialized_named_tensor_payloads", "_looks_like_pickle_payload")
@@ -180,6 +194,10 @@ CHECK = textwrap.dedent('''\
     e = MultiprocessingSerializer.deserialize(entries[2])
     assert e["metadata"] == [] and e["flattened_tensor"].numel() == 0, e
     assert seen == [0, 0, 0], f"torch's rebuild saw devices {seen}, not index 0"
+    from slotsync.engine.sglang import lora_code
+    receive = lora_code.receive(lambda: SimpleNamespace(tp_rank=0))
+    assert receive.__file__.startswith(dest), receive.__file__
+    assert "sglang.srt.managers.tp_worker" not in sys.modules
     print(patch_torch.__file__)
     ''')
 
@@ -322,7 +340,7 @@ def build(dest: Path) -> list[Path]:
             stale.unlink()
     written: list[Path] = []
     digests = []
-    for rel in COPIED:
+    for rel in (*COPIED, *SOURCE_ONLY):
         out = dest / "sglang" / rel
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src / rel, out)
@@ -391,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sglang_shim: {e}", file=sys.stderr)
             return 1
         print(f"sglang_shim: checked: {where} imports with PYTHONPATH={args.dest}, and "
-              "slotsync's pickles (packed, unpacked, empty) load through it")
+              "slotsync's pickles (packed, unpacked, empty) load through it; TpModelWorker's "
+              "LoRA receive methods compile from its tp_worker.py")
     return 0
 
 

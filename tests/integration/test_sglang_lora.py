@@ -18,6 +18,9 @@ SGLang's ``LoRARegistry``, ``TpModelWorker.load_lora_adapter_from_tensors`` on e
 * ``test_lora_off_and_a_refused_load``: an engine without ``--enable-lora``: SGLang's 400
   ("Please set `--enable-lora`"), ``lora_limits`` says disabled; a load the engine answers
   400 (an injected fault) leaves the served adapters as they were.
+* ``test_a_hand_made_bucket_loads``: the route over plain HTTP with a payload written by the
+  test-only writer (``tests/sglang_payloads.py``: tensors back to back, as SGLang's own
+  producers pack), not the daemon's: each TP rank's copies have the tensors' sha256.
 * ``test_the_engine_dies_mid_load`` / ``test_a_checksum_mismatch_kills_the_engine``: an
   exception on TP rank 1 after rank 0 answered, and a byte changed after the digest (SGLang's
   ``[LORA-CHECK]`` ``RuntimeError``): the engine is gone, as SGLang's server dies of a
@@ -205,6 +208,29 @@ def test_lora_off_and_a_refused_load(lora, fresh_sgl):
     finally:
         steps(lora, ("unload_lora_adapter", unload_body("math@v3")))
         pub.close()
+
+
+def test_a_hand_made_bucket_loads(lora):
+    from lora_adapters import config
+    from sglang_payloads import Segments, packed_entry, update_body
+
+    tensors = make_adapter(6)
+    segs = Segments()
+    try:
+        entries = [packed_entry(tensors, u, segs, rank=r, align=2)
+                   for r, u in enumerate(UUIDS)]
+        body = {"lora_name": "hand@v1", "config_dict": config(),
+                "expected_checksums": {n: sha256_of(t) for n, t in tensors.items()},
+                **update_body(entries, "flattened_bucket")}
+        status, got = lora.request("POST", "/load_lora_adapter_from_tensors", body)
+        assert status == 200 and got["success"] is True, got
+        assert got["loaded_adapters"] == {"hand@v1": "__tensor__"}
+        want = {n: sha256_of(t) for n, t in tensors.items()}
+        assert lora_state(lora)["ranks"] == {"tp0": {"hand@v1": want}, "tp1": {"hand@v1": want}}
+        status, got = lora.request("POST", "/unload_lora_adapter", {"lora_name": "hand@v1"})
+        assert status == 200 and got["success"] is True, got
+    finally:
+        segs.close()
 
 
 def test_the_engine_dies_mid_load(lora):

@@ -5,7 +5,8 @@ own check (a fresh interpreter, ``PYTHONPATH`` = the shim: every ``sglang`` modu
 shim; slotsync's packed, unpacked and empty pickles through SGLang's normalization,
 ``SafeUnpickler``, ``_rebuild_cuda_tensor_modified`` and ``FlattenedTensorBucket``) must pass;
 the copied files (``patch_torch.py``, ``tensor_bucket.py``, and the engine front's
-``msgspec_utils.py`` and ``auth.py``) are byte-identical, and every segment of the extracted
+``msgspec_utils.py`` and ``auth.py``, and ``tp_worker.py``, read for its source only) are
+byte-identical, and every segment of the extracted
 ``common.py`` is the real file's lines at the range its header names.
 """
 
@@ -38,8 +39,9 @@ def test_shim_is_sglangs_code_and_loads_slotsyncs_pickles(tmp_path: Path) -> Non
     assert out.returncode == 0, out.stderr
     assert "checked:" in out.stdout and str(tmp_path) in out.stdout
     src = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])  # type: ignore
-    for rel in _tool().COPIED:
+    for rel in (*_tool().COPIED, *_tool().SOURCE_ONLY):
         assert (tmp_path / "sglang" / rel).read_bytes() == (src / rel).read_bytes(), rel
+    assert "LoRA receive methods compile" in out.stdout  # (issue 36: lora_code.receive)
     real = (src / "srt" / "utils" / "common.py").read_text().splitlines(keepends=True)
     shim = (tmp_path / "sglang" / "srt" / "utils" / "common.py").read_text()
     segments = re.split(r"\n\n# common\.py L(\d+)-(\d+)\n", shim)[1:]

@@ -212,6 +212,18 @@ def bucket_entry(handle: Handle, gpu_uuid: str, tensors: Sequence[TensorAt], *,
         SglangPayloadError: a UUID SGLang would not map, or :func:`check_region`'s refusals.
         TypeError: ``handle`` is not a handle record.
     """
+    first, rest = bucket_entries(handle, gpu_uuid, tensors)
+    return first if counted else rest
+
+
+def bucket_entries(handle: Handle, gpu_uuid: str, tensors: Sequence[TensorAt]
+                   ) -> tuple[bytes, bytes]:
+    """:func:`bucket_entry` with ``counted`` true (TP rank 0's entry) and false (every other
+    TP rank's), the metadata written once.
+
+    Raises:
+        as :func:`bucket_entry`.
+    """
     device = _uuid_ops(gpu_uuid)
     rank = tensors[0].rank if tensors else -1
     check_region(rank, handle, tensors)
@@ -223,11 +235,11 @@ def bucket_entry(handle: Handle, gpu_uuid: str, tensors: Sequence[TensorAt], *,
                                       handle.storage_offset, handle.storage_class, "uint8")
     memo = _Memo()
     metadata, meta_mask = _metadata(tensors, memo)
-    return b"".join((
-        _PROTO4, _prelude(mask | meta_mask), *memo.prelude, _EMPTY_DICT, _MARK,
-        _K_FLAT, _REBUILD, head, _tail(handle, device, counted), _REDUCE,
-        _K_META, metadata, _SETITEMS, _STOP,
-    ))  # fmt: skip
+    start = b"".join((_PROTO4, _prelude(mask | meta_mask), *memo.prelude, _EMPTY_DICT, _MARK,
+                      _K_FLAT, _REBUILD, head))
+    end = b"".join((_REDUCE, _K_META, metadata, _SETITEMS, _STOP))
+    return (start + _tail(handle, device, True) + end,
+            start + _tail(handle, device, False) + end)
 
 
 def dict_entry(handles: Mapping[int, Handle], gpu_uuids: Mapping[int, str],
@@ -248,22 +260,36 @@ def dict_entry(handles: Mapping[int, Handle], gpu_uuids: Mapping[int, str],
             map, or :func:`check_region`'s refusals.
         TypeError: a handle that is not a handle record.
     """
+    first, rest = dict_entries(handles, gpu_uuids, tensors)
+    return first if counted else rest
+
+
+def dict_entries(handles: Mapping[int, Handle], gpu_uuids: Mapping[int, str],
+                 tensors: Sequence[TensorAt]) -> tuple[bytes, bytes]:
+    """:func:`dict_entry` with ``counted`` true (TP rank 0's entry) and false (every other
+    TP rank's), the tensors written once.
+
+    Raises:
+        as :func:`dict_entry`.
+    """
     memo = _Memo()
     rebuild = memo.put(_REBUILD)
-    devices: dict[int, bytes] = {}
     by_rank: dict[int, list[TensorAt]] = {}
     for t in tensors:
         by_rank.setdefault(t.rank, []).append(t)
+    tails: dict[int, tuple[bytes, bytes]] = {}  # each holder's (counted, plain) tail
     for rank, mine in by_rank.items():
         if handles.get(rank) is None or rank not in gpu_uuids:
             raise SglangPayloadError(f"rank {rank} holds adapter tensor {mine[0].name!r} but "
                                      "sent no handle or has no GPU UUID", rank=rank,
                                      tensor=mine[0].name)
         check_region(rank, handles[rank], mine)
-        devices[rank] = memo.put(_uuid_ops(gpu_uuids[rank]))
+        device = memo.put(_uuid_ops(gpu_uuids[rank]))
+        tails[rank] = (_tail(handles[rank], device, True) + _REDUCE,
+                       _tail(handles[rank], device, False) + _REDUCE)
     mask = 0
-    items = []
-    seen: set[int] = set()
+    items: list[bytes] = []
+    firsts: dict[int, tuple[int, bytes]] = {}  # holder -> (its first item, that item counted)
     for t in tensors:
         h = handles[t.rank]
         item = DTYPE_SIZES[t.dtype]
@@ -276,9 +302,13 @@ def dict_entry(handles: Mapping[int, Handle], gpu_uuids: Mapping[int, str],
                       (h.storage_offset + t.offset) // item, h.storage_class, t.dtype)
         ops, m = memo.layout(*layout)
         mask |= m
-        real = counted and t.rank not in seen
-        seen.add(t.rank)
-        items.append(b"".join((_str(t.name), rebuild, ops, _tail(h, devices[t.rank], real),
-                               _REDUCE)))
-    return b"".join((_PROTO4, _prelude(mask), *memo.prelude, _EMPTY_DICT, _MARK, *items,
-                     _SETITEMS, _STOP))
+        head = b"".join((_str(t.name), rebuild, ops))
+        if t.rank not in firsts:
+            firsts[t.rank] = (len(items), head + tails[t.rank][0])
+        items.append(head + tails[t.rank][1])
+    start = b"".join((_PROTO4, _prelude(mask), *memo.prelude, _EMPTY_DICT, _MARK))
+    end = _SETITEMS + _STOP
+    counted = list(items)
+    for i, item in firsts.values():
+        counted[i] = item
+    return start + b"".join(counted) + end, start + b"".join(items) + end

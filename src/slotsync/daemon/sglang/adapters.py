@@ -95,7 +95,7 @@ from typing import Any
 
 from slotsync.daemon.core.adapters.plan import AdapterPlan, LoraLimits
 from slotsync.daemon.sglang import versions as sglang_versions
-from slotsync.daemon.sglang.adapter_pickle import TensorAt, bucket_entry, dict_entry
+from slotsync.daemon.sglang.adapter_pickle import TensorAt, bucket_entries, dict_entries
 from slotsync.daemon.sglang.tensor_pickle import PACKED_LOAD_FORMAT, SglangPayloadError
 from slotsync.protocol.wire import Handle
 
@@ -285,13 +285,10 @@ def load_body(plan: AdapterPlan, handles: Mapping[int, Handle], gpu_uuids: Mappi
         if handle is None or rank not in gpu_uuids:
             raise SglangPayloadError(f"rank {rank} holds the adapter but sent no handle or "
                                      "has no GPU UUID", rank=rank)
-        first = bucket_entry(handle, gpu_uuids[rank], tensors, counted=True)
-        rest = (bucket_entry(handle, gpu_uuids[rank], tensors, counted=False)
-                if tp_size > 1 else b"")
+        first, rest = bucket_entries(handle, gpu_uuids[rank], tensors)
         load_format: str | None = PACKED_LOAD_FORMAT
     else:
-        first = dict_entry(handles, gpu_uuids, tensors, counted=True)
-        rest = dict_entry(handles, gpu_uuids, tensors, counted=False) if tp_size > 1 else b""
+        first, rest = dict_entries(handles, gpu_uuids, tensors)
         load_format = None
     expected = None
     if checksums:

@@ -62,13 +62,16 @@ def lora_settings(args: Any) -> LoraSettings:
     """The :class:`LoraSettings` of parsed arguments (:func:`add_lora_args`).
 
     Raises:
-        ValueError: SGLang's own refusals (``arg_groups/lora_hook.py``): no rank or target
-            modules without ``--lora-paths``, ``all`` with other modules, fewer loaded than
-            per batch.
+        ValueError: ``--enable-lora`` with another impl than ``sglang``; SGLang's own
+            refusals (``arg_groups/lora_hook.py``): no rank or target modules without
+            ``--lora-paths``, ``all`` with other modules, fewer loaded than per batch.
     """
     if not args.enable_lora:
         return LoraSettings(max_loras_per_batch=args.max_loras_per_batch,
                             max_loaded_loras=args.max_loaded_loras)
+    if args.impl != "sglang":
+        raise ValueError("--enable-lora: the LoRA routes run SGLang's own code, --impl sglang "
+                         "only")
     modules = tuple(args.lora_target_modules or ())
     if not (args.max_lora_rank and modules):
         raise ValueError("When no initial --lora-paths is provided, you need to specify both "
