@@ -103,6 +103,10 @@ async def test_versions_go_from_the_ranks_memory_into_every_tp_rank(tmp_path, bo
         state = lora_state(box)
         assert state["ranks"] == {"tp0": {"math@v2": sha2}, "tp1": {"math@v2": sha2}}
         assert state["hashed"] == [0, 0]  # (the proving calls hashed no weight)
+        # (the engine drops v1 before the daemon reads the unload's reply: poll the daemon too)
+        while len(d.status()["slots"][0]["adapters"]) > 1:
+            assert time.monotonic() < deadline, d.status()["slots"][0]["adapters"]
+            await asyncio.sleep(0.05)
         (s,) = d.status()["slots"]
         assert [(a["served_name"], a["state"]) for a in s["adapters"]] == [
             ("math@v2", "served")]
