@@ -255,6 +255,18 @@ class AdapterRounds(AdapterAnswers):
         return self._adapter_fail(now, self._adapter_phase(a), "; ".join(
             f"{i.who} is gone: {i.gone_why}" for i in gone), [i.rank for i in gone])
 
+    def next_id_for(self, rank: int) -> int:
+        """The update id ``Registered`` gives rank ``rank``: the open adapter round's while it
+        still waits for this rank's begin -- a rank that registers after the others began it
+        joins it, as it joins a base-weight round, whose id stays ``next_update_id`` until it
+        ends (the first ``AdapterBegin`` moves ``next_update_id`` past its round at once) --
+        else ``next_update_id``."""
+        a = self.adapter_round
+        if (a is not None and a.phase is AdapterPhase.BEGIN and a.failure is None
+                and rank not in a.begins):
+            return a.update_id
+        return self.next_update_id
+
     def adapter_rank_registered(self, rank: int, now: float) -> list[Action]:
         """Rank ``rank`` registered again: a round it took part in fails (its process
         restarted or reconnected mid-round)."""
