@@ -113,9 +113,11 @@ def _install_garbage(spoiled: list[int]) -> None:
 
 
 def adapter_rank(rank: int, n: int, endpoint: str, url: str, device: str, layers: int,
-                 commands: Any, answers: Any) -> None:
-    """One trainer rank (module docstring). Commands: ``(version, layout)``, or None to
-    close the publisher and exit."""
+                 commands: Any, answers: Any, gpu_uuid: str | None = "logical") -> None:
+    """One trainer rank (module docstring) on ``device`` (``"cuda:<i>"``, or ``"cpu"``:
+    shared memory), registering ``gpu_uuid`` (``rank_publisher``'s: ``"logical"``, or None
+    for the GPU's own). Commands: ``(version, layout)``, or None to close the publisher and
+    exit."""
     try:
         import torch
 
@@ -123,11 +125,11 @@ def adapter_rank(rank: int, n: int, endpoint: str, url: str, device: str, layers
 
         cuda = device.startswith("cuda")
         if cuda:
-            torch.cuda.set_device(0)
+            torch.cuda.set_device(torch.device(device))
         spoiled: list[int] = []
         _install_garbage(spoiled)
         pub = rank_publisher(endpoint, rank, (0, n), url, device=device if cuda else None,
-                             packed=False, timeout_s=240.0)
+                             gpu_uuid=gpu_uuid, packed=False, timeout_s=240.0)
         pub.register()
         try:
             while (cmd := commands.get()) is not None:
