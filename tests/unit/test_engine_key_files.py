@@ -130,7 +130,9 @@ def daemon_paths() -> set[str]:
         for mode in sglang_routes.PAUSE_MODES:
             for step in ("version", "get_world_size", "weight_info", "pause",
                          "finish_recover", "start_weight_update", "update_weights",
-                         "finish_weight_update", "resume", "prove_copies"):
+                         "finish_weight_update", "resume", "prove_copies",
+                         "load_lora_adapter", "unload_lora_adapter", "models",
+                         "prove_adapter_copies"):
                 body = {"weight_version": "v1"} if step == "finish_weight_update" else {}
                 for req in sglang_routes.plan(step, body,
                                               sglang_routes.Dialect(version, mode)):

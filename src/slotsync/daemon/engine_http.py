@@ -84,7 +84,9 @@ def error_message(body: Any, text: str) -> str:
     """vLLM's error text from a failed response body.
 
     Shapes (vllm-contract.md "Errors"): ``{"error": {"message": ...}}`` (weight routes),
-    ``{"error": "<str>"}`` (pause/resume), ``{"detail": [...]}`` (FastAPI 400).
+    ``{"error": "<str>"}`` (pause/resume), ``{"detail": [...]}`` (FastAPI 400); SGLang's
+    ``{"message": ...}`` and its LoRA routes' ``{"success": false, "error_message": ...}``
+    (``LoRAUpdateOutput``, io_struct.py).
     """
     if isinstance(body, dict):
         err = body.get("error")
@@ -96,6 +98,8 @@ def error_message(body: Any, text: str) -> str:
             return str(body["detail"])
         if "message" in body:
             return str(body["message"])
+        if isinstance(body.get("error_message"), str):
+            return body["error_message"]
     return text[:2000]
 
 

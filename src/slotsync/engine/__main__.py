@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "version does (default; 0.5.20 before the TP barrier, 0.5.21+ after it), "
                    "or after the barrier whatever the version (a 0.5.20 engine that frees "
                    "late: the garbage test's negative control)")
+    from slotsync.engine.sglang.server_info import add_lora_args
+
+    add_lora_args(g)  # (issue 36: the SGLang-code engine's LoRA routes)
     return p
 
 
@@ -487,7 +490,7 @@ def _main_sglang(args: argparse.Namespace, specs: list[WorkerSpec],
     from slotsync.engine.sglang.http import mirror_helpers, sglang_helpers
     from slotsync.engine.sglang.payload import ReferenceParser, SglangCodeParser
     from slotsync.engine.sglang.server import SglangEngineApp, serve
-    from slotsync.engine.sglang.server_info import ServerConfig
+    from slotsync.engine.sglang.server_info import ServerConfig, lora_settings
     from slotsync.engine.sglang.state import VERSIONS
     from slotsync.engine.sglang.worker import SglangWorkerSpec, sglang_worker_main
 
@@ -497,9 +500,14 @@ def _main_sglang(args: argparse.Namespace, specs: list[WorkerSpec],
     helpers = sglang_helpers() if code else mirror_helpers()
     front_parser = SglangCodeParser() if code else ReferenceParser(uuids)
     sleep = args.copy_sleep_cycles or [0] * len(specs)
+    try:
+        lora = lora_settings(args)
+    except ValueError as e:
+        raise SystemExit(f"slotsync.engine: {e}") from None
     wspecs = [SglangWorkerSpec(s.index, str(s.device), uuids[s.index], uuids,
                                str(s.model_path), "sglang" if code else "reference",
-                               copy_sleep_cycles=sleep[s.index]) for s in specs]
+                               copy_sleep_cycles=sleep[s.index], lora=lora.rank_settings())
+              for s in specs]
     pool = WorkerPool(wspecs, startup_timeout_s=args.startup_timeout,
                       target=sglang_worker_main)
     t_ranks = time.perf_counter()
@@ -508,7 +516,7 @@ def _main_sglang(args: argparse.Namespace, specs: list[WorkerSpec],
         pp_size=args.pp_size, enable_dp_attention=args.enable_dp_attention,
         weight_version=args.weight_version, api_key=args.api_key,
         admin_api_key=args.admin_api_key, host=args.host,
-        reported_version=args.reported_version or "",
+        reported_version=args.reported_version or "", lora=lora,
         port=0 if args.uds else args.port,
         launch_command=" ".join(["python -m slotsync.engine",
                                  *(sys.argv[1:] if argv is None else argv)]))

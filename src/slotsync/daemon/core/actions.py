@@ -30,7 +30,9 @@ class EngineCall:
     ``needs_record``: the durable record naming the slot (``mid_update_record.py``) must be on
     disk before the call is sent, because the call may leave the engine mid-update
     (``/start_weight_update``, design.md I4); when it cannot be written the call is not sent
-    and fails. ``index`` is the chunk of an ``update_weights`` call, else -1.
+    and fails. ``index`` is the chunk of an ``update_weights`` call, else -1. ``timeout_s``:
+    a deadline of its own, seconds (an adapter load: ``Timeouts.adapter_load_s``; 0: the
+    client's ``engine_timeout_s`` only), after which it fails as timed out.
     """
 
     call_id: int
@@ -40,6 +42,7 @@ class EngineCall:
     slot: tuple[int, int] = (0, 0)
     index: int = -1
     needs_record: bool = False
+    timeout_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,4 +74,29 @@ class SlotEvent:
     warning: bool = True
 
 
-Action = Reply | EngineCall | UpdateEnded | SlotEvent
+@dataclass(frozen=True, slots=True)
+class AdapterFiles:
+    """Write the folder the engine loads adapter ``plan`` from (issue 36; a ``"host"``
+    family, ``AdapterSupport.write_files``), reading each rank's part from ``handles`` (rank
+    -> its ``wire.ShmHandle``, None for an empty part), within ``timeout_s`` seconds; the
+    outcome comes back through ``SlotTable.on_adapter_files(slot, call_id, ...)``: the
+    folder, or why it could not be written."""
+
+    call_id: int
+    slot: tuple[int, int]
+    update_id: int
+    plan: Any  # adapters.plan.AdapterPlan (not imported: the plan imports nothing of this)
+    handles: dict[int, Any]
+    timeout_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveAdapterFiles:
+    """Remove an adapter version's folder (issue 36): ``folder``, no engine of the slot
+    reads it any more."""
+
+    slot: tuple[int, int]
+    folder: str
+
+
+Action = Reply | EngineCall | UpdateEnded | SlotEvent | AdapterFiles | RemoveAdapterFiles

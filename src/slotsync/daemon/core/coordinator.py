@@ -64,6 +64,7 @@ from enum import StrEnum
 
 from slotsync.daemon.core import begin_agreement, chunk_window, malformed, recovery
 from slotsync.daemon.core.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
+from slotsync.daemon.core.adapters.rounds import AdapterRounds
 from slotsync.daemon.core.claim_check import ClaimCheck
 from slotsync.daemon.core.engine_session import (
     EngineSession,
@@ -104,7 +105,7 @@ class SlotState(StrEnum):
     FAILED = "failed"  # last update failed: engine paused, needs a full update
 
 
-class SlotCoordinator(Outcomes, EngineSteps):
+class SlotCoordinator(AdapterRounds, Outcomes, EngineSteps):
     """State machine of one engine slot ``[start, start + size)`` and its engine.
 
     Args:
@@ -178,6 +179,7 @@ class SlotCoordinator(Outcomes, EngineSteps):
         self._pending_url: str | None = None  # engine table reload during an update
         # an undeclared slot's claim, checked against its engine (SlotTable sets it)
         self.claims: ClaimCheck | None = None
+        self._init_adapters()  # (its adapter rounds, issue 36: adapters/rounds.py)
 
     # ------------------------------------------------------------------ properties
 
@@ -203,7 +205,7 @@ class SlotCoordinator(Outcomes, EngineSteps):
 
     @property
     def state(self) -> SlotState:
-        if self.current is not None:
+        if self.current is not None or self.adapter_round is not None:
             return SlotState.UPDATING
         if self.claims is not None and self.claims.held:  # (its engine asked: claim_check.py)
             return SlotState.REGISTERING
@@ -415,7 +417,7 @@ class SlotCoordinator(Outcomes, EngineSteps):
     def busy(self) -> bool:
         """Whether an update, an engine check or a late call of a failed update runs."""
         return bool(self.current is not None or self._reconcile or self._maintenance
-                    or self._orphans)
+                    or self._orphans or self.adapter_busy())
 
     def release(self) -> list[RankInfo]:
         """Forget every registered rank (the job is gone; the slot is free for another
@@ -465,7 +467,7 @@ class SlotCoordinator(Outcomes, EngineSteps):
         """Point the slot at another engine (engine table reload): at once when idle, else
         when the update in flight ends. The new engine is initialized before its first
         update."""
-        if self.current is None:
+        if self.current is None and not self.adapter_busy():
             self.engine_url = url
             self.engine.forget()  # another engine: nothing known about its weights
             self._pending_url = None

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotsync.daemon.core.adapters.ledger import AdapterLedger
+
 EXECUTOR_ROUTES = frozenset({
     "init_weight_transfer_engine", "pause", "finish_recover", "start_weight_update",
     "update_weights", "finish_weight_update", "check_replies",
@@ -152,6 +154,8 @@ class EngineSession:
     pause_mode: str = "in_place"
     # issue 35: the kind it had before the daemon began to ask it again (forget_kind)
     former_kind: str | None = None
+    # issue 36: the LoRA adapters it holds and should hold (core/adapters/ledger.py)
+    adapters: AdapterLedger = field(default_factory=AdapterLedger)
 
     @property
     def known_kind(self) -> str | None:
@@ -176,7 +180,7 @@ class EngineSession:
         engine table's declared UUIDs and the world size stay this slot's own."""
         for name in ("paused", "needs_full_update", "last_ok_names", "last_ok_layout",
                      "mid_update", "version", "session_suspect", "asleep", "replies_suspect",
-                     "out_of_step", "recover_first", "restored", "gpu_uuids"):
+                     "out_of_step", "recover_first", "restored", "gpu_uuids", "adapters"):
             setattr(self, name, getattr(old, name))
         self.draft = dataclasses.replace(old.draft)
         self.initialized = False
@@ -191,6 +195,7 @@ class EngineSession:
         self.draft = DraftTarget()
         self.vllm_version, self.version_refused, self.dp_layout_refused = None, "", ""
         self.kind, self.sglang_version = self.declared_kind, None
+        self.adapters = AdapterLedger()  # (the service removes unused folders at its stop)
 
     def forget_kind(self) -> None:
         """The engine at the URL may be another one, of another kind (issue 35: a vLLM

@@ -89,11 +89,11 @@ class EngineSteps:
         update's next begin stage, then up to ``chunks_in_flight`` ``update_weights`` calls,
         then finish and resume."""
         out = self._maintain(now)
-        if out or self._orphans or self._maintenance or self._reconcile:
-            return out
+        if out or self._orphans or self._maintenance or self._reconcile or self._adapter_calls:
+            return out  # (an adapter call out: an adapter round's, adapters/rounds.py)
         u = self.current
         if u is None:
-            return []
+            return self._advance_adapters(now)
         if not u.engine_started:
             return self._advance_begin(u, now)
         if self._calls and u.finishing:
@@ -215,7 +215,9 @@ class EngineSteps:
     def _deadline(self) -> tuple[float, str, str, list[int]] | None:
         """(time, phase, what, missing ranks) of the wait in force, or None."""
         u = self.current
-        if (u is None or self._calls or self._orphans or self._maintenance or self._reconcile
+        if u is None:
+            return self._adapter_deadline()  # (an adapter round's wait: adapters/rounds.py)
+        if (self._calls or self._orphans or self._maintenance or self._reconcile
                 or u.finishing):
             return None  # (each engine call is bounded by the HTTP client's timeout)
         return u.wait_in_force(range(self.start, self.end), self.gone_ranks(), self.timeouts)

@@ -22,21 +22,28 @@ implements both for vLLM and SGLang and is injected into ``SlotTable``):
                                                                                     body
     when a chunk's memory may go back             fence, reads_memory     its reply  a fence
 
+    an adapter round (issue 36): transport,       EngineFamily.adapters  "host":   "device":
+      limits, load body, list of adapters         (AdapterSupport)       files on  the ranks'
+                                                                         a tmpfs   memory
+
 A family never imports another (the pyproject's layers); what both use lives below them.
 ``HeldErrors`` and the ``ChunkFence`` protocol live here because the coordinator runs them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # (types only: the modules below import nothing of this one)
+    from pathlib import Path
+
     from slotsync.daemon.core.actions import Action
+    from slotsync.daemon.core.adapters.plan import AdapterPlan, LoraLimits
     from slotsync.daemon.core.aggregation import MergedChunk
     from slotsync.daemon.core.engine_session import EngineSession
-    from slotsync.protocol.wire import Chunk
+    from slotsync.protocol.wire import Chunk, Handle
 
 Update = Any
 """``update.Update`` (not imported: ``update.py`` imports this module for ``ChunkFence``)."""
@@ -96,6 +103,82 @@ class VersionVerdict:
     recheck: str = ""
 
 
+class AdapterSupport(Protocol):
+    """How one engine family takes LoRA adapters (issue 36), as the adapter round asks it
+    (``core/adapters/rounds.py``; I/O-free but ``write_files`` / ``remove_files``, which the
+    service runs in a thread). A family without it has ``EngineFamily.adapters`` None (or
+    lacks the attribute): its rounds are refused before any engine call.
+
+    ``transport``: how the ranks hand their parts over (``Ack(adapter_begin).transport``):
+    ``"host"`` (a shared-memory segment the daemon reads and writes into ``write_files``'
+    folder) or ``"device"`` (the ranks' registered transport, read by the engine).
+    ``reloadable``: an adapter the engine lost with a restart can be loaded again from its
+    folder. ``load_route`` / ``unload_route`` / ``list_route``: the engine steps (keys of the
+    family client's routes) that load, unload and list adapters."""
+
+    transport: str
+    reloadable: bool
+    load_route: str
+    unload_route: str
+    list_route: str
+
+    def limits(self, answers: Mapping[str, Any]) -> LoraLimits:
+        """What the engine can hold, from the version stage's answers (``{"version": ...,
+        "server_info": ...}``, an answer that failed left out)."""
+
+    def refusal(self, plan: AdapterPlan, answers: Mapping[str, Any] | None = None) -> str:
+        """Why this family cannot take ``plan`` (e.g. a layout it cannot load), or '';
+        asked before any engine call and again with the version stage's ``answers`` (the
+        engine's own settings)."""
+
+    def served(self, listing: Any) -> set[str]:
+        """The adapters' served names in the answer of ``list_route``."""
+
+    def load_body(self, plan: AdapterPlan, folder: str, handles: Mapping[int, Handle | None],
+                  gpu_uuids: Mapping[int, str], tp_size: int,
+                  engine_gpu_uuids: Sequence[str] | None = None) -> Any:
+        """The body of ``load_route`` for ``plan``: from ``folder`` (``write_files``' result,
+        '' for a ``"device"`` family) or the ranks' ``handles`` (rank -> its
+        ``AdapterData.handle``) with their GPU UUIDs (rank -> UUID), the engine's TP size and
+        its workers' GPUs where declared.
+
+        Raises:
+            ValueError: a body the engine could not take (named; the round fails, nothing
+                was sent).
+        """
+
+    def proof(self, tp_size: int, engine: EngineSession) -> tuple[str, Any] | None:
+        """``(step, body)`` of the call whose successful answer, sent after the load's,
+        proves that the engine read all of the ranks' memory (SGLang with several TP ranks:
+        the load's answer proves TP rank 0's copies only); None: the load's answer proves it."""
+
+    def unload_body(self, served_name: str) -> Any:
+        """The body of ``unload_route`` for ``served_name``."""
+
+    def explain(self, error: str) -> str:
+        """A failed load's ``error`` (``str(EngineError)``) in words saying what to do."""
+
+    def absent(self, error: str) -> bool:
+        """An unload's ``error`` says the engine does not hold that name (nothing to undo)."""
+
+    def already_loaded(self, error: str) -> bool:
+        """A load's ``error`` says the engine already holds that name (a load again after a
+        suspected restart that was none)."""
+
+    def write_files(self, root: Path, plan: AdapterPlan,
+                    read: Callable[[int, int, int], bytes | memoryview]) -> Path:
+        """``"host"`` families: write ``plan``'s folder under ``root`` from the ranks' bytes
+        (``read(rank, offset, nbytes)``); returns the folder. I/O (the service's thread).
+
+        Raises:
+            ValueError: a part's bytes do not match its sha256 (the text names tensor and
+                rank), or the bytes cannot be read.
+        """
+
+    def remove_files(self, root: Path, served_name: str) -> None:
+        """Remove ``served_name``'s folder under ``root`` (none: nothing). I/O."""
+
+
 class EngineFamily(Protocol):
     """One engine family's rules, as the coordinator asks them (I/O-free). ``name`` is its
     kind (the engine table's ``kind``, ``/status``'s ``engine_kind``); ``display`` its name in
@@ -103,13 +186,15 @@ class EngineFamily(Protocol):
     its pause mode; ``asks_draft_support``: a round with a draft part asks its workers before
     the pause (else such a round is refused by ``pause_refusal``); ``reads_memory``: the steps
     whose call may still read the ranks' memory after a failed update (their errors are held
-    until none is at the engine: ``HeldErrors``)."""
+    until none is at the engine: ``HeldErrors``); ``adapters``: how it takes LoRA adapters
+    (``AdapterSupport``), None (or no such attribute) for a family without them."""
 
     name: str
     display: str
     pause_modes: bool
     asks_draft_support: bool
     reads_memory: frozenset[str]
+    adapters: AdapterSupport | None
 
     def step_body(self, route: str, packed: bool | None) -> Any:
         """The JSON body of begin step ``route`` (None: none)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from slotsync.protocol.wire import ProtocolError
 
-PHASES = ("register", "begin", "chunk", "commit", "abort")
+PHASES = ("register", "begin", "chunk", "commit", "abort", "adapter_begin", "adapter_data")
 """Message kinds that name the phase of the failure; any other (unknown) kind: ``decode``."""
 
 

@@ -44,6 +44,8 @@ class Outcomes:
         if call_id in self._maintenance:
             return self._on_maintenance_result(self._maintenance.pop(call_id), ok, result,
                                                error, now)
+        if call_id in self._adapter_calls:  # (an adapter round's: adapters/rounds.py)
+            return self._on_adapter_result(call_id, ok, result, error, now)
         call = self._calls.pop(call_id, None)
         if call is None:
             # A call of an update that already failed (I7: its result is dropped); the last
@@ -272,6 +274,7 @@ class Outcomes:
         actions.append(UpdateEnded(self.slot, self.engine_url or "", u.update_id,
                                    u.weight_version, "failed", now - u.started_at,
                                    u.next_index, u.consumed_bytes, message))
+        actions = self._adapters_after_base(u, actions, True, now)  # (a restart seen)
         return actions + self._maintain(now)
 
     def _complete(self, now: float, resume_error: str | None = None) -> list[Action]:
@@ -303,10 +306,12 @@ class Outcomes:
         acks.append(UpdateEnded(self.slot, self.engine_url or "", u.update_id,
                                 u.weight_version, "success", now - u.started_at, u.next_index,
                                 u.consumed_bytes, self.last_error or "", len(u.omitted)))
-        return acks
+        return self._adapters_after_base(u, acks, False, now)  # (restarted: adapters again)
 
     def poll(self, now: float) -> list[Action]:
         """Check deadlines (design.md I5); fails the update naming the missing ranks."""
+        if self.current is None:
+            return self._adapter_poll(now)  # (an adapter round's wait: adapters/rounds.py)
         d = self._deadline()
         if d is None or now < d[0]:
             return []
@@ -331,7 +336,7 @@ class Outcomes:
         it, I4): no engine check runs after this, and the durable record names the slot, so
         the next daemon recovers it as possibly mid-update."""
         if self.current is None:
-            return []
+            return self._adapter_stop(now, reason)
         out = self._fail(now, phase, reason, [])
         if self._reconcile:
             self._reconcile = False

@@ -88,7 +88,22 @@ def slot_status(c: Any, now: float | None = None) -> dict[str, Any]:
         "updates_succeeded": c.updates_ok,
         "updates_failed": c.updates_failed,
         "engine_calls": dict(c.engine_calls),
+        # issue 36: the engine's LoRA adapters (core/adapters/ledger.py), the round in flight
+        "adapters": c.adapters.status(),
+        "adapter_round": adapter_round(c.adapter_round),
+        "adapter_last_error": c.adapter_last_error,
+        "adapter_rounds_succeeded": c.adapter_rounds_ok,
+        "adapter_rounds_failed": c.adapter_rounds_failed,
     }
+
+
+def adapter_round(a: Any) -> dict[str, Any] | None:
+    """The adapter round in flight (``adapters.round.AdapterRound``), None: none."""
+    if a is None:
+        return None
+    return {"update_id": a.update_id, "adapter": a.lora, "phase": a.phase.value,
+            "transport": a.transport or None, "ranks_begun": sorted(a.begins),
+            "ranks_data": sorted(a.data), "failing": a.failure is not None}
 
 
 def engine_reach(c: Any, now: float) -> dict[str, Any]:

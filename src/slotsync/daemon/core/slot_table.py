@@ -26,6 +26,9 @@ from slotsync.daemon.core.coordinator import Action, Reply, SlotCoordinator, Slo
 from slotsync.daemon.core.family import Families
 from slotsync.protocol.wire import (
     NOT_REGISTERED,
+    Abort,
+    AdapterBegin,
+    AdapterData,
     Begin,
     Close,
     Error,
@@ -173,9 +176,10 @@ class SlotTable:
             return self.on_connection_gone(identity, now, why)
         if rank is not None:
             self._slot_of_rank[rank].on_rank_seen(rank, identity, now)
-        if self.draining and isinstance(msg, Begin):
+        if self.draining and isinstance(msg, Begin | AdapterBegin):
             slot = self._slot_of_rank[rank].slot if rank is not None else (0, 0)
-            return [Reply(identity, Error("begin", "the daemon is shutting down; no new update "
+            phase = "begin" if isinstance(msg, Begin) else "adapter_begin"
+            return [Reply(identity, Error(phase, "the daemon is shutting down; no new update "
                                           "starts", list(slot), msg.update_id, [], False))]
         if rank is None:
             return [
@@ -193,7 +197,14 @@ class SlotTable:
                     ),
                 )
             ]
-        return self._slot_of_rank[rank].on_message(rank, msg, now)
+        c = self._slot_of_rank[rank]
+        if isinstance(msg, AdapterBegin | AdapterData):  # (issue 36: adapters/rounds.py)
+            return c.on_adapter_message(rank, msg, now)
+        if isinstance(msg, Begin) and (refused := c.adapter_refuses_begin(rank, msg)):
+            return refused  # (an adapter round and a base round never overlap)
+        if isinstance(msg, Abort) and (aborted := c.adapter_abort(rank, msg, now)) is not None:
+            return aborted
+        return c.on_message(rank, msg, now)
 
     def on_bad_message(self, identity: bytes, err: ProtocolError, now: float) -> list[Action]:
         """Socket ``identity`` sent a frame that failed validation (``err``). A registered
@@ -202,8 +213,10 @@ class SlotTable:
         rank = self._rank_of.get(identity)
         if rank is None:
             return [Reply(identity, Error("decode", str(err), fatal=False))]
-        self._slot_of_rank[rank].on_rank_seen(rank, identity, now)
-        return self._slot_of_rank[rank].on_bad_message(rank, err, now)
+        c = self._slot_of_rank[rank]
+        c.on_rank_seen(rank, identity, now)
+        adapter = c.adapter_bad_message(rank, err, now)  # (an adapter round's: issue 36)
+        return adapter if adapter is not None else c.on_bad_message(rank, err, now)
 
     def on_connection_gone(self, identity: bytes, now: float, why: str,
                            released: bool = False) -> list[Action]:
@@ -213,7 +226,8 @@ class SlotTable:
         rank = self._rank_of.get(identity)
         if rank is None:
             return []
-        return self._slot_of_rank[rank].on_rank_gone(rank, identity, now, why, released)
+        c = self._slot_of_rank[rank]
+        return c.on_rank_gone(rank, identity, now, why, released) + c.adapter_ranks_gone(now)
 
     def on_connections_gone(self, identities: list[bytes], now: float, why: str,
                             released: bool = False) -> list[Action]:
@@ -227,7 +241,7 @@ class SlotTable:
                 c = self._slot_of_rank[rank]
                 by_slot.setdefault(id(c), (c, []))[1].append((rank, identity))
         return [a for c, gone in by_slot.values()
-                for a in c.on_ranks_gone(gone, now, why, released)]
+                for a in c.on_ranks_gone(gone, now, why, released) + c.adapter_ranks_gone(now)]
 
     def poll(self, now: float) -> list[Action]:
         """Check every slot's deadlines, and release slots whose ranks are all gone."""
@@ -268,10 +282,11 @@ class SlotTable:
             known = ", ".join(f"[{s}, {e})" for s, e in sorted(self.slots)) or "none"
             raise KeyError(f"no slot [{slot[0]}, {slot[1]}) (slots: {known})")
         out: list[Action] = []
-        if c.current is not None:
+        running = c.current or c.adapter_round  # (a base update, or an adapter round)
+        if running is not None:
             if not force:
                 raise RuntimeError(
-                    f"slot [{slot[0]}, {slot[1]}) has update {c.current.update_id} in flight; "
+                    f"slot [{slot[0]}, {slot[1]}) has update {running.update_id} in flight; "
                     "drop it with force (`slotsync slots drop --force`) to fail that update "
                     "first")
             out += c.on_daemon_stop(now, reason, phase="dropped")  # (no engine call goes out)
@@ -298,7 +313,8 @@ class SlotTable:
         if key not in self.declared and not keep_slot:
             del self.slots[key]
             if c.engine_url and (c.mid_update_state() is not None or c.engine.paused
-                                 or c.engine.needs_full_update or c.engine.last_ok_names):
+                                 or c.engine.needs_full_update or c.engine.last_ok_names
+                                 or c.adapters.entries or c.adapters.stray):  # (issue 36)
                 self.released[c.engine_url.rstrip("/")] = c
         return [SlotEvent(key, "slot_released", {
             "engine": c.engine_url, "reason": reason,
@@ -322,7 +338,22 @@ class SlotTable:
         return len(self._rank_of)
 
     def updates_in_flight(self) -> int:
-        return sum(c.current is not None for c in self.slots.values())
+        """Slots with a base-weight update or an adapter round in flight."""
+        return sum(c.current is not None or c.adapter_round is not None
+                   for c in self.slots.values())
+
+    def adapter_folders_in_use(self) -> set[str]:
+        """The adapter folders an engine may still read (issue 36): every slot's and every
+        released engine's (``AdapterLedger.folders_in_use``); the service keeps them at its
+        stop and removes the others it wrote."""
+        return {f for c in [*self.slots.values(), *self.released.values()]
+                for f in c.adapters.folders_in_use()}
+
+    def on_adapter_files(self, slot: tuple[int, int], call_id: int, ok: bool, folder: str,
+                         error: str, now: float) -> list[Action]:
+        """``AdapterFiles`` ``call_id`` of ``slot`` ended (``SlotCoordinator.on_adapter_files``)."""
+        c = self.slots.get(slot)
+        return c.on_adapter_files(call_id, ok, folder, error, now) if c is not None else []
 
     def shutdown(self, now: float, reason: str) -> list[Action]:
         """Fail every update in flight (daemon stopping)."""
@@ -422,6 +453,7 @@ class SlotTable:
             self.released[url] = left
             left = None
         actions += coord.on_register(identity, msg, now, peer_pid)
+        actions += coord.adapter_rank_registered(msg.rank, now)  # (mid adapter round: fails)
         if coord.ranks.get(msg.rank) is not None and coord.ranks[msg.rank].identity == identity:
             self._registered(coord)
         elif not coord.ranks and not coord.busy() and key not in self.declared:

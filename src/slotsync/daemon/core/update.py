@@ -57,6 +57,9 @@ class Timeouts:
     # a rank gone (connection closed, process exited) when an update begins: how long a new
     # process of it may take to register before the update fails naming it (liveness_s)
     gone_s: float = 10.0
+    # issue 36: an adapter round's files and load call, each (adapter_load_timeout_s); its
+    # waits on ranks are begin_s (every AdapterBegin) and chunk_s (every AdapterData)
+    adapter_load_s: float = 120.0
 
 
 def some_names(names: list[str], n: int = 5) -> str:

@@ -33,6 +33,8 @@ def waiting(c: SlotCoordinator | None, update_id: int | None, now: float) -> Wai
                        "is lost; the publisher registers again at its next begin)")
     slot = f"slot [{c.start}, {c.end})"
     u = c.current
+    if u is None and c.adapter_round is not None:
+        return adapter_waiting(c, slot, now)
     if u is None:
         last = (f"; its last update failed: {c.last_error}"
                 if c.last_outcome == "failed" and c.last_error else "")
@@ -69,3 +71,21 @@ def waiting(c: SlotCoordinator | None, update_id: int | None, now: float) -> Wai
                 f"({which}){not_yet}")
     return Waiting(u.update_id, f"{text}; its {name} is {limit:g} s, {left:.0f} s left",
                    phase, list(missing), limit, round(left, 3))
+
+
+def adapter_waiting(c: SlotCoordinator, slot: str, now: float) -> Waiting:
+    """What an adapter round in flight (issue 36) waits for: its ranks' begins or data
+    (with the deadline), or the engine (its calls, the folder)."""
+    a = c.adapter_round
+    which = f"adapter round {a.update_id} ({a.lora}) of {slot}"
+    d = c.wait_in_force()
+    if d is None:
+        return Waiting(a.update_id, f"slotsyncd is waiting for engine {c.engine_url} "
+                       f"({which}): its calls, or the adapter's folder; each is bounded by "
+                       "engine_timeout_s or adapter_load_timeout_s", phase="engine")
+    deadline, phase, what, missing = d
+    limit = c.timeouts.begin_s if phase == "adapter_begin" else c.timeouts.chunk_s
+    left = max(0.0, deadline - now)
+    return Waiting(a.update_id, f"slotsyncd is waiting for the {what} of rank(s) "
+                   f"{_ranks(missing)} ({which}); {limit:g} s, {left:.0f} s left", phase,
+                   list(missing), limit, round(left, 3))

@@ -16,7 +16,6 @@ import argparse
 import difflib
 import math
 import os
-import re
 import socket
 import tomllib
 from collections.abc import Sequence
@@ -27,6 +26,8 @@ from slotsync import __version__
 from slotsync.daemon.core.coordinator import OMITTED_NAMES_POLICIES
 from slotsync.daemon.node_links import spans
 from slotsync.daemon.node_links.peer_wire import SpanPart
+from slotsync.daemon.service.folders import filesystem_type as filesystem_type  # (kept here)
+from slotsync.daemon.service.folders import unusable_folder
 from slotsync.daemon.sglang.routes import PAUSE_MODES
 from slotsync.protocol.endpoint import SOCKET_NAME, default_runtime_dir
 from slotsync.protocol.endpoint import default_endpoint as default_endpoint  # (kept here)
@@ -97,6 +98,8 @@ class Config:
     max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT  # cap on one frame from a rank
     chunks_in_flight: int = 3  # /update_weights calls per engine at once (1: one at a time)
     omitted_names: str = "warn"  # an update leaving out names the last one loaded: warn|refuse
+    adapter_dir: str = ""  # LoRA adapter folders vLLM loads (issue 36); "" = <runtime_dir>/adapters
+    adapter_load_timeout_s: float = 120.0  # an adapter's folder write, and its load call
     allow_uids: str = ""  # peers allowed by user id (comma list); "" = the daemon's own uid
     allow_gids: str = ""  # peers allowed by group id (comma list); "" = the daemon's own gid
     log_level: str = "info"
@@ -122,6 +125,13 @@ class Config:
         """The durable in-flight record's path."""
         base = self.state_dir or self.runtime_dir or default_runtime_dir()
         return os.path.join(base, "inflight.json")
+
+    def adapter_path(self) -> str:
+        """The folder of the LoRA adapter folders the daemon writes for vLLM engines
+        (``adapter_dir``, else ``adapters`` in the runtime dir: a tmpfs under systemd's
+        RuntimeDirectory or ``$XDG_RUNTIME_DIR``)."""
+        return self.adapter_dir or os.path.join(self.runtime_dir or default_runtime_dir(),
+                                                "adapters")
 
     def origin(self, name: str) -> str:
         """Where option ``name``'s value came from: a flag, an environment variable, the
@@ -170,7 +180,8 @@ class Config:
                 raise ValueError(f"{name} must be a comma-separated list of numeric ids, got "
                                  f"{getattr(self, name)!r}")
         for name in ("begin_timeout_s", "chunk_timeout_s", "commit_timeout_s",
-                     "engine_timeout_s", "shutdown_grace_s", "liveness_s", "slot_release_s"):
+                     "engine_timeout_s", "shutdown_grace_s", "liveness_s", "slot_release_s",
+                     "adapter_load_timeout_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not 0.1 <= self.liveness_s <= 3600:
@@ -178,7 +189,7 @@ class Config:
         if self.slot_release_s < 0:
             raise ValueError(f"slot_release_s must be >= 0, got {self.slot_release_s}")
         for name in ("begin_timeout_s", "chunk_timeout_s", "commit_timeout_s",
-                     "engine_timeout_s"):
+                     "engine_timeout_s", "adapter_load_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:
@@ -234,9 +245,13 @@ class Config:
         # start: a folder that cannot hold them would stop the daemon with a bare errno, or
         # pause every engine and then fail its update. Checked without creating anything.
         for folder, option, holds in self.folders():
-            why = _unusable_folder(folder)
+            why = unusable_folder(folder)
             if why:
                 raise ValueError(self.folder_error(folder, option, holds, why))
+        why = unusable_folder(self.adapter_path())  # (made at start, mode 0700)
+        if why:
+            raise ValueError(self.folder_error(self.adapter_path(), "adapter_dir",
+                                               "LoRA adapter folders for vLLM go there", why))
 
     def missing_peer_keys(self) -> str:
         """Why the owner's ``peer_public_keys`` cannot admit a node its engines span ('' when
@@ -265,72 +280,13 @@ class Config:
         d["state_dir"] = os.path.dirname(self.state_path())
         d["endpoint"] = self.endpoint()
         d["state_file"] = self.state_path()
+        d["adapter_dir"] = self.adapter_path()
         d["node"] = self.node_name()
         d["engines"] = [{**{k: v for k, v in vars(e).items() if k != "parts"},
                          "gpu_uuids": list(e.gpu_uuids),  # (the TOML's key: nodes)
                          "nodes": [{"node": p.node, "ranks": [p.start, p.end]} for p in e.parts]}
                         for e in self.engines]
         return d
-
-
-# Kernel filesystems that hold only the kernel's own entries: no folder, file or Unix socket
-# can be made there, even by root (for whom os.access() says yes: /proc is "writable").
-_KERNEL_FILESYSTEMS = frozenset({
-    "proc", "sysfs", "devpts", "securityfs", "debugfs", "tracefs", "pstore", "efivarfs",
-    "cgroup", "cgroup2", "configfs", "fusectl", "binfmt_misc", "mqueue", "selinuxfs", "nsfs",
-})
-
-
-def _unusable_folder(folder: str) -> str:
-    """Why this user could not create files and a Unix socket in ``folder`` (creating it and
-    its missing parents first), or '' if it could. Creates nothing: the nearest existing
-    ancestor must be a folder this uid may write and enter, on a filesystem that takes files,
-    and the missing names must fit that filesystem."""
-    target = os.path.abspath(folder)
-    probe = target
-    while not os.path.lexists(probe):
-        probe = os.path.dirname(probe)
-    lead = f"cannot create {target}: " if probe != target else ""
-    if not os.path.isdir(probe):
-        return f"{lead}{probe} is not a folder"
-    fstype = filesystem_type(probe)
-    if fstype in _KERNEL_FILESYSTEMS:
-        return f"{lead}{probe} is on a {fstype} filesystem, where only the kernel makes entries"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{lead}{probe} is not writable by uid {os.getuid()}"
-    if lead:
-        try:
-            name_max = os.pathconf(probe, "PC_NAME_MAX")
-        except (OSError, ValueError):
-            name_max = 255
-        for part in os.path.relpath(target, probe).split(os.sep):
-            if len(os.fsencode(part)) > name_max:
-                return (f"{lead}the name {part[:24]!r}... has {len(os.fsencode(part))} bytes, "
-                        f"more than the {name_max} a file name may have there")
-    return ""
-
-
-def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
-    """The type (``ext4``, ``tmpfs``, ``proc``...) of the filesystem holding ``path``, from
-    the mount table; '' where there is none to read (non-Linux)."""
-    try:
-        with open(mountinfo, encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return ""
-    real = os.path.realpath(path)
-    best, best_len = "", -1
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        fields_ = left.split()
-        if not sep or len(fields_) < 5 or not right.split():
-            continue
-        # mount points escape space, tab, newline and backslash as \ooo octal
-        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields_[4])
-        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-        if inside and len(mnt) >= best_len:  # the deepest mount; the last one stacked there
-            best, best_len = right.split()[0], len(mnt)
-    return best
 
 
 def check_engine_table(engines: list[EngineEntry]) -> None:
@@ -394,6 +350,10 @@ _HELP = {
     "omitted_names": "what a successful update that leaves out tensor names the slot's last "
     "successful update loaded does: warn (log line, metric, PublishStats.omitted_names; vLLM "
     "keeps those tensors' old values) or refuse (fail it before the finish)",
+    "adapter_dir": "folder where the daemon writes the LoRA adapters vLLM engines load "
+    "(issue 36; created mode 0700; default: adapters in the runtime dir, a tmpfs under systemd)",
+    "adapter_load_timeout_s": "seconds an adapter round's folder write, and its load call on "
+    "the engine, may take each before the round fails (the previous version stays served)",
     "allow_uids": "user ids whose processes may connect (comma list; default: the daemon's "
     "own; root always)",
     "allow_gids": "group ids whose processes may connect (comma list; default: the daemon's "

@@ -5,7 +5,12 @@
   the daemon's life); its outcome goes back to the slot's coordinator. A call with
   ``needs_record`` waits until the durable record naming its slot is on disk;
 * ``UpdateEnded``: metrics, the ``update_end`` log line, the last update for ``STATUS=``;
-* ``SlotEvent``: one log line.
+* ``SlotEvent``: one log line;
+* ``AdapterFiles`` / ``RemoveAdapterFiles`` (issue 36): an adapter's folder written from the
+  ranks' shared memory, or removed, through ``adapter_io.AdapterIO`` off the event loop; the
+  outcome of a write goes back to the slot (``SlotTable.on_adapter_files``).
+
+An ``EngineCall`` with ``timeout_s`` (an adapter load) fails as timed out after that long.
 
 The durable record (``mid_update_record.py``) is rewritten off the event loop, in order, on
 one thread, whenever the set of engines that may be mid-update changes.
@@ -19,12 +24,21 @@ from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from slotsync.daemon.core.actions import Action, EngineCall, Reply, SlotEvent, UpdateEnded
+from slotsync.daemon.core.actions import (
+    Action,
+    AdapterFiles,
+    EngineCall,
+    RemoveAdapterFiles,
+    Reply,
+    SlotEvent,
+    UpdateEnded,
+)
 from slotsync.daemon.core.engine_session import EngineSession
 from slotsync.daemon.core.slot_table import SlotTable
 from slotsync.daemon.engine_http import NO_KEYS, EngineError, EngineHttp, EngineKeys
 from slotsync.daemon.families import FAMILIES, Families
 from slotsync.daemon.logs import RateLimiter, log_event
+from slotsync.daemon.service.adapter_io import AdapterIO
 from slotsync.daemon.service.metrics import Metrics
 from slotsync.daemon.service.mid_update_record import MidUpdateEngine, MidUpdateRecord
 from slotsync.protocol.wire import Error, FromDaemon, Registered
@@ -61,6 +75,7 @@ class ActionExecutor:
     Attributes:
         settle: awaited before an engine call's failure reaches the table (the peer links'
             ``PeerLinks.settle``: a link lost first is the cause, not the engine's error).
+        adapter_io: the adapter folders (``AdapterIO``; None: ``AdapterFiles`` fail).
     """
 
     def __init__(self, table: SlotTable, record: MidUpdateRecord, metrics: Metrics,
@@ -74,6 +89,7 @@ class ActionExecutor:
         self.clients: dict[str, EngineHttp] = {}
         self.keys: dict[str, EngineKeys] = {}  # engine URL -> its API keys (set_keys)
         self.settle: Callable[[], Awaitable[None]] | None = None
+        self.adapter_io: AdapterIO | None = None
         self.tasks: set[asyncio.Task] = set()
         self.last_update = ""  # the last update's outcome, for STATUS=
         # Record writes run in order on one thread, off the event loop (a slow state disk
@@ -111,6 +127,10 @@ class ActionExecutor:
             elif isinstance(a, SlotEvent):
                 log_event(log, logging.WARNING if a.warning else logging.INFO, a.event,
                           slot=slot_text(a.slot), **a.fields)
+            elif isinstance(a, AdapterFiles):
+                self.spawn(self._adapter_files(a))
+            elif isinstance(a, RemoveAdapterFiles) and self.adapter_io is not None:
+                self.spawn(self.adapter_io.remove(a.folder))
         self._persist(before_actions=False)
         self._after()
 
@@ -208,15 +228,38 @@ class ActionExecutor:
         else:
             lost = client.connection_errors
             try:
-                result = await self.families.call(client, call.route, call.body, engine)
+                async with asyncio.timeout(call.timeout_s or None):
+                    result = await self.families.call(client, call.route, call.body, engine)
                 ok, err = True, ""
             except EngineError as e:
                 result, ok, err = None, False, str(e)
+            except TimeoutError:  # (the call's own deadline: an adapter load, issue 36)
+                result, ok = None, False
+                err = (f"{call.route}: no answer within {call.timeout_s:g} s "
+                       "(adapter_load_timeout_s)")
+            except Exception as e:  # noqa: BLE001 - a step the client cannot send (a bug):
+                # the slot must still hear of it, else it waits for the call forever
+                result, ok = None, False
+                err = f"{call.route}: the daemon could not send it: {type(e).__name__}: {e}"
             if client.connection_errors != lost:  # refused / reset: a restarted engine?
                 await self.execute(self.table.on_connection_lost(url, self._now()))
         if not ok and self.settle is not None:
             await self.settle()
         await self.execute(self.table.on_engine_result(call.slot, call.call_id, ok, result, err,
+                                                       self._now()))
+
+    async def _adapter_files(self, a: AdapterFiles) -> None:
+        """Write an adapter's folder (``AdapterFiles``) with the slot's engine family's
+        ``write_files``; its outcome goes back to the slot."""
+        coord = self.table.slots.get(a.slot)
+        support = (getattr(self.families.of(coord.engine), "adapters", None)
+                   if coord is not None else None)
+        if self.adapter_io is None or support is None:
+            ok, folder, err = False, "", "this daemon writes no adapter folders"
+        else:
+            ok, folder, err = await self.adapter_io.write(a.slot, a.plan, a.handles,
+                                                          support.write_files, a.timeout_s)
+        await self.execute(self.table.on_adapter_files(a.slot, a.call_id, ok, folder, err,
                                                        self._now()))
 
     def _update_ended(self, e: UpdateEnded) -> None:

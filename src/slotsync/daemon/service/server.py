@@ -43,6 +43,7 @@ from slotsync.daemon.node_links.peer_io import PeerLinks
 from slotsync.daemon.node_links.peer_keys import PeerKeyError, load_keys
 from slotsync.daemon.node_links.peer_wire import split_relayed
 from slotsync.daemon.service import runtime_dir
+from slotsync.daemon.service.adapter_io import AdapterIO
 from slotsync.daemon.service.config import Config, ConfigError, read_config_file
 from slotsync.daemon.service.engine_keys import read_engine_keys
 from slotsync.daemon.service.executor import ActionExecutor, slot_text
@@ -98,7 +99,7 @@ class Daemon:
         self.metrics = Metrics(__version__)
         self.table = SlotTable(
             Timeouts(config.begin_timeout_s, config.chunk_timeout_s, config.commit_timeout_s,
-                     config.liveness_s),
+                     config.liveness_s, config.adapter_load_timeout_s),
             __version__,
             config.chunks_in_flight,
             config.omitted_names,
@@ -135,6 +136,7 @@ class Daemon:
         self.metrics.watch_peers(self.peers)
         self.executor.settle = self.peers.settle  # (a link lost is told before the engine's
         # error that followed it: issue 35)
+        self.executor.adapter_io = self.adapter_io = AdapterIO(config.adapter_path())
         self._relayed_meta = ChunkMetaCache()
         self.restored: list[MidUpdateEngine] = []
         # Set by the signal handlers only (uvicorn's Server.handle_exit); the main loop and
@@ -225,6 +227,10 @@ class Daemon:
             OSError / zmq.ZMQError: the socket or port cannot be bound.
         """
         runtime_dir.prepare(self.endpoint)
+        self.adapter_io.prepare()  # (issue 36: adapter_dir, mode 0700)
+        if self.adapter_io.found:
+            log_event(log, logging.INFO, "adapter_folders_found", folder=str(self.adapter_io.root),
+                      count=len(self.adapter_io.found), kept="an engine may still read them")
         # Engines a killed predecessor left mid-update stay paused and need a full update.
         self.restored = self.record.load()
         for d in self.restored:
@@ -364,6 +370,9 @@ class Daemon:
             return
         await self.executor.execute(self.table.shutdown(time.monotonic(), reason))
         await self.executor.close(*self._loops)
+        gone = self.adapter_io.close(self.table.adapter_folders_in_use())  # (issue 36)
+        if gone:
+            log_event(log, logging.INFO, "adapter_folders_removed", count=len(gone))
         await self.peers.close()
         self.notifier.close()
         if self._status is not None:

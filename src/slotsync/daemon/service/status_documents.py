@@ -20,12 +20,18 @@ def daemon_status(table: SlotTable, version: str, endpoint: str, started_at: flo
                   now: float) -> dict[str, Any]:
     """The ``/status`` document: daemon facts and every slot's state. ``started_at``: wall-clock
     seconds since the epoch; ``now``: monotonic seconds."""
+    slots = [slot_status(c, now) for _, c in sorted(table.slots.items())]
+    wall = time.time()
+    for s in slots:  # (issue 36: the core keeps monotonic times; the operator reads unix)
+        for a in s["adapters"]:
+            if a["loaded_at"] is not None:
+                a["loaded_at"] = round(wall - (now - a["loaded_at"]), 3)
     return {
         "version": version,
         "endpoint": endpoint,
         "uptime_s": round(time.time() - started_at, 3),
         "ranks_connected": table.connected_ranks(),
-        "slots": [slot_status(c, now) for _, c in sorted(table.slots.items())],
+        "slots": slots,
         # engines of released slots that a later job must update fully (by engine URL)
         "released_engines": [
             {"engine_url": url, "slot": list(c.slot), **engine_reach(c, now),

@@ -33,7 +33,7 @@ class SglangClient(EngineHttp):
     """Calls one SGLang server's routes (``url``, ``timeout_s``, ``observe``: as
     ``VllmClient``; the metrics label of each request is the daemon's step)."""
 
-    json_only = frozenset({"version"})  # (the version step: /server_info's arguments)
+    json_only = frozenset({"version", "models"})  # (/server_info's arguments; /v1/models)
     absent_is_none = frozenset({"server_info"})  # (as VllmClient's; no request here)
 
     def key_for(self, path: str) -> tuple[str, str]:

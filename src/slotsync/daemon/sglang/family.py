@@ -8,15 +8,18 @@ is at SGLang. Its version and layout are read at the version stage
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from slotsync.daemon.core.adapters.plan import AdapterPlan, LoraLimits
 from slotsync.daemon.core.aggregation import ChunkMismatch, MergedChunk
 from slotsync.daemon.core.engine_session import EngineSession
 from slotsync.daemon.core.family import MergeFacts
 from slotsync.daemon.core.update import Update
+from slotsync.daemon.sglang import adapters as sglang_adapters
 from slotsync.daemon.sglang import fence as sglang_fence
 from slotsync.daemon.sglang import merge as sglang_merge
 from slotsync.daemon.sglang.routes import SESSION_OPEN
@@ -38,6 +41,65 @@ def sglang_refusal(u: Update, engine: EngineSession, engine_url: str | None) -> 
     return ""
 
 
+class SglangAdapters:
+    """SGLang's LoRA adapters (``core/family.py`` ``AdapterSupport``; issue 36 B): the engine
+    reads the ranks' memory (``"device"``) through ``/load_lora_adapter_from_tensors``'s
+    per-TP-rank pickles (``adapters.load_body``), under versioned names (SGLang refuses a
+    name loaded twice), listed by ``GET /v1/models``. The daemon holds no copy: a version a
+    restarted engine lost is lost (``reloadable`` False)."""
+
+    transport = "device"
+    reloadable = False
+    load_route, unload_route, list_route = "load_lora_adapter", "unload_lora_adapter", "models"
+
+    @staticmethod
+    def _info(answers: Mapping[str, Any]) -> Any:
+        # (the version step is GET /server_info for an engine known as SGLang; server_info
+        # carries it when the kind was asked: daemon/families.py)
+        return answers.get("server_info") or answers.get("version")
+
+    def limits(self, answers: Mapping[str, Any]) -> LoraLimits:
+        return sglang_adapters.lora_limits(self._info(answers))
+
+    def refusal(self, plan: AdapterPlan, answers: Mapping[str, Any] | None = None) -> str:
+        return sglang_adapters.refusal(plan, self._info(answers) if answers else None)
+
+    def served(self, listing: Any) -> set[str]:
+        return sglang_adapters.served_adapters(listing)
+
+    def load_body(self, plan: AdapterPlan, folder: str, handles: Mapping[int, Any],
+                  gpu_uuids: Mapping[int, str], tp_size: int,
+                  engine_gpu_uuids: Sequence[str] | None = None) -> Any:
+        return sglang_adapters.load_body(plan, handles, gpu_uuids, tp_size,
+                                         engine_gpu_uuids=engine_gpu_uuids)
+
+    def proof(self, tp_size: int, engine: EngineSession) -> tuple[str, Any] | None:
+        """``/weights_checker`` hashing nothing, past a TP collective (``adapters.proving_body``:
+        the load's reply proves TP rank 0's copies only)."""
+        body = sglang_adapters.proving_body(tp_size, engine.sglang_version)
+        return None if body is None else ("prove_adapter_copies", body)
+
+    def unload_body(self, served_name: str) -> Any:
+        return sglang_adapters.unload_body(served_name)
+
+    def explain(self, error: str) -> str:
+        return error  # (SGLang's own words: LoRAUpdateOutput.error_message)
+
+    def absent(self, error: str) -> bool:
+        """SGLang 0.5.23 ``LoRARegistry.unregister``: "LoRA with name ... does not exist"."""
+        return "does not exist" in error
+
+    def already_loaded(self, error: str) -> bool:
+        return "already loaded" in error
+
+    def write_files(self, root: Path, plan: AdapterPlan,
+                    read: Callable[[int, int, int], bytes | memoryview]) -> Path:
+        raise NotImplementedError("SGLang reads the ranks' memory: no folder")
+
+    def remove_files(self, root: Path, served_name: str) -> None:
+        return None
+
+
 class SglangFamily:
     """SGLang's rules (``EngineFamily``)."""
 
@@ -46,6 +108,7 @@ class SglangFamily:
     pause_modes = True  # (routes.PAUSE_MODES, the engine table's pause_mode)
     asks_draft_support = False  # (a draft part is refused at the pause: sglang_refusal)
     reads_memory = sglang_fence.PROVING_STEPS
+    adapters = SglangAdapters()  # (issue 36)
 
     def step_body(self, route: str, packed: bool | None) -> Any:
         return None  # (SGLang needs no init: routes.STEP_ANSWERS)

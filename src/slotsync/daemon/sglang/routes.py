@@ -35,6 +35,14 @@ Rules (docs/sglang-contract.md 7.4; routes of SGLang 0.5.20 / 0.5.21 / 0.5.23,
     prove_copies          POST /update_weights_from_tensor with one     {}
                           empty list per TP rank (daemon/sglang/fence.py: a
                           call past the TP barrier, loading nothing)
+    load_lora_adapter     POST /load_lora_adapter_from_tensors (the     {}
+                          body adapters.load_body wrote)
+    unload_lora_adapter   POST /unload_lora_adapter {"lora_name"}       {}
+                          (adapters.unload_body; never while paused in place)
+    models                GET /v1/models                                the model list
+                                                                        (adapters.served_adapters)
+    prove_adapter_copies  POST /weights_checker (adapters.proving_body: {}
+                          a collective over the TP ranks hashing nothing)
 
 * The weight version goes in one ``/update_weight_version`` after the session ended (the
   weights finalized), never with a chunk, so ``/model_info`` never names a version whose
@@ -109,7 +117,8 @@ sends empty entries for ranks with nothing (docs/sglang-contract.md 3.2)."""
 
 ADMIN_OPTIONAL_PATHS = frozenset({
     "/pause_generation", "/continue_generation", "/flush_cache", "/begin_weight_update",
-    "/end_weight_update", "/update_weights_from_tensor", "/update_weight_version"})
+    "/end_weight_update", "/update_weights_from_tensor", "/update_weight_version",
+    "/load_lora_adapter_from_tensors", "/unload_lora_adapter", "/weights_checker"})
 """The paths the daemon asks that SGLang marks ``@auth_level(AuthLevel.ADMIN_OPTIONAL)``
 (0.5.23 ``srt/entrypoints/http_server.py``; ``tests/unit/test_engine_key_files.py`` reads them
 there). SGLang's ``decide_request_auth`` (``srt/utils/auth.py``): such a route takes the admin
@@ -189,6 +198,16 @@ STEP_ANSWERS: dict[str, Any] = {
 """Steps answered without a request (the table at the top)."""
 
 
+ADAPTER_PATHS: dict[str, tuple[str, str]] = {
+    "load_lora_adapter": ("POST", "/load_lora_adapter_from_tensors"),
+    "unload_lora_adapter": ("POST", "/unload_lora_adapter"),
+    "models": ("GET", "/v1/models"),
+    "prove_adapter_copies": ("POST", "/weights_checker"),
+}
+"""The adapter round's steps (issue 36; ``daemon/sglang/adapters.py`` writes their bodies and
+reads ``models``' answer): the method and path of each, the body sent as given."""
+
+
 def plan(step: str, body: Any, dialect: Dialect) -> list[Request]:
     """The SGLang requests for the daemon's ``step`` with its vLLM-shaped ``body``, in order.
 
@@ -228,6 +247,9 @@ def plan(step: str, body: Any, dialect: Dialect) -> list[Request]:
         return [Request("POST", "/update_weights_from_tensor", {
             "serialized_named_tensors": [EMPTY_UPDATE] * ranks, "load_format": None,
             "flush_cache": False, "abort_all_requests": False})]
+    if step in ADAPTER_PATHS:
+        method, path = ADAPTER_PATHS[step]
+        return [Request(method, path, body if method == "POST" else None)]
     raise NotAnSglangStep(f"the daemon step {step!r} has no SGLang counterpart")
 
 
@@ -244,4 +266,6 @@ def answer(step: str, replies: list[Any]) -> Any:
     if step == "weight_info":
         v = last.get("weight_version") if isinstance(last, dict) else None
         return {"weight_version": v}
+    if step == "models":
+        return last
     return {}

@@ -52,6 +52,10 @@ FEATURES: dict[str, Feature] = {
                                    "the TP barrier, so a reply proves only rank 0's copies "
                                    "(weight_updater.py L241 / L262): the fence waits for a "
                                    "later call (daemon/sglang/fence.py)"),
+    "checker_skip_list": Feature("0.5.21", "POST /weights_checker takes `skip_tensor_list`: "
+                                 "the call that proves an adapter's copies on every TP rank "
+                                 "hashes no weight (weight_checker.py _is_skip_weight_check; "
+                                 "daemon/sglang/adapters.py proving_body)"),
 }
 
 

@@ -58,6 +58,14 @@ ROUTES: dict[str, tuple[str, str]] = {
     # vLLM's dev-mode GET /server_info (serve/dev/server_info/api_router.py), asked with the
     # version: the server's VllmConfig as JSON, whose DP layout daemon/vllm/dp_layout.py reads
     "server_info": ("GET", "/server_info?config_format=json"),
+    # issue 36: LoRA adapters (vLLM 0.32 serve/lora/api_router.py, registered only with
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1: a 404 otherwise, adapters.load_error_text), and the
+    # models the server lists (openai/models/api_router.py: base models, then one card per
+    # loaded adapter, adapters.served_adapters). The load and unload answer 200 with a text
+    # body ("Success: ..."); their errors are vLLM's {"error": {...}} (400, 404, 500).
+    "load_lora_adapter": ("POST", "/v1/load_lora_adapter"),
+    "unload_lora_adapter": ("POST", "/v1/unload_lora_adapter"),
+    "models": ("GET", "/v1/models"),
 }
 
 # Routes whose 2xx answer must be JSON: any other body is an EngineError naming it.

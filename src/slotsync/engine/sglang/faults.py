@@ -10,7 +10,8 @@ name (``update_weights_from_tensor``, ``pause_generation``, ...). ``hang_s`` del
 engine dies after the other ranks ran it; on a route that calls no rank, at once);
 ``workers: null`` with ``status >= 400`` answers instead of the call: ``{"success": false,
 "message"}`` with that status on the routes that answer so (the weight routes;
-``update_weight_version`` prefixes ``Failed to update weight version:``), plain text on
+``update_weight_version`` prefixes ``Failed to update weight version:``), ``{"success":
+false, "error_message", "loaded_adapters": null}`` on the LoRA routes, plain text on
 ``flush_cache``, a bare 500 ``Internal Server Error`` elsewhere (or for status 500
 anywhere: an exception escaping the route).
 """
@@ -30,8 +31,12 @@ from slotsync.engine.sglang.scheduler import Scheduler
 SUCCESS_ROUTES = frozenset({"update_weights_from_tensor", "begin_weight_update",
                             "end_weight_update", "update_weight_version"})
 """Routes whose answer is ``{"success", "message"}`` (a fault with a status answers so)."""
+LORA_ROUTES = frozenset({"load_lora_adapter_from_tensors", "unload_lora_adapter"})
+"""Routes whose answer is ``msgspec_to_builtins(LoRAUpdateOutput)``: ``{"rid": null,
+"http_worker_ipc": null, "success": false, "error_message", "loaded_adapters": null}`` for a
+fault with a status (issue 36)."""
 RANK_ROUTES = frozenset({"update_weights_from_tensor", "begin_weight_update",
-                         "end_weight_update"})
+                         "end_weight_update", *LORA_ROUTES, "weights_checker"})
 """Routes that call the TP ranks (a ``workers`` fault raises inside them there; elsewhere it
 is an exception on a rank all the same: the engine dies)."""
 
@@ -84,6 +89,10 @@ async def injected(table: FaultTable, scheduler: Scheduler, request: web.Request
                             status=f.status), None
     if route in SUCCESS_ROUTES:
         return success_body(False, msg, status=f.status), None
+    if route in LORA_ROUTES:
+        return web.json_response({"rid": None, "http_worker_ipc": None, "success": False,
+                                  "error_message": msg, "loaded_adapters": None},
+                                 status=f.status), None
     if route == "flush_cache":
         return web.Response(status=f.status, text=msg), None
     return internal_error(), None

@@ -212,6 +212,9 @@ class SglangEngineApp:
         r.add_post("/_slotsync/fault", self.fault)
         r.add_post("/_slotsync/checksums", self.checksums)
         r.add_post("/_slotsync/requests", self.requests)
+        from slotsync.engine.sglang.lora_front import install as install_lora
+
+        self.lora = install_lora(self)  # (the LoRA routes: the SGLang-code engine only)
         self.app.on_startup.append(self._startup)
         self.app.on_cleanup.append(self._cleanup)
 

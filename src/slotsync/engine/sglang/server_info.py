@@ -15,6 +15,77 @@ from slotsync.engine.sglang.state import SglangState, SglangVersion
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """The SGLang-code engine's LoRA flags, SGLang's names and defaults
+    (``srt/arg_groups/fields/lora.py``; ``engine/sglang/lora_front.py`` serves them):
+    ``enable_lora`` (``--enable-lora``), ``max_lora_rank``, ``lora_target_modules`` (names,
+    or ``["all"]``), ``max_loras_per_batch`` (8), ``max_loaded_loras`` (None: no limit)."""
+
+    enable_lora: bool | None = None
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] | None = None
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
+
+    def server_args(self) -> dict[str, Any]:
+        """The flat ``/server_info`` fields (``resolved_dict()``: the target modules a set,
+        written as a list)."""
+        return {"enable_lora": self.enable_lora, "max_lora_rank": self.max_lora_rank,
+                "lora_target_modules": (None if self.lora_target_modules is None
+                                        else sorted(self.lora_target_modules)),
+                "lora_paths": None, "max_loras_per_batch": self.max_loras_per_batch,
+                "max_loaded_loras": self.max_loaded_loras}
+
+
+    def rank_settings(self) -> dict[str, Any] | None:
+        """What each TP rank's ``lora_rank.LoraRank`` takes (None: LoRA off)."""
+        if not self.enable_lora:
+            return None
+        return {"max_lora_rank": self.max_lora_rank,
+                "target_modules": list(self.lora_target_modules or ()),
+                "max_loras_per_batch": self.max_loras_per_batch}
+
+
+def add_lora_args(g: Any) -> None:
+    """SGLang's LoRA flags (``srt/arg_groups/fields/lora.py``) on the argparse group ``g``."""
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="SGLang's --enable-lora (--impl sglang: the LoRA routes; needs "
+                   "--max-lora-rank and --lora-target-modules, as SGLang without --lora-paths)")
+    g.add_argument("--max-lora-rank", type=int, default=None, help="SGLang's --max-lora-rank")
+    g.add_argument("--lora-target-modules", nargs="*", default=None,
+                   help="SGLang's --lora-target-modules (names, or 'all')")
+    g.add_argument("--max-loras-per-batch", type=int, default=8,
+                   help="SGLang's --max-loras-per-batch (default 8)")
+    g.add_argument("--max-loaded-loras", type=int, default=None,
+                   help="SGLang's --max-loaded-loras (default: no limit)")
+
+
+def lora_settings(args: Any) -> LoraSettings:
+    """The :class:`LoraSettings` of parsed arguments (:func:`add_lora_args`).
+
+    Raises:
+        ValueError: SGLang's own refusals (``arg_groups/lora_hook.py``): no rank or target
+            modules without ``--lora-paths``, ``all`` with other modules, fewer loaded than
+            per batch.
+    """
+    if not args.enable_lora:
+        return LoraSettings(max_loras_per_batch=args.max_loras_per_batch,
+                            max_loaded_loras=args.max_loaded_loras)
+    modules = tuple(args.lora_target_modules or ())
+    if not (args.max_lora_rank and modules):
+        raise ValueError("When no initial --lora-paths is provided, you need to specify both "
+                         "--max-lora-rank and --lora-target-modules for LoRA initialization.")
+    if "all" in modules and len(modules) != 1:
+        raise ValueError("If 'all' is specified in --lora-target-modules, it should be the only "
+                         "module specified.")
+    if args.max_loaded_loras is not None and args.max_loaded_loras < args.max_loras_per_batch:
+        raise ValueError("max_loaded_loras should be greater than or equal to "
+                         "max_loras_per_batch.")
+    return LoraSettings(True, args.max_lora_rank, modules, args.max_loras_per_batch,
+                        args.max_loaded_loras)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """What ``python -m slotsync.engine`` was started with (``/server_info``'s fields).
 
@@ -31,6 +102,7 @@ class ServerConfig:
         launch_command: the command line.
         reported_version: the ``version`` ``/server_info`` reports ('' : the followed
             version's own; a test gives another to see the daemon refuse it).
+        lora: the LoRA flags (:class:`LoraSettings`).
     """
 
     impl: str
@@ -46,6 +118,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     launch_command: str = ""
+    lora: LoraSettings = LoraSettings()
 
 
 def model_info(config: ServerConfig, version: SglangVersion, weight_version: str
@@ -78,6 +151,7 @@ def server_args(config: ServerConfig, version: SglangVersion) -> dict[str, Any]:
         "nnodes": 1, "node_rank": 0, "base_gpu_id": 0, "gpu_id_step": 1,
         "weight_version": c.weight_version, "speculative_algorithm": None,
         "load_format": "auto", "tokenizer_worker_num": 1, "device": "cuda",
+        **c.lora.server_args(),
     }
     if v.dp_attention_resolves:  # --dp-size N --enable-dp-attention -> attn_dp_size N
         args["dp_size"] = 1 if attention_dp else c.dp_size

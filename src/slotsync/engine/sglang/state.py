@@ -115,7 +115,8 @@ VERSIONS: dict[str, SglangVersion] = {
 ADMIN_OPTIONAL_ROUTES = frozenset({
     "/pause_generation", "/continue_generation", "/begin_weight_update",
     "/end_weight_update", "/update_weights_from_tensor", "/update_weight_version",
-    "/flush_cache"})
+    "/flush_cache", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
+    "/weights_checker"})
 """Routes marked ``@auth_level(AuthLevel.ADMIN_OPTIONAL)`` in http_server.py (the admin key
 when one is set, else the API key); every other route is ``NORMAL`` (the API key, when set)
 and ``/health*`` is always open (``srt/utils/auth.py`` ``decide_request_auth``)."""

@@ -70,6 +70,8 @@ class SglangWorkerSpec:
         parser: ``"sglang"`` (SGLang's code) or ``"reference"``.
         copy_sleep_cycles: CUDA only, tests: GPU clock cycles of ``torch.cuda._sleep``
             queued on the copy stream before each weight copy (0: none).
+        lora: ``--enable-lora``'s settings for the rank (``max_lora_rank``,
+            ``target_modules``, ``max_loras_per_batch``; ``lora_rank.LoraRank``), or None.
     """
 
     index: int
@@ -79,6 +81,7 @@ class SglangWorkerSpec:
     model_path: str
     parser: str
     copy_sleep_cycles: int = 0
+    lora: dict[str, Any] | None = None
 
 
 class SglangWorkerHost:
@@ -125,6 +128,8 @@ class SglangWorkerHost:
                        "load_calls": 0, "update_count": 0, "release_count": 0}
         self.last_error: str | None = None
         self.load_seconds = 0.0
+        self.lora: Any = None  # (lora_rank.LoraRank, made at the first LoRA call)
+        self.hashed = 0  # weights hashed for /weights_checker so far
 
     def _cuda_rank(self, gpu_uuid: str | None) -> str:
         """Set up a CUDA rank (module docstring): its device, its copy stream made current for
@@ -207,6 +212,55 @@ class SglangWorkerHost:
         self.held, self.held_tensors = None, 0
         self.counts["release_count"] += 1
         return n
+
+    # -- LoRA adapters (issue 36; lora_rank.py runs SGLang's TpModelWorker code) ----------
+
+    def _lora(self) -> Any:
+        if self.lora is None:
+            if self.spec.lora is None or self.parser.name != "sglang":
+                raise RuntimeError("LoRA is not enabled on this rank (--enable-lora, --impl "
+                                   "sglang)")
+            from slotsync.engine.sglang.lora_rank import LoraRank
+
+            self.lora = LoraRank(self.index, **self.spec.lora)
+        return self.lora
+
+    def lora_load(self, fields: dict[str, Any], inject: str | None = None) -> dict[str, Any]:
+        """``TpModelWorker.load_lora_adapter_from_tensors`` (``LoraRank.load``).
+
+        Raises:
+            whatever SGLang's method raises: the engine dies of it.
+        """
+        self._inject(inject)
+        return self._lora().load(fields)
+
+    def lora_unload(self, fields: dict[str, Any], inject: str | None = None) -> dict[str, Any]:
+        """``TpModelWorker.unload_lora_adapter`` (``LoraRank.unload``)."""
+        self._inject(inject)
+        return self._lora().unload(fields)
+
+    def lora_checksums(self) -> dict[str, Any]:
+        """``{"adapters": LoraRank.checksums(), "hashed": weights hashed by the checker}``."""
+        return {"adapters": {} if self.lora is None else self.lora.checksums(),
+                "hashed": self.hashed}
+
+    def lora_weights_checker(self, action: str, skip_tensor_list: list[str] | None,
+                             inject: str | None = None) -> dict[str, Any]:
+        """This rank's part of ``/weights_checker``: the sha256 of every weight SGLang's
+        ``_is_skip_weight_check`` keeps (``lora_code.checker``), or ``{"error"}`` for an
+        action other than ``checksum`` (SGLang: "Unsupported action=...")."""
+        self._inject(inject)
+        if action != "checksum":
+            return {"error": f"Unsupported action={action!r}"}
+        from slotsync.engine.sglang import lora_code
+        from slotsync.engine.sglang.lora_rank import sglang_sha256
+
+        checker = lora_code.checker()
+        sums = {n: sglang_sha256(t) for n, t in self.model.params.items()
+                if not checker._is_skip_weight_check(n, t, skip_tensor_list)}
+        self.hashed += len(sums)
+        return {"checksums": sums, "per_gpu_checksum": checker.overall_checksum(sums),
+                "parallelism_info": {"tp_rank": self.index}}
 
     def checksums(self) -> dict[str, str]:
         """``{name: slotsync.engine.checksum.tensor_checksum}`` of every model tensor."""

@@ -1,0 +1,501 @@
+"""A slot's adapter rounds (issue 36 D): the adapter half of ``coordinator.SlotCoordinator``
+(a mixin, as ``outcomes.py`` and ``engine_steps.py`` are; I/O-free, its attributes are the
+coordinator's), and the engine's ``AdapterLedger`` (``EngineSession.adapters``) it keeps.
+
+One round (``round.py`` has its phases), every engine step an ``EngineCall`` whose answer
+comes back through ``on_engine_result`` (``_on_adapter_result``), the folder an
+``AdapterFiles`` whose outcome comes back through ``on_adapter_files``::
+
+    every rank's AdapterBegin ─► gather (agreement, tiling: gather.py); refused before any
+      engine call: a slot over several nodes (not yet), an engine paused or mid-update, a
+      family without adapters, a version not above the one served
+    ─► version, server_info (the base round's version stage: the engine's kind, version and
+       layout, through the families) ─► the engine's list of adapters (its restarts: the
+       ledger's versions it no longer lists are loaded again from their folders, or lost)
+    ─► refused before any change: LoRA off, r above max_lora_rank, too many adapters for
+       max_loras, the version again (with what the engine lists)
+    ─► Ack(adapter_begin, transport) to every rank; strays unloaded, lost versions reloaded
+    ─► every rank's AdapterData (its handle checked: round.handle_refusal)
+    ─► "host": AdapterFiles (the daemon writes the folder) ─► load (``adapter_load_s``)
+    ─► "device" over several TP ranks: a call that proves every copy done (SGLang's)
+    ─► Ack(adapter_data, served_name) to every rank; log adapter_loaded; the round ends
+    ─► unload of the previous version (its folder kept one more round: ledger.retire)
+
+Rules held here: an adapter round and a base-weight round never overlap on a slot (a base
+``Begin`` during an adapter round before its ``Ack(adapter_data)`` is refused, and an
+``AdapterBegin`` during a base round; their engine calls never interleave: each waits for the
+other's calls, ``engine_steps._advance``, e.g. for the previous version's unload that follows
+a round's ``Ack(adapter_data)``); they share the update id sequence. A failure
+(a rank gone or silent past its deadline, a malformed message, an engine error) fails the
+round with one ``Error`` to every rank naming the version that stays served, once every call
+of the round returned, and a load that was sent is undone first (its name unloaded, or kept
+as a stray the next round unloads). After a base round whose probe found a new engine
+session, the ledger's versions are loaded again before that round's ``Ack(commit)`` (those
+the daemon has no folder of are marked lost).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slotsync.daemon.core import malformed
+from slotsync.daemon.core.actions import (
+    Action,
+    AdapterFiles,
+    EngineCall,
+    RemoveAdapterFiles,
+    Reply,
+    SlotEvent,
+)
+from slotsync.daemon.core.adapters.answers import AdapterAnswers
+from slotsync.daemon.core.adapters.gather import (
+    AdapterRefused,
+    gather,
+    limits_refusal,
+    version_refusal,
+)
+from slotsync.daemon.core.adapters.ledger import (
+    LOADING,
+    LOST,
+    AdapterEntry,
+    AdapterLedger,
+    Reconciled,
+)
+from slotsync.daemon.core.adapters.round import AdapterPhase, AdapterRound, handle_refusal
+from slotsync.daemon.core.registration import split_relayed
+from slotsync.daemon.core.update import Update
+from slotsync.protocol.wire import (
+    Abort,
+    Ack,
+    AdapterBegin,
+    AdapterData,
+    Begin,
+    Error,
+    ProtocolError,
+)
+
+INFO_ROUTES = ("version", "server_info")
+"""The info stage's first steps: the base round's version stage (``update.BEGIN_STAGES``),
+read by the families (the engine's kind, version and layout, and its limits)."""
+
+SPANNING_REFUSAL = (
+    "adapter rounds on an engine whose ranks are on several nodes are not built yet (issue "
+    "36): this slot has rank(s) {ranks} relayed from another node's daemon; publish adapters "
+    "to engines of one node")
+
+
+class AdapterRounds(AdapterAnswers):
+    """The adapter half of ``SlotCoordinator`` (the module docstring)."""
+
+    # ------------------------------------------------------------------ set-up, questions
+
+    def _init_adapters(self) -> None:
+        self.adapter_round: AdapterRound | None = None
+        self._adapter_calls: dict[int, tuple[str, str, float]] = {}  # id -> purpose, name, t
+        self._adapter_held: list[Action] = []  # a base round's acks while adapters reload
+        self._adapter_restart_seen = False  # a failed base round met a new engine session
+        self.adapter_last_error: str | None = None
+        self.adapter_rounds_ok = self.adapter_rounds_failed = 0
+
+    @property
+    def adapters(self) -> AdapterLedger:
+        """The slot's engine's ledger (``EngineSession.adapters``)."""
+        return self.engine.adapters
+
+    def adapter_busy(self) -> bool:
+        """An adapter round, an adapter call or a reload after a restart is under way."""
+        return bool(self.adapter_round is not None or self._adapter_calls or self._adapter_held)
+
+    def _adapter_support(self) -> Any:
+        """The engine's family's ``AdapterSupport`` (None: kind not known, or no adapters)."""
+        family = self.families.known(self.engine)
+        return getattr(family, "adapters", None) if family is not None else None
+
+    def adapter_refuses_begin(self, rank: int, msg: Begin) -> list[Action]:
+        """The refusal of a base ``Begin`` while an adapter round has not yet answered its
+        ranks (``[]``: none; once it did, the base round's calls wait for its unload)."""
+        a = self.adapter_round
+        if a is None:
+            return []
+        return self._rank_error(
+            rank, "begin", f"adapter round {a.update_id} ({a.lora}) is in flight for slot "
+            f"[{self.start}, {self.end}): a base-weight update never overlaps an adapter "
+            "round on one engine; publish the weights once the adapter's round returned",
+            msg.update_id)
+
+    # ------------------------------------------------------------------ rank events
+
+    def on_adapter_message(self, rank: int, msg: AdapterBegin | AdapterData,
+                           now: float) -> list[Action]:
+        """A registered rank of this slot sent ``msg``. Returns actions."""
+        if isinstance(msg, AdapterBegin):
+            return self._on_adapter_begin(rank, msg, now)
+        return self._on_adapter_data(rank, msg, now)
+
+    def _on_adapter_begin(self, rank: int, msg: AdapterBegin, now: float) -> list[Action]:
+        a = self.adapter_round
+        if self.current is not None:
+            return self._rank_error(
+                rank, "adapter_begin", f"base-weight update {self.current.update_id} is in "
+                f"flight for slot [{self.start}, {self.end}): an adapter round never overlaps "
+                "it on one engine; publish the adapter once the weights' publish returned",
+                msg.update_id)
+        if a is not None and a.update_id != msg.update_id:
+            return self._rank_error(
+                rank, "adapter_begin", f"adapter round {a.update_id} ({a.lora}) is in flight "
+                f"for slot [{self.start}, {self.end}); refusing a second round {msg.update_id}",
+                msg.update_id)
+        if a is None:
+            if msg.update_id < self.next_update_id:
+                return self._rank_error(
+                    rank, "adapter_begin", f"stale update id {msg.update_id}: this slot's "
+                    f"next update id is {self.next_update_id}", msg.update_id)
+            a = self.adapter_round = AdapterRound(msg.update_id, now)
+            self.next_update_id = msg.update_id + 1  # (shared with base rounds)
+        if rank in a.begins:
+            return self._rank_error(rank, "adapter_begin", f"rank {rank} began adapter round "
+                                    f"{a.update_id} twice", a.update_id)
+        a.begins[rank] = msg
+        if len(a.begins) < self.size or a.phase is not AdapterPhase.BEGIN:
+            return []
+        return self._adapter_begun(a, now)
+
+    def _adapter_begun(self, a: AdapterRound, now: float) -> list[Action]:
+        """Every rank began: gather the plan and refuse what can be told without the engine."""
+        try:
+            a.plan = plan = gather(a.begins)
+        except AdapterRefused as e:
+            return self._adapter_fail(now, "adapter_begin", str(e))
+        relayed = [i.rank for i in self._by_rank() if split_relayed(i.identity)]
+        why = SPANNING_REFUSAL.format(ranks=", ".join(map(str, relayed))) if relayed else ""
+        if not why and (self.engine.paused or self.engine.mid_update):
+            why = (f"engine {self.engine_url} is paused or may be mid-update (a base-weight "
+                   "update failed, or it was found asleep): the next base-weight round, a full "
+                   "one, resumes it; adapter rounds wait for that")
+        support = self._adapter_support()
+        family = self.families.known(self.engine)
+        if not why and family is not None and support is None:
+            why = self._no_adapters(family)
+        if not why and support is not None:
+            why = support.refusal(plan)
+        if not why:  # (the same version may be one the engine lost: told by its list)
+            cur = self.adapters.current(plan.lora_name)
+            why = version_refusal(plan, cur and cur.version, True, self.engine_url)
+        if why:
+            return self._adapter_fail(now, "adapter_begin", why)
+        a.phase = AdapterPhase.INFO
+        a.stub = Update(a.update_id, "", now)  # (what the families read the answers into)
+        a.stub.kind_asked = self.engine.kind is None
+        return self._advance(now)
+
+    def _no_adapters(self, family: Any) -> str:
+        return (f"engine {self.engine_url} is {family.display}, into which slotsyncd loads no "
+                "LoRA adapters")
+
+    def _on_adapter_data(self, rank: int, msg: AdapterData, now: float) -> list[Action]:
+        a = self.adapter_round
+        if a is None or msg.update_id != a.update_id or a.failure is not None:
+            cur = "none" if a is None else str(a.update_id)
+            return self._rank_error(rank, "adapter_data", f"adapter data for update "
+                                    f"{msg.update_id}, but the adapter round in flight is {cur}",
+                                    msg.update_id)
+        if a.phase is not AdapterPhase.DATA:
+            return self._adapter_fail(now, "adapter_data", f"rank {rank} sent its adapter data "
+                                      "before the daemon acknowledged every begin (its "
+                                      "Ack(adapter_begin) names the transport)", [rank])
+        if rank in a.data:
+            return self._adapter_fail(now, "adapter_data", f"rank {rank} sent its adapter "
+                                      "data twice", [rank])
+        why = handle_refusal(rank, msg.handle, a.part_nbytes(rank), a.transport,
+                             self.transport)
+        if why:
+            return self._adapter_fail(now, "adapter_data", why, [rank])
+        a.data[rank] = msg.handle
+        return self._advance(now) if len(a.data) == self.size else []
+
+    def adapter_bad_message(self, rank: int, err: ProtocolError, now: float
+                            ) -> list[Action] | None:
+        """Registered rank ``rank`` sent a frame that failed validation: the adapter round in
+        flight fails naming it (``malformed.py``), else None (the base rules apply)."""
+        a = self.adapter_round
+        if a is None or self.current is not None or a.acked or a.failure is not None or (
+                not malformed.fails_update(err, a.update_id)):
+            return None
+        return self._adapter_fail(now, malformed.phase_of(err),
+                                  malformed.describe(rank, err), [])
+
+    def adapter_abort(self, rank: int, msg: Abort, now: float) -> list[Action] | None:
+        """Rank ``rank`` aborts (its publisher gave up, e.g. its own timeout): the adapter
+        round it names fails, every rank told; None when it names none (the base rules)."""
+        a = self.adapter_round
+        if a is None or self.current is not None or msg.update_id != a.update_id:
+            return None
+        why = f": {msg.reason}" if msg.reason else ""
+        return self._adapter_fail(now, self._adapter_phase(a), f"rank {rank} aborted adapter "
+                                  f"round {a.update_id}{why}", [])
+
+    def adapter_ranks_gone(self, now: float) -> list[Action]:
+        """Ranks' connections went (``on_rank_gone`` marked them): a round that still needs
+        their messages or their memory fails at once, naming each."""
+        a = self.adapter_round
+        if a is None or not a.ranks_needed or a.failure is not None:
+            return []
+        gone = [i for i in self._by_rank() if i.gone_at is not None]
+        if not gone:
+            return []
+        return self._adapter_fail(now, self._adapter_phase(a), "; ".join(
+            f"{i.who} is gone: {i.gone_why}" for i in gone), [i.rank for i in gone])
+
+    def adapter_rank_registered(self, rank: int, now: float) -> list[Action]:
+        """Rank ``rank`` registered again: a round it took part in fails (its process
+        restarted or reconnected mid-round)."""
+        a = self.adapter_round
+        if (a is None or not a.ranks_needed or a.failure is not None
+                or (rank not in a.begins and rank not in a.data)):
+            return []
+        return self._adapter_fail(now, self._adapter_phase(a), f"rank {rank} re-registered "
+                                  f"during adapter round {a.update_id}: its process restarted "
+                                  "or reconnected mid-round", [rank])
+
+    # ------------------------------------------------------------------ the clock
+
+    def _adapter_deadline(self) -> tuple[float, str, str, list[int]] | None:
+        """``(deadline, phase, what, missing ranks)`` of the round's wait on ranks, or None
+        (none in force: engine calls and the folder are bounded by their own timeouts)."""
+        a = self.adapter_round
+        if a is None or self._adapter_calls or a.failure is not None:
+            return None
+        ranks = range(self.start, self.end)
+        if a.phase is AdapterPhase.BEGIN:
+            return (a.started_at + self.timeouts.begin_s, "adapter_begin",
+                    "adapter begin (begin_timeout_s)", a.missing(ranks))
+        if a.phase is AdapterPhase.DATA and len(a.data) < self.size:
+            return (a.acked_at + self.timeouts.chunk_s, "adapter_data",
+                    "adapter data (chunk_timeout_s)", a.missing(ranks))
+        return None
+
+    def _adapter_poll(self, now: float) -> list[Action]:
+        """Fail the round whose wait on ranks expired, naming the missing ranks (I5)."""
+        d = self._adapter_deadline()
+        if d is None or now < d[0]:
+            return []
+        _, phase, what, missing = d
+        return self._adapter_fail(now, phase, f"deadline expired waiting for the {what} of "
+                                  f"rank(s) {missing}", missing)
+
+    def _adapter_stop(self, now: float, reason: str) -> list[Action]:
+        """The daemon stops (or the slot is dropped): the round fails, ranks told, no engine
+        call goes out (a load out may still register its name: the next daemon finds it in
+        the engine's list and unloads it after the next version, ``reconcile``)."""
+        a = self.adapter_round
+        if a is None:
+            return []
+        a.failure = (self._adapter_phase(a), self._adapter_message(a, reason), [])
+        return self._adapter_end_failed(a, now)
+
+    # ------------------------------------------------------------------ engine steps
+
+    def _adapter_call(self, purpose: str, served: str, route: str, body: Any, now: float,
+                      timeout_s: float = 0.0) -> EngineCall:
+        self._call_id += 1
+        a = self.adapter_round
+        call = EngineCall(self._call_id, a.update_id if a else self.next_update_id - 1, route,
+                          body, self.slot, -1, False, timeout_s)
+        self._adapter_calls[call.call_id] = (purpose, served, now)
+        self.engine_calls[route] = self.engine_calls.get(route, 0) + 1
+        return call
+
+    def _advance_adapters(self, now: float) -> list[Action]:
+        """The next adapter step when nothing else is out (``engine_steps._advance`` asks it
+        once no base round runs and no base call is out)."""
+        if self._adapter_calls:
+            return []
+        if self._adapter_held:  # (a base round's acks: every lost version loaded again)
+            out, self._adapter_held = self._adapter_held, []
+            return out + self._advance_adapters(now)
+        a = self.adapter_round
+        if a is None:
+            return []
+        if a.failure is not None:
+            return self._adapter_failed_next(a, now)
+        if a.phase is AdapterPhase.INFO:
+            return self._adapter_info(a, now)
+        if a.phase is AdapterPhase.DATA and len(a.data) == self.size:
+            if a.transport == "host":
+                a.phase = AdapterPhase.FILES
+                self._call_id += 1
+                self._adapter_calls[self._call_id] = ("files", a.plan.served_name, now)
+                return [AdapterFiles(self._call_id, self.slot, a.update_id, a.plan,
+                                     dict(a.data), self.timeouts.adapter_load_s)]
+            return self._adapter_load(a, now)
+        if a.phase is AdapterPhase.FILES and a.folder:  # (written: on_adapter_files)
+            return self._adapter_load(a, now)
+        return []
+
+    def _adapter_info(self, a: AdapterRound, now: float) -> list[Action]:
+        """The info stage: version and server_info, then the engine's list of adapters, then
+        the checks against them (``_adapter_checked``)."""
+        if not a.info_sent:
+            a.info_sent = True
+            return [self._adapter_call("info", r, r, None, now) for r in INFO_ROUTES]
+        if a.info_errors:
+            return self._adapter_fail(now, "adapter_begin", "; ".join(a.info_errors.values()))
+        support = self._adapter_support()
+        family = self.families.known(self.engine)
+        if support is None:
+            return self._adapter_fail(now, "adapter_begin", self._no_adapters(family) if family
+                                      else f"engine {self.engine_url}'s kind could not be told "
+                                      "from its /version and /server_info")
+        if "list" not in a.answers:
+            why = support.refusal(a.plan, a.answers)
+            if why:
+                return self._adapter_fail(now, "adapter_begin", why)
+            a.answers["list"] = None
+            return [self._adapter_call("info", "list", support.list_route, None, now)]
+        return self._adapter_checked(a, support, now)
+
+    def _adapter_checked(self, a: AdapterRound, support: Any, now: float) -> list[Action]:
+        """The engine answered: reconcile the ledger with its list (restarts), check the
+        version, limits and room, then ack every begin (and unload strays, reload what the
+        engine lost) -- or refuse, after those repairs returned."""
+        plan, ledger = a.plan, self.adapters
+        listed = support.served(a.answers["list"])
+        rec = ledger.reconcile(listed, support.reloadable, self.engine_url)
+        out = self._reconciled(rec, support, now)
+        cur = ledger.current(plan.lora_name)
+        why = version_refusal(plan, cur and cur.version, bool(cur and cur.state == LOST),
+                              self.engine_url)
+        held = (listed | {e.served_name for e in rec.reload}) - set(ledger.stray)
+        why = why or limits_refusal(plan, support.limits(a.answers), held, self.engine_url,
+                                    self.family.display)
+        out += [self._adapter_call("cleanup", name, support.unload_route,
+                                   support.unload_body(name), now) for name in ledger.stray]
+        if why:
+            return out + self._adapter_fail(now, "adapter_begin", why)
+        a.previous = cur if cur is not None and cur.state != LOST else None
+        a.transport, a.phase, a.acked_at = support.transport, AdapterPhase.DATA, now
+        ack = Ack(a.update_id, "adapter_begin", transport=support.transport)
+        return [Reply(i.identity, ack) for i in self._by_rank()] + out
+
+    def _reconciled(self, rec: Reconciled, support: Any, now: float) -> list[Action]:
+        """Events and calls for what the engine's list showed (``AdapterLedger.reconcile``):
+        lost versions logged, adopted ones logged, lost versions with a folder loaded again,
+        folders of strays the engine no longer holds removed."""
+        out: list[Action] = [RemoveAdapterFiles(self.slot, f) for f in rec.gone]
+        for e in rec.lost:
+            out.append(SlotEvent(self.slot, "adapter_lost", {
+                "engine": self.engine_url, "served_name": e.served_name, "why": e.error}))
+        for e in rec.adopted:
+            out.append(SlotEvent(self.slot, "adapter_found", {
+                "engine": self.engine_url, "served_name": e.served_name, "why": e.error},
+                warning=False))
+        for e in rec.reload:
+            out.append(self._adapter_call("reload", e.served_name, support.load_route,
+                                          support.load_body(e.plan, e.folder, {}, {}, 0), now,
+                                          self.timeouts.adapter_load_s))
+        return out
+
+    def _adapter_load(self, a: AdapterRound, now: float) -> list[Action]:
+        """Every rank's data is in (and the folder written): the load call."""
+        support, plan = self._adapter_support(), a.plan
+        try:
+            body = support.load_body(plan, a.folder, dict(a.data),
+                                     {r: i.gpu_uuid for r, i in self.ranks.items()},
+                                     self.engine.world_size or self.size,
+                                     self.engine.declared_gpu_uuids)
+        except ValueError as e:
+            return self._adapter_fail(now, "adapter_data", str(e))
+        self.adapters.entries[plan.served_name] = AdapterEntry(
+            plan.lora_name, plan.version, plan.served_name, LOADING, plan.nbytes,
+            folder=a.folder, plan=plan)
+        a.phase, a.load_sent_at = AdapterPhase.LOAD, now
+        return [self._adapter_call("load", plan.served_name, support.load_route, body, now,
+                                   self.timeouts.adapter_load_s)]
+
+    def on_adapter_files(self, call_id: int, ok: bool, folder: str, error: str,
+                         now: float) -> list[Action]:
+        """``AdapterFiles`` ``call_id`` ended: the folder written (``folder``), or not
+        (``error``: a part's sha256 that does not match names the tensor and rank)."""
+        if self._adapter_calls.pop(call_id, None) is None:
+            return []
+        a = self.adapter_round
+        if a is None:  # (stopped meanwhile)
+            return [RemoveAdapterFiles(self.slot, folder)] if ok and folder else []
+        if ok:
+            a.folder, a.ranks_needed = folder, False  # (the ranks' memory is read)
+        elif a.failure is None:
+            a.failure = ("adapter_data", self._adapter_message(
+                a, f"the daemon could not write its folder: {error}"), [])
+        return self._advance(now)
+
+    # ------------------------------------------------------------------ the end of a round
+
+    def _adapter_phase(self, a: AdapterRound) -> str:
+        return ("adapter_begin" if a.phase in (AdapterPhase.BEGIN, AdapterPhase.INFO)
+                else "adapter_data")
+
+    def _adapter_message(self, a: AdapterRound, text: str) -> str:
+        """A failure's words: the slot, round, adapter, cause, and what stays served."""
+        name = a.plan.lora_name if a.plan else next(
+            (b.lora_name for b in a.begins.values()), "")
+        cur = self.adapters.current(name) if name else None
+        stays = (f"{cur.served_name} stays served" if cur is not None and cur.state != LOST
+                 else f"no version of {name!r} is served" if name else "nothing changed")
+        return (f"slot [{self.start}, {self.end}) adapter round {a.update_id} ({a.lora}) "
+                f"failed: {text} ({stays})")
+
+    def _adapter_fail(self, now: float, phase: str, text: str,
+                      missing: list[int] | None = None) -> list[Action]:
+        """Fail the round in flight: its errors go out once every call of it returned (a
+        load sent is undone first)."""
+        a = self.adapter_round
+        if a is None or a.failure is not None:
+            return []
+        a.failure = (phase, self._adapter_message(a, text), list(missing or []))
+        return self._advance(now) if not self._adapter_calls else []
+
+    def _adapter_failed_next(self, a: AdapterRound, now: float) -> list[Action]:
+        """A failed round with no call out: undo its load (``drop``), else end it."""
+        if a.phase is AdapterPhase.LOAD and not a.dropping:
+            a.dropping = True
+            support, name = self._adapter_support(), a.plan.served_name
+            return [self._adapter_call("drop", name, support.unload_route,
+                                       support.unload_body(name), now)]
+        return self._adapter_end_failed(a, now)
+
+    def _adapter_end_failed(self, a: AdapterRound, now: float) -> list[Action]:
+        phase, message, missing = a.failure
+        err = Error(phase, message, list(self.slot), a.update_id, missing)
+        out: list[Action] = [Reply(i.identity, err) for i in self._by_rank()]
+        out.append(SlotEvent(self.slot, "adapter_failed", {
+            "engine": self.engine_url, "update_id": a.update_id, "adapter": a.lora,
+            "seconds": round(now - a.started_at, 4), "error": message}))
+        if a.folder and a.folder not in self.adapters.folders_in_use():
+            out.append(RemoveAdapterFiles(self.slot, a.folder))
+        self.adapter_last_error = message
+        self.adapter_rounds_failed += 1
+        self.adapter_round = None
+        return out
+
+    # ------------------------------------------------------------------ base rounds
+
+    def _adapters_after_base(self, u: Update, acks: list[Action], failed: bool,
+                             now: float) -> list[Action]:
+        """A base round ended (``failed`` or not; ``acks``: its last replies). One whose probe
+        found a new engine session (or after a failed one that did) loads the ledger's
+        versions again before its ``Ack(commit)`` goes out (``reloading``; those without a
+        folder are lost), so that a restarted engine serves them once it is reported
+        ready."""
+        if failed:
+            self._adapter_restart_seen |= u.new_session
+            return acks
+        if not (u.new_session or self._adapter_restart_seen):
+            return acks
+        self._adapter_restart_seen = False
+        support = self._adapter_support()
+        rec = self.adapters.restarted(bool(support and support.reloadable), self.engine_url)
+        out = self._reconciled(rec, support, now) if support is not None else []
+        if not rec.reload:
+            return out + acks
+        self._adapter_held = [x for x in acks if isinstance(x, Reply)]  # (the ranks' acks)
+        return out + [x for x in acks if not isinstance(x, Reply)]

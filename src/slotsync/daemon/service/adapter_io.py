@@ -1,0 +1,195 @@
+"""The I/O of adapter rounds (issue 36): the ranks' shared-memory parts read, the folders an
+engine loads adapters from written and removed, each off the event loop (``AdapterIO``; the
+executor runs the core's ``AdapterFiles`` and ``RemoveAdapterFiles`` through it).
+
+The folders live in ``adapter_dir`` (``Config.adapter_path``: by default ``adapters`` in the
+runtime dir, a tmpfs under systemd's RuntimeDirectory), made mode 0700 when the daemon makes
+it, one folder per slot (``slot-<start>-<end>``), and in it one folder per served version
+(``math@v3``, written by the engine's family: ``AdapterSupport.write_files``, into a temp
+folder renamed at the end). A folder goes once no engine holds its version (the core's
+``RemoveAdapterFiles``); at the daemon's stop the folders it wrote that no engine can still
+need are removed (``close``: an engine may read a served version's folder again, after vLLM's
+``reset_lora_state`` at every base-weight finish, so those stay while it runs). Folders found
+at start (a previous daemon's) are left alone: an engine may still read them.
+
+A rank's part is read from ``/dev/shm/<segment>`` (the name is the wire's, checked there: no
+``/``), opened read-only without following a link, a regular file, mapped read-only, each
+read bounds-checked against the handle's range and the segment's size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import os
+import shutil
+import stat
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from slotsync.protocol.wire import ShmHandle
+
+SHM_DIR = "/dev/shm"
+TEMP_PREFIX = ".writing-"  # (the families' temp folders: removed at start and stop)
+
+
+class PartReader:
+    """Reads ranks' parts from their shared-memory handles (``handles``: rank -> its
+    ``ShmHandle``, None for an empty part); a context manager that unmaps them at its end.
+
+    ``read(rank, offset, nbytes)``: ``nbytes`` bytes at ``offset`` of that rank's part, a
+    ``memoryview`` over the mapping (valid until the reader closes).
+
+    Raises (from ``read``):
+        ValueError: no handle for the rank, a range outside its handle or its segment, or a
+            segment that is not a regular file of ``/dev/shm`` (the text names rank and
+            segment).
+    """
+
+    def __init__(self, handles: Mapping[int, Any], shm_dir: str = SHM_DIR) -> None:
+        self._handles = dict(handles)
+        self._dir = shm_dir
+        self._maps: dict[int, mmap.mmap] = {}
+
+    def __enter__(self) -> PartReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for m in self._maps.values():
+            with contextlib.suppress(BufferError):  # (a view still held: freed with it)
+                m.close()
+        self._maps.clear()
+
+    def _map(self, rank: int, h: ShmHandle) -> mmap.mmap:
+        m = self._maps.get(rank)
+        if m is not None:
+            return m
+        path = os.path.join(self._dir, h.segment)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise ValueError(f"rank {rank}'s shared-memory segment {h.segment!r} cannot be "
+                             f"opened: {e.strerror} (did the rank free it before the daemon's "
+                             "Ack(adapter_data)?)") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"rank {rank}'s segment {h.segment!r} is not a regular file "
+                                 f"of {self._dir}")
+            if h.offset + h.nbytes > st.st_size:
+                raise ValueError(f"rank {rank}'s handle covers bytes [{h.offset}, "
+                                 f"{h.offset + h.nbytes}) of segment {h.segment!r}, which has "
+                                 f"{st.st_size}")
+            m = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ) if st.st_size else None
+        finally:
+            os.close(fd)
+        if m is None:
+            raise ValueError(f"rank {rank}'s segment {h.segment!r} is empty")
+        self._maps[rank] = m
+        return m
+
+    def read(self, rank: int, offset: int, nbytes: int) -> memoryview:
+        h = self._handles.get(rank)
+        if not isinstance(h, ShmHandle):
+            raise ValueError(f"rank {rank} handed over no shared-memory handle for its part")
+        if offset < 0 or nbytes < 0 or offset + nbytes > h.nbytes:
+            raise ValueError(f"rank {rank}: bytes [{offset}, {offset + nbytes}) of its part "
+                             f"are outside its handle's {h.nbytes}")
+        start = h.offset + offset
+        return memoryview(self._map(rank, h))[start:start + nbytes]
+
+
+class AdapterIO:
+    """The adapter folders of one daemon (the module docstring).
+
+    Args:
+        root: ``adapter_dir`` (made at ``prepare``, mode 0700).
+        shm_dir: where the ranks' segments are (``/dev/shm``; tests may point elsewhere).
+    """
+
+    def __init__(self, root: str | Path, shm_dir: str = SHM_DIR) -> None:
+        self.root = Path(root)
+        self.shm_dir = shm_dir
+        self.written: set[str] = set()  # folders this daemon wrote and has not removed
+        self.found: list[str] = []  # folders a previous daemon left (kept)
+        self._io = ThreadPoolExecutor(2, thread_name_prefix="slotsync-adapters")
+
+    def prepare(self) -> None:
+        """Make ``root`` (mode 0700 when made here; an existing one keeps its mode, e.g. one
+        an operator made readable by an engine of another user), remove the temp folders a
+        killed daemon left, and note the folders found.
+
+        Raises:
+            OSError: the folder cannot be made.
+        """
+        if not self.root.is_dir():
+            self.root.mkdir(parents=True, mode=0o700, exist_ok=True)
+        for slot in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            for f in sorted(slot.iterdir()):
+                if f.name.startswith(TEMP_PREFIX):
+                    shutil.rmtree(f, ignore_errors=True)
+                elif f.is_dir():
+                    self.found.append(str(f))
+
+    def slot_root(self, slot: tuple[int, int]) -> Path:
+        """The folder of ``slot``'s adapter versions."""
+        return self.root / f"slot-{slot[0]}-{slot[1]}"
+
+    async def write(self, slot: tuple[int, int], plan: Any, handles: Mapping[int, Any],
+                    write_files: Callable[..., Path], timeout_s: float) -> tuple[bool, str, str]:
+        """Write ``plan``'s folder for ``slot`` with the family's ``write_files``, reading
+        the ranks' parts from ``handles``, in a thread, within ``timeout_s`` seconds (0:
+        none). Returns ``(ok, folder, error)``; a write that outlives its deadline removes
+        its folder when it ends."""
+        root = self.slot_root(slot)
+
+        def run() -> str:
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            with PartReader(handles, self.shm_dir) as reader:
+                return str(write_files(root, plan, reader.read))
+
+        fut = asyncio.get_running_loop().run_in_executor(self._io, run)
+        try:
+            async with asyncio.timeout(timeout_s or None):
+                folder = await asyncio.shield(fut)
+        except TimeoutError:
+            fut.add_done_callback(self._drop_late)
+            return False, "", (f"the adapter's folder was not written within {timeout_s:g} s "
+                               "(adapter_load_timeout_s)")
+        except (ValueError, OSError) as e:
+            return False, "", str(e)
+        self.written.add(folder)
+        return True, folder, ""
+
+    def _drop_late(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            with contextlib.suppress(RuntimeError):  # (stopped meanwhile: close removes it)
+                self._io.submit(shutil.rmtree, fut.result(), True)
+
+    async def remove(self, folder: str) -> None:
+        """Remove ``folder`` (one under ``root`` only), off the event loop."""
+        path = Path(folder)
+        if self.root not in path.parents:
+            return
+        self.written.discard(folder)
+        await asyncio.get_running_loop().run_in_executor(self._io, shutil.rmtree, path, True)
+
+    def close(self, in_use: set[str]) -> list[str]:
+        """The daemon stops: remove the folders it wrote that no engine can still need (not
+        in ``in_use``: ``SlotTable.adapter_folders_in_use``) and any temp folder, and stop
+        the thread. Returns the folders removed."""
+        self._io.shutdown(wait=True)
+        gone = sorted(self.written - in_use)
+        for f in gone:
+            shutil.rmtree(f, ignore_errors=True)
+        self.written &= in_use
+        for slot in (p for p in self.root.iterdir() if p.is_dir()) if self.root.is_dir() else ():
+            for f in slot.iterdir():
+                if f.name.startswith(TEMP_PREFIX):
+                    shutil.rmtree(f, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                slot.rmdir()  # (only when empty)
+        return gone

@@ -1,0 +1,236 @@
+"""Adapter rounds against a real slotsyncd (issue 36 C/D): an in-process ``Daemon``, two
+hand-made ranks that put their parts in POSIX shared memory and speak the wire by hand
+(``AdapterBegin``, ``Ack(adapter_begin, transport="host")``, ``AdapterData``,
+``Ack(adapter_data, served_name)``), and a stand-in of vLLM's LoRA routes in the test's event
+loop (``/v1/load_lora_adapter`` reads the folder the daemon wrote with safetensors, as
+``LoRAModel.from_local_checkpoint`` does, and checks every tensor against the ranks' bytes).
+The reference engine's LoRA routes are the vLLM helper's; once they are on main these rounds
+run against it too (the lead's merge). Red on the old code: the daemon answered
+``AdapterBegin`` with nothing (no route in the slot table)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+from adapter_ranks import A, B, laid_out, two_rank_parts
+from aiohttp import web
+from fake_http_engine import serve_engine
+from safetensors import safe_open
+from test_daemon_liveness import Rank
+
+from slotsync.daemon.service.config import Config
+from slotsync.daemon.service.server import Daemon
+from slotsync.protocol import wire
+
+LORA_CONFIG = {"max_lora_rank": 16, "max_loras": 4, "max_cpu_loras": 4}
+
+
+class LoraEngine:
+    """vLLM 0.32's routes the daemon asks in an adapter round (dev mode, runtime LoRA
+    updating on): ``loras`` name -> the folder it was loaded from; ``fail`` the next load's
+    (status, message)."""
+
+    def __init__(self, expect: dict[str, dict[str, bytes]]) -> None:
+        self.expect = expect  # served name -> tensor name -> its whole bytes
+        self.loras: dict[str, str] = {}
+        self.requests: list[str] = []
+        self.fail: tuple[int, str] | None = None
+
+    async def handle(self, request: web.Request) -> web.Response:
+        path = request.path
+        self.requests.append(path)
+        if path == "/get_world_size":
+            return web.json_response({"world_size": 2})
+        if path == "/version":
+            return web.json_response({"version": "0.32.0"})
+        if path == "/server_info":
+            return web.json_response({"vllm_config": {"lora_config": LORA_CONFIG},
+                                      "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}})
+        if path == "/v1/models":
+            return web.json_response({"object": "list", "data": [
+                {"id": "base", "parent": None}, *({"id": n, "parent": "base", "root": p}
+                                                   for n, p in self.loras.items())]})
+        body = await request.json()
+        name = body["lora_name"]
+        if path == "/v1/load_lora_adapter":
+            if self.fail is not None:
+                (status, message), self.fail = self.fail, None
+                return web.json_response({"error": {"message": message}}, status=status)
+            if name in self.loras:
+                return web.json_response({"error": {"message": f"The lora adapter '{name}' "
+                                                    "has already been loaded."}}, status=400)
+            self.check_folder(name, body["lora_path"])
+            self.loras[name] = body["lora_path"]
+            return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+        if path == "/v1/unload_lora_adapter":
+            if self.loras.pop(name, None) is None:
+                return web.json_response({"error": {"message": f"The lora adapter '{name}' "
+                                                    "cannot be found."}}, status=404)
+            return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+        return web.json_response({"error": {"message": "Not Found"}}, status=404)
+
+    def check_folder(self, name: str, folder: str) -> None:
+        """What vLLM's worker reads (``PEFTHelper.from_local_dir``: adapter_config.json;
+        ``LoRAModel.from_local_checkpoint``: adapter_model.safetensors), checked here."""
+        config = json.loads(Path(folder, "adapter_config.json").read_text())
+        assert config["r"] == 4 and config["target_modules"] == ["q_proj", "v_proj"]
+        with safe_open(str(Path(folder, "adapter_model.safetensors")), "np") as f:
+            assert set(f.keys()) == set(self.expect[name])
+            for t in f.keys():
+                got = f.get_tensor(t)
+                assert got.dtype == np.float32 and got.tobytes() == self.expect[name][t], t
+
+
+async def until(check, timeout_s: float = 20.0) -> None:
+    """Poll ``check()`` until true (the previous version's unload follows the round's ack)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def expected(version: int) -> dict[str, bytes]:
+    parts = two_rank_parts(version)
+    return {A: parts[0][0][1], B: parts[0][1][1] + parts[1][0][1]}
+
+
+class ShmRank:
+    """A rank that hands its adapter parts over through a POSIX shared-memory segment."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, rank: int, url: str) -> None:
+        self.rank = rank
+        self.link = Rank(ctx, endpoint, rank, size=2, url=url)
+        assert isinstance(self.link.reply, wire.Registered), self.link.reply
+        self.segments: list[str] = []
+
+    def send(self, msg: object) -> None:
+        self.link.s.send(wire.encode(msg))
+
+    def recv(self, timeout_s: float = 30) -> object:
+        assert self.link.s.poll(int(timeout_s * 1000)), f"rank {self.rank}: no reply"
+        return wire.decode_from_daemon(self.link.s.recv())
+
+    def data(self, update_id: int, version: int) -> wire.AdapterData:
+        payload = laid_out(two_rank_parts(version)[self.rank])
+        name = f"slotsync-test-lora-{os.getpid()}-{self.rank}-{update_id}"
+        Path("/dev/shm", name).write_bytes(payload)
+        self.segments.append(name)
+        return wire.AdapterData(update_id, wire.ShmHandle(name, 0, len(payload)))
+
+    def close(self) -> None:
+        for name in self.segments:  # (freed after the daemon's reply, as a rank does)
+            Path("/dev/shm", name).unlink(missing_ok=True)
+        self.link.close()
+
+
+def adapter_round(ranks: list[ShmRank], update_id: int, version: int) -> list[object]:
+    """One round from both ranks; returns each rank's last reply (an Ack or an Error)."""
+    parts = two_rank_parts(version)
+    for r in ranks:
+        r.send(wire.AdapterBegin(update_id, "math", version, json.dumps(
+            {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}),
+            [t for t, _ in parts[r.rank]]))
+    acks = [r.recv() for r in ranks]
+    if not all(isinstance(a, wire.Ack) for a in acks):
+        return acks
+    assert all(a.phase == "adapter_begin" and a.transport == "host" for a in acks), acks
+    for r in ranks:
+        r.send(r.data(update_id, version))
+    return [r.recv() for r in ranks]
+
+
+async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engine_needs(
+        tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="slotsync.daemon")
+    engine = LoraEngine({f"math@v{v}": expected(v) for v in (1, 2, 3)})
+    runner, url = await serve_engine(engine.handle, path="/{route:.*}")
+    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
+    await d.start()
+    root = Path(d.config.adapter_path())
+    assert root == tmp_path / "rt" / "adapters" and (root.stat().st_mode & 0o777) == 0o700
+    ctx = zmq.Context()
+    ranks: list[ShmRank] = []
+
+    def rounds() -> list[list[object]]:
+        ranks.extend(ShmRank(ctx, d.endpoint, r, url) for r in (0, 1))
+        return [adapter_round(ranks, 0, 1), adapter_round(ranks, 1, 2)]
+
+    try:
+        t0 = time.time()
+        first, second = await asyncio.to_thread(rounds)
+        for reply in first + second:
+            assert isinstance(reply, wire.Ack) and reply.phase == "adapter_data", reply
+        assert [r.served_name for r in first + second] == ["math@v1"] * 2 + ["math@v2"] * 2
+        slot = root / "slot-0-2"
+        await until(lambda: len(engine.loras) == 1)  # (v1's unload follows the acks)
+        assert engine.loras == {"math@v2": str(slot / "math@v2")}  # v1 unloaded after v2
+        assert engine.requests.count("/v1/unload_lora_adapter") == 1
+        assert (slot / "math@v1").is_dir()  # kept one round more (a running request)
+        (s,) = d.status()["slots"]
+        (entry,) = s["adapters"]
+        assert entry["served_name"] == "math@v2" and entry["state"] == "served"
+        assert t0 - 1 <= entry["loaded_at"] <= time.time() + 1  # unix seconds
+        assert entry["nbytes"] == 4 * 16 * 4 + 16 * 4 * 4 and s["adapter_round"] is None
+        loaded = [r.slotsync_fields for r in caplog.records if r.getMessage() == "adapter_loaded"]
+        assert [f["served_name"] for f in loaded] == ["math@v1", "math@v2"], loaded
+        assert all(f["seconds"] >= f["load_s"] >= 0 for f in loaded)
+        # a load vLLM refuses: the error names it and the version still served; the failed
+        # version's folder goes, nothing else changes
+        engine.fail = (500, "LoRA rank 4 is greater than max_lora_rank 2")
+        third = await asyncio.to_thread(adapter_round, ranks, 2, 3)
+        for err in third:
+            assert isinstance(err, wire.Error) and err.phase == "adapter_data", err
+            assert "max_lora_rank 2" in err.message and "(math@v2 stays served)" in err.message
+        assert set(engine.loras) == {"math@v2"}
+        for _ in range(100):  # (removed off the event loop)
+            if not (slot / "math@v3").exists():
+                break
+            await asyncio.sleep(0.05)
+        assert not (slot / "math@v3").exists()
+    finally:
+        for r in ranks:
+            r.close()
+        ctx.destroy(linger=0)
+        await d.stop()
+        await runner.cleanup()
+    # at the stop: the served version's folder stays (vLLM reads it again after every
+    # base-weight finish), and so does the one unloaded last (a request admitted before its
+    # unload may still read it); the failed version's is gone
+    assert sorted(p.name for p in (root / "slot-0-2").iterdir()) == ["math@v1", "math@v2"]
+
+
+async def test_a_restarted_engine_gets_its_adapter_again_before_the_next_ack(tmp_path):
+    engine = LoraEngine({f"math@v{v}": expected(v) for v in (1, 2)})
+    runner, url = await serve_engine(engine.handle, path="/{route:.*}")
+    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
+    await d.start()
+    ctx = zmq.Context()
+    ranks: list[ShmRank] = []
+
+    def first() -> list[object]:
+        ranks.extend(ShmRank(ctx, d.endpoint, r, url) for r in (0, 1))
+        return adapter_round(ranks, 0, 1)
+
+    try:
+        assert all(isinstance(a, wire.Ack) for a in await asyncio.to_thread(first))
+        engine.loras.clear()  # a new vLLM process at the URL: it lists no adapter
+        engine.requests.clear()
+        replies = await asyncio.to_thread(adapter_round, ranks, 1, 2)
+        assert [getattr(r, "served_name", r) for r in replies] == ["math@v2"] * 2
+        await until(lambda: len(engine.loras) == 1)
+        loads = [p for p in engine.requests if p.endswith("load_lora_adapter")]
+        assert loads == ["/v1/load_lora_adapter"] * 2 + ["/v1/unload_lora_adapter"]
+        assert set(engine.loras) == {"math@v2"}  # v1 loaded again from its folder, replaced
+    finally:
+        for r in ranks:
+            r.close()
+        ctx.destroy(linger=0)
+        await d.stop()
+        await runner.cleanup()
