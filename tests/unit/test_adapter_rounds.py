@@ -520,3 +520,27 @@ def test_a_rank_that_aborts_fails_the_round_and_a_forced_drop_ends_one():
         h.table.drop((0, 2), h.now)
     h.run(h.table.drop((0, 2), h.now, force=True))
     assert "dropped by the operator" in h.error(1, 1).message and h.table.slots == {}
+
+
+def test_a_rank_registering_while_a_round_waits_for_its_begin_is_told_that_rounds_id():
+    """Ranks of one job start at different times: rank 1 registers and begins adapter round
+    0 before rank 0 registered. Rank 0's ``Registered.next_update_id`` is 0 (the round that
+    waits for it, as during a base round's begins), its begin joins the round, and the
+    slot's next id moves on once the round ended. (Red before: the begin moved the next id
+    on at once, rank 0 was told 1 and its begin refused as "a second round".)"""
+    h = LoraHarness(2)
+    h.send(1, reg(1, 0, 2))
+    h.coord.engine.declare_kind("vllm")
+    parts = two_rank_parts(1)
+    h.send(1, begin(0, parts[1], version=1))
+    h.send(0, reg(0, 0, 2))
+    assert h.replies[0][-1].next_update_id == 0
+    h.send(0, begin(0, parts[0], version=1))
+    for r in range(2):
+        h.send(r, wire.AdapterData(0, wire.ShmHandle(f"lora-{r}", 0, len(laid_out(parts[r])))))
+    for r in range(2):
+        assert h.acks(r) == [("adapter_begin", "host"), ("adapter_data", "math@v1")], (
+            h.replies[r])
+    assert h.coord.next_update_id == 1
+    h.send(0, reg(0, 0, 2))  # (a later registration: the next round's id)
+    assert h.replies[0][-1].next_update_id == 1

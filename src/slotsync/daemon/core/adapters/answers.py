@@ -107,6 +107,7 @@ class AdapterAnswers:
             out.append(self._adapter_call("unload", prev.served_name, support.unload_route,
                                           support.unload_body(prev.served_name), now))
         self.adapter_round = None
+        self.next_update_id = max(self.next_update_id, a.update_id + 1)
         self.adapter_rounds_ok += 1
         return out
 
