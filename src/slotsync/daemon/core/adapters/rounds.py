@@ -150,8 +150,10 @@ class AdapterRounds(AdapterAnswers):
                 return self._rank_error(
                     rank, "adapter_begin", f"stale update id {msg.update_id}: this slot's "
                     f"next update id is {self.next_update_id}", msg.update_id)
+            # (the id is shared with base rounds; the slot's next id moves on when the round
+            # ends, as a base update's does: a rank registering while the round waits for
+            # its begin is told this round's id, and joins it)
             a = self.adapter_round = AdapterRound(msg.update_id, now)
-            self.next_update_id = msg.update_id + 1  # (shared with base rounds)
         if rank in a.begins:
             return self._rank_error(rank, "adapter_begin", f"rank {rank} began adapter round "
                                     f"{a.update_id} twice", a.update_id)
@@ -484,6 +486,7 @@ class AdapterRounds(AdapterAnswers):
         self.adapter_last_error = message
         self.adapter_rounds_failed += 1
         self.adapter_round = None
+        self.next_update_id = max(self.next_update_id, a.update_id + 1)
         return out
 
     # ------------------------------------------------------------------ base rounds
