@@ -229,11 +229,6 @@ def test_vllm_family_restart_between_rounds_reloads_from_the_folder(pool, veng):
         assert folders(d) == ["math@v1", "math@v2"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 36 gap, for the core helper: after adapter "
-                   "rounds only, the daemon has seen no weight version of the engine, so a "
-                   "base round's probe cannot tell a restart (probe.check_session) and its "
-                   "Ack(commit) goes out before the ledger's adapters are loaded again; the "
-                   "next adapter round's list does reload them")
 def test_vllm_family_restart_after_adapter_rounds_only_is_seen_by_the_next_base_round(
         pool, veng):
     """v1 served (no base round yet); the engine restarts; the next base round should not

@@ -33,6 +33,14 @@ class AdapterAnswers:
         out: list[Action] = []
         if purpose == "info" and a is not None:
             out += self._adapter_info_answer(a, name, ok, result, error)
+        elif purpose == "relist" and support is not None:  # (a base round's end)
+            if ok:
+                rec = self.adapters.reconcile(support.served(result),
+                                              bool(support.reloadable), self.engine_url)
+                out += self._reconciled(rec, support, now)
+            else:  # (the acks go out: the next round's list tells again)
+                out.append(SlotEvent(self.slot, "adapter_list_failed", {
+                    "engine": self.engine_url, "error": error}))
         elif purpose == "reload":
             out += self._adapter_reloaded(name, ok, error, now - sent, support)
         elif purpose in ("cleanup", "unload"):

@@ -57,6 +57,7 @@ from slotsync.daemon.core.adapters.gather import (
 from slotsync.daemon.core.adapters.ledger import (
     LOADING,
     LOST,
+    SERVED,
     AdapterEntry,
     AdapterLedger,
     Reconciled,
@@ -501,10 +502,18 @@ class AdapterRounds(AdapterAnswers):
         if failed:
             self._adapter_restart_seen |= u.new_session
             return acks
-        if not (u.new_session or self._adapter_restart_seen):
-            return acks
-        self._adapter_restart_seen = False
         support = self._adapter_support()
+        if not (u.new_session or self._adapter_restart_seen):
+            if support is None or not any(e.state == SERVED
+                                          for e in self.adapters.entries.values()):
+                return acks
+            # The probe may not tell a restart (after adapter rounds only the daemon knows
+            # no weight version of the engine): the engine's list says what it still
+            # serves, and a lost version is loaded again before the acks go out.
+            self._adapter_held = [x for x in acks if isinstance(x, Reply)]
+            return [x for x in acks if not isinstance(x, Reply)] + [
+                self._adapter_call("relist", "list", support.list_route, None, now)]
+        self._adapter_restart_seen = False
         rec = self.adapters.restarted(bool(support and support.reloadable), self.engine_url)
         out = self._reconciled(rec, support, now) if support is not None else []
         if not rec.reload:
