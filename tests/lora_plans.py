@@ -122,3 +122,22 @@ def reader(buffers: dict[int, bytes]):
     def read(rank: int, offset: int, nbytes: int) -> memoryview:
         return memoryview(buffers[rank])[offset:offset + nbytes]
     return read
+
+
+def llama_weights(seed: int = 0, dtype: torch.dtype = torch.float32,
+                  cfg: dict[str, Any] = TINY_LLAMA) -> list[tuple[str, torch.Tensor]]:
+    """Random base weights of a Llama under Hugging Face names (``model.embed_tokens``,
+    each layer's norms and linear modules, ``model.norm``, ``lm_head``): the model an
+    engine of ``slotsync.engine`` holds for adapter tests (``tests/engines.py``
+    ``start_engine(named=...)``)."""
+    g = torch.Generator().manual_seed(seed)
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    out = [("model.embed_tokens.weight", torch.randn(v, h, generator=g))]
+    for i in range(cfg["num_hidden_layers"]):
+        out.append((f"model.layers.{i}.input_layernorm.weight", torch.ones(h)))
+        out.append((f"model.layers.{i}.post_attention_layernorm.weight", torch.ones(h)))
+        out += [(f"{m}.weight", torch.randn(*s, generator=g) * 0.05)
+                for m, s in module_shapes(cfg).items() if m.startswith(f"model.layers.{i}.")]
+    out += [("model.norm.weight", torch.ones(h)),
+            ("lm_head.weight", torch.randn(v, h, generator=g))]
+    return [(n, t.to(dtype)) for n, t in out]

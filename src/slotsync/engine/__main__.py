@@ -56,6 +56,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from slotsync.engine import lora_flags
 from slotsync.engine.reference.worker import WorkerSpec
 from slotsync.protocol.wire import logical_gpu_uuid, normalize_gpu_uuid
 
@@ -163,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for the workers"
     )
+    lora_flags.add_arguments(p)
     g = p.add_argument_group("SGLang engines (--impl sglang | sglang-reference); --workers "
                              "is the TP size")
     g.add_argument("--sglang-version", choices=SGLANG_VERSIONS, default="0.5.23",
@@ -245,10 +247,11 @@ def build_specs(args: argparse.Namespace) -> list[WorkerSpec]:
     models = getattr(args, "worker_models", None)
     if models is not None and len(models) != n:
         raise SystemExit(f"--worker-models has {len(models)} entries, --workers is {n}")
+    lora = getattr(args, "lora", None) or lora_flags.LoraOptions()
     return [
         WorkerSpec(i, devices[i], uuids[i], models[i] if models else args.model,
                    discard=args.discard, receive=args.receive,
-                   draft_model_path=args.draft_model)
+                   draft_model_path=args.draft_model, lora=lora)
         for i in range(n)
     ]
 
@@ -295,7 +298,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                          "(--impl sglang | sglang-reference)")
     if args.parallel_config is not None and args.impl != "vllm":
         parser.error("--parallel-config is a vLLM-code engine option (--impl vllm): the "
-                     "reference engine has no /server_info")
+                     "reference engine's /server_info has no parallel_config")
+    try:
+        args.lora = lora_flags.from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.lora.enabled and args.impl in SGLANG_IMPLS:
+        parser.error("--enable-lora is an option of --impl reference | vllm")
     for opt, path in [("--model", args.model), ("--draft-model", args.draft_model),
                       *(("--worker-models", m) for m in args.worker_models or ())]:
         if path is not None and not os.path.isfile(path):
@@ -322,8 +331,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     pool = WorkerPool(specs, startup_timeout_s=args.startup_timeout,
                       data_parallel_size=args.data_parallel_size)
-    engine = (EngineApp(pool) if args.vllm_version is None
-              else EngineApp(pool, vllm_version=args.vllm_version))
+    engine = EngineApp(pool, lora=args.lora, base_model=args.model or "", **(
+        {} if args.vllm_version is None else {"vllm_version": args.vllm_version}))
     for w in pool.workers:
         print(
             f"[slotsync.engine] worker {w.spec.index}: {w.device} gpu_uuid={w.gpu_uuid}",
@@ -359,6 +368,8 @@ def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
     import threading
 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    # (vLLM's LoRA router exists only with it: engine/lora_flags.py)
+    os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
     if importlib.util.find_spec("vllm") is None:
         _require(["vllm"], "--impl vllm")
     # The front's vLLM imports (seconds) run while the workers start (each imports vLLM too).
@@ -381,7 +392,7 @@ def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
 
     dp = args.data_parallel_size
     vspecs = [VllmWorkerSpec(s.index, s.device, s.gpu_uuid, str(s.model_path), len(specs) // dp,
-                             dp, args.draft_model)
+                             dp, args.draft_model, lora=args.lora)
               for s in specs]
     importer = threading.Thread(target=front_imports, name="vllm-imports")
     importer.start()
@@ -406,7 +417,8 @@ def _main_vllm(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
 
     try:
         client = VllmEngineClient(pool, replies=args.executor_replies,
-                                  parallel_config=args.parallel_config)
+                                  parallel_config=args.parallel_config, lora=args.lora,
+                                  model_path=args.model or "")
     except Exception as e:  # noqa: BLE001 - vLLM's own validation of the fields
         pool.close()
         print(f"[slotsync.engine] --parallel-config: {type(e).__name__}: {e}", file=sys.stderr,

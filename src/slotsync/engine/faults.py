@@ -6,7 +6,9 @@ call before any worker sees it (the reference engine answers with ``status`` at 
 layer; the vLLM-code engine raises what vLLM's ``AsyncLLM`` would raise); a list of worker
 indices makes those workers raise ``RuntimeError(message)`` inside the call. ``hang_s`` delays
 the faulted answer by that many seconds; with ``workers: null`` and a ``status`` below 400 the
-call then proceeds normally (a pure delay). ``{"clear": true}`` removes every fault.
+call then proceeds normally (a pure delay). ``exit: true`` makes the engine process die
+where the fault fires (after ``hang_s``), without answering: the routes that take it say
+where (issue 36: an adapter load dying mid-load). ``{"clear": true}`` removes every fault.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-FAULT_FIELDS = frozenset({"route", "after", "status", "workers", "hang_s", "times", "message"})
+FAULT_FIELDS = frozenset({"route", "after", "status", "workers", "hang_s", "times", "message",
+                          "exit"})
 
 
 @dataclass
@@ -29,6 +32,7 @@ class Fault:
         hang_s: seconds to wait before the faulted answer, or None.
         times: how many calls fail.
         message: the error text (default ``injected fault on <route> (call <k>)``).
+        exit: the engine process dies where the fault fires (the routes that take it).
         seen, fired: calls of the route counted so far / calls that failed.
     """
 
@@ -39,6 +43,7 @@ class Fault:
     hang_s: float | None = None
     times: int = 1
     message: str | None = None
+    exit: bool = False
     seen: int = 0
     fired: int = 0
 
@@ -99,6 +104,7 @@ class FaultTable:
                 hang_s=None if body.get("hang_s") is None else float(body["hang_s"]),
                 times=int(body.get("times", 1)),
                 message=body.get("message"),
+                exit=bool(body.get("exit", False)),
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"bad fault: {e}") from None

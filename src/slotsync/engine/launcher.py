@@ -126,12 +126,16 @@ class ReferenceEngine:
         parallel_config: dict[str, Any] | None = None,
         uds: str | os.PathLike[str] | None = None,
         sglang: dict[str, Any] | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, not {impl!r}")
         if sglang and impl not in SGLANG_IMPLS:
             raise ValueError(f"sglang options need impl sglang or sglang-reference, not {impl!r}")
         self.sglang = dict(sglang or {})
+        # issue 36: {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16,
+        # "max_cpu_loras": 4} -> --enable-lora --max-loras 2 ... (engine/lora_flags.py)
+        self.lora = dict(lora or {})
         self.workers = workers
         self.data_parallel_size = data_parallel_size
         self.worker_models = ([str(m) for m in worker_models] if worker_models is not None
@@ -207,7 +211,7 @@ class ReferenceEngine:
             cmd += ["--vllm-version", self.vllm_version]
         if self.parallel_config is not None:
             cmd += ["--parallel-config", json.dumps(self.parallel_config)]
-        for key, value in self.sglang.items():
+        for key, value in [*self.lora.items(), *self.sglang.items()]:
             flag = "--" + key.replace("_", "-")
             if value is True:
                 cmd.append(flag)

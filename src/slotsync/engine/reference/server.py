@@ -49,6 +49,11 @@ utility call to every engine core); ``/get_world_size`` answers D x TP with ``in
 (default), TP without; ``/collective_rpc`` answers replica 0's TP results only (the client
 returns engine 0's); a list-form ``update_info`` is indexed by the global index.
 
+LoRA adapters (issue 36, ``--enable-lora``; ``slotsync.engine.reference.lora``): vLLM's
+``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter`` and ``/v1/models``, its dev-mode
+``/server_info`` with ``lora_config`` only, and the test-only ``/_slotsync/lora`` and
+``/_slotsync/lora/use``.
+
 Test-only control routes (not part of vLLM), under ``/_slotsync/``:
 
 ``GET /_slotsync/stats``
@@ -104,8 +109,10 @@ from slotsync.engine.http_shapes import (
     sleep_level,
     update_info_shape,
 )
+from slotsync.engine.lora_flags import LoraOptions
 from slotsync.engine.pool import CollectiveRpcError
 from slotsync.engine.reference.engine_state import SLEEP_TAGS, EngineState
+from slotsync.engine.reference.lora import LoraFront
 from slotsync.engine.reference.worker import WorkerPool
 
 __all__ = ["PAUSE_MODES", "SLEEP_TAGS", "CollectiveRpcError", "EngineApp", "EngineState",
@@ -125,7 +132,8 @@ class EngineApp:
     """The aiohttp application over one :class:`WorkerPool`; ``vllm_version``: what
     ``GET /version`` says (any text: tests pose as other versions, or as garbage)."""
 
-    def __init__(self, pool: WorkerPool, vllm_version: str = EMULATED_VLLM_VERSION) -> None:
+    def __init__(self, pool: WorkerPool, vllm_version: str = EMULATED_VLLM_VERSION,
+                 lora: LoraOptions | None = None, base_model: str = "") -> None:
         self.pool = pool
         self.vllm_version = vllm_version
         self.state = EngineState()
@@ -155,6 +163,8 @@ class EngineApp:
         r.add_get("/version", self.version)
         r.add_get("/_slotsync/stats", self.stats)
         r.add_post("/_slotsync/fault", self.fault)
+        # LoRA adapters, /v1/models and /server_info (issue 36): reference/lora.py
+        LoraFront(self, lora or LoraOptions(), base_model or "slotsync-reference").attach(r)
         self.app.on_cleanup.append(self._cleanup)
 
     async def _cleanup(self, _app: web.Application) -> None:

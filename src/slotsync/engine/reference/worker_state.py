@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from slotsync.engine.checksum import tensor_checksum
+from slotsync.engine.lora_flags import LoraOptions
 from slotsync.engine.reference.payload import decode_json, parse_init_info
 from slotsync.engine.reference.weight_loader import WeightLoader
 from slotsync.engine.worker_device import worker_device
@@ -90,6 +91,7 @@ class WorkerSpec:
     discard: bool = False
     receive: str = "reference"
     draft_model_path: str | None = None  # the draft model's safetensors file (issue 18)
+    lora: LoraOptions = LoraOptions()  # --enable-lora and its limits (issue 36)
 
 
 # The session rules (vLLM 0.33 ``gpu_worker.py``). A call needs this worker's session active
@@ -155,6 +157,9 @@ class WorkerState:
             from slotsync.engine.reference.vllm_receive import VllmReceiver
 
             self.receiver = VllmReceiver(self.device, self.gpu_uuid, self.loader.load_pairs)
+        from slotsync.engine.reference.lora import WorkerLoras
+
+        self.loras = WorkerLoras(spec.lora, lambda: self.main_loader.weights)
 
     # -- the session rules (_REQUIRES, _AFTER) ---------------------------------------------
 
@@ -261,11 +266,22 @@ class WorkerState:
             self.active, self.draft_servable = False, True  # (the main model was untouched)
         else:
             self._after("finish_weight_update")
+            self.loras.reset()  # (vLLM: model_runner.reset_lora_state(), issue 36)
         self.finish_count += 1
         self.loader.end_session()  # vLLM: finish_weight_update closes the packed importer
         self._end_target()
         if self.receiver is not None:
             self.receiver.end_session()
+
+    def add_lora(self, lora_request: dict[str, Any], inject: str | None = None) -> bool:
+        """vLLM's ``Worker.add_lora(lora_request)`` (issue 36; ``reference/lora.py``)."""
+        if inject is not None:
+            raise RuntimeError(inject)
+        return self.loras.add(lora_request)
+
+    def lora_state(self, inject: str | None = None) -> dict[str, Any]:
+        """This worker's adapters (``GET /_slotsync/lora``)."""
+        return self.loras.state()
 
     def shutdown_weight_transfer_engine(self, inject: str | None = None) -> None:
         """Shut the transfer engine down; refused during an active session."""

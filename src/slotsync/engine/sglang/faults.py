@@ -58,7 +58,7 @@ class SglangFaultTable(FaultTable):
             exit_ = bool(body.pop("exit"))
         faults = super().apply(body, world_size)
         if isinstance(body, dict) and not body.get("clear") and self.faults:
-            self.faults[-1] = SglangFault(**asdict(self.faults[-1]), exit=exit_)
+            self.faults[-1] = SglangFault(**{**asdict(self.faults[-1]), "exit": exit_})
             faults = self.as_json()
         return faults
 

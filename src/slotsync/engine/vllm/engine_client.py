@@ -30,15 +30,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from slotsync.engine.faults import Fault, FaultTable
+from slotsync.engine.lora_flags import LoraOptions
 from slotsync.engine.pool import WorkerPool
 from slotsync.engine.vllm.executor import ExecutorStandIn
+from slotsync.engine.vllm.lora import LoraClientMixin
 
 T = TypeVar("T")
 
 _UNPAUSED, _PAUSED_NEW, _PAUSED_ALL = "UNPAUSED", "PAUSED_NEW", "PAUSED_ALL"
 
 
-class VllmEngineClient:
+class VllmEngineClient(LoraClientMixin):
     """Stand-in for vLLM 0.32's ``AsyncLLM`` as the RL and sleep routers use it (see the
     module docstring). ``vllm_config`` is a real ``VllmConfig`` whose parallel config has
     ``tensor_parallel_size`` = the number of workers (``/get_world_size``).
@@ -60,10 +62,14 @@ class VllmEngineClient:
         pool: the worker processes (``slotsync.engine.vllm.worker``).
         replies: see :class:`ExecutorStandIn`.
         parallel_config: ``ParallelConfig`` fields over the defaults above, or None.
+        lora: ``--enable-lora`` and its limits (issue 36: ``vllm_config.lora_config`` and
+            the adapter calls, ``slotsync.engine.vllm.lora``); ``model_path``: the served
+            model's name (``/v1/models``).
     """
 
     def __init__(self, pool: WorkerPool, replies: str = "vllm",
-                 parallel_config: dict[str, Any] | None = None) -> None:
+                 parallel_config: dict[str, Any] | None = None,
+                 lora: LoraOptions | None = None, model_path: str = "") -> None:
         from vllm.config import ParallelConfig, VllmConfig
         from vllm.config.weight_transfer import WeightTransferConfig
 
@@ -81,6 +87,7 @@ class VllmEngineClient:
             parallel_config=ParallelConfig(**fields),
             weight_transfer_config=WeightTransferConfig(backend="ipc"),
         )
+        self.init_lora(model_path or "slotsync-vllm-code", lora or LoraOptions())
         self.faults = FaultTable()
         self.pause_state = _UNPAUSED
         self.weight_version = "default"

@@ -29,6 +29,11 @@ when ``--api-key`` is not given) that is vLLM's ``AuthenticationMiddleware``, wh
 stand-in for vLLM 0.32's ``AsyncLLM`` over the engine core and the executor
 (``slotsync.engine.vllm.executor.ExecutorStandIn``); both are re-exported here.
 
+LoRA adapters (issue 36, ``slotsync.engine.vllm.lora``): vLLM's own LoRA router
+(``serve/lora/api_router.py``, with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) and models router
+over its own ``OpenAIServingModels``; the workers load folders with vLLM's own
+``LRUCacheWorkerLoRAManager``.
+
 Test-only control routes, same shapes as the reference engine's
 (``slotsync.engine.reference.server``):
 ``GET /_slotsync/stats`` and ``POST /_slotsync/fault`` (``slotsync.engine.faults``). A
@@ -123,6 +128,10 @@ def build_app(client: VllmEngineClient, log_error_stack: bool = False) -> Any:
         allowed_headers=["*"], api_key=None, enable_request_id_headers=False,
         middleware=[]), app, ())
     app.add_middleware(_RouteFaults, client=client)
+    # issue 36: vLLM's LoRA and models routers over its OpenAIServingModels (engine/vllm/lora.py)
+    from slotsync.engine.vllm.lora import attach as attach_lora
+
+    attach_lora(app, client)
 
     @app.get("/_slotsync/stats")
     async def slotsync_stats() -> JSONResponse:

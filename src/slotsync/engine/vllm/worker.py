@@ -22,9 +22,11 @@ methods read, and calls vLLM's own methods on it, so vLLM's per-worker state mac
 ``_weight_update_active``,    ``False`` (as ``Worker.__init__``)
 ``_weight_update_is_draft``
 ``model_runner``              ``model``, ``get_model()``, ``get_draft_model()`` (the draft
-                              model of ``--draft-model``, else None), ``reset_lora_state()``
-                              (no LoRA: nothing to reset), ``reset_mm_cache()`` /
-                              ``reset_encoder_cache()`` (no caches)
+                              model of ``--draft-model``, else None), ``reset_mm_cache()`` /
+                              ``reset_encoder_cache()`` (no caches), and vLLM's
+                              ``LoRAModelRunnerMixin`` (``add_lora``, ``reset_lora_state``,
+                              ...) over vLLM's ``LRUCacheWorkerLoRAManager`` with
+                              ``--enable-lora`` (``slotsync.engine.vllm.lora``)
 ``speculative_config``        with ``--draft-model``: ``draft_model_config`` (a stand-in
                               naming the file, ``dtype`` None: the config the draft session's
                               ``finalize_layerwise_reload`` gets), else None (as
@@ -86,6 +88,7 @@ from typing import Any
 
 import torch
 
+from slotsync.engine.lora_flags import LoraOptions
 from slotsync.engine.worker_pipe import failure, next_request, start_worker
 
 
@@ -113,6 +116,7 @@ class VllmWorkerSpec:
     world_size: int
     data_parallel_size: int = 1
     draft_model_path: str | None = None
+    lora: LoraOptions = LoraOptions()  # --enable-lora and its limits (issue 36)
 
     @property
     def rank(self) -> int:
@@ -198,14 +202,10 @@ class VllmWorkerHost:
         w.parallel_config = vllm_config.parallel_config
         w.rank = spec.rank
         w.local_rank = spec.index
-        w.model_runner = types.SimpleNamespace(
-            model=model,
-            get_model=lambda: model,
-            get_draft_model=lambda: draft,
-            reset_lora_state=lambda: None,
-            reset_mm_cache=lambda: None,
-            reset_encoder_cache=lambda: None,
-        )
+        from slotsync.engine.vllm.lora import lora_model_runner
+
+        # (vLLM's LoRAModelRunnerMixin over its LRUCacheWorkerLoRAManager: engine/vllm/lora.py)
+        w.model_runner = lora_model_runner(model, draft, spec.lora, self.device)
         w.speculative_config = None if draft is None else types.SimpleNamespace(
             draft_model_config=types.SimpleNamespace(model=spec.draft_model_path, dtype=None))
         w._weight_update_active = False
@@ -361,6 +361,19 @@ class VllmWorkerHost:
         with self._injected("wake_up", inject):
             if tags is None or "weights" in tags:
                 self.sleep_level = 0
+
+    def lora_state(self, inject: str | None = None) -> dict[str, Any]:
+        """This worker's adapters (``GET /_slotsync/lora``, ``engine/vllm/lora.py``)."""
+        from slotsync.engine.vllm.lora import worker_lora_state
+
+        return worker_lora_state(self.worker.model_runner)
+
+    def use_lora(self, lora_request: Any, inject: str | None = None) -> None:
+        """One scheduler step of a request of ``lora_request`` (``engine/vllm/lora.py``)."""
+        from slotsync.engine.vllm.lora import use_lora
+
+        with self._injected("use_lora", inject):
+            use_lora(self.worker.model_runner, lora_request)
 
     def stats(self, inject: str | None = None) -> dict[str, Any]:
         """Counters for ``GET /_slotsync/stats`` (counts of successful calls)."""
