@@ -299,12 +299,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.parallel_config is not None and args.impl != "vllm":
         parser.error("--parallel-config is a vLLM-code engine option (--impl vllm): the "
                      "reference engine's /server_info has no parallel_config")
-    try:
-        args.lora = lora_flags.from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
-    if args.lora.enabled and args.impl in SGLANG_IMPLS:
-        parser.error("--enable-lora is an option of --impl reference | vllm")
+    if args.impl in SGLANG_IMPLS:  # (their LoRA flags: server_info.lora_settings)
+        for opt in ("max_loras", "max_cpu_loras"):
+            if getattr(args, opt, None) is not None:
+                parser.error(f"--{opt.replace('_', '-')} is an option of --impl reference | "
+                             "vllm (SGLang's: --max-loras-per-batch, --max-loaded-loras)")
+        args.lora = lora_flags.LoraOptions()
+    else:
+        try:
+            args.lora = lora_flags.from_args(args)
+        except ValueError as e:
+            parser.error(str(e))
     for opt, path in [("--model", args.model), ("--draft-model", args.draft_model),
                       *(("--worker-models", m) for m in args.worker_models or ())]:
         if path is not None and not os.path.isfile(path):

@@ -47,11 +47,19 @@ class LoraSettings:
 
 
 def add_lora_args(g: Any) -> None:
-    """SGLang's LoRA flags (``srt/arg_groups/fields/lora.py``) on the argparse group ``g``."""
-    g.add_argument("--enable-lora", action="store_true", default=None,
-                   help="SGLang's --enable-lora (--impl sglang: the LoRA routes; needs "
-                   "--max-lora-rank and --lora-target-modules, as SGLang without --lora-paths)")
-    g.add_argument("--max-lora-rank", type=int, default=None, help="SGLang's --max-lora-rank")
+    """SGLang's LoRA flags (``srt/arg_groups/fields/lora.py``) on the argparse group ``g``;
+    ``--enable-lora`` and ``--max-lora-rank``, spelt as vLLM spells them, only where the parser
+    does not have them already (``slotsync.engine.lora_flags``' group: one flag for every
+    impl, read by ``lora_settings`` for the SGLang engines)."""
+    have = set(getattr(g, "_option_string_actions", {}))  # (a group shares its parser's)
+    if "--enable-lora" not in have:
+        g.add_argument("--enable-lora", action="store_true", default=None,
+                       help="SGLang's --enable-lora (--impl sglang: the LoRA routes; needs "
+                       "--max-lora-rank and --lora-target-modules, as SGLang without "
+                       "--lora-paths)")
+    if "--max-lora-rank" not in have:
+        g.add_argument("--max-lora-rank", type=int, default=None,
+                       help="SGLang's --max-lora-rank")
     g.add_argument("--lora-target-modules", nargs="*", default=None,
                    help="SGLang's --lora-target-modules (names, or 'all')")
     g.add_argument("--max-loras-per-batch", type=int, default=8,
