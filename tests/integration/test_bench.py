@@ -164,7 +164,7 @@ def test_bench_lora_small_prints_both_paths_the_ratio_and_the_targets(engine, tm
     out = capsys.readouterr()
     assert exit_.value.code == 0, out.out[-3000:] + out.err[-3000:]
     text = report.read_text()
-    assert "<!-- bench:lora -->" in text and "### `slotsync bench lora`" in text
+    assert "<!-- bench:lora -->" in text and "(CPU): `slotsync bench lora`" in text
     assert "56 tensors, 0.3 MB bf16" in text and f"the {engine} engine of 2 worker(s)" in text
     for k in (1, 2, 3):  # (1 warm-up + 2 counted)
         assert re.search(rf"^  rep {k}/3: slotsync \d+\.\d{{3}} s, disk \d+\.\d{{3}} s$",

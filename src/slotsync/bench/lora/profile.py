@@ -2,10 +2,10 @@
 with the code that runs it in the real path (the rank's copy and hashing come from
 ``AdapterStats`` of the run itself):
 
-* ``rank copy``: a fresh POSIX shared-memory segment of the part's size (the rank's
-  ``protocol/rank/shm_segment.py`` ``ShmSegment``: ``ftruncate`` + ``mmap``) and the tensors
-  copied into it at ``wire.part_offsets``, as ``adapters/part.py`` ``AdapterPart.fill`` copies
-  them, without its hashing; the segment unlinked after;
+* ``rank copy`` and ``rank digests``: the rank's own ``protocol/rank/adapters/part.py``
+  ``AdapterPart.fill`` of the whole adapter on the shm transport (a fresh POSIX shared-memory
+  segment, the tensors copied in at ``wire.part_offsets`` while threads take each tensor's
+  sha256; its ``copy_s`` and ``digest_s``), the segment unlinked after;
 * ``sha256``: ``hashlib.sha256`` over the adapter's bytes, once -- what the rank does to take
   its digests and the daemon does again while it copies each part into the folder;
 * ``daemon write``: the daemon's own ``daemon/vllm/adapters.py`` ``write_adapter_folder`` of
@@ -68,28 +68,31 @@ def _median_s(fn: Any, repeats: int) -> float:
 
 def profile(tensors: dict[str, Any], config_json: str, r: int, daemon_root: Path,
             repeats: int = 3) -> dict[str, float]:
-    """The steps of the module docstring, seconds: ``{"rank_copy", "sha256", "daemon_write",
-    "engine_read", "engine_checksums"}``. ``daemon_root``: a folder on the filesystem the
-    daemon writes its adapters to (a temp folder is made and removed inside it)."""
+    """The steps of the module docstring, seconds: ``{"rank_copy", "rank_digests", "sha256",
+    "daemon_write", "engine_read", "engine_checksums"}``. ``daemon_root``: a folder on the
+    filesystem the daemon writes its adapters to (a temp folder is made and removed inside
+    it)."""
+    import torch
     from safetensors import safe_open
 
     from slotsync.daemon.vllm.adapters import write_adapter_folder
     from slotsync.engine.checksum import tensor_checksum
-    from slotsync.protocol.rank.export import raw_bytes
-    from slotsync.protocol.rank.shm_segment import ShmSegment
+    from slotsync.protocol.rank.adapters.inputs import part_tensors
+    from slotsync.protocol.rank.adapters.part import AdapterPart
+    from slotsync.protocol.topology import EngineSlot
 
     plan, part = one_rank_plan(tensors, config_json, r)
-    offsets = [(t.name, t.parts[0].offset, t.parts[0].nbytes) for t in plan.tensors]
-
-    def rank_copy() -> None:
-        seg = ShmSegment(len(part))
+    cpu = torch.device("cpu")
+    parts = part_tensors(tensors, None, rank=0, slot=EngineSlot(0, 1), transport="shm",
+                         device=cpu)
+    fills = []
+    for _ in range(repeats):
+        p = AdapterPart(parts, rank=0, transport="shm", device=cpu, owned=[])
         try:
-            host = seg.tensor
-            for name, off, n in offsets:
-                host[off:off + n].copy_(raw_bytes(tensors[name]))
-            del host
+            p.fill()
+            fills.append((p.copy_s, p.digest_s))
         finally:
-            seg.close_and_unlink()
+            p.free()
 
     view = memoryview(part)
 
@@ -98,7 +101,8 @@ def profile(tensors: dict[str, Any], config_json: str, r: int, daemon_root: Path
 
     root = Path(tempfile.mkdtemp(prefix="slotsync-bench-lora-profile-", dir=daemon_root))
     try:
-        out = {"rank_copy": _median_s(rank_copy, repeats),
+        out = {"rank_copy": statistics.median(c for c, _ in fills),
+               "rank_digests": statistics.median(d for _, d in fills),
                "sha256": _median_s(lambda: hashlib.sha256(part).hexdigest(), repeats)}
 
         def write() -> None:

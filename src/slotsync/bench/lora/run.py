@@ -168,7 +168,9 @@ def _run(args: argparse.Namespace, folder: Path, shm: Path) -> int:
             p.start()
         for _, w in pipes:
             w.close()
+        load0 = os.getloadavg()[0]
         got = _collect([r for r, _ in pipes], procs, args.ranks, reps, args.timeout_s)
+        got["load"] = (load0, os.getloadavg()[0])
         if "error" in got:
             print(f"slotsync bench lora: FAILED: {got['error']}\ndaemon log tail:\n"
                   f"{daemon.log_tail(2000)}\nengine log tail:\n{engine.log_tail(2000)}",
@@ -345,8 +347,9 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
          ms(med(post))],
     ]
     alone = [
-        ["a fresh /dev/shm segment and the tensors copied in (the rank's copy, no hashing)",
-         ms(steps["rank_copy"])],
+        ["the rank's `AdapterPart.fill` (shm): a fresh segment, the tensors copied in, the "
+         "digests taken meanwhile (`copy_s`)", ms(steps["rank_copy"])],
+        ["... and the digests left after the copy (`digest_s`)", ms(steps["rank_digests"])],
         ["sha256 of the adapter's bytes, once (the rank does it, the daemon again)",
          ms(steps["sha256"])],
         ["the daemon's `write_adapter_folder` (its sha256 checks included) to its tmpfs",
@@ -357,20 +360,22 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
          "vLLM's: in both paths' engine time here)", ms(steps["engine_checksums"])],
     ]
     return [
-        "### `slotsync bench lora`: an adapter through slotsync vs through the disk",
+        "## A LoRA adapter through slotsync vs through the disk (CPU): `slotsync bench lora`",
         "",
-        f"Command: `{command_line()}`",
-        f"Machine: {machine_line()}",
-        f"Date: {time.strftime('%Y-%m-%d')}",
-        "",
-        f"Adapter: {shapes.name} shapes at rank {shapes.r} (q/k/v/o/gate/up/down of "
+        f"- command: `{command_line()}`",
+        f"- machine: {machine_line()}",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC; load average (1 min) "
+        f"{got['load'][0]:.2f} before the ranks started, {got['load'][1]:.2f} at their end "
+        "(the machine is shared; the bench's own processes count at the end)",
+        f"- adapter: {shapes.name} shapes at rank {shapes.r} (q/k/v/o/gate/up/down of "
         f"{shapes.layers} layers: {shapes.tensor_count()} tensors, "
         f"{shapes.adapter_bytes() / 1e6:.1f} MB bf16), tensors on {args.device}; "
         f"{args.ranks} trainer rank(s) (slotsync: rows of every tensor on each; disk: the "
-        f"whole adapter on rank 0); the {args.engine} engine of {args.ranks} worker(s) serves "
-        "both paths. The daemon's adapter folders on a tmpfs (/dev/shm), the disk path's on "
-        "the ordinary disk (no fsync, as save_pretrained). Times in ms; each repetition ran "
-        "both paths, interleaved.",
+        "whole adapter on rank 0)",
+        f"- engine: the {args.engine} engine of {args.ranks} worker(s) serves both paths; the "
+        "daemon's adapter folders on a tmpfs (/dev/shm), the disk path's on the ordinary disk "
+        "(no fsync, as save_pretrained: the file stays in the page cache); each repetition "
+        "ran both paths, interleaved",
         "",
         table(["path", "median ms", "min ms", "max ms", "reps"], rows),
         "",
