@@ -312,6 +312,11 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
     def per_round(key: str) -> list[float]:  # the slowest rank's, per round
         return [max(s[key] for *_, s in got["slotsync"][k]) for k in counted]
 
+    outside = [max(t1 - t0 - st["seconds"] for _, t0, t1, st in got["slotsync"][k])
+               for k in counted]
+    rest = [max(st["seconds"] - st["copy_seconds"] - st["digest_seconds"]
+                - st["begin_wait_seconds"] - st["data_wait_seconds"]
+                for *_, st in got["slotsync"][k]) for k in counted]
     load_s = [loads.get(got["slotsync"][k][0][3]["update_id"], float("nan")) for k in counted]
     last_wait = [min(s["data_wait_seconds"] for *_, s in got["slotsync"][k]) for k in counted]
     share = [w - ld for w, ld in zip(last_wait, load_s, strict=True)]
@@ -342,6 +347,10 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
          "checked, folder written; + 2 ZeroMQ hops)", ms(med_share)],
         ["engine: the daemon's load call (`adapter_loaded` `load_s`: HTTP, the engine's read "
          "of the folder)", ms(med(load_s))],
+        ["rank: the rest of `AdapterStats.seconds` (the messages built and sent, the part "
+         "freed: its segment unmapped and unlinked)", ms(med(rest))],
+        ["rank: the call outside `AdapterStats.seconds` (the arguments and the begin's size "
+         "checked)", ms(med(outside))],
         ["disk: the save", ms(med(save))],
         ["disk: `POST /v1/load_lora_adapter` (HTTP, the engine's read of the folder)",
          ms(med(post))],
