@@ -26,7 +26,10 @@ file in ``DEST``                                       what it is
                                                        ``MultiprocessingSerializer``,
                                                        ``normalize_serialized_named_tensor_``
                                                        ``payload(s)``,
-                                                       ``_looks_like_pickle_payload``, and of
+                                                       ``_looks_like_pickle_payload``,
+                                                       ``ConcurrentCounter``,
+                                                       ``SUPPORTED_LORA_TARGET_MODULES`` (the
+                                                       LoRA code's), and of
                                                        ``is_npu``, ``is_musa``,
                                                        ``torch_release`` (what
                                                        ``patch_torch.py`` imports from it),
@@ -45,11 +48,28 @@ file in ``DEST``                                       what it is
                                                        (``load_lora_adapter_from_tensors``:
                                                        the bucket, the checksum check) for the
                                                        adapter GPU test (issue 36)
+``sglang/srt/managers/io_struct.py``,                  copied unchanged, **never imported**,
+``.../managers/tokenizer_control_mixin.py``,           likewise: ``lora_code`` cuts the
+``sglang/srt/model_executor/model_runner.py``,         SGLang-code engine's ``--enable-lora``
+``sglang/srt/lora/lora_manager.py``,                   code out of them (the request structs,
+``sglang/srt/lora/mem_pool.py``,                       the tokenizer's, runner's and
+``sglang/srt/lora/utils.py``,                          ``LoRAManager``'s methods,
+``sglang/srt/utils/weight_checker.py``                 ``can_support``, the target-module
+                                                       names, the weights checker), so that the
+                                                       engine serves adapters on the GPU
+                                                       machine (``tests/gpu/test_gpu_adapters``)
+``sglang/srt/lora/lora_registry.py``,                  copied unchanged: ``LoRARegistry`` /
+``sglang/srt/lora/lora_config.py``,                    ``LoRARef`` (with the ``RWLock`` they
+``sglang/srt/utils/aio_rwlock.py``                     take) and ``LoRAConfig`` (it imports
+                                                       ``huggingface_hub``, which the GPU
+                                                       machine has)
 ``sglang/__init__.py``, ``sglang/srt/__init__.py``,    package markers (the real
 ``sglang/srt/utils/__init__.py``,                      ``sglang/__init__.py`` imports the whole
-``sglang/srt/weight_sync/__init__.py``                 front end, ``srt/utils/__init__.py``
-                                                       ``common`` and ``network``, i.e. zmq;
-                                                       ``srt`` and ``weight_sync`` are
+``sglang/srt/weight_sync/__init__.py``,                front end, ``srt/utils/__init__.py``
+``sglang/srt/lora/__init__.py``                        ``common`` and ``network``, i.e. zmq:
+                                                       the shim's re-exports
+                                                       ``ConcurrentCounter`` alone;
+                                                       ``srt``, ``weight_sync`` and ``lora`` are
                                                        namespace packages in the wheel: regular
                                                        ones here, so nothing merges with an
                                                        installed sglang). ``sglang.__version__``
@@ -104,20 +124,34 @@ import textwrap
 from pathlib import Path
 
 COPIED = ("srt/utils/patch_torch.py", "srt/weight_sync/tensor_bucket.py",
-          "srt/utils/msgspec_utils.py", "srt/utils/auth.py")
-"""Copied unchanged (paths inside the sglang package). The last two are the engine front's
-(``slotsync.engine.sglang.http``: SGLang's body validation and auth decision; they import
-only the standard library, msgspec and pydantic_core)."""
+          "srt/utils/msgspec_utils.py", "srt/utils/auth.py", "srt/lora/lora_registry.py",
+          "srt/lora/lora_config.py", "srt/utils/aio_rwlock.py")
+"""Copied unchanged (paths inside the sglang package). ``msgspec_utils.py`` and ``auth.py``
+are the engine front's (``slotsync.engine.sglang.http``: SGLang's body validation and auth
+decision; they import only the standard library, msgspec and pydantic_core); the last three
+the LoRA front's and ranks' (``engine/sglang/lora_front.py``, ``lora_code.py``:
+``LoRARegistry`` / ``LoRARef`` with the ``RWLock`` they take, ``LoRAConfig``, which imports
+``huggingface_hub``)."""
 
-SOURCE_ONLY = ("srt/managers/tp_worker.py",)
-"""Copied unchanged for their source only (``lora_code.receive`` cuts methods out of them with
-``ast``); importing them would need the whole runtime. No ``__init__.py`` is written beside
-them, so nothing imports them by accident."""
+SOURCE_ONLY = ("srt/managers/tp_worker.py", "srt/managers/io_struct.py",
+               "srt/managers/tokenizer_control_mixin.py",
+               "srt/model_executor/model_runner.py", "srt/lora/lora_manager.py",
+               "srt/lora/mem_pool.py", "srt/lora/utils.py", "srt/utils/weight_checker.py")
+"""Copied unchanged for their source only (``lora_code`` cuts functions, classes and methods
+out of them with ``ast``: ``receive`` from ``tp_worker.py``, the SGLang-code engine's
+``--enable-lora`` routes from all of them, issue 36); importing them would need the whole
+runtime. No ``__init__.py`` is written beside ``managers`` and ``model_executor``, so nothing
+imports those by accident (``srt/lora`` and ``srt/utils`` are packages for the copied
+modules beside them: their source-only files fail to import, as they would on CPU)."""
 
 ROOTS = ("SafeUnpickler", "MultiprocessingSerializer", "normalize_serialized_named_tensor_payload",
-         "normalize_serialized_named_tensor_payloads", "_looks_like_pickle_payload")
+         "normalize_serialized_named_tensor_payloads", "_looks_like_pickle_payload",
+         "ConcurrentCounter", "SUPPORTED_LORA_TARGET_MODULES")
 """The names of ``common.py`` the receive path calls (with what ``patch_torch.py`` imports
-from ``common``, found in its source)."""
+from ``common``, found in its source), and the LoRA code's: ``ConcurrentCounter``
+(``lora_registry.py``: ``from sglang.srt.utils import ConcurrentCounter``, re-exported by the
+shim's ``srt/utils/__init__.py``) and ``SUPPORTED_LORA_TARGET_MODULES``
+(``--lora-target-modules all``, ``engine/sglang/lora_rank.py``)."""
 
 STANDIN_MODULES = {"pybase64": "pybase64.py"}
 """Imports of the extracted code that get a stand-in module in ``DEST`` (name -> file)."""
@@ -127,7 +161,11 @@ MARKERS: dict[str, str] = {
                               'wheel)."""\n',
     "sglang/srt/utils/__init__.py": (
         '"""slotsync shim: package marker (the real one star-imports common and imports\n'
-        'network, i.e. zmq)."""\n'),
+        'network, i.e. zmq); re-exports the one name of common.py that lora_registry.py\n'
+        'imports from here."""\n\n'
+        'from sglang.srt.utils.common import ConcurrentCounter  # noqa: F401\n'),
+    "sglang/srt/lora/__init__.py": '"""slotsync shim: package marker (a namespace package in '
+                                   'the wheel)."""\n',
     "sglang/srt/weight_sync/__init__.py": '"""slotsync shim: package marker (a namespace '
                                           'package in the wheel)."""\n',
     "pybase64.py": textwrap.dedent('''\
@@ -198,6 +236,19 @@ CHECK = textwrap.dedent('''\
     receive = lora_code.receive(lambda: SimpleNamespace(tp_rank=0))
     assert receive.__file__.startswith(dest), receive.__file__
     assert "sglang.srt.managers.tp_worker" not in sys.modules
+    # the SGLang-code engine's --enable-lora code (issue 36): front, structs, ranks, checker
+    from sglang.srt.lora.lora_registry import LoRARegistry
+    from sglang.srt.lora.lora_config import LoRAConfig
+    parts = lora_code.rank(lambda: SimpleNamespace(tp_rank=0, dp_size=1))
+    parts["tokenizer"] = lora_code.tokenizer(lambda: None, lambda: None)
+    parts["checker"] = lora_code.checker()
+    away = {k: m.__file__ for k, m in parts.items() if not m.__file__.startswith(dest)}
+    assert not away, away
+    bad = [n for n, m in sys.modules.items()
+           if (n == "sglang" or n.startswith("sglang.") or n == "pybase64")
+           and not os.path.realpath(getattr(m, "__file__", "") or "").startswith(dest)]
+    if bad:
+        sys.exit(f"modules loaded from outside {dest}: {bad}")
     print(patch_torch.__file__)
     ''')
 
@@ -410,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"sglang_shim: checked: {where} imports with PYTHONPATH={args.dest}, and "
               "slotsync's pickles (packed, unpacked, empty) load through it; TpModelWorker's "
-              "LoRA receive methods compile from its tp_worker.py")
+              "LoRA receive methods compile from its tp_worker.py, and the engine's "
+              "--enable-lora code (LoRARegistry, LoRAConfig, the structs, the tokenizer's, "
+              "runner's and LoRAManager's methods) from its files")
     return 0
 
 

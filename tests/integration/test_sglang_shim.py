@@ -42,6 +42,7 @@ def test_shim_is_sglangs_code_and_loads_slotsyncs_pickles(tmp_path: Path) -> Non
     for rel in (*_tool().COPIED, *_tool().SOURCE_ONLY):
         assert (tmp_path / "sglang" / rel).read_bytes() == (src / rel).read_bytes(), rel
     assert "LoRA receive methods compile" in out.stdout  # (issue 36: lora_code.receive)
+    assert "--enable-lora code" in out.stdout  # (issue 36: the engine's LoRA routes)
     real = (src / "srt" / "utils" / "common.py").read_text().splitlines(keepends=True)
     shim = (tmp_path / "sglang" / "srt" / "utils" / "common.py").read_text()
     segments = re.split(r"\n\n# common\.py L(\d+)-(\d+)\n", shim)[1:]

@@ -561,3 +561,30 @@ def test_a_load_failed_on_one_worker_makes_the_next_base_round_check_the_replies
     for r in range(2):
         h.send(r, Begin(2, "w1"))
     assert "check_replies" in h.engine.calls[before:], h.engine.calls[before:]
+
+
+def test_a_rank_that_registers_after_the_others_began_joins_their_round():
+    """Ranks start at different times: rank 1 registers after rank 0 began adapter round 0.
+    Its ``Registered`` must give it round 0's id, as a base-weight round's id stays the
+    slot's next update id until it ends; before the fix it said 1 (the id past the round the
+    first begin opened), and rank 1's begin was refused ("adapter round 0 ... is in flight
+    ...; refusing a second round 1"), which failed the round (the H200 run of
+    tests/gpu/test_gpu_adapters.py)."""
+    h = LoraHarness(2)
+    h.send(0, reg(0, 0, 2, packed=h.packed))
+    h.coord.engine.declare_kind("vllm")
+    parts = two_rank_parts(1)
+    h.send(0, begin(0, parts[0]))
+    h.send(1, reg(1, 0, 2, packed=h.packed))
+    (registered,) = h.replies[1]
+    assert isinstance(registered, wire.Registered) and registered.next_update_id == 0
+    h.send(1, begin(registered.next_update_id, parts[1]))
+    for r in range(2):
+        n = len(laid_out(parts[r]))
+        h.send(r, wire.AdapterData(0, wire.ShmHandle(f"lora-{r}", 0, n)))
+    for r in range(2):
+        assert h.acks(r) == [("adapter_begin", "host"), ("adapter_data", "math@v1")], (
+            h.errors(r))
+    # and the next round, base or adapter, takes the id after it
+    h.send(0, reg(0, 0, 2, packed=h.packed))
+    assert h.replies[0][-1].next_update_id == 1

@@ -34,7 +34,9 @@ UUID is not its GPU's own (several TP ranks on one GPU under logical UUIDs,
 ``wire.logical_gpu_uuid``) gets the one stand-in ``slotsync.engine.cuda_standin.install``:
 ``get_device_properties(<its device>).uuid`` answers its UUID, every other property and
 device stays real. ``copy_sleep_cycles`` (tests only) queues ``torch.cuda._sleep`` on that
-stream before each weight copy, so the copies finish late (the garbage test).
+stream before each weight copy, and once before each LoRA adapter load (SGLang's method then
+reads the trainer's memory -- its checksum check and ``.cpu()`` copies, on that stream --
+only after it), so the copies finish late (the garbage tests, base weights and adapters).
 
 The process speaks the pool's worker protocol (``slotsync.engine.pool``); an exception
 answers ``("err", text)``, which the front treats as SGLang's "Scheduler hit an exception"
@@ -69,7 +71,8 @@ class SglangWorkerSpec:
         model_path: safetensors file of the model.
         parser: ``"sglang"`` (SGLang's code) or ``"reference"``.
         copy_sleep_cycles: CUDA only, tests: GPU clock cycles of ``torch.cuda._sleep``
-            queued on the copy stream before each weight copy (0: none).
+            queued on the copy stream before each weight copy and before each LoRA load
+            (0: none).
         lora: ``--enable-lora``'s settings for the rank (``max_lora_rank``,
             ``target_modules``, ``max_loras_per_batch``; ``lora_rank.LoraRank``), or None.
     """
@@ -120,6 +123,7 @@ class SglangWorkerHost:
                 self.parser = SglangCodeParser()
             else:
                 self.parser = ReferenceParser(spec.gpu_uuids)
+        self.before_copy = before_copy
         self.model = SglangModel(load_file(spec.model_path, device=str(self.device)),
                                  before_copy)
         self.held: Any = None
@@ -232,7 +236,10 @@ class SglangWorkerHost:
             whatever SGLang's method raises: the engine dies of it.
         """
         self._inject(inject)
-        return self._lora().load(fields)
+        lora = self._lora()
+        if self.before_copy is not None:
+            self.before_copy()  # (tests: the reads of the trainer's memory start late)
+        return lora.load(fields)
 
     def lora_unload(self, fields: dict[str, Any], inject: str | None = None) -> dict[str, Any]:
         """``TpModelWorker.unload_lora_adapter`` (``LoraRank.unload``)."""
