@@ -65,6 +65,11 @@ Keys added for issue 35 (SGLang TP order):
 * ``seed_offset``: round ``k``'s tensors are ``make_tensors(k + seed_offset)`` (ranks with
   values of their own, to tell whose an engine rank loaded).
 
+Key added for issue 36 (LoRA adapters):
+
+* ``adapter``: a list of adapter (and base) rounds: ``tests/adapter_trainer.py`` runs the
+  rank instead.
+
 Keys for holding on (the rank stays registered and alive after its rounds):
 
 * ``hold_s``: that many seconds before closing;
@@ -109,6 +114,10 @@ def error_round(rank: int, k: int, *, phase: str, message: str,
 
 
 def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
+    if "adapter" in script:  # (issue 36: LoRA adapter rounds, tests/adapter_trainer.py)
+        from adapter_trainer import run_adapter_rank
+
+        return run_adapter_rank(rank, endpoint, slot, engine_url, packed, script, results)
     import torch
 
     from slotsync.protocol.errors import SlotsyncError

@@ -97,8 +97,12 @@ async def test_versions_go_from_the_ranks_memory_into_every_tp_rank(tmp_path, bo
         assert [getattr(a, "served_name", a) for a in first] == ["math@v1"] * 2
         assert [getattr(a, "served_name", a) for a in second] == ["math@v2"] * 2
         deadline = time.monotonic() + 30
-        while lora_state(box)["adapters"] != ["math@v2"]:  # (v1's unload follows the acks)
-            assert time.monotonic() < deadline, lora_state(box)
+        # (v1's unload follows the acks; SGLang unregisters the name at once, then its TP
+        # ranks unload it, then the daemon reads the answer: wait for all three)
+        while lora_state(box)["adapters"] != ["math@v2"] or [
+                a["state"] for a in d.status()["slots"][0]["adapters"]] != ["served"] or any(
+                set(held) != {"math@v2"} for held in lora_state(box)["ranks"].values()):
+            assert time.monotonic() < deadline, (lora_state(box), d.status()["slots"])
             await asyncio.sleep(0.05)
         state = lora_state(box)
         assert state["ranks"] == {"tp0": {"math@v2": sha2}, "tp1": {"math@v2": sha2}}

@@ -137,6 +137,57 @@ def test_bench_hop_tiny_prints_both_setups_and_the_ratio(tmp_path, capsys):
     assert not left, left
 
 
+@pytest.mark.parametrize("engine", ["reference", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_bench_lora_small_prints_both_paths_the_ratio_and_the_targets(engine, tmp_path,
+                                                                      capsys):
+    """``slotsync bench lora --small`` (issue 36): the same small adapter through slotsync
+    (``publish_adapter`` from 2 ranks, rows split over them, into a real slotsyncd whose
+    adapter folder is on /dev/shm) and through the disk (a ``save_pretrained``-style save +
+    ``/v1/load_lora_adapter``) into one engine -- the reference engine, or vLLM's own LoRA
+    code -- interleaved; the figures' form, the ratio and daemon-share lines with PASS/MISS as
+    their numbers say, the engine holding the last version as sent, the profile, and nothing
+    left in the temp folder or /dev/shm. No timing assertions."""
+    import re
+    import tempfile
+
+    from slotsync.bench.cli import main
+
+    def ours() -> set[str]:
+        return {os.path.join(d, n) for d in (tempfile.gettempdir(), "/dev/shm")
+                for n in os.listdir(d) if n.startswith("slotsync-bench-lora-")}
+
+    before = ours()
+    report = tmp_path / "BENCHMARKS.md"
+    with pytest.raises(SystemExit) as exit_:
+        main(["lora", "--small", "--ranks", "2", "--reps", "2", "--engine", engine,
+              "--report", str(report)])
+    out = capsys.readouterr()
+    assert exit_.value.code == 0, out.out[-3000:] + out.err[-3000:]
+    text = report.read_text()
+    assert "<!-- bench:lora -->" in text and "(CPU): `slotsync bench lora`" in text
+    assert "56 tensors, 0.3 MB bf16" in text and f"the {engine} engine of 2 worker(s)" in text
+    for k in (1, 2, 3):  # (1 warm-up + 2 counted)
+        assert re.search(rf"^  rep {k}/3: slotsync \d+\.\d{{3}} s, disk \d+\.\d{{3}} s$",
+                         out.out, re.M), out.out
+    num = r"(\d+\.\d)"
+    for path in ("slotsync: last rank's", "disk: `save_pretrained`-style"):
+        assert re.search(rf"^\| {re.escape(path)}.* \| {num} \| {num} \| {num} \| 2 \|$",
+                         text, re.M), text
+    ratio = re.search(r"^ratio slotsync / disk: median (\d+\.\d\d)x .*; target <= 0\.5x: "
+                      r"(PASS|MISS)$", text, re.M)
+    share = re.search(rf"^daemon's own share .*, median: {num} ms; target <= 20 ms: "
+                      r"(PASS|MISS)$", text, re.M)
+    assert ratio and share, text
+    assert (float(ratio.group(1)) <= 0.5) == (ratio.group(2) == "PASS")
+    assert (float(share.group(1)) <= 20) == (share.group(2) == "PASS")
+    assert "engine check: ok: every worker (2) holds bench@v3 as the trainer sent it" in text
+    for step in ("the daemon's `write_adapter_folder`", "the engine's read of the folder",
+                 "daemon: last AdapterData -> its load call", "disk: the save"):
+        assert re.search(rf"^\| {re.escape(step)}.* \| {num} \|$", text, re.M), (step, text)
+    assert ratio.group(0) in out.out  # printed as well as written
+    assert ours() == before
+
+
 def test_bench_gpu_dry_run_on_cpu(tmp_path, capsys):
     text = _bench("gpu", "--device", "cpu", "--layers", "1", "--experts", "4", "--vocab",
                   "1000", "--hidden", "256", "--staging-mb", "2", "--rounds", "2",
@@ -204,6 +255,9 @@ def test_profile_chunk_prints_the_split(run_module):
     (["hop", "--ranks", "3"], "--ranks must be even and >= 2 (half on each node), got 3"),
     (["hop", "--rounds", "1"], "--rounds 1 leaves no counted round after --warmup 1"),
     (["vs-vllm", "--slotsync-regions", "9"], "--slotsync-regions: invalid choice: 9"),
+    (["lora", "--timeout-s", "0"], "--timeout-s must be > 0, got 0.0"),
+    (["lora", "--disk-dir", "/nonexistent-dir"], "--disk-dir /nonexistent-dir: not a folder"),
+    (["lora", "--reps", "0"], "argument --reps: must be >= 1, got 0"),
 ])
 def test_bench_refuses_bad_arguments_before_starting_anything(args, want, run_module):
     report = [] if "--report" in args else ["--report", ""]

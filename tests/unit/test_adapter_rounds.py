@@ -522,6 +522,47 @@ def test_a_rank_that_aborts_fails_the_round_and_a_forced_drop_ends_one():
     assert "dropped by the operator" in h.error(1, 1).message and h.table.slots == {}
 
 
+def test_a_rank_registering_while_a_round_waits_for_its_begin_is_told_that_rounds_id():
+    """Ranks of one job start at different times: rank 1 registers and begins adapter round
+    0 before rank 0 registered. Rank 0's ``Registered.next_update_id`` is 0 (the round that
+    waits for it, as during a base round's begins), its begin joins the round, and the
+    slot's next id moves on once the round ended. (Red before: the begin moved the next id
+    on at once, rank 0 was told 1 and its begin refused as "a second round".)"""
+    h = LoraHarness(2)
+    h.send(1, reg(1, 0, 2))
+    h.coord.engine.declare_kind("vllm")
+    parts = two_rank_parts(1)
+    h.send(1, begin(0, parts[1], version=1))
+    h.send(0, reg(0, 0, 2))
+    assert h.replies[0][-1].next_update_id == 0
+    h.send(0, begin(0, parts[0], version=1))
+    for r in range(2):
+        h.send(r, wire.AdapterData(0, wire.ShmHandle(f"lora-{r}", 0, len(laid_out(parts[r])))))
+    for r in range(2):
+        assert h.acks(r) == [("adapter_begin", "host"), ("adapter_data", "math@v1")], (
+            h.replies[r])
+    assert h.coord.next_update_id == 1
+    h.send(0, reg(0, 0, 2))  # (a later registration: the next round's id)
+    assert h.replies[0][-1].next_update_id == 1
+
+
+def test_a_load_failed_on_one_worker_makes_the_next_base_round_check_the_replies_first():
+    """vLLM's MultiprocExecutor raises at the first failing worker and leaves the others'
+    replies queued (gh-58242, daemon/vllm/adapters.py): a failed load whose error names a
+    worker's failure, on an engine of several workers, puts the replies in doubt, so the
+    next base round checks them before its first executor call (as after a weight call)."""
+    h = started()
+    h.adapter_round(0, version=1)
+    h.engine.fail[("load_lora_adapter", 1)] = (
+        "load_lora_adapter: HTTP 500: Worker failed with error 'no such folder'")
+    h.adapter_round(1, version=2)
+    assert h.coord.engine.replies_suspect
+    before = len(h.engine.calls)
+    for r in range(2):
+        h.send(r, Begin(2, "w1"))
+    assert "check_replies" in h.engine.calls[before:], h.engine.calls[before:]
+
+
 def test_a_rank_that_registers_after_the_others_began_joins_their_round():
     """Ranks start at different times: rank 1 registers after rank 0 began adapter round 0.
     Its ``Registered`` must give it round 0's id, as a base-weight round's id stays the

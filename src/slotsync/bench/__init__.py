@@ -2,7 +2,8 @@
 
 What lives here: ``cli`` (the ``slotsync bench`` / ``python -m slotsync.bench`` command line:
 ``control`` and ``gpu`` and the dispatch to the others), one module per benchmark (``hop``
-with ``hop_run``, ``vs_vllm`` with ``vs_vllm_rounds`` and ``vllm_trainer_standin``,
+with ``hop_run``, ``vs_vllm`` with ``vs_vllm_rounds`` and ``vllm_trainer_standin``, the
+``lora`` subpackage (``slotsync bench lora``: an adapter through slotsync vs the disk),
 ``oversize``, ``fsdp_gather``, ``gather_kernel``, ``ep``, ``soak``, ``profile_chunk``; the
 last six also run as ``python -m slotsync.bench.NAME``), what they share (``control``: the
 control-plane rounds and their timing; ``control_memory``: the memory a control session needs,

@@ -54,9 +54,9 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``control``, ``gpu``, ``hop``, ``vs-vllm``, ``oversize``, ``fsdp-gather``,
-    ``gather`` and ``ep`` subcommands to ``p`` (``slotsync bench``); the last four forward
-    their options to their module's ``main``."""
+    """Add the ``control``, ``gpu``, ``hop``, ``vs-vllm``, ``lora``, ``oversize``,
+    ``fsdp-gather``, ``gather`` and ``ep`` subcommands to ``p`` (``slotsync bench``); the last
+    four forward their options to their module's ``main``."""
     sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
     c = sub.add_parser("control", help="control plane on CPU: slotsync vs in-trainer baseline",
                        description=__doc__)
@@ -140,6 +140,13 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "run)", description=vs_vllm.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     vs_vllm.add_arguments(v, positive_int)
+    from slotsync.bench.lora import run as lora_run
+
+    lo = sub.add_parser("lora", help="a LoRA adapter through slotsync (publish_adapter) vs "
+                        "through the disk (save_pretrained + /v1/load_lora_adapter), same "
+                        "engine (issue 36; CPU)", description=lora_run.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    lora_run.add_arguments(lo, positive_int, nonneg_int)
     for name, module, text in _FORWARDED:
         f = sub.add_parser(name, help=text, add_help=False, prefix_chars="\0")
         f.add_argument("forwarded", nargs=argparse.REMAINDER,
@@ -194,13 +201,17 @@ def main_from_args(args: argparse.Namespace) -> int:
         from slotsync.bench.vs_vllm import main_from_args as vs_vllm_main
 
         return vs_vllm_main(args)
+    if args.bench_command == "lora":
+        from slotsync.bench.lora.run import main_from_args as lora_main
+
+        return lora_main(args)
     for name, module, _ in _FORWARDED:
         if args.bench_command == name:
             import importlib
 
             return importlib.import_module(module).main(args.forwarded)
-    print("usage: slotsync bench {control,gpu,hop,vs-vllm,oversize,fsdp-gather,gather,ep} ...  "
-          "(see --help)",
+    print("usage: slotsync bench {control,gpu,hop,vs-vllm,lora,oversize,fsdp-gather,gather,ep} "
+          "...  (see --help)",
           file=sys.stderr)
     return 2
 

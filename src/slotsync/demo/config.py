@@ -45,7 +45,7 @@ def find_default_model() -> Path:
 class DemoConfig:
     """Options of one demo run (see ``build_parser`` for their meaning)."""
 
-    model: Path
+    model: Path | None
     ranks: int
     rounds: int
     packed: bool
@@ -58,6 +58,7 @@ class DemoConfig:
     backend: str = "publisher"  # or "vllm-api": vLLM's trainer API with SlotsyncTrainerInitInfo
     nodes: int = 1  # 2: a daemon per node, one engine over both (slotsync.demo.nodes)
     nodes_net: str = "auto"  # --nodes 2: "netns", "loopback" or "auto" (slotsync.demo.nodes)
+    lora: bool = False  # adapter rounds (slotsync.demo.lora); model None: the demo's own Llama
 
 
 def plural(k: int, noun: str) -> str:

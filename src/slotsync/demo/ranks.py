@@ -1,5 +1,6 @@
 """``slotsync demo``'s trainer ranks: the rank process (``rank_main``, spawned once per rank:
-loads the model, perturbs it each round, publishes it, reports the checksums to the demo), its
+loads the model, perturbs it each round, publishes it, reports the checksums to the demo; with
+``--lora`` it publishes adapter versions instead, ``slotsync.demo.lora.rank_rounds``), its
 sender (slotsync's ``Publisher``, or vLLM's trainer API with ``--backend vllm-api``), the
 demo's end of the ranks' pipes (``RankResults``) and their stop (``stop_ranks``).
 
@@ -70,9 +71,19 @@ def rank_main(rank: int, cfg: DemoConfig, endpoints: list[str], engine_urls: lis
             torch.cuda.set_device(dev)
         else:
             dev = torch.device("cpu")
+        endpoint = endpoints[rank * len(endpoints) // cfg.ranks]  # its node's daemon
+        if cfg.lora:  # adapter rounds (the base model stays the engine's)
+            from slotsync.demo.lora import rank_rounds
+
+            with _sender(cfg, rank, slot, endpoint, engine_url, dev,
+                         uuids[rank] if uuids else None, []) as sender:
+                rank_rounds(cfg, rank, slot, sender.pub, group, topo.is_coordinator(rank),
+                            results)
+            dist.destroy_process_group()
+            results.send(("done", rank))
+            return
         weights = load_file(str(cfg.model), device=str(dev))
         named = sorted(weights.items())
-        endpoint = endpoints[rank * len(endpoints) // cfg.ranks]  # its node's daemon
         sender = _sender(cfg, rank, slot, endpoint, engine_url, dev,
                          uuids[rank] if uuids else None, named)
         with sender:

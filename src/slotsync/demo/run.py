@@ -7,12 +7,14 @@ Standard library only at import; torch and the engine launcher are imported by `
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 from slotsync.console import CLOSED_STDOUT_EXIT, discard_stdout
 from slotsync.demo import leftovers
@@ -23,7 +25,9 @@ from slotsync.demo.ranks import RankResults, rank_main, stop_ranks
 def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
     """Run the demo; returns the process exit status (0: every round verified).
 
-    Progress: one line per round with chunks, bytes, seconds and the verification result.
+    Progress: one line per round with chunks, bytes, seconds and the verification result
+    (``--lora``: the served name, the adapter's bytes and layout, seconds, and whether every
+    worker's checksums equal the trainer's; ``slotsync.demo.lora``).
     ``rank_context``: the multiprocessing context the trainer ranks start from (default:
     spawn; the tests pass a forkserver that has imported torch already).
     """
@@ -64,9 +68,19 @@ def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
             "sglang": ", SGLang's own receive code (SGLang 0.5.23's rules)"}[cfg.engine]
     if cfg.backend == "vllm-api":
         kind += ", sent through vLLM's trainer API (SlotsyncTrainerInitInfo)"
-    say(f"slotsync demo: model {cfg.model} ({cfg.model.stat().st_size / 1e6:.1f} MB), "
-        f"{plural(cfg.ranks, 'rank')} in {layout}, {plural(cfg.rounds, 'round')}, {mode}, "
-        f"{transport}{kind}")
+    if cfg.lora:
+        from slotsync.demo import lora
+
+        model = (f"model {cfg.model} ({cfg.model.stat().st_size / 1e6:.1f} MB)" if cfg.model
+                 else f"a small random Llama ({lora.llama_bytes() / 1e6:.1f} MB, made in the "
+                 "demo's folder)")
+        say(f"slotsync demo --lora: {model}, {plural(cfg.ranks, 'rank')} in {layout}, "
+            f"{plural(cfg.rounds, 'adapter round')} (PEFT {'/'.join(lora.TARGETS)} at rank "
+            f"{lora.LORA_RANK}, Publisher.publish_adapter), {transport}{kind}")
+    else:
+        say(f"slotsync demo: model {cfg.model} ({cfg.model.stat().st_size / 1e6:.1f} MB), "
+            f"{plural(cfg.ranks, 'rank')} in {layout}, {plural(cfg.rounds, 'round')}, {mode}, "
+            f"{transport}{kind}")
     stale = leftovers.remove_stale_demo_folders()
     if stale:
         say(f"  removed the folder(s) of {plural(len(stale), 'earlier demo')} that was killed: "
@@ -75,6 +89,12 @@ def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
           ExitStack() as stack):
         leftovers.write_owner(tmp)  # a later demo removes the folder if this one is killed
         t0 = time.perf_counter()
+        lora_engine: dict = {}
+        if cfg.lora:  # the engines serve a Llama with LoRA on
+            lora_engine = lora.engine_options(cfg.engine)
+            if cfg.model is None:
+                cfg = dataclasses.replace(
+                    cfg, model=lora.make_llama(Path(tmp) / "llama.safetensors"))
         uds = None
         if cfg.nodes > 1:  # a daemon per node; the engine on a socket every namespace reaches
             from slotsync.demo.nodes import DemoNodes
@@ -91,7 +111,7 @@ def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
                 gpu_uuids=[uuids[r] for r in ranks] if uuids else None,
                 cuda_devices=[devices[r] for r in ranks] if devices else None,
                 model=cfg.model, log_path=os.path.join(tmp, f"engine{e}.log"),
-                impl=cfg.engine, startup_timeout_s=300.0, uds=uds,
+                impl=cfg.engine, startup_timeout_s=300.0, uds=uds, **lora_engine,
             ))
             for e, ranks in enumerate(slots)
         ]
@@ -124,6 +144,7 @@ def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
         failures = 0
         done = 0
         before = [_weight_version(e) for e in engines]
+        served: dict[int, str | None] = {}  # --lora: each slot's adapter served (first rank)
         deadline = time.monotonic() + cfg.timeout_s * (cfg.rounds + 2)
         while done < cfg.ranks:
             try:
@@ -154,6 +175,16 @@ def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
                 say(f"  round {k}/{cfg.rounds}{where}: {chunks} chunks, {nbytes / 1e6:.1f} MB "
                     f"per rank, {secs:.2f} s ({nbytes / 1e6 / max(secs, 1e-9):.0f} MB/s); "
                     f"{detail}")
+            elif item[0] == "adapter":
+                _, k, name, how, nbytes, secs, want, start = item
+                ok, detail = lora.verify_adapter(engines[start // per], name, want,
+                                                 served.get(start), per, cfg.timeout_s)
+                served[start] = name
+                failures += 0 if ok else 1
+                where = "" if len(slots) == 1 else f" slot [{start}, {start + per})"
+                say(f"  round {k}/{cfg.rounds}{where}: {name}, {len(want)} tensors, "
+                    f"{nbytes / 1e6:.2f} MB ({lora.describe(how, per)}), publish_adapter "
+                    f"{secs:.2f} s; {detail}")
         stop_ranks(procs, wait_s=30.0)
         for e, eng in enumerate(engines):
             _, stats = eng.request("GET", "/_slotsync/stats")
@@ -173,7 +204,8 @@ def run_demo(cfg: DemoConfig, out=sys.stdout, rank_context=None) -> int:
                           for d in daemons)
                 + f"engine log tail:\n{engines[0].log_tail(2000)}")
             return 1
-    say("slotsync demo OK: every round's engine checksums equal the trainers'")
+    say("slotsync demo OK: every round's engine checksums equal the trainers'"
+        + (" (every adapter version, on every worker)" if cfg.lora else ""))
     return 0
 
 
@@ -190,6 +222,9 @@ def _say_daemon(say, daemon, who: str) -> int:
         say(f"  {who}: slot [{s_['slot'][0]}, {s_['slot'][1]}) state {s_['state']}, "
             f"updates ok {s_['updates_succeeded']}, failed {s_['updates_failed']}"
             + (f", last error: {s_['last_error']}" if s_["last_error"] else "") + nodes)
+        if s_.get("adapters"):
+            say(f"  {who}: slot [{s_['slot'][0]}, {s_['slot'][1]}) adapters: " + ", ".join(
+                f"{a['served_name']} {a['state']}" for a in s_["adapters"]))
     down = 0
     for lk in (status.get("peers") or {}).get("links", []):
         down += 0 if lk.get("up") else 1

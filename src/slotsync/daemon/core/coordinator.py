@@ -316,7 +316,7 @@ class SlotCoordinator(AdapterRounds, Outcomes, EngineSteps):
                     msg.rank,
                     self.start,
                     self.size,
-                    self.next_id_for(msg.rank),
+                    self.next_update_id,
                     wire.PROTOCOL_VERSION,
                     self.daemon_version,
                     self.max_message_bytes,

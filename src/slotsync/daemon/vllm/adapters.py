@@ -52,15 +52,13 @@ form, for ``docs/lora.md``):
   check); ``--max-loras`` >= 2 lets requests of the old and the new version share a batch
   during a switch, ``--max-cpu-loras`` >= 2 x the adapters served keeps a switch from
   evicting.
-<<<<<<< HEAD
-=======
 * **A failed load on several workers puts the replies out of step.** ``add_lora`` is a
   ``collective_rpc``: vLLM's ``MultiprocExecutor`` raises at the first failing worker and
   leaves the later workers' replies queued for the next call (vLLM gh-58242), as for the
-  weight calls; a 500 naming ``Worker failed with error`` is handled as a failed weight call
-  (the reply check, ``core/engine_session.py`` ``CHECK_REPLIES``), and what can be refused
+  weight calls; a 500 naming ``Worker failed with error`` puts the replies in doubt as a
+  failed weight call does, so the next base round checks them first (``core/engine_session.py``
+  ``CHECK_REPLIES``; the next adapter load does not check them yet), and what can be refused
   before the call is (:func:`refusal`, :func:`lora_limits`).
->>>>>>> vllm
 * **A restart forgets.** The name table lives in the API server process and the workers'
   caches in theirs: a restarted vLLM serves no adapter (but ``--lora-modules``), its
   ``lora_int_id`` counter starts again at 1, and its prefix cache is empty, so the daemon

@@ -23,6 +23,8 @@ class AdapterAnswers:
                            now: float) -> list[Action]:
         """An adapter call returned (``outcomes.on_engine_result`` hands it here)."""
         purpose, name, sent = self._adapter_calls.pop(call_id)
+        if not ok:  # (a worker's failure may leave the others' replies queued: gh-58242)
+            self.engine.note_reply_trouble(purpose, error, self.size)
         a, support = self.adapter_round, self._adapter_support()
         if a is None and purpose in ("load", "drop"):  # (its round was stopped meanwhile)
             entry = self.adapters.entries.pop(name, None)  # (may be registered: a stray)
@@ -31,6 +33,14 @@ class AdapterAnswers:
         out: list[Action] = []
         if purpose == "info" and a is not None:
             out += self._adapter_info_answer(a, name, ok, result, error)
+        elif purpose == "relist" and support is not None:  # (a base round's end)
+            if ok:
+                rec = self.adapters.reconcile(support.served(result),
+                                              bool(support.reloadable), self.engine_url)
+                out += self._reconciled(rec, support, now)
+            else:  # (the acks go out: the next round's list tells again)
+                out.append(SlotEvent(self.slot, "adapter_list_failed", {
+                    "engine": self.engine_url, "error": error}))
         elif purpose == "reload":
             out += self._adapter_reloaded(name, ok, error, now - sent, support)
         elif purpose in ("cleanup", "unload"):
@@ -107,6 +117,7 @@ class AdapterAnswers:
             out.append(self._adapter_call("unload", prev.served_name, support.unload_route,
                                           support.unload_body(prev.served_name), now))
         self.adapter_round = None
+        self.next_update_id = max(self.next_update_id, a.update_id + 1)
         self.adapter_rounds_ok += 1
         return out
 

@@ -57,6 +57,7 @@ from slotsync.daemon.core.adapters.gather import (
 from slotsync.daemon.core.adapters.ledger import (
     LOADING,
     LOST,
+    SERVED,
     AdapterEntry,
     AdapterLedger,
     Reconciled,
@@ -150,8 +151,10 @@ class AdapterRounds(AdapterAnswers):
                 return self._rank_error(
                     rank, "adapter_begin", f"stale update id {msg.update_id}: this slot's "
                     f"next update id is {self.next_update_id}", msg.update_id)
+            # (the id is shared with base rounds; the slot's next id moves on when the round
+            # ends, as a base update's does: a rank registering while the round waits for
+            # its begin is told this round's id, and joins it)
             a = self.adapter_round = AdapterRound(msg.update_id, now)
-            self.next_update_id = msg.update_id + 1  # (shared with base rounds)
         if rank in a.begins:
             return self._rank_error(rank, "adapter_begin", f"rank {rank} began adapter round "
                                     f"{a.update_id} twice", a.update_id)
@@ -254,18 +257,6 @@ class AdapterRounds(AdapterAnswers):
             return []
         return self._adapter_fail(now, self._adapter_phase(a), "; ".join(
             f"{i.who} is gone: {i.gone_why}" for i in gone), [i.rank for i in gone])
-
-    def next_id_for(self, rank: int) -> int:
-        """The update id ``Registered`` gives rank ``rank``: the open adapter round's while it
-        still waits for this rank's begin -- a rank that registers after the others began it
-        joins it, as it joins a base-weight round, whose id stays ``next_update_id`` until it
-        ends (the first ``AdapterBegin`` moves ``next_update_id`` past its round at once) --
-        else ``next_update_id``."""
-        a = self.adapter_round
-        if (a is not None and a.phase is AdapterPhase.BEGIN and a.failure is None
-                and rank not in a.begins):
-            return a.update_id
-        return self.next_update_id
 
     def adapter_rank_registered(self, rank: int, now: float) -> list[Action]:
         """Rank ``rank`` registered again: a round it took part in fails (its process
@@ -496,6 +487,7 @@ class AdapterRounds(AdapterAnswers):
         self.adapter_last_error = message
         self.adapter_rounds_failed += 1
         self.adapter_round = None
+        self.next_update_id = max(self.next_update_id, a.update_id + 1)
         return out
 
     # ------------------------------------------------------------------ base rounds
@@ -510,10 +502,18 @@ class AdapterRounds(AdapterAnswers):
         if failed:
             self._adapter_restart_seen |= u.new_session
             return acks
-        if not (u.new_session or self._adapter_restart_seen):
-            return acks
-        self._adapter_restart_seen = False
         support = self._adapter_support()
+        if not (u.new_session or self._adapter_restart_seen):
+            if support is None or not any(e.state == SERVED
+                                          for e in self.adapters.entries.values()):
+                return acks
+            # The probe may not tell a restart (after adapter rounds only the daemon knows
+            # no weight version of the engine): the engine's list says what it still
+            # serves, and a lost version is loaded again before the acks go out.
+            self._adapter_held = [x for x in acks if isinstance(x, Reply)]
+            return [x for x in acks if not isinstance(x, Reply)] + [
+                self._adapter_call("relist", "list", support.list_route, None, now)]
+        self._adapter_restart_seen = False
         rec = self.adapters.restarted(bool(support and support.reloadable), self.engine_url)
         out = self._reconciled(rec, support, now) if support is not None else []
         if not rec.reload:

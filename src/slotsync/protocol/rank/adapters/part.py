@@ -50,6 +50,20 @@ def _sha256(view: torch.Tensor) -> str:
     return hashlib.sha256(view.numpy()).hexdigest()
 
 
+def _host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the uint8 tensor ``src`` into the segment's view ``dst``: a plain single-threaded
+    ``memcpy`` (numpy's) from host memory. torch's ``copy_`` splits each copy over its
+    intra-op threads (OpenMP), and a part is hundreds of small tensors: every one is a
+    parallel region whose threads wait for each other, while the digest threads hold the
+    cores; on a loaded 2-core machine that made a Qwen3-8B rank-32 part's copy (504 tensors,
+    174.6 MB) take 1.9-3.9 s instead of 0.25-0.43 s (BENCHMARKS.md, ``slotsync bench
+    lora``)."""
+    if src.device.type == "cpu":
+        dst.numpy()[:] = src.numpy()
+    else:
+        dst.copy_(src)
+
+
 class AdapterPart:
     """This rank's part of one adapter round in memory (see the module's docstring).
 
@@ -121,7 +135,7 @@ class AdapterPart:
                     hashed = []
                     for t, view in zip(self.tensors, views, strict=True):
                         if t.nbytes:
-                            view.copy_(raw_bytes(t.local))
+                            _host_copy(view, raw_bytes(t.local))
                         if pool:
                             hashed.append(pool.submit(_sha256, view))
             t1 = time.perf_counter()
