@@ -194,7 +194,7 @@ def test_vllms_own_api_key_middleware_guards_v1_only_and_the_daemon_syncs(tmp_pa
     try:
         assert _status(box.url + "/v1/models", None) == 401  # (vLLM's middleware)
         assert _status(box.url + "/v1/models", "wrong") == 401
-        assert _status(box.url + "/v1/models", "vllm-key-89") == 404  # (passed it: no route)
+        assert _status(box.url + "/v1/models", "vllm-key-89") == 200  # (passed it: vLLM's list)
         for path in ("/version", "/get_world_size", "/is_paused", "/weight_info"):
             assert _status(box.url + path, None) == 200, path  # (not guarded)
         key = _key(tmp_path, "engine.key", "vllm-key-89")

@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -158,12 +159,16 @@ class Server:
 def server(tmp_path: Path) -> Iterator[tuple[Server, Path]]:
     model = tmp_path / "model"
     _model(model)
-    s = Server(model, tmp_path / "vllm.log", tmp_path / "vllm-tmp")
+    # (a short TMPDIR: vLLM's ZMQ IPC socket paths must fit sockaddr_un's 107 characters,
+    # which pytest's base temp folder under CI's own temp folder does not leave room for)
+    short = Path(tempfile.mkdtemp(prefix="vl-", dir="/tmp"))
+    s = Server(model, tmp_path / "vllm.log", short / "t")
     try:
         s.wait_ready()
         yield s, model
     finally:
         s.stop()
+        shutil.rmtree(short, ignore_errors=True)
 
 
 async def test_real_vllm_loads_serves_and_unloads_the_daemons_folders(server,
