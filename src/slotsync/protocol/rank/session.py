@@ -209,16 +209,7 @@ class PublisherSession:
         Raises:
             RuntimeError: an update is open.
         """
-        if self.update_id is not None:
-            raise RuntimeError(f"update {self.update_id} is still open; commit or abort it first")
-        uid = self.update_id = self.next_id
-        self.num_chunks = self.bytes = 0
-        self.unacked.clear()
-        self.early_acks.clear()
-        self.begin_version = weight_version
-        self.begin_manifest = manifest
-        self.has_draft, self.draft_from = draft, None
-        self.begin_rank_local = rank_local or {}
+        uid = self._open(weight_version, manifest, draft, rank_local or {})
         return wire.Begin(update_id=uid, weight_version=weight_version, manifest=manifest,
                           draft=draft, **self.begin_rank_local, **self.declared_settings())
 
@@ -232,16 +223,21 @@ class PublisherSession:
         Raises:
             RuntimeError: an update is open.
         """
+        return self._open(None, b"", False, {})
+
+    def _open(self, version: str | None, manifest: bytes, draft: bool,
+              rank_local: dict) -> int:
+        """Open the next update id, a base round's (``begin``) or an adapter round's."""
         if self.update_id is not None:
             raise RuntimeError(f"update {self.update_id} is still open; commit or abort it first")
         uid = self.update_id = self.next_id
         self.num_chunks = self.bytes = 0
         self.unacked.clear()
         self.early_acks.clear()
-        self.begin_version = None
-        self.begin_manifest = b""
-        self.has_draft, self.draft_from = False, None
-        self.begin_rank_local = {}
+        self.begin_version = version
+        self.begin_manifest = manifest
+        self.has_draft, self.draft_from = draft, None
+        self.begin_rank_local = rank_local
         return uid
 
     def declared_settings(self) -> dict[str, int]:
