@@ -234,3 +234,15 @@ def test_the_file_header_is_what_safetensors_reads(tmp_path: Path) -> None:
     _equal(tmp_path / "f.safetensors", tensors)
     folder = write_adapter_folder(tmp_path, plan, reader(buffers))
     _equal(folder / TENSORS_FILE, tensors)
+
+
+def test_the_daemon_says_whether_its_adapter_dir_can_take_links(shm_root: Path,
+                                                                 tmp_path: Path) -> None:
+    """``AdapterIO.links``: True for an ``adapter_dir`` on /dev/shm's filesystem, False for
+    one elsewhere (the start's ``adapter_dir`` log line) or one that does not exist."""
+    from slotsync.daemon.service.adapter_io import AdapterIO
+
+    assert AdapterIO(shm_root).links() is True
+    assert AdapterIO(tmp_path / "missing").links() is False
+    if os.stat(tmp_path).st_dev != os.stat(SHM).st_dev:
+        assert AdapterIO(tmp_path).links() is False

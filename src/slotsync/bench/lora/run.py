@@ -178,6 +178,7 @@ def _run(args: argparse.Namespace, folder: Path, shm: Path) -> int:
             return 1
         check = _check_engine(engine, f"bench@v{reps}", got["want"], args.ranks)
         loads = _loads(Path(daemon.log_path))
+        got["files"] = _files(Path(daemon.log_path))
         from slotsync.bench.lora.profile import profile
 
         steps = profile(_tensors(shapes), peft_config(shapes), shapes.r, shm)
@@ -277,6 +278,22 @@ def _loads(log: Path) -> dict[int, float]:
     return out
 
 
+def _files(log: Path) -> dict[str, int]:
+    """How the daemon made its adapter files: ``{"linked": n, "copied": n}`` from its
+    ``adapter_file`` JSON log lines (one per round a single rank held whole; a round split
+    over ranks is copied without such a line: ``"split"``, the rest of its loads)."""
+    out = {"linked": 0, "copied": 0}
+    for line in log.read_text(errors="replace").splitlines():
+        if '"adapter_file"' in line:
+            try:
+                how = json.loads(line).get("how")
+            except ValueError:
+                continue
+            if how in out:
+                out[how] += 1
+    return out
+
+
 def _check_engine(engine: Any, served: str, want: dict[str, str], workers: int) -> str:
     """``"ok: ..."`` when every engine worker holds ``want`` under ``served`` (the engine's
     test-only ``/_slotsync/lora``), else what differs."""
@@ -304,6 +321,8 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
     from slotsync.bench.report import command_line, machine_line, table
 
     counted = range(args.warmup, args.warmup + args.reps)
+    reps = args.warmup + args.reps
+    files = got.get("files", {"linked": 0, "copied": 0})
     slot = [_slotsync_s(got["slotsync"][k]) for k in counted]
     disk = [got["disk"][k][2] - got["disk"][k][0] for k in counted]
     save = [got["disk"][k][1] - got["disk"][k][0] for k in counted]
@@ -343,8 +362,9 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
         ["rank: AdapterBegin -> Ack(adapter_begin) (every rank's begin; the daemon's checks "
          "and its calls asking the engine's LoRA limits)",
          ms(med(per_round("begin_wait_seconds")))],
-        ["daemon: last AdapterData -> its load call (shared memory read, each part's sha256 "
-         "checked, folder written; + 2 ZeroMQ hops)", ms(med_share)],
+        ["daemon: last AdapterData -> its load call (the folder made: the rank's sealed "
+         "segment linked as its file, or read, hashed and copied; + 2 ZeroMQ hops)",
+         ms(med_share)],
         ["engine: the daemon's load call (`adapter_loaded` `load_s`: HTTP, the engine's read "
          "of the folder)", ms(med(load_s))],
         ["rank: the rest of `AdapterStats.seconds` (the messages built and sent, the part "
@@ -361,8 +381,10 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
         ["... and the digests left after the copy (`digest_s`)", ms(steps["rank_digests"])],
         ["sha256 of the adapter's bytes, once (the rank does it, the daemon again)",
          ms(steps["sha256"])],
-        ["the daemon's `write_adapter_folder` (its sha256 checks included) to its tmpfs",
-         ms(steps["daemon_write"])],
+        ["the daemon's `write_adapter_folder`, copying (read, sha256 checked by threads, "
+         "written) to its tmpfs: a round split over ranks", ms(steps["daemon_write"])],
+        ["the daemon's `write_adapter_folder`, linking one rank's sealed segment "
+         "(`PartReader.take`): a round one rank holds whole", ms(steps["daemon_link"])],
         ["the engine's read of the folder (`safe_open`, every `get_tensor`)",
          ms(steps["engine_read"])],
         ["the test engines' sha256 of every tensor as read (their `/_slotsync/lora`; not "
@@ -392,6 +414,9 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
         f"{min(ratio):.2f}x .. {max(ratio):.2f}x); target <= {RATIO_TARGET}x: {verdict}",
         f"daemon's own share (last AdapterData -> its load call, folder write included), "
         f"median: {ms(med_share)} ms; target <= {SHARE_TARGET_S * 1e3:.0f} ms: {share_verdict}",
+        f"the daemon's adapter files (its `adapter_file` log lines, warm-up included): "
+        f"{files['linked']} linked, {files['copied']} copied after a refused link, "
+        f"{max(reps - files['linked'] - files['copied'], 0)} copied (tensors split over ranks)",
         f"without the test engines' own sha256 of what they read (below; vLLM does not "
         f"hash), an estimate: ratio {est:.2f}x",
         f"engine check: {check}",

@@ -223,6 +223,15 @@ class AdapterIO:
                 elif f.is_dir():
                     self.found.append(str(f))
 
+    def links(self) -> bool:
+        """Whether ``root`` is on the ranks' segments' filesystem (``shm_dir``), so that a
+        round one rank holds whole can be linked instead of copied (``PartReader.take``).
+        False when either cannot be looked at."""
+        try:
+            return os.stat(self.root).st_dev == os.stat(self.shm_dir).st_dev
+        except OSError:
+            return False
+
     def slot_root(self, slot: tuple[int, int]) -> Path:
         """The folder of ``slot``'s adapter versions."""
         return self.root / f"slot-{slot[0]}-{slot[1]}"

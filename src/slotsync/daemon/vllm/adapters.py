@@ -296,7 +296,7 @@ def linkable(plan: AdapterPlan) -> tuple[int, bytes] | None:
     for t in order:
         if t.parts[0].offset != at:
             return None
-        at += t.nbytes
+        at += t.parts[0].nbytes
     return holders.pop(), header
 
 
@@ -376,13 +376,13 @@ def write_adapter_folder(root: Path, plan: AdapterPlan,
     if final.exists():
         raise FileExistsError(f"adapter folder {final} exists already")
     one = linkable(plan) if take is not None else None
-    header = safetensors_header(plan)
+    header = safetensors_header(plan) if one is None else b""  # (checks the plan first)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{plan.served_name}.", dir=root))
     try:
         (tmp / CONFIG_FILE).write_text(plan.config_json, encoding="utf-8")
         if one is None or take is None or take(one[0], tmp / TENSORS_FILE, one[1]):
             with open(tmp / TENSORS_FILE, "wb") as out:
-                out.write(header)
+                out.write(header or safetensors_header(plan))
                 _copy_parts(out, plan, read)
         os.chmod(tmp, 0o755)  # (mkdtemp's 0700: a server run as another user reads it too)
         os.rename(tmp, final)
