@@ -279,18 +279,20 @@ def _loads(log: Path) -> dict[int, float]:
 
 
 def _files(log: Path) -> dict[str, int]:
-    """How the daemon made its adapter files: ``{"linked": n, "copied": n}`` from its
-    ``adapter_file`` JSON log lines (one per round a single rank held whole; a round split
-    over ranks is copied without such a line: ``"split"``, the rest of its loads)."""
-    out = {"linked": 0, "copied": 0}
+    """How the daemon made its adapter files: ``{"linked": n, "copied": n, "seconds": [...]}``
+    from its ``adapter_file`` JSON log lines (one per round a single rank held whole, with
+    the seconds its folder took in the daemon's I/O thread; a round split over ranks is
+    copied without such a line)."""
+    out: dict[str, Any] = {"linked": 0, "copied": 0, "seconds": []}
     for line in log.read_text(errors="replace").splitlines():
         if '"adapter_file"' in line:
             try:
-                how = json.loads(line).get("how")
+                rec = json.loads(line)
             except ValueError:
                 continue
-            if how in out:
-                out[how] += 1
+            if rec.get("how") in ("linked", "copied"):
+                out[rec["how"]] += 1
+                out["seconds"].append(float(rec.get("seconds", "nan")))
     return out
 
 
@@ -322,7 +324,7 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
 
     counted = range(args.warmup, args.warmup + args.reps)
     reps = args.warmup + args.reps
-    files = got.get("files", {"linked": 0, "copied": 0})
+    files = got.get("files", {"linked": 0, "copied": 0, "seconds": []})
     slot = [_slotsync_s(got["slotsync"][k]) for k in counted]
     disk = [got["disk"][k][2] - got["disk"][k][0] for k in counted]
     save = [got["disk"][k][1] - got["disk"][k][0] for k in counted]
@@ -365,6 +367,9 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
         ["daemon: last AdapterData -> its load call (the folder made: the rank's sealed "
          "segment linked as its file, or read, hashed and copied; + 2 ZeroMQ hops)",
          ms(med_share)],
+        ["... of it, the folder made in the daemon's I/O thread (its `adapter_file` log "
+         "lines' `seconds`, warm-up included; rounds one rank holds whole)",
+         ms(med(files["seconds"])) if files["seconds"] else "n/a"],
         ["engine: the daemon's load call (`adapter_loaded` `load_s`: HTTP, the engine's read "
          "of the folder)", ms(med(load_s))],
         ["rank: the rest of `AdapterStats.seconds` (the messages built and sent, the part "

@@ -43,6 +43,7 @@ import mmap
 import os
 import shutil
 import stat
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -245,12 +246,14 @@ class AdapterIO:
         root = self.slot_root(slot)
 
         def run() -> str:
+            t0 = time.perf_counter()
             root.mkdir(parents=True, exist_ok=True, mode=0o700)
             with PartReader(handles, self.shm_dir) as reader:
                 folder = str(write_files(root, plan, reader.read, reader.take))
             for rank, why in reader.taken.items():
                 log_event(log, logging.INFO, "adapter_file",
                           folder=folder, rank=rank, how="linked" if not why else "copied",
+                          seconds=round(time.perf_counter() - t0, 6),
                           **({"why": why} if why else {}))
             return folder
 
