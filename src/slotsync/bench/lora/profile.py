@@ -7,7 +7,8 @@ with the code that runs it in the real path (the rank's copy and hashing come fr
   segment, the tensors copied in at ``wire.part_offsets`` while threads take each tensor's
   sha256; its ``copy_s`` and ``digest_s``), the segment unlinked after;
 * ``sha256``: ``hashlib.sha256`` over the adapter's bytes, once -- what the rank does to take
-  its digests and the daemon does again while it copies each part into the folder;
+  its digests and the daemon does again when it copies the parts into the folder (not when
+  it links one rank's segment);
 * ``daemon write``: the daemon's own ``daemon/vllm/adapters.py`` ``write_adapter_folder`` of
   the adapter as one rank's part, copied (read from memory as the daemon reads a mapped
   segment, each part's sha256 checked by threads while it is written, the safetensors file

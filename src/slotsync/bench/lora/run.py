@@ -19,8 +19,10 @@ The daemon's own share of the slotsync path is measured from outside, adding not
 daemon: each round's ``adapter_loaded`` log line (``--log-format json``) gives ``load_s``,
 the time from its load call to the engine's answer; the rank that sent ``AdapterData`` last
 waited ``data_wait_seconds`` (``AdapterStats``) from that send to ``Ack(adapter_data)``; the
-difference is the daemon's time from the last ``AdapterData`` to its load call (reading the
-ranks' shared memory, checking each part's sha256, writing the folder) plus two ZeroMQ hops.
+difference is the daemon's time from the last ``AdapterData`` to its load call (making the
+folder: linking the one rank's sealed segment as its file, or reading the ranks' shared
+memory, checking each part's sha256 and writing it) plus two ZeroMQ hops. Its
+``adapter_file`` log lines say how each one-rank folder was made and how long it took.
 ``profile.py`` times the steps alone. Targets (issue 36): ratio <= 0.5, daemon share <= 20 ms.
 """
 
@@ -368,8 +370,8 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
          "segment linked as its file, or read, hashed and copied; + 2 ZeroMQ hops)",
          ms(med_share)],
         ["... of it, the folder made in the daemon's I/O thread (its `adapter_file` log "
-         "lines' `seconds`, warm-up included; rounds one rank holds whole)",
-         ms(med(files["seconds"])) if files["seconds"] else "n/a"],
+         "lines' `seconds`; rounds one rank holds whole)",
+         ms(med(files["seconds"][args.warmup:])) if files["seconds"][args.warmup:] else "n/a"],
         ["engine: the daemon's load call (`adapter_loaded` `load_s`: HTTP, the engine's read "
          "of the folder)", ms(med(load_s))],
         ["rank: the rest of `AdapterStats.seconds` (the messages built and sent, the part "
@@ -384,7 +386,8 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
         ["the rank's `AdapterPart.fill` (shm): a fresh segment, the tensors copied in, the "
          "digests taken meanwhile (`copy_s`)", ms(steps["rank_copy"])],
         ["... and the digests left after the copy (`digest_s`)", ms(steps["rank_digests"])],
-        ["sha256 of the adapter's bytes, once (the rank does it, the daemon again)",
+        ["sha256 of the adapter's bytes, once (the rank does it; the daemon again when it "
+         "copies)",
          ms(steps["sha256"])],
         ["the daemon's `write_adapter_folder`, copying (read, sha256 checked by threads, "
          "written) to its tmpfs: a round split over ranks", ms(steps["daemon_write"])],
