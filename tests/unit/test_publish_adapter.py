@@ -396,16 +396,20 @@ def test_chunk_rows_is_torch_chunks_split() -> None:
                 assert list(range(start, stop)) == want, (dim0, world, i)
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["padded", "file"])
 @pytest.mark.parametrize("transport,fail", [("device", False), ("device", True),
                                             ("host", False)])
 def test_a_cuda_rank_packs_one_device_buffer_exports_it_and_gives_it_back_when_unacked(
         make_daemon: Callable[..., FakeDaemon], endpoint: str,
-        monkeypatch: pytest.MonkeyPatch, transport: str, fail: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, transport: str, fail: bool, whole: bool) -> None:
     """The cuda transport's path on the CPU: the "device" buffer is a CPU tensor, its export
     a stand-in record (test_publisher.py's), as the unpacked tests do. "device": the part is
     exported from the packed buffer and the host copy unlinked before the data goes out; an
     export the daemon did not acknowledge is given back (an Error at the data), one it did
-    is not; "host": the segment goes, the buffer is never exported."""
+    is not; "host": the segment goes, the buffer is never exported. ``file``: tensors that
+    fit a safetensors file (the host segment starts with its header: the "host" handle
+    starts after it, the "device" export of the packed buffer at 0); ``padded``: they do
+    not."""
     from slotsync.protocol.rank.adapters import part as adapter_part
 
     exported: list[bytes] = []
@@ -432,7 +436,7 @@ def test_a_cuda_rank_packs_one_device_buffer_exports_it_and_gives_it_back_when_u
         return inner(msg)
 
     daemon = make_daemon(script)
-    tensors = _adapter()
+    tensors = _whole_adapter() if whole else _adapter()
     with _publisher(endpoint) as pub:
         pub.transport = "cuda"  # (its device stays the CPU: the buffer is a CPU tensor)
         if fail:
@@ -449,6 +453,7 @@ def test_a_cuda_rank_packs_one_device_buffer_exports_it_and_gives_it_back_when_u
             assert released == ([5] if fail else []) and collected == [1]
         else:
             assert isinstance(data.handle, wire.ShmHandle) and exported == released == []
+            assert (data.handle.offset > 0) == whole and data.handle.nbytes == total
             (blob,) = inner.parts
             assert collected == []
         for off, src in zip(offsets, tensors.values(), strict=True):
