@@ -20,8 +20,11 @@ module (adapters unloaded between tests); each test has its own daemon. Faults:
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +32,7 @@ pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
 from adapter_e2e import (  # noqa: E402
+    KEY,
     adapters_of,
     assert_holds,
     assert_nothing_left,
@@ -239,6 +243,40 @@ def test_vllm_family_restart_after_adapter_rounds_only_is_seen_by_the_next_base_
         veng.start_again()
         assert_ok(run_rounds(pool, d, veng, {"kind": "base", "version": 2}), d, 1)
         assert served(veng) == {"math@v1"}
+
+
+def test_vllm_family_one_rank_holding_all_is_linked_and_outlives_the_rank(pool, veng):
+    """The daemon's ``adapter_dir`` on ``/dev/shm``'s tmpfs (the ranks' segments' filesystem):
+    v1 all on rank 1 -> rank 1 lays its part out as the safetensors file and seals it, the
+    daemon hard-links it as the version's ``adapter_model.safetensors`` (its log:
+    ``adapter_file rank=1 how=linked``) and every worker holds exactly the trainer's bytes;
+    once rank 1 freed its part the file has one link (the daemon's) and nothing of the
+    ranks is in ``/dev/shm``. The engine killed and started again, the next base round
+    loads v1 again from that file (the rank long gone) before its ack, every worker holding
+    the trainer's bytes again. v2 in rows is copied (no ``adapter_file`` line)."""
+    shm = Path(tempfile.mkdtemp(prefix="test-e2e-adapters-", dir="/dev/shm"))
+    try:
+        with DaemonProcess(args=["--adapter-dir", str(shm)]) as d:
+            run = run_rounds(pool, d, veng, {"version": 1, "layout": "one", "holder": 1})
+            assert_ok(run, d, 1)
+            assert_holds(veng, "math@v1", "vllm", 1)
+            (line,) = [x for x in d.log_tail(50000).splitlines() if " adapter_file " in x]
+            assert "rank=1" in line and "how=linked" in line, line
+            file = shm / f"slot-{KEY[0]}-{KEY[1]}" / "math@v1" / "adapter_model.safetensors"
+            assert_nothing_left(d, run)
+            assert file.stat().st_nlink == 1
+            veng.kill()
+            veng.start_again()
+            assert_ok(run_rounds(pool, d, veng, {"kind": "base", "version": 1}), d, 1)
+            assert served(veng) == {"math@v1"}, d.log_tail()
+            assert_holds(veng, "math@v1", "vllm", 1)
+            run = run_rounds(pool, d, veng, {"version": 2})
+            assert_ok(run, d, 1)
+            assert_holds(veng, "math@v2", "vllm", 2)
+            assert d.log_tail(50000).count(" adapter_file ") == 1
+            assert_nothing_left(d, run)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.mark.sglang

@@ -181,6 +181,10 @@ def test_bench_lora_small_prints_both_paths_the_ratio_and_the_targets(engine, tm
     assert (float(ratio.group(1)) <= 0.5) == (ratio.group(2) == "PASS")
     assert (float(share.group(1)) <= 20) == (share.group(2) == "PASS")
     assert "engine check: ok: every worker (2) holds bench@v3 as the trainer sent it" in text
+    # (rows split over 2 ranks: every folder copied, none linked; the daemon's log says so)
+    assert ("the daemon's adapter files (its `adapter_file` log lines, warm-up included): "
+            "0 linked, 0 copied after a refused link, 3 copied (tensors split over ranks)"
+            in text), text
     for step in ("the daemon's `write_adapter_folder`", "the engine's read of the folder",
                  "daemon: last AdapterData -> its load call", "disk: the save"):
         assert re.search(rf"^\| {re.escape(step)}.* \| {num} \|$", text, re.M), (step, text)

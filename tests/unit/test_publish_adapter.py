@@ -396,16 +396,20 @@ def test_chunk_rows_is_torch_chunks_split() -> None:
                 assert list(range(start, stop)) == want, (dim0, world, i)
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["padded", "file"])
 @pytest.mark.parametrize("transport,fail", [("device", False), ("device", True),
                                             ("host", False)])
 def test_a_cuda_rank_packs_one_device_buffer_exports_it_and_gives_it_back_when_unacked(
         make_daemon: Callable[..., FakeDaemon], endpoint: str,
-        monkeypatch: pytest.MonkeyPatch, transport: str, fail: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, transport: str, fail: bool, whole: bool) -> None:
     """The cuda transport's path on the CPU: the "device" buffer is a CPU tensor, its export
     a stand-in record (test_publisher.py's), as the unpacked tests do. "device": the part is
     exported from the packed buffer and the host copy unlinked before the data goes out; an
     export the daemon did not acknowledge is given back (an Error at the data), one it did
-    is not; "host": the segment goes, the buffer is never exported."""
+    is not; "host": the segment goes, the buffer is never exported. ``file``: tensors that
+    fit a safetensors file (the host segment starts with its header: the "host" handle
+    starts after it, the "device" export of the packed buffer at 0); ``padded``: they do
+    not."""
     from slotsync.protocol.rank.adapters import part as adapter_part
 
     exported: list[bytes] = []
@@ -432,7 +436,7 @@ def test_a_cuda_rank_packs_one_device_buffer_exports_it_and_gives_it_back_when_u
         return inner(msg)
 
     daemon = make_daemon(script)
-    tensors = _adapter()
+    tensors = _whole_adapter() if whole else _adapter()
     with _publisher(endpoint) as pub:
         pub.transport = "cuda"  # (its device stays the CPU: the buffer is a CPU tensor)
         if fail:
@@ -449,9 +453,107 @@ def test_a_cuda_rank_packs_one_device_buffer_exports_it_and_gives_it_back_when_u
             assert released == ([5] if fail else []) and collected == [1]
         else:
             assert isinstance(data.handle, wire.ShmHandle) and exported == released == []
+            assert (data.handle.offset > 0) == whole and data.handle.nbytes == total
             (blob,) = inner.parts
             assert collected == []
         for off, src in zip(offsets, tensors.values(), strict=True):
             assert blob[off : off + len(_raw(src))] == _raw(src)
         assert _no_segments() == []
+    assert _no_segments() == []
+
+
+def _whole_adapter() -> dict[str, torch.Tensor]:
+    """Whole tensors whose sizes are multiples of 256 bytes (but the last): a part the rank
+    lays out as a safetensors file (``wire.adapter.file_header``)."""
+    g = torch.Generator().manual_seed(4)
+    return {
+        f"{PREFIX}.q_proj.lora_A.weight": torch.randn(4, 32, generator=g).to(torch.bfloat16),
+        f"{PREFIX}.q_proj.lora_B.weight": torch.randn(32, 4, generator=g).to(torch.bfloat16),
+        f"{PREFIX}.v_proj.lora_A.weight": torch.randn(16, 4, generator=g).t(),  # 256 bytes
+        f"{PREFIX}.v_proj.lora_B.weight": torch.randn(5, 3, generator=g),  # last: any size
+    }
+
+
+class SegmentProbe(Adapterd):
+    """Adapterd that also looks at the whole segment at the AdapterData, while the rank
+    waits for the ack: its bytes, its mode, and whether the kernel grants a read lease (no
+    process holds it open for writing)."""
+
+    def __init__(self, transport: str = "host") -> None:
+        super().__init__(transport)
+        self.seen: list[tuple[bytes, int, bool]] = []
+
+    def __call__(self, msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.AdapterData) and isinstance(msg.handle, wire.ShmHandle):
+            import fcntl
+            import os
+            import stat
+
+            fd = os.open(f"/dev/shm/{msg.handle.segment}", os.O_RDONLY)
+            try:
+                try:
+                    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+                    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+                    lease = True
+                except OSError:
+                    lease = False
+                size = os.fstat(fd).st_size
+                self.seen.append((os.pread(fd, size, 0),
+                                  stat.S_IMODE(os.fstat(fd).st_mode), lease))
+            finally:
+                os.close(fd)
+        return super().__call__(msg)
+
+
+@pytest.mark.parametrize("transport", ["host", "device"])
+def test_a_part_of_whole_tensors_is_a_safetensors_file_sealed_for_the_host_transport(
+        make_daemon: Callable[..., FakeDaemon], endpoint: str, transport: str) -> None:
+    """Whole tensors (the part of a rank holding the adapter alone): the segment is a
+    complete safetensors file (the safetensors package reads the trainer's tensors back
+    from it), the handle starts after its header (the tensors at ``part_offsets`` from
+    there, as any daemon reads them) and the begin's digests are of those bytes. "host":
+    sealed before the AdapterData -- mode 0444, and no process holds it open for writing
+    (a read lease is granted), so the daemon may link it; "device" (shm: the engine maps
+    it): not sealed. Nothing left in /dev/shm after the ack."""
+    from safetensors.torch import load as st_load
+
+    script = SegmentProbe(transport)
+    daemon = make_daemon(script)
+    tensors = _whole_adapter()
+    with _publisher(endpoint) as pub:
+        pub.publish_adapter("math", tensors, CONFIG, 3)
+    (begin,) = daemon.of_type(wire.AdapterBegin)
+    (data,) = daemon.of_type(wire.AdapterData)
+    ((file, mode, lease),) = script.seen
+    header_len = 8 + int.from_bytes(file[:8], "little")
+    assert data.handle.offset == header_len and header_len % wire.ADAPTER_ALIGN == 0
+    assert len(file) == header_len + data.handle.nbytes
+    back = st_load(file)
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(back[name], t), name
+    assert [t.sha256 for t in begin.tensors] == [_sha(t) for t in tensors.values()]
+    offsets, _ = wire.part_offsets(begin.tensors)
+    (blob,) = script.parts
+    for off, src in zip(offsets, tensors.values(), strict=True):
+        assert blob[off : off + len(_raw(src))] == _raw(src)
+    assert (mode, lease) == ((0o444, True) if transport == "host" else (0o600, False))
+    assert _no_segments() == []
+
+
+def test_a_part_in_rows_or_with_padding_is_laid_out_at_offset_0_unsealed(
+        make_daemon: Callable[..., FakeDaemon], endpoint: str) -> None:
+    """A part that cannot be a safetensors file -- a tensor's rows only, or whole tensors
+    that would need padding between them (``_adapter``: 128-byte tensors) -- is laid out at
+    offset 0 of its segment as before, and not sealed (the daemon copies and hashes it)."""
+    script = SegmentProbe()
+    make_daemon(script)
+    whole = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
+    name = f"{PREFIX}.q_proj.lora_B.weight"
+    with _publisher(endpoint) as pub:
+        pub.publish_adapter("math", {name: whole[32:]}, CONFIG, 1, rows={name: (32, (64, 8))})
+        pub.publish_adapter("math", _adapter(), CONFIG, 2)
+    for _file, mode, lease in script.seen:
+        assert (mode, lease) == (0o600, False)
+    assert script.seen[0][0] == _raw(whole[32:])
     assert _no_segments() == []

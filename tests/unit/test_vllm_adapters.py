@@ -132,12 +132,43 @@ def test_large_part_is_copied_in_slices(tmp_path: Path, monkeypatch) -> None:
 
 
 @pytest.mark.vllm
-def test_vllm_reads_the_folder_as_its_worker_does(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["copied", "linked"])
+def test_vllm_reads_the_folder_as_its_worker_does(tmp_path: Path, how: str) -> None:
     """vLLM's own ``PEFTHelper.from_local_dir`` + ``validate_legal`` and
     ``LoRAModel.from_local_checkpoint`` (the calls of ``WorkerLoRAManager._load_adapter``)
     on the folder, the expected modules those of a tiny Llama made here: every module's
     ``lora_a`` / ``lora_b`` equal the trainer's tensors, rank and scaling from the config;
-    a tensor of a module the model lacks is refused by vLLM as by ``from_local_checkpoint``."""
+    a tensor of a module the model lacks is refused by vLLM as by ``from_local_checkpoint``.
+    ``copied``: rows of two ranks joined; ``linked``: one rank's sealed segment, laid out by
+    the rank's own ``AdapterPart`` (the header padded to 256 bytes), hard-linked as the file
+    (``PartReader.take``) into a folder on /dev/shm."""
+    tensors = lora_tensors(r=8, seed=4, dtype=torch.bfloat16)
+    if how == "linked":
+        import shutil
+        import tempfile
+
+        from test_adapter_link import Rank
+
+        from slotsync.daemon.service.adapter_io import PartReader
+
+        rank = Rank(tensors, config=peft_config(r=8, alpha=32))
+        shm = Path(tempfile.mkdtemp(prefix="test-vllm-link-", dir="/dev/shm"))
+        try:
+            with PartReader({0: rank.handle}) as r:
+                folder = write_adapter_folder(shm, rank.plan, r.read, r.take)
+            assert r.taken == {0: ""}
+            rank.free()
+            _vllm_reads(folder, tensors)
+        finally:
+            rank.free()
+            shutil.rmtree(shm, ignore_errors=True)
+        return
+    plan, buffers, _ = split_plan(tensors, peft_config(r=8, alpha=32), ranks=2)
+    folder = write_adapter_folder(tmp_path, plan, reader(buffers))
+    _vllm_reads(folder, tensors)
+
+
+def _vllm_reads(folder: Path, tensors: dict) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
     from vllm.config.lora import LoRAConfig
     from vllm.lora.lora_model import LoRAModel
@@ -146,9 +177,6 @@ def test_vllm_reads_the_folder_as_its_worker_does(tmp_path: Path) -> None:
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
     expected = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                 if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    tensors = lora_tensors(r=8, seed=4, dtype=torch.bfloat16)
-    plan, buffers, _ = split_plan(tensors, peft_config(r=8, alpha=32), ranks=2)
-    folder = write_adapter_folder(tmp_path, plan, reader(buffers))
     helper = PEFTHelper.from_local_dir(str(folder), TINY_LLAMA["max_position_embeddings"])
     helper.validate_legal(LoRAConfig(max_lora_rank=8, max_loras=1))
     lora = LoRAModel.from_local_checkpoint(str(folder), expected, peft_helper=helper,

@@ -7,11 +7,17 @@ with the code that runs it in the real path (the rank's copy and hashing come fr
   segment, the tensors copied in at ``wire.part_offsets`` while threads take each tensor's
   sha256; its ``copy_s`` and ``digest_s``), the segment unlinked after;
 * ``sha256``: ``hashlib.sha256`` over the adapter's bytes, once -- what the rank does to take
-  its digests and the daemon does again while it copies each part into the folder;
+  its digests and the daemon does again when it copies the parts into the folder (not when
+  it links one rank's segment);
 * ``daemon write``: the daemon's own ``daemon/vllm/adapters.py`` ``write_adapter_folder`` of
-  the adapter as one rank's part (read from memory as the daemon reads a mapped segment, each
-  part's sha256 checked, the safetensors file and ``adapter_config.json`` written into a temp
-  folder, then renamed) into a folder on the daemon's adapter filesystem;
+  the adapter as one rank's part, copied (read from memory as the daemon reads a mapped
+  segment, each part's sha256 checked by threads while it is written, the safetensors file
+  and ``adapter_config.json`` written into a temp folder, then renamed) into a folder on the
+  daemon's adapter filesystem: the path of a round whose tensors are split over ranks;
+* ``daemon link``: the same call as the daemon runs it for a round one rank holds whole:
+  that rank's segment, laid out and sealed by the rank's own ``AdapterPart`` (``fill``,
+  ``handle("host")``), hard-linked as the file (``daemon/service/adapter_io.py``
+  ``PartReader.take``: its checks, the read lease) into the same folder;
 * ``engine read``: the folder read as vLLM 0.32's ``LoRAModel.from_local_checkpoint`` reads it
   (``safetensors.safe_open``, every tensor's ``get_tensor``);
 * ``engine checksums``: the test engines' sha256 of every tensor as read (their test-only
@@ -57,6 +63,47 @@ def one_rank_plan(tensors: dict[str, Any], config_json: str, r: int) -> tuple[An
     return plan, bytes(buf)
 
 
+def _link_s(parts: list[Any], root: Path, repeats: int) -> float:
+    """Median seconds of the daemon's ``write_adapter_folder`` linking one rank's sealed
+    segment of ``parts`` (the rank's ``part_tensors``) into ``root``.
+
+    Raises:
+        RuntimeError: the daemon did not link it (says why).
+    """
+    import json
+
+    import torch
+
+    from slotsync.daemon.core.adapters.gather import gather
+    from slotsync.daemon.service.adapter_io import PartReader
+    from slotsync.daemon.vllm.adapters import write_adapter_folder
+    from slotsync.protocol import wire
+    from slotsync.protocol.rank.adapters.part import AdapterPart
+
+    part = AdapterPart(parts, rank=0, transport="shm", device=torch.device("cpu"), owned=[])
+    try:
+        digests = part.fill()
+        plan = gather({0: wire.AdapterBegin(
+            update_id=0, lora_name="profile", version=2,
+            config_json=json.dumps({"r": 8, "target_modules": ["q_proj"]}),
+            tensors=[wire.AdapterTensor(t.name, t.dtype, list(t.shape), 0, t.shape[0], d)
+                     for t, d in zip(parts, digests, strict=True)])})
+        handle = part.handle("host")
+        times = []
+        for _ in range(repeats):
+            shutil.rmtree(root / plan.served_name, ignore_errors=True)
+            t0 = time.perf_counter()
+            with PartReader({0: handle}) as reader:
+                write_adapter_folder(root, plan, reader.read, reader.take)
+            times.append(time.perf_counter() - t0)
+            if reader.taken != {0: ""}:
+                raise RuntimeError(f"the daemon did not link the part: {reader.taken}")
+        shutil.rmtree(root / plan.served_name, ignore_errors=True)
+        return statistics.median(times)
+    finally:
+        part.free()
+
+
 def _median_s(fn: Any, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -69,9 +116,9 @@ def _median_s(fn: Any, repeats: int) -> float:
 def profile(tensors: dict[str, Any], config_json: str, r: int, daemon_root: Path,
             repeats: int = 3) -> dict[str, float]:
     """The steps of the module docstring, seconds: ``{"rank_copy", "rank_digests", "sha256",
-    "daemon_write", "engine_read", "engine_checksums"}``. ``daemon_root``: a folder on the
-    filesystem the daemon writes its adapters to (a temp folder is made and removed inside
-    it)."""
+    "daemon_write", "daemon_link", "engine_read", "engine_checksums"}``. ``daemon_root``: a
+    folder on the filesystem the daemon writes its adapters to (a temp folder is made and
+    removed inside it)."""
     import torch
     from safetensors import safe_open
 
@@ -110,6 +157,7 @@ def profile(tensors: dict[str, Any], config_json: str, r: int, daemon_root: Path
             write_adapter_folder(root, plan, read)
 
         out["daemon_write"] = _median_s(write, repeats)
+        out["daemon_link"] = _link_s(parts, root, repeats)
         file = str(root / plan.served_name / "adapter_model.safetensors")
         read_back: dict[str, Any] = {}
 

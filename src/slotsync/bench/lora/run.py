@@ -19,8 +19,10 @@ The daemon's own share of the slotsync path is measured from outside, adding not
 daemon: each round's ``adapter_loaded`` log line (``--log-format json``) gives ``load_s``,
 the time from its load call to the engine's answer; the rank that sent ``AdapterData`` last
 waited ``data_wait_seconds`` (``AdapterStats``) from that send to ``Ack(adapter_data)``; the
-difference is the daemon's time from the last ``AdapterData`` to its load call (reading the
-ranks' shared memory, checking each part's sha256, writing the folder) plus two ZeroMQ hops.
+difference is the daemon's time from the last ``AdapterData`` to its load call (making the
+folder: linking the one rank's sealed segment as its file, or reading the ranks' shared
+memory, checking each part's sha256 and writing it) plus two ZeroMQ hops. Its
+``adapter_file`` log lines say how each one-rank folder was made and how long it took.
 ``profile.py`` times the steps alone. Targets (issue 36): ratio <= 0.5, daemon share <= 20 ms.
 """
 
@@ -178,6 +180,7 @@ def _run(args: argparse.Namespace, folder: Path, shm: Path) -> int:
             return 1
         check = _check_engine(engine, f"bench@v{reps}", got["want"], args.ranks)
         loads = _loads(Path(daemon.log_path))
+        got["files"] = _files(Path(daemon.log_path))
         from slotsync.bench.lora.profile import profile
 
         steps = profile(_tensors(shapes), peft_config(shapes), shapes.r, shm)
@@ -277,6 +280,24 @@ def _loads(log: Path) -> dict[int, float]:
     return out
 
 
+def _files(log: Path) -> dict[str, int]:
+    """How the daemon made its adapter files: ``{"linked": n, "copied": n, "seconds": [...]}``
+    from its ``adapter_file`` JSON log lines (one per round a single rank held whole, with
+    the seconds its folder took in the daemon's I/O thread; a round split over ranks is
+    copied without such a line)."""
+    out: dict[str, Any] = {"linked": 0, "copied": 0, "seconds": []}
+    for line in log.read_text(errors="replace").splitlines():
+        if '"adapter_file"' in line:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("how") in ("linked", "copied"):
+                out[rec["how"]] += 1
+                out["seconds"].append(float(rec.get("seconds", "nan")))
+    return out
+
+
 def _check_engine(engine: Any, served: str, want: dict[str, str], workers: int) -> str:
     """``"ok: ..."`` when every engine worker holds ``want`` under ``served`` (the engine's
     test-only ``/_slotsync/lora``), else what differs."""
@@ -304,6 +325,8 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
     from slotsync.bench.report import command_line, machine_line, table
 
     counted = range(args.warmup, args.warmup + args.reps)
+    reps = args.warmup + args.reps
+    files = got.get("files", {"linked": 0, "copied": 0, "seconds": []})
     slot = [_slotsync_s(got["slotsync"][k]) for k in counted]
     disk = [got["disk"][k][2] - got["disk"][k][0] for k in counted]
     save = [got["disk"][k][1] - got["disk"][k][0] for k in counted]
@@ -343,8 +366,12 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
         ["rank: AdapterBegin -> Ack(adapter_begin) (every rank's begin; the daemon's checks "
          "and its calls asking the engine's LoRA limits)",
          ms(med(per_round("begin_wait_seconds")))],
-        ["daemon: last AdapterData -> its load call (shared memory read, each part's sha256 "
-         "checked, folder written; + 2 ZeroMQ hops)", ms(med_share)],
+        ["daemon: last AdapterData -> its load call (the folder made: the rank's sealed "
+         "segment linked as its file, or read, hashed and copied; + 2 ZeroMQ hops)",
+         ms(med_share)],
+        ["... of it, the folder made in the daemon's I/O thread (its `adapter_file` log "
+         "lines' `seconds`; rounds one rank holds whole)",
+         ms(med(files["seconds"][args.warmup:])) if files["seconds"][args.warmup:] else "n/a"],
         ["engine: the daemon's load call (`adapter_loaded` `load_s`: HTTP, the engine's read "
          "of the folder)", ms(med(load_s))],
         ["rank: the rest of `AdapterStats.seconds` (the messages built and sent, the part "
@@ -359,10 +386,13 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
         ["the rank's `AdapterPart.fill` (shm): a fresh segment, the tensors copied in, the "
          "digests taken meanwhile (`copy_s`)", ms(steps["rank_copy"])],
         ["... and the digests left after the copy (`digest_s`)", ms(steps["rank_digests"])],
-        ["sha256 of the adapter's bytes, once (the rank does it, the daemon again)",
+        ["sha256 of the adapter's bytes, once (the rank does it; the daemon again when it "
+         "copies)",
          ms(steps["sha256"])],
-        ["the daemon's `write_adapter_folder` (its sha256 checks included) to its tmpfs",
-         ms(steps["daemon_write"])],
+        ["the daemon's `write_adapter_folder`, copying (read, sha256 checked by threads, "
+         "written) to its tmpfs: a round split over ranks", ms(steps["daemon_write"])],
+        ["the daemon's `write_adapter_folder`, linking one rank's sealed segment "
+         "(`PartReader.take`): a round one rank holds whole", ms(steps["daemon_link"])],
         ["the engine's read of the folder (`safe_open`, every `get_tensor`)",
          ms(steps["engine_read"])],
         ["the test engines' sha256 of every tensor as read (their `/_slotsync/lora`; not "
@@ -392,6 +422,9 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
         f"{min(ratio):.2f}x .. {max(ratio):.2f}x); target <= {RATIO_TARGET}x: {verdict}",
         f"daemon's own share (last AdapterData -> its load call, folder write included), "
         f"median: {ms(med_share)} ms; target <= {SHARE_TARGET_S * 1e3:.0f} ms: {share_verdict}",
+        f"the daemon's adapter files (its `adapter_file` log lines, warm-up included): "
+        f"{files['linked']} linked, {files['copied']} copied after a refused link, "
+        f"{max(reps - files['linked'] - files['copied'], 0)} copied (tensors split over ranks)",
         f"without the test engines' own sha256 of what they read (below; vLLM does not "
         f"hash), an estimate: ratio {est:.2f}x",
         f"engine check: {check}",

@@ -166,9 +166,15 @@ class AdapterSupport(Protocol):
         suspected restart that was none)."""
 
     def write_files(self, root: Path, plan: AdapterPlan,
-                    read: Callable[[int, int, int], bytes | memoryview]) -> Path:
+                    read: Callable[[int, int, int], bytes | memoryview],
+                    take: Callable[[int, Path, bytes], str] | None = None) -> Path:
         """``"host"`` families: write ``plan``'s folder under ``root`` from the ranks' bytes
         (``read(rank, offset, nbytes)``); returns the folder. I/O (the service's thread).
+        ``take(rank, dest, header)``, where the service offers it, hard-links a rank's
+        segment as the file ``dest`` when the segment is ``header`` then its part and is
+        sealed, returning '' (else why not; then nothing is at ``dest``): a family whose
+        file is one rank's part as it lies may use it instead of copying
+        (``service/adapter_io.py`` ``PartReader.take``).
 
         Raises:
             ValueError: a part's bytes do not match its sha256 (the text names tensor and

@@ -15,22 +15,44 @@ at start (a previous daemon's) are left alone: an engine may still read them.
 A rank's part is read from ``/dev/shm/<segment>`` (the name is the wire's, checked there: no
 ``/``), opened read-only without following a link, a regular file, mapped read-only, each
 read bounds-checked against the handle's range and the segment's size.
+
+Or taken whole (``PartReader.take``): when one rank holds the adapter laid out as a complete
+safetensors file (``wire.adapter.file_header``), its segment is hard-linked into the version's
+folder instead of copied, when the adapter folder is on the segment's filesystem
+(``adapter_dir`` on ``/dev/shm``'s tmpfs) and the segment is **sealed**: mode without write
+bits, exactly the header the round's plan gives then the part, one link only, and a read
+lease granted, which Linux grants only while no process holds the file open for writing
+(``fcntl(2)`` ``F_SETLEASE``: a writable mapping counts, ``fs/locks.c``
+``check_conflicting_open``). The rank wrote it, hashed it and sealed it before its
+``AdapterData`` (``protocol/rank/adapters/part.py``): with no writer left and none able to
+open it (0444, and the folder is the daemon's), the linked bytes are the bytes the rank's
+digests describe, which is what the daemon's sha256 check proves on the copied path; so the
+link is not hashed again. A segment that fails any check is copied and hashed as before
+(the reason is logged, ``adapter_file``). After the rank unlinks its name the daemon's link
+holds the bytes, and the folder's removal frees them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
+import logging
 import mmap
 import os
 import shutil
 import stat
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from slotsync.daemon.logs import log_event
 from slotsync.protocol.wire import ShmHandle
+
+log = logging.getLogger("slotsync.daemon.service.adapter_io")
 
 SHM_DIR = "/dev/shm"
 TEMP_PREFIX = ".writing-"  # (the families' temp folders: removed at start and stop)
@@ -53,6 +75,7 @@ class PartReader:
         self._handles = dict(handles)
         self._dir = shm_dir
         self._maps: dict[int, mmap.mmap] = {}
+        self.taken: dict[int, str] = {}  # rank -> '' (linked) or why not (``take``)
 
     def __enter__(self) -> PartReader:
         return self
@@ -90,6 +113,73 @@ class PartReader:
             raise ValueError(f"rank {rank}'s segment {h.segment!r} is empty")
         self._maps[rank] = m
         return m
+
+    def take(self, rank: int, dest: Path, header: bytes) -> str:
+        """Hard-link rank ``rank``'s segment as the file ``dest`` when it is exactly
+        ``header`` followed by the rank's part and sealed (the module docstring); returns ''
+        once linked, else why not (nothing was made at ``dest``; the caller copies). Every
+        outcome is kept in ``taken`` (rank -> '' or the reason), for the log.
+
+        Checked, on the segment opened read-only without following a link: a regular file;
+        the handle starts ``len(header)`` bytes in and ends at the file's end; no write bit
+        in its mode (``ShmSegment.seal``); one link; a read lease granted (no process has
+        it open for writing; held until the link is made, so none opens it meanwhile);
+        its first bytes ``header``; ``dest`` on the same filesystem; the file linked the
+        one checked (same inode; a name replaced meanwhile is unlinked again).
+        """
+        why = self._take(rank, dest, header)
+        self.taken[rank] = why
+        return why
+
+    def _take(self, rank: int, dest: Path, header: bytes) -> str:
+        h = self._handles.get(rank)
+        if not isinstance(h, ShmHandle):
+            return "no shared-memory handle"
+        if h.offset != len(header):
+            return (f"its handle starts {h.offset} bytes into segment {h.segment!r}, not after "
+                    "a safetensors header (a publisher that lays its part out at offset 0)")
+        path = os.path.join(self._dir, h.segment)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            return f"segment {h.segment!r} cannot be opened: {e.strerror}"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != h.offset + h.nbytes:
+                return (f"segment {h.segment!r} is not a regular file of {h.offset + h.nbytes} "
+                        "bytes")
+            if st.st_mode & 0o222:
+                return (f"segment {h.segment!r} is writable (mode {stat.S_IMODE(st.st_mode):o}): "
+                        "the rank did not seal it")
+            if st.st_nlink != 1:
+                return f"segment {h.segment!r} has {st.st_nlink} links"
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+            except OSError as e:
+                if e.errno == errno.EAGAIN:
+                    return (f"a process holds segment {h.segment!r} open for writing (no read "
+                            "lease)")
+                return f"no read lease on segment {h.segment!r}: {e.strerror}"
+            try:
+                if os.pread(fd, len(header), 0) != header:
+                    return (f"segment {h.segment!r} does not start with the safetensors header "
+                            "of the round's plan")
+                try:
+                    os.link(path, dest, follow_symlinks=False)
+                except OSError as e:
+                    if e.errno == errno.EXDEV:
+                        return (f"the adapter folder is not on {self._dir}'s filesystem (set "
+                                f"adapter_dir to a folder on it to link instead of copying)")
+                    return f"segment {h.segment!r} cannot be linked: {e.strerror}"
+                linked = os.lstat(dest)
+                if (linked.st_dev, linked.st_ino) != (st.st_dev, st.st_ino):
+                    os.unlink(dest)  # (the name was replaced meanwhile: not the file checked)
+                    return f"segment {h.segment!r} was replaced while it was linked"
+            finally:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        finally:
+            os.close(fd)
+        return ""
 
     def read(self, rank: int, offset: int, nbytes: int) -> memoryview:
         h = self._handles.get(rank)
@@ -134,6 +224,15 @@ class AdapterIO:
                 elif f.is_dir():
                     self.found.append(str(f))
 
+    def links(self) -> bool:
+        """Whether ``root`` is on the ranks' segments' filesystem (``shm_dir``), so that a
+        round one rank holds whole can be linked instead of copied (``PartReader.take``).
+        False when either cannot be looked at."""
+        try:
+            return os.stat(self.root).st_dev == os.stat(self.shm_dir).st_dev
+        except OSError:
+            return False
+
     def slot_root(self, slot: tuple[int, int]) -> Path:
         """The folder of ``slot``'s adapter versions."""
         return self.root / f"slot-{slot[0]}-{slot[1]}"
@@ -147,9 +246,16 @@ class AdapterIO:
         root = self.slot_root(slot)
 
         def run() -> str:
+            t0 = time.perf_counter()
             root.mkdir(parents=True, exist_ok=True, mode=0o700)
             with PartReader(handles, self.shm_dir) as reader:
-                return str(write_files(root, plan, reader.read))
+                folder = str(write_files(root, plan, reader.read, reader.take))
+            for rank, why in reader.taken.items():
+                log_event(log, logging.INFO, "adapter_file",
+                          folder=folder, rank=rank, how="linked" if not why else "copied",
+                          seconds=round(time.perf_counter() - t0, 6),
+                          **({"why": why} if why else {}))
+            return folder
 
         fut = asyncio.get_running_loop().run_in_executor(self._io, run)
         try:

@@ -351,7 +351,8 @@ _HELP = {
     "successful update loaded does: warn (log line, metric, PublishStats.omitted_names; vLLM "
     "keeps those tensors' old values) or refuse (fail it before the finish)",
     "adapter_dir": "folder where the daemon writes the LoRA adapters vLLM engines load "
-    "(issue 36; created mode 0700; default: adapters in the runtime dir, a tmpfs under systemd)",
+    "(issue 36; created mode 0700; default: adapters in the runtime dir, a tmpfs under systemd; "
+    "on /dev/shm's filesystem an adapter one rank holds whole is linked, not copied)",
     "adapter_load_timeout_s": "seconds an adapter round's folder write, and its load call on "
     "the engine, may take each before the round fails (the previous version stays served)",
     "allow_uids": "user ids whose processes may connect (comma list; default: the daemon's "

@@ -228,6 +228,10 @@ class Daemon:
         """
         runtime_dir.prepare(self.endpoint)
         self.adapter_io.prepare()  # (issue 36: adapter_dir, mode 0700)
+        log_event(log, logging.INFO, "adapter_dir", folder=str(self.adapter_io.root),
+                  link=self.adapter_io.links(), **({} if self.adapter_io.links() else {
+                      "note": f"not on {self.adapter_io.shm_dir}'s filesystem: an adapter "
+                      "one rank holds whole is copied, not linked"}))
         if self.adapter_io.found:
             log_event(log, logging.INFO, "adapter_folders_found", folder=str(self.adapter_io.root),
                       count=len(self.adapter_io.found), kept="an engine may still read them")

@@ -93,7 +93,8 @@ class SglangAdapters:
         return "already loaded" in error
 
     def write_files(self, root: Path, plan: AdapterPlan,
-                    read: Callable[[int, int, int], bytes | memoryview]) -> Path:
+                    read: Callable[[int, int, int], bytes | memoryview],
+                    take: Callable[[int, Path, bytes], str] | None = None) -> Path:
         raise NotImplementedError("SGLang reads the ranks' memory: no folder")
 
     def remove_files(self, root: Path, served_name: str) -> None:

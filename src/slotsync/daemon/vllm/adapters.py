@@ -74,11 +74,13 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from slotsync.daemon.core.adapters.plan import AdapterPlan, AdapterTensorPlan, LoraLimits
 from slotsync.protocol.wire import DTYPE_SIZES
+from slotsync.protocol.wire.adapter import SAFETENSORS_DTYPES, file_header
 
 RUNTIME_UPDATING = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
 """What vLLM's server environment needs for ``/v1/load_lora_adapter`` to exist."""
@@ -94,25 +96,17 @@ VLLM_LORA_FLAGS: tuple[tuple[str, str], ...] = (
 )
 """``LoraLimits.flags`` of a vLLM server: the flag (or environment) that sets each limit."""
 
-SAFETENSORS_DTYPES: dict[str, str] = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
-}
-"""``wire`` dtype names -> the names a safetensors header spells them (safetensors 0.8
-``torch.py`` ``_TYPES``); ``float8_e8m0fnu`` and ``float4_e2m1fn_x2`` have none that
-``safe_open`` reads back, so an adapter holding them is refused (:func:`refusal`)."""
-
 CONFIG_FILE = "adapter_config.json"
 TENSORS_FILE = "adapter_model.safetensors"
 TEMP_PREFIX = ".writing-"
 """Temp folders in the adapter root start with this (:func:`remove_stale_temp`)."""
 
 COPY_SLICE = 64 << 20
-"""Bytes hashed and written per step while copying a part (big slices: hashlib and the
-file write each release the GIL for the whole slice)."""
+"""Bytes written per step while copying a part (big slices: the file write releases the GIL
+for the whole slice)."""
+
+HASH_THREADS = 4
+"""Threads taking the copied parts' sha256 while the parts are written (at most the CPUs)."""
 
 
 class AdapterDataError(ValueError):
@@ -278,40 +272,100 @@ def safetensors_header(plan: AdapterPlan) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def _copy_part(out: Any, tensor: str, rank: int, data: bytes | memoryview, nbytes: int,
-               sha256: str) -> None:
-    """Write ``data`` to ``out`` in :data:`COPY_SLICE` slices, hashing it on the way."""
+Take = Callable[[int, Path, bytes], str]
+"""``take(rank, dest, header)``: hard-link that rank's part as the file ``dest``, if its
+segment is exactly ``header`` followed by the part and sealed (the service's
+``adapter_io.PartReader.take`` says what it checks); returns '' once linked, else why not
+(then nothing was made at ``dest``)."""
+
+
+def linkable(plan: AdapterPlan) -> tuple[int, bytes] | None:
+    """``(rank, header)`` when one rank holds every tensor of ``plan`` whole, in an order
+    whose part offsets are those of a safetensors file (``wire.adapter.file_header``, which
+    gives ``header``): that rank's segment may then be the folder's
+    ``adapter_model.safetensors`` itself. None otherwise (several holders, a tensor in rows,
+    padding between tensors, a dtype safetensors cannot name)."""
+    holders = {p.rank for t in plan.tensors for p in t.parts}
+    if len(holders) != 1 or any(t.whole is None for t in plan.tensors):
+        return None
+    order = sorted(plan.tensors, key=lambda t: t.parts[0].offset)
+    header = file_header([(t.name, t.dtype, t.shape) for t in order])
+    if header is None:
+        return None
+    at = 0
+    for t in order:
+        if t.parts[0].offset != at:
+            return None
+        at += t.parts[0].nbytes
+    return holders.pop(), header
+
+
+def _check_length(tensor: str, rank: int, data: bytes | memoryview, nbytes: int
+                  ) -> memoryview:
     view = memoryview(data).cast("B")
     if view.nbytes != nbytes:
         raise AdapterDataError(tensor, rank, f"read {view.nbytes} bytes, its part has {nbytes}")
-    h = hashlib.sha256()
-    for at in range(0, nbytes, COPY_SLICE):
-        piece = view[at:at + COPY_SLICE]
-        h.update(piece)
-        out.write(piece)
-    got = h.hexdigest()
-    if got != sha256:
-        raise AdapterDataError(tensor, rank, f"its bytes hash to sha256 {got}, the rank "
-                               f"sent {sha256} (its memory changed or was read wrong)")
+    return view
+
+
+def _sha256(view: memoryview) -> str:
+    return hashlib.sha256(view).hexdigest()  # (hashlib releases the GIL: threads hash at once)
+
+
+def _copy_parts(out: Any, plan: AdapterPlan,
+                read: Callable[[int, int, int], bytes | memoryview]) -> None:
+    """Write every part of ``plan`` to ``out`` in order, in :data:`COPY_SLICE` slices, while
+    a pool of threads takes each part's sha256; every digest is compared before this
+    returns.
+
+    Raises:
+        AdapterDataError: a part's length, or its sha256 (the first in plan order).
+    """
+    parts = [(t.name, p) for t in plan.tensors for p in t.parts]
+    workers = max(1, min(HASH_THREADS, os.cpu_count() or 1, len(parts)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="slotsync-sha256") as pool:
+        hashed = []
+        for name, p in parts:
+            view = _check_length(name, p.rank, read(p.rank, p.offset, p.nbytes), p.nbytes)
+            hashed.append(pool.submit(_sha256, view))
+            for at in range(0, p.nbytes, COPY_SLICE):
+                out.write(view[at:at + COPY_SLICE])
+        for (name, p), fut in zip(parts, hashed, strict=True):
+            got = fut.result()
+            if got != p.sha256:
+                raise AdapterDataError(name, p.rank, f"its bytes hash to sha256 {got}, the "
+                                       f"rank sent {p.sha256} (its memory changed or was read "
+                                       "wrong)")
 
 
 def write_adapter_folder(root: Path, plan: AdapterPlan,
-                         read: Callable[[int, int, int], bytes | memoryview]) -> Path:
+                         read: Callable[[int, int, int], bytes | memoryview],
+                         take: Take | None = None) -> Path:
     """Write version ``plan.version`` of the adapter as the folder vLLM loads:
     ``<root>/<served_name>/adapter_config.json`` (``plan.config_json`` as the ranks sent it)
-    and ``adapter_model.safetensors`` (:func:`safetensors_header`, then each tensor's bytes:
-    its parts in row order, each from ``read(rank, offset, nbytes)`` -- the bytes of
-    ``nbytes`` at ``offset`` of that rank's ``AdapterData`` handle). Each part's sha256 is
-    checked while it is copied. Everything is written into a temp folder in ``root``
+    and ``adapter_model.safetensors``. Everything is made in a temp folder in ``root``
     (:data:`TEMP_PREFIX`), then ``os.rename``\\ d to its name: a reader sees the whole folder
     or none. On any error the temp folder is removed.
+
+    The safetensors file, one of two ways:
+
+    * **linked**: when one rank holds every tensor whole in a file's layout
+      (:func:`linkable`) and ``take`` links that rank's segment as the file (it checks that
+      the segment starts with exactly the header :func:`linkable` expects and that nobody
+      can write it any more: ``adapter_io.PartReader.take``). No byte is copied or hashed
+      here: the segment is the bytes the rank hashed, sealed before it was handed over.
+    * **copied** otherwise (or when ``take`` says why not): :func:`safetensors_header`, then
+      each tensor's bytes, its parts in row order, each from ``read(rank, offset, nbytes)``
+      (the bytes of ``nbytes`` at ``offset`` of that rank's ``AdapterData`` handle); each
+      part's sha256 is checked (by :data:`HASH_THREADS` threads while the bytes are written)
+      before the folder gets its name.
 
     Returns:
         The folder (``root / plan.served_name``), the ``lora_path`` of :func:`load_body`.
 
     Raises:
-        AdapterDataError: a part's bytes have another sha256 or length than its rank said
-            (names the tensor and the rank).
+        AdapterDataError: a copied part's bytes have another sha256 or length than its rank
+            said (names the tensor and the rank).
         FileExistsError: the folder exists already (remove it first,
             :func:`remove_adapter_folder`, once no engine may read it).
         ValueError: see :func:`safetensors_header`.
@@ -321,16 +375,15 @@ def write_adapter_folder(root: Path, plan: AdapterPlan,
     final = root / plan.served_name
     if final.exists():
         raise FileExistsError(f"adapter folder {final} exists already")
-    header = safetensors_header(plan)
+    one = linkable(plan) if take is not None else None
+    header = safetensors_header(plan) if one is None else b""  # (checks the plan first)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{plan.served_name}.", dir=root))
     try:
         (tmp / CONFIG_FILE).write_text(plan.config_json, encoding="utf-8")
-        with open(tmp / TENSORS_FILE, "wb") as out:
-            out.write(header)
-            for t in plan.tensors:
-                for p in t.parts:
-                    _copy_part(out, t.name, p.rank, read(p.rank, p.offset, p.nbytes),
-                               p.nbytes, p.sha256)
+        if one is None or take is None or take(one[0], tmp / TENSORS_FILE, one[1]):
+            with open(tmp / TENSORS_FILE, "wb") as out:
+                out.write(header or safetensors_header(plan))
+                _copy_parts(out, plan, read)
         os.chmod(tmp, 0o755)  # (mkdtemp's 0700: a server run as another user reads it too)
         os.rename(tmp, final)
     except BaseException:

@@ -83,8 +83,9 @@ class VllmAdapters:
         return "has already been loaded" in error
 
     def write_files(self, root: Path, plan: AdapterPlan,
-                    read: Callable[[int, int, int], bytes | memoryview]) -> Path:
-        return vllm_adapters.write_adapter_folder(root, plan, read)
+                    read: Callable[[int, int, int], bytes | memoryview],
+                    take: Callable[[int, Path, bytes], str] | None = None) -> Path:
+        return vllm_adapters.write_adapter_folder(root, plan, read, take)
 
     def remove_files(self, root: Path, served_name: str) -> None:
         vllm_adapters.remove_adapter_folder(root, served_name)

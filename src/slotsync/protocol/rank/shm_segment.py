@@ -66,6 +66,7 @@ class ShmSegment:
             except FileExistsError:  # left over by a dead process with our pid
                 continue
         self.name: str = self._shm.name.lstrip("/")
+        self.sealed = False
         self.tensor: torch.Tensor | None = torch.frombuffer(
             self._shm.buf, dtype=torch.uint8, count=real
         )[:size]
@@ -87,6 +88,38 @@ class ShmSegment:
                 f"of {self.size} bytes"
             )
         return ShmHandle(segment=self.name, offset=offset, nbytes=nbytes)
+
+    def seal(self) -> None:
+        """Give up this process's write access to the segment before a reader takes it as it
+        is (an adapter part laid out as a file, which the daemon may hard-link into its
+        adapter folder, ``daemon/service/adapter_io.py``): its mode becomes 0444 (no one
+        opens it for writing again without a ``chmod`` by its owner), the torch view is
+        dropped and the mapping and file descriptor closed. The name stays, for readers
+        and for ``close_and_unlink``; ``handle`` still works; ``tensor`` is None.
+
+        A reader can check it: the kernel grants a read lease (``fcntl(F_SETLEASE,
+        F_RDLCK)``) on a file only while no process holds it open for writing, a writable
+        mapping included. Idempotent.
+
+        Raises:
+            ValueError: the segment is closed.
+            BufferError: another torch view of ``tensor`` is still alive (the mapping
+                cannot be closed; the mode is 0444 already).
+        """
+        shm = self._shm
+        if shm is None:
+            raise ValueError(f"shared-memory segment {self.name} is closed")
+        if self.sealed:
+            return
+        fd = os.open(os.path.join("/dev/shm", self.name),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(fd, 0o444)
+        finally:
+            os.close(fd)
+        self.tensor = None  # release the buffer export before closing the mapping
+        shm.close()
+        self.sealed = True
 
     @property
     def closed(self) -> bool:

@@ -16,6 +16,13 @@ overlap on one engine). Each rank of the slot sends:
    ``"device"``: the handle of the rank's registered transport (CUDA IPC on a GPU; the
    engine maps the rank's memory, SGLang's path).
 
+A part of whole tensors may also be laid out as a complete ``adapter_model.safetensors``
+file (:func:`file_header`): the segment starts with the safetensors header and the handle
+covers the bytes after it, so the tensors are still at :func:`part_offsets` from the
+handle's start (an older daemon reads them as any part) while a daemon that knows the header
+can hard-link the segment as the file vLLM loads instead of copying it
+(``daemon/vllm/adapters.py``). Nothing on the wire changes.
+
 The daemon answers ``Ack(phase="adapter_data", served_name=...)`` once the adapter is
 servable on every engine of the slot under ``served_name`` (:func:`served_name`); the rank
 may then free its part. On an ``Error`` the previous version stays served.
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
@@ -46,6 +54,17 @@ ADAPTER_ALIGN = 256
 """Each tensor of a rank's part starts at a multiple of this many bytes from the handle's
 start (a multiple of every dtype's itemsize, as SGLang's ``FlattenedTensorBucket`` views
 need, and of CUDA's allocation granule for reads)."""
+
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+}
+"""Wire dtype names -> the names a safetensors header spells them (safetensors 0.8
+``torch.py`` ``_TYPES``); ``float8_e8m0fnu`` and ``float4_e2m1fn_x2`` have none that
+``safe_open`` reads back."""
 
 MAX_CONFIG_BYTES = 64 * 1024
 """Largest ``config_json`` (bytes of UTF-8): a PEFT ``adapter_config.json`` is ~1 KiB."""
@@ -73,6 +92,47 @@ def part_offsets(tensors: list[AdapterTensor]) -> tuple[list[int], int]:
         offsets.append(start)
         end = start + t.nbytes
     return offsets, end
+
+
+def file_header(tensors: Sequence[tuple[str, str, Sequence[int]]]) -> bytes | None:
+    """The header of a part of whole tensors laid out as a complete safetensors file, or None
+    when the part cannot be laid out so.
+
+    ``tensors``: ``(name, wire dtype name, whole shape)`` of each tensor, in the part's order.
+    The file is this header, then the tensors back to back in that order with no gap (the
+    safetensors format allows none: ``data_offsets`` of each tensor start where the previous
+    one ends, and the last ends at the end of the file). The header is an 8-byte
+    little-endian length N, then N bytes of JSON ``{"__metadata__": {"format": "pt"}, name:
+    {"dtype", "shape", "data_offsets"}, ...}`` padded with spaces so that ``8 + N`` is a
+    multiple of :data:`ADAPTER_ALIGN` (JSON allows trailing spaces; the safetensors writer
+    itself pads to 8): the data then starts aligned, and each tensor lies at its
+    :func:`part_offsets` offset from the end of the header.
+
+    None: no tensor; a dtype without a safetensors name (:data:`SAFETENSORS_DTYPES`); a
+    tensor named ``__metadata__``; a tensor but the last whose bytes are not a multiple of
+    :data:`ADAPTER_ALIGN` (its next tensor would be padded, and the file has no holes).
+
+    Both ends call this: the rank to lay its segment out, the daemon to check that the
+    segment's first bytes are exactly the header of the round's plan.
+    """
+    if not tensors:
+        return None
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for i, (name, dtype, shape) in enumerate(tensors):
+        spelled = SAFETENSORS_DTYPES.get(dtype)
+        if spelled is None or name == "__metadata__" or name in header:
+            return None
+        n = DTYPE_SIZES[dtype]
+        for d in shape:
+            n *= d
+        if i < len(tensors) - 1 and n % ADAPTER_ALIGN:
+            return None
+        header[name] = {"dtype": spelled, "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ADAPTER_ALIGN)
+    return len(text).to_bytes(8, "little") + text
 
 
 def check_config(config_json: str) -> int:

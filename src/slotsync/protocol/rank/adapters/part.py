@@ -10,6 +10,16 @@ the GPU), then copied to the host in one transfer; the ``"device"`` transport ex
 buffer (one CUDA IPC handle, ``export.cuda_ipc_handle``). Whichever copy the daemon's
 transport does not use is freed as soon as it is known (``handle``).
 
+A part of whole tensors whose layout allows it (``wire.adapter.file_header``: the part of a
+rank that holds the adapter alone, e.g. under DDP, and any part of whole tensors) is laid out
+in its segment as a complete ``adapter_model.safetensors``: the header first, the handle
+covering the tensors after it (at the same ``part_offsets`` from the handle's start). On the
+``"host"`` transport the segment is then sealed before it is handed over
+(``ShmSegment.seal``: mode 0444, this process's mapping and descriptor closed), so that a
+daemon can hard-link it as the file vLLM loads instead of copying it: it checks the seal
+with a read lease, which the kernel refuses while any process holds the file open for
+writing. The rank writes nothing into the segment after its digests are taken.
+
 Lifetime (design.md I3): the copy handed over lives until the daemon's
 ``Ack(adapter_data)`` (the engine has read or copied it) or its ``Error``; ``free`` then
 unlinks the segment, drops the device buffer and, on CUDA, runs ``torch.cuda.ipc_collect()``.
@@ -35,7 +45,7 @@ from slotsync.protocol import wire
 from slotsync.protocol.rank.adapters.inputs import PartTensor
 from slotsync.protocol.rank.export import cuda_ipc_handle, raw_bytes, release_unconsumed
 from slotsync.protocol.rank.shm_segment import ShmSegment
-from slotsync.protocol.wire.adapter import part_offsets
+from slotsync.protocol.wire.adapter import file_header, part_offsets
 
 __all__ = ["AdapterPart"]
 
@@ -90,6 +100,11 @@ class AdapterPart:
         self.export: wire.CudaIpcHandle | None = None
         self.consumed = False  # the daemon acknowledged the data: the engine has its bytes
         self.copy_s = self.digest_s = 0.0
+        whole = all(t.row_start == 0 and t.row_stop == t.shape[0] for t in tensors)
+        self.header = (file_header([(t.name, t.dtype, t.shape) for t in tensors]) if whole
+                       else None) or b""
+        """The safetensors header the segment starts with (b'': the part is not laid out
+        as a file); the handle starts after it."""
 
     def fill(self) -> list[str]:
         """Allocate the copies, copy the tensors in and return the sha256 hex digest of each
@@ -106,14 +121,18 @@ class AdapterPart:
             return []
         t0 = time.perf_counter()
         try:
-            self.segment = ShmSegment(self.nbytes, rank=self.rank)
+            self.segment = ShmSegment(len(self.header) + self.nbytes, rank=self.rank)
         except OSError as e:
             raise MemoryError(f"cannot create a shared-memory segment of {self.nbytes} bytes "
                               f"for this rank's adapter part: {e} (free space in /dev/shm, or "
                               "a larger --shm-size for a container)") from None
         self._owned.append(self.segment)
-        host = self.segment.tensor
-        assert host is not None
+        seg = self.segment.tensor
+        assert seg is not None
+        if self.header:
+            _host_copy(seg[: len(self.header)],
+                       torch.frombuffer(bytearray(self.header), dtype=torch.uint8))
+        host = seg[len(self.header):]
         views = [host[off : off + t.nbytes] for t, off in zip(self.tensors, self.offsets,
                                                                strict=True)]
         workers = min(4, os.cpu_count() or 1) if self.nbytes >= PARALLEL_DIGEST_BYTES else 0
@@ -144,7 +163,7 @@ class AdapterPart:
         finally:
             if pool is not None:
                 pool.shutdown(cancel_futures=True)
-        del views, host  # (no view of the segment may outlive it: ShmSegment.close_and_unlink)
+        del views, host, seg  # (no view of the segment may outlive it: ShmSegment.close_and_unlink)
         self.copy_s, self.digest_s = t1 - t0, time.perf_counter() - t1
         return digests
 
@@ -157,8 +176,10 @@ class AdapterPart:
     def handle(self, transport: str) -> wire.Handle | None:
         """The handle of the part for the daemon's ``transport`` (None: an empty part), and
         the copy it does not use freed: ``"host"``: the segment (the device buffer is
-        dropped); ``"device"``: on the cuda transport a CUDA IPC handle of the device buffer
-        (the segment is unlinked), on shm the segment (the CPU stand-in).
+        dropped; the segment sealed, ``ShmSegment.seal``, when it is laid out as a file);
+        ``"device"``: on the cuda transport a CUDA IPC handle of the device buffer (the
+        segment is unlinked), on shm the segment (the CPU stand-in). A segment's handle
+        starts after its ``header``.
 
         Raises:
             ValueError: a transport other than ``"host"`` or ``"device"``.
@@ -173,7 +194,13 @@ class AdapterPart:
             self._unlink()
             return self.export
         self.device_buffer = None  # (never exported: plain memory of the caching allocator)
-        return self.segment.handle(0, self.nbytes)
+        if transport == "host" and self.header:
+            try:
+                self.segment.seal()
+            except BufferError:  # (a view left: the daemon sees it unsealed and copies)
+                log.warning("rank %d: the adapter part's segment %s still has a view; handed "
+                            "over unsealed", self.rank, self.segment.name)
+        return self.segment.handle(len(self.header), self.nbytes)
 
     def _unlink(self) -> None:
         seg, self.segment = self.segment, None
