@@ -163,7 +163,8 @@ async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engin
     caplog.set_level(logging.INFO, logger="slotsync.daemon")
     engine = LoraEngine({f"math@v{v}": expected(v) for v in (1, 2, 3)})
     runner, url = await serve_engine(engine.handle, path="/{route:.*}")
-    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
+    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
+                      adapter_dir=str(tmp_path / "rt" / "adapters")))
     await d.start()
     root = Path(d.config.adapter_path())
     assert root == tmp_path / "rt" / "adapters" and (root.stat().st_mode & 0o777) == 0o700
@@ -226,7 +227,8 @@ async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engin
 async def test_a_restarted_engine_gets_its_adapter_again_before_the_next_ack(tmp_path):
     engine = LoraEngine({f"math@v{v}": expected(v) for v in (1, 2)})
     runner, url = await serve_engine(engine.handle, path="/{route:.*}")
-    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
+    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
+                      adapter_dir=str(tmp_path / "rt" / "adapters")))
     await d.start()
     ctx = zmq.Context()
     ranks: list[ShmRank] = []
@@ -260,6 +262,7 @@ async def test_a_load_past_its_deadline_is_undone_and_the_previous_version_stays
     engine = LoraEngine({f"math@v{v}": expected(v) for v in (1, 2)})
     runner, url = await serve_engine(engine.handle, path="/{route:.*}")
     d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
+                      adapter_dir=str(tmp_path / "rt" / "adapters"),
                       adapter_load_timeout_s=1.0))
     await d.start()
     ctx = zmq.Context()

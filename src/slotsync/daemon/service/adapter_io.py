@@ -2,14 +2,16 @@
 engine loads adapters from written and removed, each off the event loop (``AdapterIO``; the
 executor runs the core's ``AdapterFiles`` and ``RemoveAdapterFiles`` through it).
 
-The folders live in ``adapter_dir`` (``Config.adapter_path``: by default ``adapters`` in the
-runtime dir, a tmpfs under systemd's RuntimeDirectory), made mode 0700 when the daemon makes
-it, one folder per slot (``slot-<start>-<end>``), and in it one folder per served version
-(``math@v3``, written by the engine's family: ``AdapterSupport.write_files``, into a temp
-folder renamed at the end). A folder goes once no engine holds its version (the core's
+The folders live in ``adapter_dir`` (``Config.adapter_root``: by default
+``/dev/shm/slotsyncd-<uid>/adapters-<key>``, made safely in the world-writable ``/dev/shm``
+by ``adapter_root.make_private``, ``adapter_root.py`` says why there), made mode 0700 when
+the daemon makes it, one folder per slot (``slot-<start>-<end>``), and in it one folder per
+served version (``math@v3``, written by the engine's family: ``AdapterSupport.write_files``,
+into a temp folder renamed at the end). A folder goes once no engine holds its version (the core's
 ``RemoveAdapterFiles``); at the daemon's stop the folders it wrote that no engine can still
 need are removed (``close``: an engine may read a served version's folder again, after vLLM's
-``reset_lora_state`` at every base-weight finish, so those stay while it runs). Folders found
+``reset_lora_state`` at every base-weight finish, so those stay while it runs), and the
+default ``adapter_dir`` with its private folder when they are left empty. Folders found
 at start (a previous daemon's) are left alone: an engine may still read them.
 
 A rank's part is read from ``/dev/shm/<segment>`` (the name is the wire's, checked there: no
@@ -50,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from slotsync.daemon.logs import log_event
+from slotsync.daemon.service.adapter_root import AdapterRoot, make_private, remove_if_empty
 from slotsync.protocol.wire import ShmHandle
 
 log = logging.getLogger("slotsync.daemon.service.adapter_io")
@@ -198,11 +201,16 @@ class AdapterIO:
     Args:
         root: ``adapter_dir`` (made at ``prepare``, mode 0700).
         shm_dir: where the ranks' segments are (``/dev/shm``; tests may point elsewhere).
+        private: the default ``adapter_dir``'s private folder above ``root``
+            (``adapter_root.AdapterRoot.private``: made and checked at ``prepare``, removed
+            with ``root`` at ``close`` when both are empty); '' for an ``adapter_dir`` set in
+            the configuration.
     """
 
-    def __init__(self, root: str | Path, shm_dir: str = SHM_DIR) -> None:
+    def __init__(self, root: str | Path, shm_dir: str = SHM_DIR, private: str = "") -> None:
         self.root = Path(root)
         self.shm_dir = shm_dir
+        self.private = private
         self.written: set[str] = set()  # folders this daemon wrote and has not removed
         self.found: list[str] = []  # folders a previous daemon left (kept)
         self._io = ThreadPoolExecutor(2, thread_name_prefix="slotsync-adapters")
@@ -214,7 +222,10 @@ class AdapterIO:
 
         Raises:
             OSError: the folder cannot be made.
+            AdapterDirError: the default's private folder is not safe to use (its text says
+                what to do; ``adapter_root.make_private``).
         """
+        make_private(AdapterRoot(str(self.root), self.private))
         if not self.root.is_dir():
             self.root.mkdir(parents=True, mode=0o700, exist_ok=True)
         for slot in sorted(p for p in self.root.iterdir() if p.is_dir()):
@@ -298,4 +309,5 @@ class AdapterIO:
                     shutil.rmtree(f, ignore_errors=True)
             with contextlib.suppress(OSError):
                 slot.rmdir()  # (only when empty)
+        remove_if_empty(AdapterRoot(str(self.root), self.private))
         return gone
