@@ -61,6 +61,18 @@ SHM_DIR = "/dev/shm"
 TEMP_PREFIX = ".writing-"  # (the families' temp folders: removed at start and stop)
 
 
+def _owner(st: os.stat_result) -> str:
+    """Why a segment of another uid than the daemon's is not linked ('' for its own): Linux
+    grants a lease only on a file of the caller's uid (``fcntl(2)`` ``F_SETLEASE``, or
+    ``CAP_LEASE``) and, with ``fs.protected_hardlinks`` (most distributions' default), links
+    a file the caller cannot write only for its owner (or ``CAP_FOWNER``)."""
+    if st.st_uid == os.geteuid():
+        return ""
+    return (f" (the segment is uid {st.st_uid}'s and the daemon runs as uid {os.geteuid()}: "
+            "Linux lets only a file's owner take its lease and hard-link it once it is "
+            "read-only; run the daemon as the trainer ranks' user to link)")
+
+
 class PartReader:
     """Reads ranks' parts from their shared-memory handles (``handles``: rank -> its
     ``ShmHandle``, None for an empty part); a context manager that unmaps them at its end.
@@ -162,7 +174,7 @@ class PartReader:
                 if e.errno == errno.EAGAIN:
                     return (f"a process holds segment {h.segment!r} open for writing (no read "
                             "lease)")
-                return f"no read lease on segment {h.segment!r}: {e.strerror}"
+                return f"no read lease on segment {h.segment!r}: {e.strerror}" + _owner(st)
             try:
                 if os.pread(fd, len(header), 0) != header:
                     return (f"segment {h.segment!r} does not start with the safetensors header "
@@ -173,7 +185,8 @@ class PartReader:
                     if e.errno == errno.EXDEV:
                         return (f"the adapter folder is not on {self._dir}'s filesystem (set "
                                 f"adapter_dir to a folder on it to link instead of copying)")
-                    return f"segment {h.segment!r} cannot be linked: {e.strerror}"
+                    return (f"segment {h.segment!r} cannot be linked: {e.strerror}"
+                            + _owner(st))
                 linked = os.lstat(dest)
                 if (linked.st_dev, linked.st_ino) != (st.st_dev, st.st_ino):
                     os.unlink(dest)  # (the name was replaced meanwhile: not the file checked)
