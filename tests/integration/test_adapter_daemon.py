@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -182,6 +183,11 @@ async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engin
             assert isinstance(reply, wire.Ack) and reply.phase == "adapter_data", reply
         assert [r.served_name for r in first + second] == ["math@v1"] * 2 + ["math@v2"] * 2
         slot = root / "slot-0-2"
+        umask = os.umask(0)
+        os.umask(umask)
+        # (an engine of another user reads it once adapter_dir's own mode lets it enter)
+        assert stat.S_IMODE(slot.stat().st_mode) == 0o755 & ~umask
+        assert stat.S_IMODE((slot / "math@v2").stat().st_mode) == 0o755
         await until(lambda: len(engine.loras) == 1)  # (v1's unload follows the acks)
         assert engine.loras == {"math@v2": str(slot / "math@v2")}  # v1 unloaded after v2
         assert engine.requests.count("/v1/unload_lora_adapter") == 1

@@ -271,7 +271,10 @@ class AdapterIO:
 
         def run() -> str:
             t0 = time.perf_counter()
-            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # 0755 (umask aside), as the version folders in it: ``adapter_dir``'s own mode
+            # decides who may enter (0700 when the daemon made it); an operator who made it
+            # readable for an engine of another user needs the slot folder readable too
+            root.mkdir(parents=True, exist_ok=True, mode=0o755)
             with PartReader(handles, self.shm_dir) as reader:
                 folder = str(write_files(root, plan, reader.read, reader.take))
             for rank, why in reader.taken.items():
