@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -163,7 +164,8 @@ async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engin
     caplog.set_level(logging.INFO, logger="slotsync.daemon")
     engine = LoraEngine({f"math@v{v}": expected(v) for v in (1, 2, 3)})
     runner, url = await serve_engine(engine.handle, path="/{route:.*}")
-    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
+    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
+                      adapter_dir=str(tmp_path / "rt" / "adapters")))
     await d.start()
     root = Path(d.config.adapter_path())
     assert root == tmp_path / "rt" / "adapters" and (root.stat().st_mode & 0o777) == 0o700
@@ -181,6 +183,11 @@ async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engin
             assert isinstance(reply, wire.Ack) and reply.phase == "adapter_data", reply
         assert [r.served_name for r in first + second] == ["math@v1"] * 2 + ["math@v2"] * 2
         slot = root / "slot-0-2"
+        umask = os.umask(0)
+        os.umask(umask)
+        # (an engine of another user reads it once adapter_dir's own mode lets it enter)
+        assert stat.S_IMODE(slot.stat().st_mode) == 0o755 & ~umask
+        assert stat.S_IMODE((slot / "math@v2").stat().st_mode) == 0o755
         await until(lambda: len(engine.loras) == 1)  # (v1's unload follows the acks)
         assert engine.loras == {"math@v2": str(slot / "math@v2")}  # v1 unloaded after v2
         assert engine.requests.count("/v1/unload_lora_adapter") == 1
@@ -226,7 +233,8 @@ async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engin
 async def test_a_restarted_engine_gets_its_adapter_again_before_the_next_ack(tmp_path):
     engine = LoraEngine({f"math@v{v}": expected(v) for v in (1, 2)})
     runner, url = await serve_engine(engine.handle, path="/{route:.*}")
-    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
+    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
+                      adapter_dir=str(tmp_path / "rt" / "adapters")))
     await d.start()
     ctx = zmq.Context()
     ranks: list[ShmRank] = []
@@ -260,6 +268,7 @@ async def test_a_load_past_its_deadline_is_undone_and_the_previous_version_stays
     engine = LoraEngine({f"math@v{v}": expected(v) for v in (1, 2)})
     runner, url = await serve_engine(engine.handle, path="/{route:.*}")
     d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
+                      adapter_dir=str(tmp_path / "rt" / "adapters"),
                       adapter_load_timeout_s=1.0))
     await d.start()
     ctx = zmq.Context()

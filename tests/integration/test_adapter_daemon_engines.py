@@ -115,7 +115,8 @@ async def until(check, timeout_s: float = 60.0) -> None:
 async def test_rounds_load_every_worker_and_keep_the_folders_a_request_reads_again(
         tmp_path, box, caplog):
     caplog.set_level(logging.INFO, logger="slotsync.daemon")
-    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
+    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
+                      adapter_dir=str(tmp_path / "rt" / "adapters")))
     await d.start()
     ctx = zmq.Context()
     links: list[Rank] = []

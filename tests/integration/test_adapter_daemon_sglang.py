@@ -79,7 +79,8 @@ def recv(link: Rank) -> Any:
 
 async def test_versions_go_from_the_ranks_memory_into_every_tp_rank(tmp_path, box):
     engine = EngineEntry(box.url, 0, 2, tuple(UUIDS), kind="sglang")
-    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1, engines=[engine]))
+    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
+                      adapter_dir=str(tmp_path / "rt" / "adapters"), engines=[engine]))
     await d.start()
     ctx = zmq.Context()
     links: list[Rank] = []
