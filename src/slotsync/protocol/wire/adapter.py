@@ -196,7 +196,7 @@ def lora_tensor_problem(name: str) -> str:
     elif ".modules_to_save." in name or "trainable_tokens" in name:
         why = ("a full module PEFT trains beside the adapter (modules_to_save, trainable "
                "tokens), which the engines do not load with an adapter")
-    elif name.endswith(_BASE_SUFFIXES) and ".lora_" not in name:
+    elif name.endswith(_BASE_SUFFIXES) and "lora_" not in name:
         why = ("a base-model weight (was the model's state_dict() or named_parameters() "
                "passed?): the engine serves its own base model, an adapter round carries "
                "only the LoRA tensors")
