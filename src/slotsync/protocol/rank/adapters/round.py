@@ -282,6 +282,7 @@ def publish_adapter(
             part.free()
         _abort_before_begin(pub, e)
         raise
+    assert part is not None
     try:
         uid, ack, begin_wait = _send_begin(pub, fields)
         if ack.transport not in ("host", "device"):
