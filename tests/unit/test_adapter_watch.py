@@ -220,10 +220,10 @@ class SglangEngine(LoraEngine):
 # ------------------------------------------------------------------------------ adoption
 
 
-def fresh_daemon(loras: dict, kind: str = "vllm") -> LoraHarness:
+def fresh_daemon(loras: dict, kind: str = "vllm", **kw) -> LoraHarness:
     """A daemon that started now (its ledger empty, ``adapter_dir`` ``/adapters``) beside an
     engine holding ``loras`` (name -> its load body)."""
-    h = LoraHarness(2)
+    h = LoraHarness(2, **kw)
     h.table.adapter_root = "/adapters/"
     h.register_all()
     h.coord.adapter_root = h.table.adapter_root
@@ -261,6 +261,20 @@ def test_an_adopted_version_is_reloaded_from_its_folder_after_a_restart():
                                    "lora_path": "/adapters/slot-0-2/math@v3"}
     assert states(h) == [("math@v3", "served")]
     assert len(h.sweeps) == 1  # (once per slot)
+
+
+def test_a_rounds_begin_adopts_the_folder_too_and_it_is_retired_as_the_daemons_own():
+    """With the watch off the round's own list adopts v3 with its folder; v4 replaces it,
+    v5 replaces v4, and v3's folder goes then (one version kept), as a folder it wrote."""
+    h = fresh_daemon({"math@v3": {"lora_path": "/adapters/slot-0-2/math@v3"}},
+                     timeouts=Timeouts(10, 10, 10, adapter_watch_s=0))
+    assert tick(h) == []
+    h.adapter_round(0, version=4)
+    assert h.acks(0)[-1] == ("adapter_data", "math@v4") and set(h.engine.loras) == {"math@v4"}
+    assert [e["served_name"] for e in events(h, "adapter_found")] == ["math@v3"]
+    assert "adopted" in events(h, "adapter_found")[0]["why"] and h.removed == []
+    h.adapter_round(1, version=5)
+    assert h.removed == ["/adapters/slot-0-2/math@v3"]
 
 
 def test_the_first_look_at_an_sglang_engine_adopts_without_a_folder():
@@ -352,3 +366,53 @@ def test_the_watch_finds_replies_out_of_step_and_says_so_once():
     assert tick(h) == ["check_replies"]
     assert h.coord.engine.out_of_step and len(events(h, "engine_replies_out_of_step")) == 1
     assert tick(h) == []
+
+
+# ------------------------------------------------------------------------------ the service
+
+
+async def test_the_sweep_removes_only_a_previous_daemons_unneeded_folders_of_that_slot(
+        tmp_path):
+    """``AdapterIO.sweep`` (the ``SweepAdapterFolders`` action): of the folders found at
+    start, those of the slot not kept and not written since by this daemon; never a temp
+    folder (removed at start anyway), never another slot's."""
+    from slotsync.daemon.service.adapter_io import TEMP_PREFIX, AdapterIO
+
+    root = tmp_path / "adapters"
+    for slot in ("slot-0-2", "slot-2-4"):
+        for name in ("math@v1", "math@v2", "math@v3", f"{TEMP_PREFIX}math@v4"):
+            (root / slot / name).mkdir(parents=True)
+    io = AdapterIO(root)
+    io.prepare()
+    mine = root / "slot-0-2"
+    io.written.add(str(mine / "math@v3"))  # (published again since the start)
+    gone = await io.sweep((0, 2), frozenset({str(mine / "math@v2")}))
+    assert gone == [str(mine / "math@v1")]
+    assert sorted(p.name for p in mine.iterdir()) == ["math@v2", "math@v3"]
+    assert sorted(p.name for p in (root / "slot-2-4").iterdir()) == [
+        "math@v1", "math@v2", "math@v3"]
+    io.close(set())
+
+
+async def test_the_timer_ticks_at_once_then_every_interval():
+    import asyncio
+    import contextlib
+
+    from slotsync.daemon.service.adapter_watch import AdapterWatchTimer
+
+    ticks: list[float] = []
+    ran: list[list] = []
+    clock = iter(range(100))
+
+    async def execute(actions: list) -> None:
+        ran.append(actions)
+
+    timer = AdapterWatchTimer(0.01, lambda now: ticks.append(now) or [now], execute,
+                              lambda: float(next(clock)))
+    task = asyncio.create_task(timer.run())
+    while len(ticks) < 3:
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert ticks[:3] == [0.0, 1.0, 2.0] and ran[:3] == [[0.0], [1.0], [2.0]]

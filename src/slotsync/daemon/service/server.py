@@ -237,7 +237,8 @@ class Daemon:
                       "one rank holds whole is copied, not linked"}))
         if self.adapter_io.found:
             log_event(log, logging.INFO, "adapter_folders_found", folder=str(self.adapter_io.root),
-                      count=len(self.adapter_io.found), kept="an engine may still read them")
+                      count=len(self.adapter_io.found),
+                      kept="until the slot's engine told what it lists (adapter_watch_s)")
         # Engines a killed predecessor left mid-update stay paused and need a full update.
         self.restored = self.record.load()
         for d in self.restored:

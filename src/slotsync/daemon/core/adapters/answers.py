@@ -38,7 +38,7 @@ class AdapterAnswers:
             if ok:
                 rec = self.adapters.reconcile(support.served(result),
                                               bool(support.reloadable), self.engine_url)
-                out += self._reconciled(rec, support, now)
+                out += self._reconciled(rec, support, now, result)
             else:  # (the acks go out: the next round's list tells again)
                 out.append(SlotEvent(self.slot, "adapter_list_failed", {
                     "engine": self.engine_url, "error": error}))

@@ -384,7 +384,7 @@ class AdapterRounds(AdapterWatch, AdapterAnswers):
         plan, ledger = a.plan, self.adapters
         listed = support.served(a.answers["list"])
         rec = ledger.reconcile(listed, support.reloadable, self.engine_url)
-        out = self._reconciled(rec, support, now)
+        out = self._reconciled(rec, support, now, a.answers["list"])
         cur = ledger.current(plan.lora_name)
         why = version_refusal(plan, cur and cur.version, bool(cur and cur.state == LOST),
                               self.engine_url)
@@ -400,17 +400,22 @@ class AdapterRounds(AdapterWatch, AdapterAnswers):
         ack = Ack(a.update_id, "adapter_begin", transport=support.transport)
         return [Reply(i.identity, ack) for i in self._by_rank()] + out
 
-    def _reconciled(self, rec: Reconciled, support: Any, now: float) -> list[Action]:
-        """Events and calls for what the engine's list showed (``AdapterLedger.reconcile``):
-        lost versions logged, adopted ones logged, lost versions with a folder loaded again,
-        folders of strays the engine no longer holds removed."""
+    def _reconciled(self, rec: Reconciled, support: Any, now: float,
+                    listing: Any = None) -> list[Action]:
+        """Events and calls for what the engine's list (``listing``, None: a restart without
+        a look) showed (``AdapterLedger.reconcile``): lost versions logged, adopted ones
+        logged (with this daemon's folder of theirs: ``watch.py``), lost versions with a
+        folder loaded again, folders of strays the engine no longer holds removed."""
+        if listing is not None:
+            self._adopt_folders(rec.adopted, support, listing)
         out: list[Action] = [RemoveAdapterFiles(self.slot, f) for f in rec.gone]
         for e in rec.lost:
             out.append(SlotEvent(self.slot, "adapter_lost", {
                 "engine": self.engine_url, "served_name": e.served_name, "why": e.error}))
         for e in rec.adopted:
             out.append(SlotEvent(self.slot, "adapter_found", {
-                "engine": self.engine_url, "served_name": e.served_name, "why": e.error},
+                "engine": self.engine_url, "served_name": e.served_name,
+                "why": e.error or f"loaded from this daemon's folder {e.folder}: adopted"},
                 warning=False))
         for e in rec.reload:  # (a version found on the engine has no plan: found_plan)
             out.append(self._adapter_call("reload", e.served_name, support.load_route,

@@ -160,11 +160,11 @@ class AdapterWatch:
                     "engine": self.engine_url, "weight_version": v, "last_seen": seen,
                     "why": "its weight version is not the one the daemon last saw: "
                            "restarted"}))
-        if rec is None and listed_ok:
-            rec = ledger.reconcile(support.served(listing), reloadable, self.engine_url)
-            self._adopt_folders(rec.adopted, support, listing)
         if rec is not None:
             out += self._reconciled(rec, support, now)
+        elif listed_ok:
+            rec = ledger.reconcile(support.served(listing), reloadable, self.engine_url)
+            out += self._reconciled(rec, support, now, listing)
         if listed_ok and not self._watch_listed:
             self._watch_listed = True
             if self.adapter_root:
