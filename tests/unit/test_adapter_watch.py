@@ -136,6 +136,24 @@ def test_an_engine_that_does_not_answer_is_unreachable_not_lost():
     assert events(h, "adapter_lost") == []
 
 
+def test_an_engine_left_paused_is_only_seen_to_answer():
+    """A failed base round left the engine paused (or maybe mid-update): the next base
+    round, a full one, checks it; the watch asks its list only to see whether it answers
+    (a refused connection meanwhile lets that round's probe see a restart) and changes no
+    adapter, whatever the list says."""
+    h = served_v1()
+    h.coord.engine.paused = True
+    h.engine.restart()
+    loads = h.engine.calls.count("load_lora_adapter")
+    assert tick(h) == ["models"]
+    assert states(h) == [("math@v1", "served")]
+    assert h.engine.calls.count("load_lora_adapter") == loads
+    h.engine.fail[("models", h.engine.calls.count("models"))] = (
+        "models: cannot reach http://engine:8000: Connection refused")
+    tick(h)
+    assert h.coord.status()["engine_unreachable"] and states(h) == [("math@v1", "served")]
+
+
 def test_a_new_weight_version_is_a_restart_and_is_taken_once():
     """The begin's probe rule: a weight version other than the one the daemon last saw is a
     new engine session, even where the engine still lists the name (e.g. loaded again at
@@ -337,7 +355,10 @@ def test_replies_out_of_step_fail_the_adapter_round_until_the_engine_restarted()
     assert err.phase == "adapter_begin" and "executor replies are out of step" in err.message
     assert "(math@v1 stays served)" in err.message
     assert h.engine.calls.count("load_lora_adapter") == 2  # (v1, the failed v2: no more)
-    assert tick(h) == []  # (the watch leaves an engine out of step alone)
+    h.engine.loras.clear()  # (whatever it lists, an engine out of step is only seen to answer)
+    assert tick(h) == ["models"] and states(h) == [("math@v1", "served")]
+    assert h.engine.calls[-1] == "models"  # (no reload, no check)
+    h.engine.loras["math@v1"] = {"lora_name": "math@v1", "lora_path": FOLDER}
     h.adapter_round(4, version=2, data=False)  # the same engine: refused again
     assert "out of step" in h.error(0, 4).message
     assert "weight_info" in h.engine.calls[-5:]  # (its probe: no new session)
@@ -365,7 +386,7 @@ def test_the_watch_finds_replies_out_of_step_and_says_so_once():
     h.engine.stale = True
     assert tick(h) == ["check_replies"]
     assert h.coord.engine.out_of_step and len(events(h, "engine_replies_out_of_step")) == 1
-    assert tick(h) == []
+    assert tick(h) == ["models"] and len(events(h, "engine_replies_out_of_step")) == 1
 
 
 # ------------------------------------------------------------------------------ the service

@@ -7,10 +7,12 @@ slot a tick every ``adapter_watch_s`` seconds (``Timeouts.adapter_watch_s``; 0: 
 ``on_adapter_watch`` does nothing); on each tick a slot whose engine is idle looks::
 
     tick ─► nothing, when: the watch is off; no engine URL; a round, an engine check or any
-            call of the slot is out (``busy``); the engine is paused or may be mid-update (a
-            failed base round left it so: the next base round, a full one, checks it) or its
-            executor replies are out of step (the next round's probe sees its restart);
-            the ledger holds no adapter and the engine's list was read once already
+            call of the slot is out (``busy``); the ledger holds no adapter and the
+            engine's list was read once already
+         ─► the engine paused or maybe mid-update (a failed base round left it so: the next
+            base round, a full one, checks it) or its executor replies out of step: its list
+            is asked, and the answer only tells whether it answers (a refused connection
+            meanwhile is what lets the next round's probe see its restart: I9)
          ─► the executor's replies in doubt (a worker's failure, ``note_reply_trouble``): the
             check first (``check_replies``; in step: the next tick looks; not: out of step)
          ─► else the engine's list of adapters (the family's ``list_route``: vLLM's and
@@ -103,22 +105,27 @@ class AdapterWatch:
         engine, ledger = self.engine, self.adapters
         watched = bool(ledger.entries or ledger.stray)
         if (self.busy() or (self.claims is not None and self.claims.held)
-                or (self._watch_listed and not watched)
-                or engine.paused or engine.mid_update or engine.out_of_step):
+                or (self._watch_listed and not watched)):
             return []
         family = self.families.known(engine)  # (unknown kind: listed as the default's)
         support = getattr(family or self.family, "adapters", None)
         if support is None:
             self._watch_listed = True  # (a family without adapters holds none)
             return []
-        if watched and engine.replies_suspect:
+        observe = self._watch_observes()
+        if watched and engine.replies_suspect and not observe:
             return [self._adapter_call("watch_check", "replies", "check_replies",
                                        CHECK_REPLIES, now)]
         self._watch_token = (self.next_update_id, self.engine_url)
         out = [self._watch_call(WATCH_LIST, support.list_route)]
-        if watched and family is not None and engine.version is not None:
+        if watched and family is not None and engine.version is not None and not observe:
             out.append(self._watch_call(WATCH_PROBE, "weight_info"))
         return out
+
+    def _watch_observes(self) -> bool:
+        """The engine is one the watch only sees answer or not (the module docstring)."""
+        e = self.engine
+        return bool(e.paused or e.mid_update or e.out_of_step)
 
     def _watch_call(self, look: str, route: str) -> EngineCall:
         self._call_id += 1
@@ -136,8 +143,8 @@ class AdapterWatch:
         answers, self._watch_answers = self._watch_answers, {}
         if (self._watch_token != (self.next_update_id, self.engine_url)
                 or self.current is not None or self.adapter_round is not None
-                or self._adapter_calls):
-            return []  # stale: a round began (and may have ended) meanwhile
+                or self._adapter_calls or self._watch_observes()):
+            return []  # stale: a round began (and may have ended) meanwhile; or observed only
         family = self.families.known(self.engine)
         support = getattr(family or self.family, "adapters", None)
         if support is None:
