@@ -437,3 +437,48 @@ async def test_the_timer_ticks_at_once_then_every_interval():
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert ticks[:3] == [0.0, 1.0, 2.0] and ran[:3] == [[0.0], [1.0], [2.0]]
+
+
+def test_a_looks_answer_for_a_slot_removed_meanwhile_is_no_ones():
+    """A declared slot's first look is out when an engine table reload removes the slot
+    (no rank registered): its answer goes to no coordinator (before the executor's check
+    it raised KeyError in the call's task, and a slot made again under that key would have
+    taken it for its own call of the same id)."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from slotsync.daemon.families import Families, SlotTable
+    from slotsync.daemon.logs import RateLimiter
+    from slotsync.daemon.service.executor import ActionExecutor
+    from slotsync.daemon.service.mid_update_record import MidUpdateRecord
+
+    class Held(Families):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked, self.go = asyncio.Event(), asyncio.Event()
+
+        def client_for(self, engine, url):
+            return url, lambda *a: SimpleNamespace(connection_errors=0)
+
+        async def call(self, client, route, body, engine):
+            self.asked.set()
+            await self.go.wait()
+            return {"data": []}
+
+    async def main() -> None:
+        fams = Held()
+        table = SlotTable(families=fams)
+        table.set_engine_table({(0, 2): "http://engine:8000"})
+        ex = ActionExecutor(table, MidUpdateRecord(None), SimpleNamespace(
+            observe_request=lambda *a: None, slot_event=lambda *a: None),
+            lambda *a: asyncio.sleep(0), RateLimiter(1, 1.0), 1.0, lambda: None,
+            time.monotonic, fams)
+        await ex.execute(table.adapter_watch(time.monotonic()))
+        await fams.asked.wait()  # (the look is out)
+        table.set_engine_table({})
+        assert table.slots == {}
+        fams.go.set()
+        await asyncio.gather(*ex.tasks)  # (raised KeyError before)
+
+    asyncio.run(main())

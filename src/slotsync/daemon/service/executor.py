@@ -251,7 +251,11 @@ class ActionExecutor:
                 await self.execute(self.table.on_connection_lost(url, self._now()))
         if not ok and self.settle is not None:
             await self.settle()
-        if self.table.slots.get(call.slot) is not coord:
+        try:
+            same = self.table.coordinator(call.slot) == coord
+        except KeyError:
+            same = False
+        if not same:
             return  # (the slot was removed meanwhile, e.g. by a reload: the answer is no one's)
         await self.execute(self.table.on_engine_result(call.slot, call.call_id, ok, result, err,
                                                        self._now()))
