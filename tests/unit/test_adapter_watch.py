@@ -173,6 +173,10 @@ def test_a_new_weight_version_is_a_restart_and_is_taken_once():
     h.round(2)  # (its probe sees the new session itself: initialised again, a full update)
     assert h.engine.calls.count("init_weight_transfer_engine") == 2
     assert h.coord.engine.version == "v2" and states(h) == [("math@v1", "served")]
+    h.engine.restart()  # (again: "default" once more, after "v2" this time)
+    h.engine.loras["math@v1"] = {"lora_name": "math@v1", "lora_path": FOLDER}
+    tick(h)
+    assert [e["last_seen"] for e in events(h, "adapter_watch_restart")] == ["v1", "v2"]
 
 
 def test_a_watch_answer_that_comes_after_a_round_began_is_dropped():

@@ -20,7 +20,7 @@ slot a tick every ``adapter_watch_s`` seconds (``Timeouts.adapter_watch_s``; 0: 
             (a base round saw one), the session probe (``weight_info``)
     answers ─► the probe's rule is the begin's (``probe.check_session``): a weight version
             other than the one the daemon last saw is a restart, and the ledger is reconciled
-            as after one (``AdapterLedger.restarted``; once per version: the next base
+            as after one (``AdapterLedger.restarted``; once per restart: the next base
             round's own probe takes the engine's facts from it); else with the list
             (``AdapterLedger.reconcile``) -- exactly as a round's begin does: vLLM loads a
             version it lost again from its kept folder (``reloading``, then ``served`` when
@@ -88,7 +88,9 @@ class AdapterWatch:
         self._watch_token: tuple[int, str | None] | None = None
         self._watch_answers: dict[str, tuple[bool, Any, str]] = {}
         self._watch_listed = False  # the engine's list answered once (adopted, swept)
-        self._watch_restart: str | None = None  # the weight version a restart was seen at
+        # (the version the daemon had seen, the one the engine reported) of the restart the
+        # watch took last: not taken again before a round's probe takes it
+        self._watch_restart: tuple[str, str | None] | None = None
         self.adapter_watch_calls: dict[str, int] = {}  # route -> the watch's looks
 
     def watch_busy(self) -> bool:
@@ -158,10 +160,10 @@ class AdapterWatch:
             v = probe[1].get("weight_version") if isinstance(probe[1], dict) else None
             v = v if isinstance(v, str) else None
             seen = self.engine.version
-            if seen is not None and v != seen and v != self._watch_restart:
+            if seen is not None and v != seen and (seen, v) != self._watch_restart:
                 # (the begin's rule, probe.check_session; the engine's facts stay the next
                 # base round's to take, from its own probe)
-                self._watch_restart = v
+                self._watch_restart = (seen, v)
                 rec = ledger.restarted(reloadable, self.engine_url)
                 out.append(SlotEvent(self.slot, "adapter_watch_restart", {
                     "engine": self.engine_url, "weight_version": v, "last_seen": seen,
