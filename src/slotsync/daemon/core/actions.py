@@ -99,4 +99,18 @@ class RemoveAdapterFiles:
     folder: str
 
 
-Action = Reply | EngineCall | UpdateEnded | SlotEvent | AdapterFiles | RemoveAdapterFiles
+@dataclass(frozen=True, slots=True)
+class SweepAdapterFolders:
+    """Remove the adapter folders of ``slot`` that a daemon before this one left (found at
+    start) and that are not in ``keep`` (the folders its engine may read:
+    ``AdapterLedger.folders_in_use``, after the engine's list of adapters answered; issue
+    36). The outcome comes back through ``SlotTable.on_adapter_swept(slot, call_id)``: an
+    adapter round waits for it, so that no folder it writes is ever swept."""
+
+    call_id: int
+    slot: tuple[int, int]
+    keep: frozenset[str]
+
+
+Action = (Reply | EngineCall | UpdateEnded | SlotEvent | AdapterFiles | RemoveAdapterFiles
+          | SweepAdapterFolders)

@@ -134,6 +134,12 @@ class AdapterSupport(Protocol):
     def served(self, listing: Any) -> set[str]:
         """The adapters' served names in the answer of ``list_route``."""
 
+    def roots(self, listing: Any) -> Mapping[str, str]:
+        """Where the engine says it read each listed adapter from, in the answer of
+        ``list_route`` (served name -> path; the daemon adopts a version whose path is its
+        own folder of that version: ``adapters/watch.py``). Optional: a family without it
+        has its listed versions adopted without a folder."""
+
     def load_body(self, plan: AdapterPlan, folder: str, handles: Mapping[int, Handle | None],
                   gpu_uuids: Mapping[int, str], tp_size: int,
                   engine_gpu_uuids: Sequence[str] | None = None) -> Any:

@@ -46,6 +46,8 @@ class Outcomes:
                                                error, now)
         if call_id in self._adapter_calls:  # (an adapter round's: adapters/rounds.py)
             return self._on_adapter_result(call_id, ok, result, error, now)
+        if call_id in self._watch_calls:  # (the idle watch's look: adapters/watch.py)
+            return self._on_watch_result(call_id, ok, result, error, now)
         call = self._calls.pop(call_id, None)
         if call is None:
             # A call of an update that already failed (I7: its result is dropped); the last

@@ -88,6 +88,8 @@ def slot_status(c: Any, now: float | None = None) -> dict[str, Any]:
         "updates_succeeded": c.updates_ok,
         "updates_failed": c.updates_failed,
         "engine_calls": dict(c.engine_calls),
+        # issue 36: the idle watch's looks at the engine's adapters (adapters/watch.py)
+        "adapter_watch_calls": dict(c.adapter_watch_calls),
         # issue 36: the engine's LoRA adapters (core/adapters/ledger.py), the round in flight
         "adapters": c.adapters.status(),
         "adapter_round": adapter_round(c.adapter_round),

@@ -60,6 +60,9 @@ class SlotTable:
         families: the engine families its slots may meet (``core/family.py``), handed to every
             coordinator; the daemon's are ``slotsync.daemon.families.FAMILIES``, whose
             ``SlotTable`` sets them.
+        adapter_root: the daemon's ``adapter_dir`` (issue 36; '' none), handed to every
+            coordinator: a version an engine lists from its slot's folder there is adopted
+            with that folder (``adapters/watch.py``).
 
     Shutting down, the adapter calls ``on_drain``: from then on registrations and begins
     are refused (``draining``).
@@ -68,8 +71,10 @@ class SlotTable:
     def __init__(self, timeouts: Timeouts | None = None, daemon_version: str = "",
                  chunks_in_flight: int = 3, omitted_names: str = "warn",
                  slot_release_s: float = 60.0, max_message_bytes: int = 0,
-                 check_claims: bool = False, families: Families | None = None) -> None:
+                 check_claims: bool = False, families: Families | None = None,
+                 adapter_root: str = "") -> None:
         self.families = families
+        self.adapter_root = adapter_root
         self.timeouts = timeouts or Timeouts()
         self.daemon_version = daemon_version
         self.chunks_in_flight = chunks_in_flight
@@ -87,9 +92,11 @@ class SlotTable:
         self._slot_of_rank: dict[int, SlotCoordinator] = {}
 
     def _coordinator(self, start: int, size: int) -> SlotCoordinator:
-        return SlotCoordinator(start, size, self.timeouts, self.daemon_version,
-                               self.chunks_in_flight, self.omitted_names,
-                               self.max_message_bytes, self.families)
+        c = SlotCoordinator(start, size, self.timeouts, self.daemon_version,
+                            self.chunks_in_flight, self.omitted_names,
+                            self.max_message_bytes, self.families)
+        c.adapter_root = self.adapter_root  # (issue 36: adapters/watch.py)
+        return c
 
     def _pause_modes(self, kind: str) -> bool:
         """Whether the engine family ``kind`` has a pause mode the table may set."""
@@ -356,6 +363,21 @@ class SlotTable:
         """``AdapterFiles`` ``call_id`` of ``slot`` ended (``SlotCoordinator.on_adapter_files``)."""
         c = self.slots.get(slot)
         return c.on_adapter_files(call_id, ok, folder, error, now) if c is not None else []
+
+    def adapter_watch(self, now: float) -> list[Action]:
+        """The idle watch's tick (issue 36; ``SlotCoordinator.on_adapter_watch``): every
+        slot's engine whose ledger holds adapters, or whose list was never read, is looked
+        at; none while the daemon drains."""
+        if self.draining:
+            return []
+        return [a for c in list(self.slots.values()) for a in c.on_adapter_watch(now)]
+
+    def on_adapter_swept(self, slot: tuple[int, int], call_id: int, now: float
+                         ) -> list[Action]:
+        """``SweepAdapterFolders`` ``call_id`` of ``slot`` ended
+        (``SlotCoordinator.on_adapter_swept``)."""
+        c = self.slots.get(slot)
+        return c.on_adapter_swept(call_id, now) if c is not None else []
 
     def shutdown(self, now: float, reason: str) -> list[Action]:
         """Fail every update in flight (daemon stopping)."""

@@ -60,6 +60,9 @@ class Timeouts:
     # issue 36: an adapter round's files and load call, each (adapter_load_timeout_s); its
     # waits on ranks are begin_s (every AdapterBegin) and chunk_s (every AdapterData)
     adapter_load_s: float = 120.0
+    # issue 36: the idle watch of an engine's adapters, one look every this many seconds
+    # (adapter_watch_s; 0: off): adapters/watch.py
+    adapter_watch_s: float = 5.0
 
 
 def some_names(names: list[str], n: int = 5) -> str:

@@ -10,9 +10,11 @@ served version (``math@v3``, written by the engine's family: ``AdapterSupport.wr
 into a temp folder renamed at the end). A folder goes once no engine holds its version (the core's
 ``RemoveAdapterFiles``); at the daemon's stop the folders it wrote that no engine can still
 need are removed (``close``: an engine may read a served version's folder again, after vLLM's
-``reset_lora_state`` at every base-weight finish, so those stay while it runs), and the
-default ``adapter_dir`` with its private folder when they are left empty. Folders found
-at start (a previous daemon's) are left alone: an engine may still read them.
+``reset_lora_state`` at every base-weight finish, so those stay while it runs). Folders found
+at start (a previous daemon's) are kept until the slot's engine has told what it lists (the
+core's idle watch, ``core/adapters/watch.py``: it adopts the versions an engine loaded from
+them); then ``sweep`` removes the others of that slot; the default
+``adapter_dir`` and its private folder are removed at the stop when they are left empty.
 
 A rank's part is read from ``/dev/shm/<segment>`` (the name is the wire's, checked there: no
 ``/``), opened read-only without following a link, a regular file, mapped read-only, each
@@ -51,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from slotsync.daemon.core.adapters.watch import slot_folder
 from slotsync.daemon.logs import log_event
 from slotsync.daemon.service.adapter_root import AdapterRoot, make_private, remove_if_empty
 from slotsync.protocol.wire import ShmHandle
@@ -258,8 +261,32 @@ class AdapterIO:
             return False
 
     def slot_root(self, slot: tuple[int, int]) -> Path:
-        """The folder of ``slot``'s adapter versions."""
-        return self.root / f"slot-{slot[0]}-{slot[1]}"
+        """The folder of ``slot``'s adapter versions (``core/adapters/watch.py``
+        ``slot_folder``: the core adopts versions an engine lists from it)."""
+        return Path(slot_folder(str(self.root), slot))
+
+    async def sweep(self, slot: tuple[int, int], keep: frozenset[str]) -> list[str]:
+        """Remove the folders of ``slot`` found at start (``found``: a previous daemon's; a
+        temp folder is never among them, nor one this daemon wrote since) that are not in
+        ``keep``, off the event loop; returns them.
+
+        Raises:
+            OSError: a folder could not be removed (the others stay too).
+        """
+        root = str(self.slot_root(slot))
+        gone = [f for f in self.found if os.path.dirname(f) == root and f not in keep
+                and f not in self.written]
+        if not gone:
+            return []
+
+        def run() -> None:
+            for f in gone:
+                with contextlib.suppress(FileNotFoundError):  # (removed by someone else)
+                    shutil.rmtree(f)
+
+        await asyncio.get_running_loop().run_in_executor(self._io, run)
+        self.found = [f for f in self.found if f not in gone]
+        return gone
 
     async def write(self, slot: tuple[int, int], plan: Any, handles: Mapping[int, Any],
                     write_files: Callable[..., Path], timeout_s: float) -> tuple[bool, str, str]:

@@ -102,6 +102,7 @@ class Config:
     omitted_names: str = "warn"  # an update leaving out names the last one loaded: warn|refuse
     adapter_dir: str = ""  # LoRA adapters for vLLM (issue 36); "" = adapter_root.resolve
     adapter_load_timeout_s: float = 120.0  # an adapter's folder write, and its load call
+    adapter_watch_s: float = 5.0  # an idle engine's adapters looked at this often; 0 = off
     allow_uids: str = ""  # peers allowed by user id (comma list); "" = the daemon's own uid
     allow_gids: str = ""  # peers allowed by group id (comma list); "" = the daemon's own gid
     log_level: str = "info"
@@ -188,13 +189,15 @@ class Config:
                                  f"{getattr(self, name)!r}")
         for name in ("begin_timeout_s", "chunk_timeout_s", "commit_timeout_s",
                      "engine_timeout_s", "shutdown_grace_s", "liveness_s", "slot_release_s",
-                     "adapter_load_timeout_s"):
+                     "adapter_load_timeout_s", "adapter_watch_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not 0.1 <= self.liveness_s <= 3600:
             raise ValueError(f"liveness_s must be 0.1..3600 seconds, got {self.liveness_s}")
         if self.slot_release_s < 0:
             raise ValueError(f"slot_release_s must be >= 0, got {self.slot_release_s}")
+        if self.adapter_watch_s < 0:
+            raise ValueError(f"adapter_watch_s must be >= 0 (0: off), got {self.adapter_watch_s}")
         for name in ("begin_timeout_s", "chunk_timeout_s", "commit_timeout_s",
                      "engine_timeout_s", "adapter_load_timeout_s"):
             if getattr(self, name) <= 0:
@@ -366,6 +369,10 @@ _HELP = {
     "dir when /dev/shm is not a tmpfs this uid can write)",
     "adapter_load_timeout_s": "seconds an adapter round's folder write, and its load call on "
     "the engine, may take each before the round fails (the previous version stays served)",
+    "adapter_watch_s": "seconds between looks at an idle engine's LoRA adapters (its list, "
+    "and its weight version where known): a restarted vLLM engine gets them again from their "
+    "folders, an SGLang one's show as lost, without waiting for a round; the first look at "
+    "start adopts what the engines hold (0: off)",
     "allow_uids": "user ids whose processes may connect (comma list; default: the daemon's "
     "own; root always)",
     "allow_gids": "group ids whose processes may connect (comma list; default: the daemon's "

@@ -8,7 +8,9 @@
 * ``SlotEvent``: one log line;
 * ``AdapterFiles`` / ``RemoveAdapterFiles`` (issue 36): an adapter's folder written from the
   ranks' shared memory, or removed, through ``adapter_io.AdapterIO`` off the event loop; the
-  outcome of a write goes back to the slot (``SlotTable.on_adapter_files``).
+  outcome of a write goes back to the slot (``SlotTable.on_adapter_files``);
+  ``SweepAdapterFolders``: a previous daemon's folders of a slot that no entry needs, removed
+  (``AdapterIO.sweep``), its end told to the slot (``SlotTable.on_adapter_swept``).
 
 An ``EngineCall`` with ``timeout_s`` (an adapter load) fails as timed out after that long.
 
@@ -31,6 +33,7 @@ from slotsync.daemon.core.actions import (
     RemoveAdapterFiles,
     Reply,
     SlotEvent,
+    SweepAdapterFolders,
     UpdateEnded,
 )
 from slotsync.daemon.core.engine_session import EngineSession
@@ -132,6 +135,8 @@ class ActionExecutor:
                 self.spawn(self._adapter_files(a))
             elif isinstance(a, RemoveAdapterFiles) and self.adapter_io is not None:
                 self.spawn(self.adapter_io.remove(a.folder))
+            elif isinstance(a, SweepAdapterFolders):
+                self.spawn(self._sweep(a))
         self._persist(before_actions=False)
         self._after()
 
@@ -246,6 +251,12 @@ class ActionExecutor:
                 await self.execute(self.table.on_connection_lost(url, self._now()))
         if not ok and self.settle is not None:
             await self.settle()
+        try:
+            same = self.table.coordinator(call.slot) == coord
+        except KeyError:
+            same = False
+        if not same:
+            return  # (the slot was removed meanwhile, e.g. by a reload: the answer is no one's)
         await self.execute(self.table.on_engine_result(call.slot, call.call_id, ok, result, err,
                                                        self._now()))
 
@@ -262,6 +273,24 @@ class ActionExecutor:
                                                           support.write_files, a.timeout_s)
         await self.execute(self.table.on_adapter_files(a.slot, a.call_id, ok, folder, err,
                                                        self._now()))
+
+    async def _sweep(self, a: SweepAdapterFolders) -> None:
+        """Remove a previous daemon's folders of ``a.slot`` not in ``a.keep``
+        (``AdapterIO.sweep``); its end goes back to the slot."""
+        if self.adapter_io is not None:
+            try:
+                gone = await self.adapter_io.sweep(a.slot, a.keep)
+            except OSError as e:  # (logged; the folders stay, the slot goes on)
+                log_event(log, logging.WARNING, "adapter_folders_sweep_failed",
+                          slot=slot_text(a.slot), error=str(e))
+            else:
+                if gone:
+                    log_event(log, logging.INFO, "adapter_folders_removed",
+                              slot=slot_text(a.slot), count=len(gone),
+                              folders=",".join(gone),
+                              why="left by a daemon before this one; its engine lists none "
+                                  "of them")
+        await self.execute(self.table.on_adapter_swept(a.slot, a.call_id, self._now()))
 
     def _update_ended(self, e: UpdateEnded) -> None:
         self.metrics.update_ended(e)

@@ -3,7 +3,8 @@ daemon's lifecycle.
 
 * ZeroMQ intake: ``intake.Intake`` (the ROUTER socket, ZAP, the socket monitor, frame decode)
   hands the table messages and connections gone.
-* Timers: one task sleeps until the earliest deadline and calls ``SlotTable.poll``.
+* Timers: one task sleeps until the earliest deadline and calls ``SlotTable.poll``; another
+  ticks the idle watch of the engines' adapters (``adapter_watch.py``, issue 36).
 * Actions: ``executor.ActionExecutor`` runs what the table returns (replies, engine calls on
   its client pool, the durable record, update-end logs); the socket folder and socket file are
   ``runtime_dir.py``'s.
@@ -45,6 +46,7 @@ from slotsync.daemon.node_links.peer_wire import split_relayed
 from slotsync.daemon.service import runtime_dir
 from slotsync.daemon.service.adapter_io import AdapterIO
 from slotsync.daemon.service.adapter_root import AdapterDirError
+from slotsync.daemon.service.adapter_watch import AdapterWatchTimer
 from slotsync.daemon.service.config import Config, ConfigError, read_config_file
 from slotsync.daemon.service.engine_keys import read_engine_keys
 from slotsync.daemon.service.executor import ActionExecutor, slot_text
@@ -100,7 +102,7 @@ class Daemon:
         self.metrics = Metrics(__version__)
         self.table = SlotTable(
             Timeouts(config.begin_timeout_s, config.chunk_timeout_s, config.commit_timeout_s,
-                     config.liveness_s, config.adapter_load_timeout_s),
+                     config.liveness_s, config.adapter_load_timeout_s, config.adapter_watch_s),
             __version__,
             config.chunks_in_flight,
             config.omitted_names,
@@ -108,6 +110,7 @@ class Daemon:
             config.max_message_bytes,
             check_claims=True,  # (claim_check.py)
             families=FAMILIES,
+            adapter_root=config.adapter_path(),  # (issue 36: versions found there adopted)
         )
         self.metrics.watch(self.table)  # slot/rank/in-flight gauges read the table per scrape
         self.endpoint = config.endpoint()
@@ -241,7 +244,8 @@ class Daemon:
                   **said)
         if self.adapter_io.found:
             log_event(log, logging.INFO, "adapter_folders_found", folder=str(self.adapter_io.root),
-                      count=len(self.adapter_io.found), kept="an engine may still read them")
+                      count=len(self.adapter_io.found),
+                      kept="until the slot's engine told what it lists (adapter_watch_s)")
         # Engines a killed predecessor left mid-update stay paused and need a full update.
         self.restored = self.record.load()
         for d in self.restored:
@@ -287,6 +291,10 @@ class Daemon:
         ]
         if self.notifier.watchdog_s:
             self._loops.append(asyncio.create_task(self._watchdog_loop(), name="slotsync-wd"))
+        if self.config.adapter_watch_s > 0:  # (issue 36: adapter_watch.py)
+            watch = AdapterWatchTimer(self.config.adapter_watch_s, self.table.adapter_watch,
+                                      self.executor.execute)
+            self._loops.append(asyncio.create_task(watch.run(), name="slotsync-watch"))
         log_event(
             log, logging.INFO, "listening", endpoint=self.endpoint,
             status=f"http://{self.config.status_host}:{self.status_port}" if self._status

@@ -318,6 +318,18 @@ def served_adapters(models_json: Any) -> set[str]:
             if isinstance(card, Mapping) and card.get("parent") and "id" in card}
 
 
+def adapter_roots(models_json: Any) -> dict[str, str]:
+    """Each listed adapter's ``root`` in ``GET /v1/models`` (``available_models``: the
+    ``LoRARef.lora_path``, ``"__tensor__"`` for one loaded from tensors, which is the daemon's
+    way): served name -> that text."""
+    data = models_json.get("data") if isinstance(models_json, Mapping) else None
+    if not isinstance(data, list):
+        return {}
+    return {str(card["id"]): card["root"] for card in data
+            if isinstance(card, Mapping) and card.get("parent") and "id" in card
+            and isinstance(card.get("root"), str)}
+
+
 def proving_body(tp_size: int, version: str | None) -> dict[str, Any] | None:
     """The ``POST /weights_checker`` body whose successful reply, sent after a load's reply
     arrived, proves every TP rank copied the ranks' memory (module docstring, point 3); None

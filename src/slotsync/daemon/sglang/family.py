@@ -67,6 +67,9 @@ class SglangAdapters:
     def served(self, listing: Any) -> set[str]:
         return sglang_adapters.served_adapters(listing)
 
+    def roots(self, listing: Any) -> dict[str, str]:
+        return sglang_adapters.adapter_roots(listing)
+
     def load_body(self, plan: AdapterPlan, folder: str, handles: Mapping[int, Any],
                   gpu_uuids: Mapping[int, str], tp_size: int,
                   engine_gpu_uuids: Sequence[str] | None = None) -> Any:

@@ -460,6 +460,17 @@ def served_adapters(models_json: Any) -> set[str]:
             and isinstance(c.get("id"), str) and c.get("parent") is not None}
 
 
+def adapter_roots(models_json: Any) -> dict[str, str]:
+    """Each listed adapter's folder in ``GET /v1/models`` (parsed JSON): vLLM 0.32
+    ``OpenAIServingModels.show_available_models`` gives each adapter card's ``root`` as its
+    ``LoRARequest.path``, the ``lora_path`` it was loaded from (served name -> folder; a card
+    without a text ``root`` is left out)."""
+    data = models_json.get("data") if isinstance(models_json, dict) else None
+    return {c["id"]: c["root"] for c in data or () if isinstance(c, dict)
+            and isinstance(c.get("id"), str) and c.get("parent") is not None
+            and isinstance(c.get("root"), str)}
+
+
 def load_error_text(status: int, message: str) -> str:
     """What a failed ``/v1/load_lora_adapter`` (HTTP ``status``, the engine's ``message``)
     means, for the round's error: a 404 whose text is FastAPI's ``Not Found`` is the route

@@ -56,6 +56,9 @@ class VllmAdapters:
     def served(self, listing: Any) -> set[str]:
         return vllm_adapters.served_adapters(listing)
 
+    def roots(self, listing: Any) -> dict[str, str]:
+        return vllm_adapters.adapter_roots(listing)
+
     def load_body(self, plan: AdapterPlan, folder: str, handles: Mapping[int, Any],
                   gpu_uuids: Mapping[int, str], tp_size: int,
                   engine_gpu_uuids: Sequence[str] | None = None) -> Any:

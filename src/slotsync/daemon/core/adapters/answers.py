@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from slotsync.daemon.core import probe
 from slotsync.daemon.core.actions import Action, RemoveAdapterFiles, Reply, SlotEvent
 from slotsync.daemon.core.adapters.ledger import LOST, SERVED, UNLOADING
 from slotsync.daemon.core.adapters.round import AdapterRound
@@ -38,10 +39,16 @@ class AdapterAnswers:
             if ok:
                 rec = self.adapters.reconcile(support.served(result),
                                               bool(support.reloadable), self.engine_url)
-                out += self._reconciled(rec, support, now)
+                out += self._reconciled(rec, support, now, result)
             else:  # (the acks go out: the next round's list tells again)
                 out.append(SlotEvent(self.slot, "adapter_list_failed", {
                     "engine": self.engine_url, "error": error}))
+        elif purpose == "check" and a is not None:  # (the replies, before the first change)
+            why = self._replies_checked(ok, result, error)
+            if why:
+                a.info_errors["replies"] = why
+        elif purpose == "watch_check":  # (the idle watch's: watch.py)
+            out += self._watch_checked(ok, result, error)
         elif purpose == "reload":
             out += self._adapter_reloaded(name, ok, error, now - sent, support)
         elif purpose in ("cleanup", "unload"):
@@ -59,6 +66,12 @@ class AdapterAnswers:
                 a.answers["list"] = result
             else:
                 a.info_errors["list"] = f"engine {self.engine_url}'s list of adapters: {error}"
+            return []
+        if which == "weight_info":  # (an engine out of step: a new session clears it)
+            if ok:
+                return probe.check_session(self.engine, self.slot, self.engine_url or "",
+                                           a.stub, result)
+            a.info_errors[which] = f"engine {self.engine_url} {error}"
             return []
         route = which  # (the version stage's two steps, answered in either order)
         if ok:
@@ -87,6 +100,11 @@ class AdapterAnswers:
             return []
         if not (ok or (not proved and support.already_loaded(error))):
             what = "prove its copies done" if proved else "load it"
+            if "HTTP " not in error:  # (no answer: refused, reset, timed out; dead?)
+                a.failure = ("adapter_data", self._adapter_message(
+                    a, f"engine {self.engine_url} did not answer (asked to {what}): {error}",
+                    answered=False), [])
+                return []
             why = error if proved else support.explain(error)
             a.failure = ("adapter_data", self._adapter_message(
                 a, f"engine {self.engine_url} could not {what}: {why}"), [])

@@ -29,9 +29,10 @@ a round's ``Ack(adapter_data)``); they share the update id sequence. A failure
 (a rank gone or silent past its deadline, a malformed message, an engine error) fails the
 round with one ``Error`` to every rank naming the version that stays served, once every call
 of the round returned, and a load that was sent is undone first (its name unloaded, or kept
-as a stray the next round unloads). After a base round whose probe found a new engine
-session, the ledger's versions are loaded again before that round's ``Ack(commit)`` (those
-the daemon has no folder of are marked lost).
+as a stray the next round unloads). After a successful base round the engine's list is read
+and the versions it lost (a restart) are loaded again before that round's ``Ack(commit)``
+(those the daemon has no folder of are marked lost). Between rounds the idle watch looks
+(``watch.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ from slotsync.daemon.core.adapters.ledger import (
     Reconciled,
 )
 from slotsync.daemon.core.adapters.round import AdapterPhase, AdapterRound, handle_refusal
+from slotsync.daemon.core.adapters.watch import AdapterWatch, found_plan
+from slotsync.daemon.core.engine_session import CHECK_REPLIES
 from slotsync.daemon.core.registration import split_relayed
 from slotsync.daemon.core.update import Update
 from slotsync.protocol.errors import (
@@ -99,8 +102,9 @@ SPANNING_REFUSAL = (
     "to engines of one node")
 
 
-class AdapterRounds(AdapterAnswers):
-    """The adapter half of ``SlotCoordinator`` (the module docstring)."""
+class AdapterRounds(AdapterWatch, AdapterAnswers):
+    """The adapter half of ``SlotCoordinator`` (the module docstring; the idle watch of the
+    engine's adapters: ``watch.py``)."""
 
     # ------------------------------------------------------------------ set-up, questions
 
@@ -108,10 +112,10 @@ class AdapterRounds(AdapterAnswers):
         self.adapter_round: AdapterRound | None = None
         self._adapter_calls: dict[int, tuple[str, str, float]] = {}  # id -> purpose, name, t
         self._adapter_held: list[Action] = []  # a base round's acks while adapters reload
-        self._adapter_restart_seen = False  # a failed base round met a new engine session
         self.adapter_last_error: str | None = None
         self.adapter_last_failed = (-1, "")  # (update id, code) of the last failed round
         self.adapter_rounds_ok = self.adapter_rounds_failed = 0
+        self._init_watch()  # (the idle watch: watch.py)
 
     @property
     def adapters(self) -> AdapterLedger:
@@ -119,8 +123,10 @@ class AdapterRounds(AdapterAnswers):
         return self.engine.adapters
 
     def adapter_busy(self) -> bool:
-        """An adapter round, an adapter call or a reload after a restart is under way."""
-        return bool(self.adapter_round is not None or self._adapter_calls or self._adapter_held)
+        """An adapter round, an adapter call, a reload after a restart or a look of the
+        idle watch is under way."""
+        return bool(self.adapter_round is not None or self._adapter_calls or self._adapter_held
+                    or self.watch_busy())
 
     def _adapter_support(self) -> Any:
         """The engine's family's ``AdapterSupport`` (None: kind not known, or no adapters)."""
@@ -394,9 +400,10 @@ class AdapterRounds(AdapterAnswers):
     def _adapter_info(self, a: AdapterRound, now: float) -> list[Action]:
         """The info stage: version and server_info, then the engine's list of adapters, then
         the checks against them (``_adapter_checked``)."""
-        if not a.info_sent:
+        if not a.info_sent:  # (and, on an engine out of step, the probe: a new session?)
             a.info_sent = True
-            return [self._adapter_call("info", r, r, None, now) for r in INFO_ROUTES]
+            return [self._adapter_call("info", r, r, None, now) for r in INFO_ROUTES + (
+                ("weight_info",) if self.engine.out_of_step else ())]
         if a.info_errors:
             return self._adapter_fail(now, "adapter_begin", "; ".join(a.info_errors.values()),
                                       code=ENGINE_FAILED)
@@ -412,6 +419,10 @@ class AdapterRounds(AdapterAnswers):
                 return self._adapter_fail(now, "adapter_begin", why, code=ENGINE_UNFIT)
             a.answers["list"] = None
             return [self._adapter_call("info", "list", support.list_route, None, now)]
+        if self.engine.out_of_step:  # (the probe found no new session: restart the engine)
+            return self._adapter_fail(now, "adapter_begin", self.engine.out_of_step)
+        if self.engine.replies_suspect:  # (a worker's failure: check before the first change)
+            return [self._adapter_call("check", "replies", "check_replies", CHECK_REPLIES, now)]
         return self._adapter_checked(a, support, now)
 
     def _adapter_checked(self, a: AdapterRound, support: Any, now: float) -> list[Action]:
@@ -421,7 +432,7 @@ class AdapterRounds(AdapterAnswers):
         plan, ledger = a.plan, self.adapters
         listed = support.served(a.answers["list"])
         rec = ledger.reconcile(listed, support.reloadable, self.engine_url)
-        out = self._reconciled(rec, support, now)
+        out = self._reconciled(rec, support, now, a.answers["list"])
         cur = ledger.current(plan.lora_name)
         why = version_refusal(plan, cur and cur.version, bool(cur and cur.state == LOST),
                               self.engine_url)
@@ -438,21 +449,27 @@ class AdapterRounds(AdapterAnswers):
         ack = Ack(a.update_id, "adapter_begin", transport=support.transport)
         return [Reply(i.identity, ack) for i in self._by_rank()] + out
 
-    def _reconciled(self, rec: Reconciled, support: Any, now: float) -> list[Action]:
-        """Events and calls for what the engine's list showed (``AdapterLedger.reconcile``):
-        lost versions logged, adopted ones logged, lost versions with a folder loaded again,
-        folders of strays the engine no longer holds removed."""
+    def _reconciled(self, rec: Reconciled, support: Any, now: float,
+                    listing: Any = None) -> list[Action]:
+        """Events and calls for what the engine's list (``listing``, None: a restart without
+        a look) showed (``AdapterLedger.reconcile``): lost versions logged, adopted ones
+        logged (with this daemon's folder of theirs: ``watch.py``), lost versions with a
+        folder loaded again, folders of strays the engine no longer holds removed."""
+        if listing is not None:
+            self._adopt_folders(rec.adopted, support, listing)
         out: list[Action] = [RemoveAdapterFiles(self.slot, f) for f in rec.gone]
         for e in rec.lost:
             out.append(SlotEvent(self.slot, "adapter_lost", {
                 "engine": self.engine_url, "served_name": e.served_name, "why": e.error}))
         for e in rec.adopted:
             out.append(SlotEvent(self.slot, "adapter_found", {
-                "engine": self.engine_url, "served_name": e.served_name, "why": e.error},
+                "engine": self.engine_url, "served_name": e.served_name,
+                "why": e.error or f"loaded from this daemon's folder {e.folder}: adopted"},
                 warning=False))
-        for e in rec.reload:
+        for e in rec.reload:  # (a version found on the engine has no plan: found_plan)
             out.append(self._adapter_call("reload", e.served_name, support.load_route,
-                                          support.load_body(e.plan, e.folder, {}, {}, 0), now,
+                                          support.load_body(e.plan or found_plan(e), e.folder,
+                                                            {}, {}, 0), now,
                                           self.timeouts.adapter_load_s))
         return out
 
@@ -496,13 +513,20 @@ class AdapterRounds(AdapterAnswers):
         return ("adapter_begin" if a.phase in (AdapterPhase.BEGIN, AdapterPhase.INFO)
                 else "adapter_data")
 
-    def _adapter_message(self, a: AdapterRound, text: str) -> str:
-        """A failure's words: the slot, round, adapter, cause, and what stays served."""
+    def _adapter_message(self, a: AdapterRound, text: str, answered: bool = True) -> str:
+        """A failure's words: the slot, round, adapter, cause, and what stays served; when
+        the engine did not answer (``answered`` False: refused, reset, timed out -- it may
+        have died), not what stays but that its next answer tells (the idle watch's list,
+        or the next round's)."""
         name = a.plan.lora_name if a.plan else next(
             (b.lora_name for b in a.begins.values()), "")
         cur = self.adapters.current(name) if name else None
-        stays = (f"{cur.served_name} stays served" if cur is not None and cur.state != LOST
+        served = cur is not None and cur.state != LOST
+        stays = (f"{cur.served_name} stays served" if served
                  else f"no version of {name!r} is served" if name else "nothing changed")
+        if not answered:
+            stays = "what it serves is checked at its next answer" + (
+                f"; it served {cur.served_name} before this round" if served else "")
         return (f"slot [{self.start}, {self.end}) adapter round {a.update_id} ({a.lora}) "
                 f"failed: {text} ({stays})")
 
@@ -549,29 +573,18 @@ class AdapterRounds(AdapterAnswers):
 
     def _adapters_after_base(self, u: Update, acks: list[Action], failed: bool,
                              now: float) -> list[Action]:
-        """A base round ended (``failed`` or not; ``acks``: its last replies). One whose probe
-        found a new engine session (or after a failed one that did) loads the ledger's
-        versions again before its ``Ack(commit)`` goes out (``reloading``; those without a
-        folder are lost), so that a restarted engine serves them once it is reported
-        ready."""
-        if failed:
-            self._adapter_restart_seen |= u.new_session
-            return acks
+        """A base round ended (``failed`` or not; ``acks``: its last replies). After a
+        successful one, while the ledger says the engine serves adapters, the engine's list
+        is read before its ``Ack(commit)`` goes out, and a version it lost is loaded again
+        (``reloading``; those without a folder are lost): a restarted engine serves them
+        once it is reported ready. The list, not the probe's new session, says what the
+        engine lost (a version loaded since a restart that the watch or an adapter round saw
+        first is listed, and stays served); the probe may not tell a restart anyway (after
+        adapter rounds only the daemon knows no weight version of the engine)."""
         support = self._adapter_support()
-        if not (u.new_session or self._adapter_restart_seen):
-            if support is None or not any(e.state == SERVED
-                                          for e in self.adapters.entries.values()):
-                return acks
-            # The probe may not tell a restart (after adapter rounds only the daemon knows
-            # no weight version of the engine): the engine's list says what it still
-            # serves, and a lost version is loaded again before the acks go out.
-            self._adapter_held = [x for x in acks if isinstance(x, Reply)]
-            return [x for x in acks if not isinstance(x, Reply)] + [
-                self._adapter_call("relist", "list", support.list_route, None, now)]
-        self._adapter_restart_seen = False
-        rec = self.adapters.restarted(bool(support and support.reloadable), self.engine_url)
-        out = self._reconciled(rec, support, now) if support is not None else []
-        if not rec.reload:
-            return out + acks
+        if failed or support is None or not any(
+                e.state == SERVED for e in self.adapters.entries.values()):
+            return acks
         self._adapter_held = [x for x in acks if isinstance(x, Reply)]  # (the ranks' acks)
-        return out + [x for x in acks if not isinstance(x, Reply)]
+        return [x for x in acks if not isinstance(x, Reply)] + [
+            self._adapter_call("relist", "list", support.list_route, None, now)]
