@@ -33,6 +33,7 @@ pytest.importorskip("safetensors")
 
 from adapter_e2e import (  # noqa: E402
     KEY,
+    VLLM_FAMILY,
     adapters_of,
     assert_holds,
     assert_nothing_left,
@@ -67,9 +68,7 @@ def pool() -> Iterator[RankPool]:
     p.close()
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param("reference", id="reference"),
-    pytest.param("vllm", id="vllm-code", marks=pytest.mark.vllm)])
+@pytest.fixture(scope="module", params=VLLM_FAMILY)
 def vbox(request: pytest.FixtureRequest):
     b = vllm_family_box(request.param)
     yield b

@@ -39,6 +39,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from adapter_e2e import SGLANG_UUIDS as UUIDS  # noqa: E402
+from adapter_e2e import lora_state, sglang_box  # noqa: E402
 from engines import EngineBox  # noqa: E402
 from lora_adapters import make_adapter, publish, sha256_of  # noqa: E402
 
@@ -51,19 +53,15 @@ from slotsync.daemon.sglang.adapters import (  # noqa: E402
     unload_body,
 )
 from slotsync.daemon.sglang.client import SglangClient  # noqa: E402
-from slotsync.protocol.wire import logical_gpu_uuid  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
-UUIDS = [logical_gpu_uuid(0), logical_gpu_uuid(1)]
 UUID_OF = {0: UUIDS[0], 1: UUIDS[1]}
-LORA = {"sglang_version": "0.5.23", "enable_lora": True, "max_lora_rank": 8,
-        "lora_target_modules": "all"}
 
 
 @pytest.fixture(scope="module")
 def box() -> Iterator[EngineBox]:
-    b = EngineBox(2, impl_name="sglang", gpu_uuids=UUIDS, sglang=LORA)
+    b = sglang_box()
     yield b
     b.close()
 
@@ -92,12 +90,6 @@ def steps(box: EngineBox, *calls: tuple[str, Any]) -> list[Any]:
         return out
 
     return asyncio.run(run())
-
-
-def lora_state(box: EngineBox) -> dict[str, Any]:
-    status, body = box.request("GET", "/_slotsync/lora")
-    assert status == 200, body
-    return body
 
 
 def wait_for(cond: Any, what: str, timeout_s: float = 60.0) -> None:
