@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 import zmq
+from router_thread import RouterThread
+from router_thread import read_shm as _read_shm
 
 from slotsync.protocol import wire
 from slotsync.protocol.errors import SlotsyncError, SlotsyncTimeout
@@ -32,13 +34,7 @@ ENGINE = "http://127.0.0.1:8000"
 NEXT_ID = 7
 
 
-def _read_shm(h: wire.ShmHandle) -> bytes:
-    with open(f"/dev/shm/{h.segment}", "rb") as f:
-        f.seek(h.offset)
-        return f.read(h.nbytes)
-
-
-class FakeDaemon:
+class FakeDaemon(RouterThread):
     """A ROUTER socket that decodes (and so validates) every message like the real daemon,
     records it, reads the shared memory a chunk points at, and answers from ``script``."""
 
@@ -48,31 +44,20 @@ class FakeDaemon:
         self.received: list[wire.ToDaemon] = []
         self.chunk_data: list[dict[str, bytes]] = []  # per chunk: name -> bytes read
         self.packed: bool | None = None
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.bind(endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__(endpoint)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(20):
-                continue
-            ident, frame = self._sock.recv_multipart()  # one frame, no delimiter
-            msg = wire.decode_to_daemon(frame)
-            self.received.append(msg)
-            if isinstance(msg, wire.Register):
-                self.packed = msg.packed
-            if isinstance(msg, wire.Chunk):
-                try:
-                    self.chunk_data.append(self._read_chunk(msg))
-                except FileNotFoundError:
-                    # (a chunk sent before the update failed: the publisher has unlinked its
-                    # segment; tests that check the data see it missing)
-                    self.chunk_data.append({})
-            for reply in self.script(msg):
-                self._sock.send_multipart([ident, wire.encode(reply)])
+    def answer(self, ident: bytes, msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        self.received.append(msg)
+        if isinstance(msg, wire.Register):
+            self.packed = msg.packed
+        if isinstance(msg, wire.Chunk):
+            try:
+                self.chunk_data.append(self._read_chunk(msg))
+            except FileNotFoundError:
+                # (a chunk sent before the update failed: the publisher has unlinked its
+                # segment; tests that check the data see it missing)
+                self.chunk_data.append({})
+        return self.script(msg)
 
     def _read_chunk(self, c: wire.Chunk) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
@@ -94,12 +79,6 @@ class FakeDaemon:
 
     def of_type(self, cls: type) -> list:
         return [m for m in self.received if isinstance(m, cls)]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self._sock.close(linger=0)
-        self._ctx.term()
 
 
 def happy(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
