@@ -1,8 +1,9 @@
 """Gloo ranks for the FSDP2 tests on the CPU: ``WORLD`` spawned processes in one process
 group, each running the test's function and sending back what it found, and the tensors they
 build alike -- a full tensor of any dtype, and its DTensor cut as FSDP2 cuts it. Used by
-``tests/unit/test_fsdp_pack.py`` (where these lived) and ``test_publish_adapter_fsdp.py``
-(issue 36), which imported them from that test module.
+``tests/unit/test_fsdp_pack.py`` (where these lived), ``test_publish_adapter_fsdp.py``
+(issue 36), which imported them from that test module, and
+``tests/integration/test_fsdp_source.py``, which had its own copy of the spawn.
 
 3 ranks, so that dim 0 shards unevenly: 5 rows are 2 + 2 + 1, 4 rows are 2 + 2 + 0, 1 row is
 1 + 0 + 0. Import this module after the caller's checks that torch.distributed with Gloo
@@ -22,11 +23,12 @@ WORLD = 3
 
 
 def spawn_ranks(target: Callable[[int], dict[str, Any]], world: int = WORLD,
-                timeout_s: float = 240.0) -> list[dict[str, Any]]:
+                timeout_s: float = 240.0, why: Callable[[], str] = str
+                ) -> list[dict[str, Any]]:
     """Run ``target(rank)`` in ``world`` spawned processes of one Gloo group (a free loopback
     port); each returns a dict of findings (or ``{"error": traceback}``, which fails the
-    test here). Returns them by rank; ``target`` must pickle (a module-level function, or a
-    ``functools.partial`` of one)."""
+    test here, with ``why()``: e.g. a daemon's log tail). Returns them by rank; ``target``
+    must pickle (a module-level function, or a ``functools.partial`` of one)."""
     from spawned_ranks import rank_context
 
     from slotsync.testing.ports import free_port
@@ -51,9 +53,9 @@ def spawn_ranks(target: Callable[[int], dict[str, Any]], world: int = WORLD,
             p.join(10)
             if p.is_alive():
                 p.kill()
-    assert len(found) == world, f"only ranks {sorted(found)} reported"
+    assert len(found) == world, f"only ranks {sorted(found)} reported\n{why()}"
     for r in range(world):
-        assert "error" not in found[r], f"rank {r}:\n{found[r]['error']}"
+        assert "error" not in found[r], f"rank {r}:\n{found[r]['error']}\n{why()}"
     return [found[r] for r in range(world)]
 
 
