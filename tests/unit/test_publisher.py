@@ -80,6 +80,14 @@ class FakeDaemon(RouterThread):
     def of_type(self, cls: type) -> list:
         return [m for m in self.received if isinstance(m, cls)]
 
+    def until_received(self, cls: type, timeout_s: float = 10.0) -> list:
+        """The messages of ``cls`` received, once there is one (polled: the thread may not
+        have read what the publisher just sent) or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while not self.of_type(cls) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.of_type(cls)
+
 
 def happy(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
     if isinstance(msg, wire.Register):
@@ -232,8 +240,7 @@ def test_no_reply_times_out(make_daemon: Callable[..., FakeDaemon], endpoint: st
         assert e.phase == "chunk" and e.update_id == NEXT_ID and e.timeout_s == 0.5
         assert "Ack(chunk, index=0)" in str(e) and endpoint in str(e)
         assert "is slotsyncd still running?" in str(e)  # (its socket file is there)
-        time.sleep(0.1)
-        aborts = daemon.of_type(wire.Abort)
+        aborts = daemon.until_received(wire.Abort)
         assert [a.update_id for a in aborts] == [NEXT_ID]
         assert "SlotsyncTimeout" in aborts[0].reason
     assert _no_segments() == []
@@ -329,7 +336,7 @@ def test_stale_replies_ignored_and_pending_error_raised(
         uid = pub.begin("v1")
         assert uid == NEXT_ID
         pub.send_chunk([("a", torch.ones(3))])
-        time.sleep(0.1)  # let the Error arrive
+        assert pub._link.sock.poll(10_000), "the Error did not arrive"  # (behind chunk 0's ack)
         with pytest.raises(SlotsyncError, match="engine went away") as ei:
             pub.send_chunk([("b", torch.ones(3))])
         assert ei.value.phase == "engine"
@@ -845,10 +852,7 @@ def test_a_refused_chunk_aborts_the_update_so_the_engine_is_not_left_paused(
     with _publisher(endpoint, packed=True, staging_bytes=64) as pub:
         with pytest.raises(SlotsyncError, match="bad message"):
             pub.publish(_many_tensors(2), weight_version="v")
-        deadline = time.monotonic() + 5
-        while not daemon.of_type(wire.Abort) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        (abort,) = daemon.of_type(wire.Abort)
+        (abort,) = daemon.until_received(wire.Abort, 5.0)
         (begin,) = daemon.of_type(wire.Begin)
         assert abort.update_id == begin.update_id and "refused a message" in abort.reason
 
