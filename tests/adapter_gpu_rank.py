@@ -22,10 +22,14 @@ for base weights): ``AdapterPart.free`` is wrapped in this process so that, once
 ``consumed`` (the daemon's ``Ack(adapter_data)`` was read), every byte the daemon's transport
 used -- the device buffer on ``"device"`` (the engine mapped it), the shared-memory segment on
 ``"host"`` (the daemon read it) -- is overwritten with ``0xFF`` and the fill waited for, before
-the real ``free``. An engine still reading the part after the Ack would load garbage.
+the real ``free``. An engine still reading the part after the Ack would load garbage. A
+segment the rank sealed (laid out as the adapter's file, which the daemon may hard-link,
+``AdapterPart.handle``) cannot be overwritten by the rank: its mapping is closed, which is
+checked in ``/proc/self/maps``, and its bytes count as ``sealed``.
 
 Answers: ``("round", rank, version, report)`` with ``report`` = the ``AdapterStats`` fields,
-``left_now`` / ``left`` (bytes), ``garbage`` (bytes overwritten), ``part_tensors``, and on
+``left_now`` / ``left`` (bytes), ``garbage`` (bytes overwritten), ``sealed`` (bytes of a
+sealed segment), ``part_tensors``, and on
 rank 0 ``sums`` (``{name: sha256}`` of the whole adapter as the trainer holds it, from
 ``.cpu()`` bytes: independent of the publisher's digests); ``("crash", rank, traceback)``.
 """
@@ -87,7 +91,7 @@ def part_of(tensors: dict[str, Any], layout: str, rank: int, n: int
     return mine, rows
 
 
-def _install_garbage(spoiled: list[int]) -> None:
+def _install_garbage(spoiled: list[int], sealed: list[int]) -> None:
     import torch
 
     from slotsync.protocol.rank.adapters.part import AdapterPart
@@ -106,6 +110,13 @@ def _install_garbage(spoiled: list[int]) -> None:
             if seg is not None and seg.tensor is not None:
                 seg.tensor.fill_(0xFF)
                 n += seg.tensor.numel()
+            elif seg is not None and seg.sealed:
+                # Sealed (a part laid out as the adapter's file, which the daemon may link):
+                # this process gave up its mapping, so it can spoil nothing; prove it holds
+                # no mapping of the segment any more, and count its bytes as sealed.
+                with open("/proc/self/maps") as f:
+                    assert seg.name not in f.read(), f"segment {seg.name} still mapped"
+                sealed.append(self.nbytes)
             spoiled.append(n)
         real_free(self)
 
@@ -127,7 +138,8 @@ def adapter_rank(rank: int, n: int, endpoint: str, url: str, device: str, layers
         if cuda:
             torch.cuda.set_device(torch.device(device))
         spoiled: list[int] = []
-        _install_garbage(spoiled)
+        sealed: list[int] = []
+        _install_garbage(spoiled, sealed)
         pub = rank_publisher(endpoint, rank, (0, n), url, device=device if cuda else None,
                              gpu_uuid=gpu_uuid, packed=False, timeout_s=240.0)
         pub.register()
@@ -145,7 +157,7 @@ def adapter_rank(rank: int, n: int, endpoint: str, url: str, device: str, layers
                     return torch.cuda.memory_allocated()
 
                 base = held()
-                del spoiled[:]
+                del spoiled[:], sealed[:]
                 stats = pub.publish_adapter(LORA_NAME, mine, config(), version, rows=rows)
                 left_now = left = held() - base
                 deadline = time.monotonic() + 30
@@ -153,7 +165,8 @@ def adapter_rank(rank: int, n: int, endpoint: str, url: str, device: str, layers
                     time.sleep(0.2)
                     left = held() - base
                 report = {**dataclasses.asdict(stats), "left_now": left_now, "left": left,
-                          "garbage": sum(spoiled), "part_tensors": len(mine)}
+                          "garbage": sum(spoiled), "sealed": sum(sealed),
+                          "part_tensors": len(mine)}
                 if rank == 0:
                     report["sums"] = {k: sha256_of(t) for k, t in tensors.items()}
                 del tensors, mine

@@ -18,15 +18,25 @@ an ``"adapter"`` key here) or a spawned one (``spawned_ranks.run_ranks(target=..
   ``{"event": "stalling", "round": k, "at": "before_data"}`` and sleep that many seconds
   before sending ``AdapterData``), ``stall_after_data`` (the same after sending it,
   ``"at": "after_data"``), ``hold_data_until`` (a file: ``AdapterData`` waits for it, at most
-  30 s).
+  30 s), ``wait_for_file`` (the call itself waits for that file, at most 60 s), ``bad``:
+  ``"base_weight"`` (the part also holds a base-model weight, :data:`BASE_WEIGHT`) or
+  ``"dtype"`` (a complex64 tensor, :data:`BAD_DTYPE`): the call raises ``ValueError`` before
+  its begin.
 
 ``script["family"]``: ``"vllm"`` (the default: float32 tensors of ``lora_plans``' tiny Llama,
 what the vLLM-code and reference engines load) or ``"sglang"`` (bf16 ``lora_adapters``).
-``script["register_delay_s"]``: sleep that long before registering.
+``script["register_delay_s"]``: sleep that long before registering; ``script["close_after_file"]``:
+the publisher is closed (its connection too) only once that file exists (at most 60 s), as
+in a trainer that goes on after a round's error. ``script["sigterm_exits"]``:
+SIGTERM raises ``SystemExit(143)`` (a trainer's handler, as the demo's ranks have); each wait
+of the publisher on the daemon is reported first (``{"event": "waiting", "phase"}``).
 
 Reports (``trainer_script``'s events): ``registered``; per round ``{"event": "round",
 "round": k, "status": "ok", "served_name", "transport", "nbytes", "update_id"}`` or
-``trainer_script.error_round``'s error; ``exit``.
+``trainer_script.error_round``'s error (with ``code``, the ``SlotsyncError``'s; a ``ValueError``
+or ``TypeError`` of the call, or an interrupt, reported with its type and, for an interrupt,
+its whole traceback with its notes as ``message``: the interrupt is raised again, and ends
+the process); ``exit``.
 """
 
 from __future__ import annotations
@@ -35,6 +45,10 @@ import time
 from typing import Any
 
 R = 8  # the adapters' LoRA rank: under the engines' --max-lora-rank (vLLM 16, SGLang 8)
+BASE_WEIGHT = "base_model.model.model.layers.0.self_attn.q_proj.weight"
+"""A base-model weight's name (``bad="base_weight"``): not a LoRA tensor."""
+BAD_DTYPE = "base_model.model.model.layers.0.self_attn.q_proj.lora_X.lora_A.weight"
+"""``bad="dtype"``: a LoRA tensor of a dtype the wire has not (complex64)."""
 
 
 def adapter_tensors(family: str, version: int, r: int = R, seed: int | None = None
@@ -87,7 +101,13 @@ def my_part(tensors: dict[str, Any], rank: int, size: int, layout: str, holder: 
 
 def run_adapter_rank(rank, endpoint, slot, engine_url, packed, script, results):
     """Body of one adapter rank (module docstring); ``slot`` is ``(start, count)``."""
-    from trainer_script import event, hold_on, register_or_report, slotsync_error_round
+    from trainer_script import (
+        error_round,
+        event,
+        hold_on,
+        register_or_report,
+        slotsync_error_round,
+    )
 
     from slotsync.protocol import wire
     from slotsync.protocol.errors import SlotsyncError
@@ -115,6 +135,21 @@ def run_adapter_rank(rank, endpoint, slot, engine_url, packed, script, results):
             time.sleep(step["stall_after_data"])
 
     pub._send = traced_send
+    if script.get("sigterm_exits"):
+        import signal
+
+        def _term(_sig: int, _frame: object) -> None:
+            raise SystemExit(143)
+
+        signal.signal(signal.SIGTERM, _term)
+        real_wait = pub._waits.wait
+
+        def reported_wait(awaited: Any) -> Any:
+            results.put(event("waiting", rank, round=current.get("round"),
+                              phase=awaited.phase))
+            return real_wait(awaited)
+
+        pub._waits.wait = reported_wait
     time.sleep(script.get("register_delay_s", 0))
     try:
         if not register_or_report(pub, rank, results):
@@ -122,6 +157,8 @@ def run_adapter_rank(rank, endpoint, slot, engine_url, packed, script, results):
         for k, step in enumerate(script["adapter"], 1):
             current.update(round=k, step=step)
             time.sleep(step.get("delay_s", 0))
+            if step.get("wait_for_file"):
+                hold_on(60, step["wait_for_file"])
             version = step["version"]
             try:
                 if step.get("kind", "adapter") == "base":
@@ -141,13 +178,30 @@ def run_adapter_rank(rank, endpoint, slot, engine_url, packed, script, results):
                 tensors = adapter_tensors(family, version, r, step.get("seed"))
                 part, rows = my_part(tensors, rank - slot[0], slot[1],
                                      step.get("layout", "rows"), step.get("holder", 0))
+                if step.get("bad") in ("base_weight", "dtype"):
+                    import torch
+
+                    part[BASE_WEIGHT if step["bad"] == "base_weight" else BAD_DTYPE] = (
+                        torch.zeros(4, 4, dtype=torch.complex64 if step["bad"] == "dtype"
+                                    else torch.float32))
                 st = pub.publish_adapter(step.get("lora", "math"), part,
                                          adapter_config(family, r), version, rows=rows)
                 results.put(event("round", rank, round=k, status="ok", what="adapter",
                                   served_name=st.served_name, transport=st.transport,
                                   nbytes=st.nbytes, update_id=st.update_id))
             except SlotsyncError as e:
-                results.put(slotsync_error_round(rank, k, e))
+                results.put({**slotsync_error_round(rank, k, e), "code": e.code})
+            except (ValueError, TypeError) as e:
+                results.put(error_round(rank, k, phase="arguments", message=str(e),
+                                        error_type=type(e).__name__))
+            except BaseException as e:
+                import traceback
+
+                results.put(error_round(rank, k, phase="interrupted", message="".join(
+                    traceback.format_exception(e)), error_type=type(e).__name__))
+                raise
     finally:
+        if script.get("close_after_file"):  # (a trainer that goes on after an error)
+            hold_on(60, script["close_after_file"])
         pub.close()
         results.put(event("exit", rank))

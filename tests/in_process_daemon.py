@@ -32,6 +32,7 @@ class Rank:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, rank: int, size: int = 2,
                  url: str = "http://127.0.0.1:1") -> None:
+        self.rank = rank
         self.s = ctx.socket(zmq.DEALER)
         self.s.setsockopt(zmq.LINGER, 0)
         self.s.connect(endpoint)
@@ -47,7 +48,7 @@ class Rank:
 
     def recv(self, timeout_s: float = 30.0) -> Any:
         """The daemon's next message to this rank; fails the test after ``timeout_s``."""
-        assert self.s.poll(int(timeout_s * 1000)), "no reply"
+        assert self.s.poll(int(timeout_s * 1000)), f"rank {self.rank}: no reply"
         return wire.decode_from_daemon(self.s.recv())
 
     def close(self) -> None:
@@ -83,9 +84,12 @@ class DaemonRig:
 
 @asynccontextmanager
 async def running_daemon(tmp_path: Path, **config: Any) -> AsyncIterator[DaemonRig]:
-    """A ``Daemon`` of ``Config(runtime_dir=tmp_path / "rt", status_port=-1, **config)``
-    started on this loop; at the end its ranks are closed, the context destroyed (what a
-    failed assertion left open too: ``term()`` would hang on it) and the daemon stopped."""
+    """A ``Daemon`` of ``Config(runtime_dir=tmp_path / "rt", status_port=-1, **config)``, its
+    ``adapter_dir`` ``tmp_path / "rt" / "adapters"`` unless ``config`` names one (not the
+    default under ``/dev/shm``: nothing of the test left beside it), started on this loop; at
+    the end its ranks are closed, the context destroyed (what a failed assertion left open
+    too: ``term()`` would hang on it) and the daemon stopped."""
+    config.setdefault("adapter_dir", str(tmp_path / "rt" / "adapters"))
     d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1, **config))
     await d.start()
     rig = DaemonRig(d)

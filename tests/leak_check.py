@@ -14,9 +14,11 @@ xdist controller, or pytest itself without ``-n``):
   (``sst-<token>-*``, ``tests/netns.py``'s "nodes", with what still ran in them),
   processes still carrying the token (waited for
   up to :data:`GRACE_S` seconds, then killed), anything in the run's temp folder but
-  :data:`OWN_ENTRIES`, and our ``/dev/shm`` entries (:data:`SHM_PREFIX`) made during the run
-  that no process outside the run holds open or mapped are each named, removed, and fail the run
-  (exit status 1). The run's temp folder is then removed.
+  :data:`OWN_ENTRIES`, our ``/dev/shm`` entries (:data:`SHM_PREFIX`) made during the run
+  that no process outside the run holds open or mapped, and the folders made during the run
+  in the daemons' own ``/dev/shm/slotsyncd-<uid>/`` (:data:`DAEMON_SHM`: a daemon's default
+  ``adapter_dir``, which tests replace with a folder of their own) are each named, removed,
+  and fail the run (exit status 1). The run's temp folder is then removed.
 
 ``SLOTSYNC_LEAK_CHECK=0`` turns the check off (e.g. when stopping a run by hand).
 """
@@ -41,6 +43,9 @@ SHM_DIR = Path("/dev/shm")
 NETNS_DIR = Path("/run/netns")  # where `ip netns add NAME` keeps a namespace
 NETNS_PREFIX = "sst-"  # the run's namespaces: sst-<token>-... (tests/netns.py)
 SHM_PREFIX = "slotsync-"  # what the run's processes name their /dev/shm segments
+DAEMON_SHM = SHM_DIR / f"slotsyncd-{os.geteuid()}"
+"""The daemons' private folder of this uid, holding each one's default ``adapter_dir``
+(``adapters-<key>``; ``slotsync/daemon/service/adapter_root.py``)."""
 BASETEMP = "pt"  # pytest's --basetemp, in the run's folder (unless given)
 OWN_ENTRIES = (BASETEMP, "pytest-of-", "torchinductor_")
 """Temp-folder entries that are not leaks: pytest's ``tmp_path`` folders and the compile
@@ -68,7 +73,8 @@ def pytest_configure(config: pytest.Config) -> None:
     token = secrets.token_hex(4)
     root = Path(tempfile.gettempdir()) / f"sst-{token}"  # (short: Unix socket paths)
     root.mkdir()
-    _state.update(token=token, root=root, shm=_shm_names(), old_tmpdir=os.environ.get("TMPDIR"))
+    _state.update(token=token, root=root, shm=_shm_names(), old_tmpdir=os.environ.get("TMPDIR"),
+                  daemon=_daemon_folders())
     if not config.option.basetemp:  # tmp_path under it, short: Unix socket paths in tests
         config.option.basetemp = str(root / BASETEMP)
     os.environ[RUN_ENV] = token
@@ -84,6 +90,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     leaks += _leaked_processes(_state["token"])
     leaks += _leaked_files(_state["root"])
     leaks += _leaked_shm(_state["shm"], _state["token"])
+    leaks += _leaked_daemon_folders(_state["daemon"])
     shutil.rmtree(_state["root"], ignore_errors=True)
     tempfile.tempdir = None
     if _state["old_tmpdir"] is None:
@@ -276,6 +283,34 @@ def _leaked_shm(before: set[str], token: str) -> list[str]:
         lines.append(f"/dev/shm/{name}")
         try:
             (SHM_DIR / name).unlink()
+        except OSError:
+            pass
+    return lines
+
+
+def _daemon_folders() -> set[str] | None:
+    """The entries of :data:`DAEMON_SHM`; None when it is not there."""
+    try:
+        return set(os.listdir(DAEMON_SHM))
+    except OSError:
+        return None
+
+
+def _leaked_daemon_folders(before: set[str] | None) -> list[str]:
+    """The folders made in :data:`DAEMON_SHM` during the run (a daemon started with its
+    default ``adapter_dir`` and left what it wrote there), named, then removed, and
+    :data:`DAEMON_SHM` itself when the run made it and it is empty."""
+    now = _daemon_folders()
+    if now is None:
+        return []
+    lines = []
+    for name in sorted(now - (before or set())):
+        lines.append(f"{DAEMON_SHM / name} (a daemon's default adapter_dir: give the test's "
+                     "daemon an adapter_dir of its own)")
+        shutil.rmtree(DAEMON_SHM / name, ignore_errors=True)
+    if before is None:
+        try:
+            DAEMON_SHM.rmdir()  # (only when empty)
         except OSError:
             pass
     return lines

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -111,7 +112,6 @@ class ShmRank(Rank):
     def __init__(self, rig: DaemonRig, rank: int, url: str) -> None:
         super().__init__(rig.ctx, rig.d.endpoint, rank, size=2, url=url)
         assert isinstance(self.reply, wire.Registered), self.reply
-        self.rank = rank
         self.segments: list[str] = []
         rig.ranks.append(self)
 
@@ -181,6 +181,11 @@ async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engin
             assert isinstance(reply, wire.Ack) and reply.phase == "adapter_data", reply
         assert [r.served_name for r in first + second] == ["math@v1"] * 2 + ["math@v2"] * 2
         slot = root / "slot-0-2"
+        umask = os.umask(0)
+        os.umask(umask)
+        # (an engine of another user reads it once adapter_dir's own mode lets it enter)
+        assert stat.S_IMODE(slot.stat().st_mode) == 0o755 & ~umask
+        assert stat.S_IMODE((slot / "math@v2").stat().st_mode) == 0o755
         await until(lambda: len(engine.loras) == 1)  # (v1's unload follows the acks)
         assert engine.loras == {"math@v2": str(slot / "math@v2")}  # v1 unloaded after v2
         assert engine.requests.count("/v1/unload_lora_adapter") == 1
@@ -202,7 +207,8 @@ async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engin
             assert "max_lora_rank 2" in err.message and "(math@v2 stays served)" in err.message
         assert set(engine.loras) == {"math@v2"}
         # (removed off the event loop)
-        await until(lambda: not (slot / "math@v3").exists(), 5.0, every_s=0.05)
+        await until(lambda: not (slot / "math@v3").exists(), 5.0, every_s=0.05,
+                    why=lambda: f"{slot / 'math@v3'} is still there")
         # the rounds' ends in Prometheus (the executor hands every SlotEvent to Metrics)
         text = generate_latest(d.metrics.registry).decode()
         assert 'slotsync_adapter_loads_total{outcome="success"} 2.0' in text, text

@@ -20,6 +20,7 @@ module (adapters unloaded between tests); each test has its own daemon. Faults:
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
@@ -269,6 +270,43 @@ def test_vllm_family_one_rank_holding_all_is_linked_and_outlives_the_rank(pool, 
             assert_nothing_left(d, run)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_the_default_adapter_dir_links_a_one_rank_adapter(pool, veng):
+    """The daemon's own default ``adapter_dir`` (``/dev/shm/slotsyncd-<uid>/adapters-<key>``,
+    ``daemon/service/adapter_root.py``; ``SLOTSYNC_ADAPTER_DIR=""`` keeps ``DaemonProcess``
+    from giving it another): the start says ``link=true``, and v1 all on rank 1 is
+    hard-linked there (``how=linked``; the old default, ``<runtime_dir>/adapters``, is on
+    another filesystem, where every round is copied). At the stop only the served version's
+    folder is left (an engine may read it again, as in any ``adapter_dir``): the test removes
+    it, and the private folder with it. Red on the old code: no ``adapter_root`` module, and
+    the old default's start line says ``link=false``."""
+    import os
+
+    from slotsync.daemon.service.adapter_root import resolve
+
+    with DaemonProcess(env={"SLOTSYNC_ADAPTER_DIR": ""}) as d:
+        root = resolve("", d.endpoint, d.runtime_dir)
+        try:
+            start = next(x for x in d.log_tail(50000).splitlines() if " adapter_dir " in x)
+            assert f"folder={root.path}" in start and "link=true" in start, start
+            assert root.path.startswith(f"/dev/shm/slotsyncd-{os.geteuid()}/adapters-")
+            run = run_rounds(pool, d, veng, {"version": 1, "layout": "one", "holder": 1})
+            assert_ok(run, d, 1)
+            assert_holds(veng, "math@v1", "vllm", 1)
+            (line,) = [x for x in d.log_tail(50000).splitlines() if " adapter_file " in x]
+            assert "rank=1" in line and "how=linked" in line, line
+            assert (Path(root.path) / f"slot-{KEY[0]}-{KEY[1]}" / "math@v1").is_dir()
+            d.stop()
+            slot = Path(root.path) / f"slot-{KEY[0]}-{KEY[1]}"
+            assert os.listdir(root.path) == [slot.name] and os.listdir(slot) == ["math@v1"]
+        finally:
+            unload_all(veng)
+            d.stop()
+            shutil.rmtree(Path(root.path) / f"slot-{KEY[0]}-{KEY[1]}", ignore_errors=True)
+            for folder in (root.path, root.private):  # (what the stop left: v1 was served)
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
 
 
 @pytest.mark.sglang

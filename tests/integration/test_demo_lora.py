@@ -9,7 +9,8 @@ both ranks and one held by one rank, SGLang's one held by one rank and one sprea
 both. Nothing is left behind: the demo's folder, with the daemon's adapter folders, is gone
 (the suite's leak check covers shared memory and processes).
 
-Red on the old code: ``slotsync demo`` had no ``--lora`` (argparse exits 2)."""
+Red on the old code: ``slotsync demo`` had no ``--lora`` (argparse exits 2); then the
+daemon's line counted base-weight updates only ("updates ok 0, failed 0")."""
 
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def test_demo_lora_rounds_verify_on_every_worker(engine, layouts, capsys, monkey
     adapters = next(ln for ln in lines if "slot [0, 2) adapters:" in ln)  # (the daemon's
     # /status; demo@v1 may still be listed "unloading" until the daemon has its answer)
     assert "demo@v2 served" in adapters and "demo@v1 served" not in adapters, adapters
+    counts = next(ln for ln in lines if "daemon: slot [0, 2) state" in ln)  # (the trial saw
+    # "updates ok 0, failed 0" there: base-weight updates only)
+    assert "adapter rounds ok 2, failed 0" in counts and "updates ok" not in counts, counts
     assert "slotsync demo OK" in out.stdout
     (folder,) = re.findall(r"ipc://(\S+)/slotsyncd\.sock", out.stdout)
     assert not os.path.exists(folder)  # (the daemon's adapter folders were in it)

@@ -181,6 +181,42 @@ def test_a_segment_that_is_not_exactly_the_sealed_file_is_copied_and_says_why(
     _equal(folder / TENSORS_FILE, tensors)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another uid needs root")
+def test_a_daemon_of_another_uid_than_the_ranks_is_told_why_it_cannot_link(
+        shm_root: Path, ranks: list[Rank]) -> None:
+    """The kernel grants a lease (``F_SETLEASE``) only on a file of the caller's uid, and
+    with ``fs.protected_hardlinks`` links a read-only file only for its owner: a daemon of
+    another uid (systemd's ``User=slotsync``, the ranks another user) copies, and ``take``
+    says why and what to do. ``take`` runs in a child that became uid 4242 (no
+    capabilities left)."""
+    rank = Rank(lora_tensors(r=8, seed=13))
+    ranks.append(rank)
+    dest = shm_root / "theirs"
+    dest.mkdir()
+    os.chown(dest, 4242, 4242)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the child: a daemon of uid 4242)
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(4242)
+            os.setuid(4242)
+            with PartReader({0: rank.handle}) as reader_:
+                why = reader_.take(0, dest / TENSORS_FILE, rank.part.header)
+            os.write(w, why.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        why = f.read().decode()
+    os.waitpid(pid, 0)
+    assert why.startswith(f"no read lease on segment {rank.handle.segment!r}"), why
+    assert (f"the segment is uid {os.geteuid()}'s and the daemon runs as uid 4242" in why
+            and "run the daemon as the trainer ranks' user to link" in why), why
+    assert not (dest / TENSORS_FILE).exists()
+
+
 def test_a_segment_without_the_plans_header_is_not_linked(shm_root: Path, ranks: list[Rank]
                                                          ) -> None:
     """``take`` with a header other than the segment's first bytes links nothing and says

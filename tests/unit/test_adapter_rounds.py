@@ -231,11 +231,11 @@ def test_sglang_round_acks_begin_with_device_and_loads_from_the_ranks_handles():
 
 @pytest.mark.parametrize("why, setup, words, calls", [
     ("lora off", lambda h: setattr(h.engine, "lora_info", {"vllm_config": {}}),
-     "does not serve LoRA adapters: start it with --enable-lora", INFO),
+     "does not serve LoRA adapters: start the vLLM server with the flag --enable-lora", INFO),
     # (vLLM's own rule, PEFTHelper.validate_legal, asked of the family with /server_info)
     ("rank", lambda h: setattr(h.engine, "lora_info", {"vllm_config": {"lora_config": {
-        "max_lora_rank": 2}}}), "its LoRA rank 4 is above the server's max_lora_rank 2 (set "
-     "--max-lora-rank", INFO[:2]),
+        "max_lora_rank": 2}}}), "its LoRA rank 4 is above the server's max_lora_rank 2 "
+     "(restart the vLLM server with --max-lora-rank 8,", INFO[:2]),
 ])
 def test_refused_by_the_engines_limits_before_any_call_that_changes_it(why, setup, words,
                                                                        calls):
@@ -333,7 +333,7 @@ def test_base_and_adapter_rounds_never_overlap_on_a_slot():
     ("load_lora_adapter: HTTP 500: worker failed to read the folder",
      "vLLM refused the adapter (HTTP 500): worker failed to read the folder"),
     ("load_lora_adapter: HTTP 404: Not Found",  # (the route missing: vLLM's words, explained)
-     "start the server with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"),
+     "start the vLLM server with the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"),
     ("load_lora_adapter: no answer within 120 s (registered anyway)", "no answer within 120 s"),
 ])
 def test_a_failed_load_leaves_the_previous_version_served_and_nothing_half_loaded(error,

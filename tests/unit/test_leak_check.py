@@ -60,6 +60,37 @@ def test_a_run_that_leaves_things_behind_fails_naming_each(pytester, monkeypatch
     assert not os.path.exists(f"/dev/shm/{shm}")  # removed
 
 
+LEAKY_ADAPTERS = '''
+import os
+
+def test_leaves_a_default_adapter_dir_behind():
+    os.makedirs("/dev/shm/slotsyncd-{uid}/adapters-{key}/slot-0-2/math@v1")
+'''
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_a_daemons_default_adapter_dir_left_behind_fails_naming_it(pytester, monkeypatch):
+    """A daemon started with its default ``adapter_dir`` leaves its served versions' folders
+    in ``/dev/shm/slotsyncd-<uid>/`` at its stop (issue 36): a test's daemon must get a
+    folder of its own, and the check names one that did not."""
+    key = f"leakcheck{secrets.token_hex(4)}"
+    private = Path(f"/dev/shm/slotsyncd-{os.geteuid()}")
+    had = private.exists()
+    try:
+        result = _run(pytester, monkeypatch, LEAKY_ADAPTERS.format(uid=os.geteuid(), key=key))
+    finally:
+        import shutil
+
+        shutil.rmtree(private / f"adapters-{key}", ignore_errors=True)
+        if not had and private.exists() and not any(private.iterdir()):
+            private.rmdir()
+    out = result.stdout.str()
+    assert result.ret == 1, out
+    assert f"{private}/adapters-{key} (a daemon's default adapter_dir" in out, out
+    assert not (private / f"adapters-{key}").exists()  # removed
+    assert had or not private.exists()  # (made by the run: removed once empty)
+
+
 def test_a_clean_run_passes_and_says_so(pytester, monkeypatch):
     result = _run(pytester, monkeypatch, "def test_nothing():\n    assert True\n")
     out = result.stdout.str()

@@ -19,7 +19,7 @@ from test_publish_adapter import CONFIG, PREFIX, Adapterd, _adapter
 from test_publisher import ENGINE, FakeDaemon, _no_segments
 
 from slotsync.protocol import wire
-from slotsync.protocol.rank.adapters.inputs import peft_name_problem
+from slotsync.protocol.rank.adapters.inputs import config_text, peft_name_problem
 from slotsync.protocol.rank.publisher import Publisher
 
 endpoint = test_publisher.endpoint  # (the fixtures)
@@ -99,3 +99,43 @@ def test_two_ranks_parts_load_in_vllms_lora_model(
         assert layer is not None, sorted(model.loras)
         assert torch.equal(layer.lora_a, tensors[f"{PREFIX}.{proj}.lora_A.weight"])
         assert torch.equal(layer.lora_b, tensors[f"{PREFIX}.{proj}.lora_B.weight"])
+
+
+def test_names_refused_as_not_lora_tensors_are_those_vllm_cannot_load(tmp_path: Path) -> None:
+    """``wire.adapter.lora_tensor_problem`` (the rank's and the daemon's rule) against vLLM's
+    ``parse_fine_tuned_lora_name``: every name it accepts vLLM parses; every name it refuses
+    vLLM refuses too, but a classification adapter's full ``score`` / ``classifier`` module
+    (vLLM only; SGLang has none: refused on purpose) and a ``lora_A.weight`` of no module. A
+    folder holding a base weight is what vLLM's worker refused with the trial's HTTP 500
+    (``LoRAModel.from_local_checkpoint``)."""
+    from safetensors.torch import save_file
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from slotsync.protocol.wire.adapter import lora_tensor_problem
+
+    accepted = [*_adapter(), "base_model.model.model.embed_tokens.lora_embedding_A",
+                "base_model.model.lm_head.lora_embedding_B",
+                "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"]
+    refused = [f"{PREFIX}.q_proj.weight", f"{PREFIX}.q_proj.bias",
+               f"{PREFIX}.q_proj.lora_magnitude_vector", f"{PREFIX}.q_proj.lora_A.bias",
+               "base_model.model.model.norm.weight", f"{PREFIX}.q_proj"]
+    # (vLLM only: a classification adapter's modules; and a LoRA tensor of no module)
+    vllm_only = ["base_model.model.score.weight", "base_model.model.classifier.bias",
+                 "lora_A.weight"]
+    for name in accepted:
+        assert lora_tensor_problem(name) == "" and _parses(name), name
+    for name in refused:
+        assert lora_tensor_problem(name) != "" and not _parses(name), name
+    for name in vllm_only:
+        assert lora_tensor_problem(name) != "" and _parses(name), name
+    folder = tmp_path / "math@v1"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(config_text(CONFIG))
+    save_file({**{n: t.contiguous() for n, t in _adapter().items()},
+               f"{PREFIX}.q_proj.weight": torch.zeros(16, 16)},
+              str(folder / "adapter_model.safetensors"))
+    helper = PEFTHelper.from_local_dir(str(folder), max_position_embeddings=None)
+    with pytest.raises(ValueError, match="is unsupported LoRA weight"):
+        LoRAModel.from_local_checkpoint(str(folder), {"q_proj", "v_proj"}, helper,
+                                        lora_model_id=1, device="cpu")

@@ -223,7 +223,8 @@ async def test_lora_limits_read_vllms_own_server_info(monkeypatch) -> None:
     assert on.enabled and on.max_lora_rank == 32 and on.max_loras == 0
     assert on.flag("max_lora_rank").startswith("--max-lora-rank")
     off = lora_limits(await info(None, "1"))
-    assert not off.enabled and off.flag("enabled") == "--enable-lora"
+    assert not off.enabled
+    assert off.flag("enabled") == "start the vLLM server with the flag --enable-lora"
     no_routes = lora_limits(await info(LoRAConfig(max_lora_rank=16), "0"))
     assert not no_routes.enabled and no_routes.max_lora_rank == 16
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in no_routes.flag("enabled")

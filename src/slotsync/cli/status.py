@@ -76,7 +76,7 @@ def _seen_state(s: dict) -> str:
 def render_table(status: dict) -> str:
     """The slots as an aligned text table (one row per slot)."""
     head = ["SLOT", "ENGINE", "RANKS", "STATE", "ENGINE STATE", "VERSION", "LAST SUCCESS",
-            "LAST ERROR"]
+            "ROUNDS OK/FAILED", "LAST ERROR"]
     rows = []
     for s in status.get("slots", []):
         cur = s.get("current_update")
@@ -99,7 +99,7 @@ def render_table(status: dict) -> str:
             engine += f" (SGLang {s['engine_sglang_version']})"
         rows.append([
             f"[{s['slot'][0]},{s['slot'][1]})", engine, ranks, s["state"],
-            _engine_state(s), version, _last_update(s),
+            _engine_state(s), version, _last_update(s), rounds(s),
             err if len(err) <= 80 else err[:77] + "...",
         ])
     for e in status.get("released_engines", []):
@@ -110,7 +110,7 @@ def render_table(status: dict) -> str:
             f"[{e['slot'][0]},{e['slot'][1]})", e.get("engine_url") or "-", "released",
             "failed" if e.get("needs_full_update") or e.get("draft_needs_full_update")
             else "released",
-            _engine_state({**e, "engine_url": e.get("engine_url") or "-"}), "-", "-",
+            _engine_state({**e, "engine_url": e.get("engine_url") or "-"}), "-", "-", "-",
             err if len(err) <= 80 else err[:77] + "...",
         ])
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
@@ -138,6 +138,19 @@ def _ago(s: float | None, suffix: str = " ago") -> str:
     if s is None:
         return "-"
     return f"{s:.0f}s{suffix}" if s < 3600 else f"{s / 3600:.1f}h{suffix}"
+
+
+def rounds(s: dict) -> str:
+    """A slot's rounds so far, ok/failed: ``weights 3/0`` (base-weight updates,
+    ``updates_succeeded`` / ``updates_failed``), then ``, adapters 2/1`` once it had LoRA
+    adapter rounds (issue 36: ``adapter_rounds_succeeded`` / ``adapter_rounds_failed``; a
+    slot that only gets adapters reads ``weights 0/0, adapters 2/0``, not "nothing ran");
+    "-" from a daemon that reports no counts."""
+    if "updates_succeeded" not in s:
+        return "-"
+    text = f"weights {s['updates_succeeded'] or 0}/{s.get('updates_failed') or 0}"
+    ok, failed = s.get("adapter_rounds_succeeded") or 0, s.get("adapter_rounds_failed") or 0
+    return text + (f", adapters {ok}/{failed}" if ok or failed else "")
 
 
 def _last_update(s: dict) -> str:

@@ -220,8 +220,10 @@ def _say_daemon(say, daemon, who: str) -> int:
         nodes = ("" if "" in by_node or not by_node else "; ranks by node: " + ", ".join(
             f"{n} {sorted(rs)}" for n, rs in sorted(by_node.items())))
         say(f"  {who}: slot [{s_['slot'][0]}, {s_['slot'][1]}) state {s_['state']}, "
-            f"updates ok {s_['updates_succeeded']}, failed {s_['updates_failed']}"
-            + (f", last error: {s_['last_error']}" if s_["last_error"] else "") + nodes)
+            + rounds_summary(s_)
+            + (f", last error: {s_['last_error']}" if s_["last_error"] else "")
+            + (f", last adapter error: {s_['adapter_last_error']}"
+               if s_.get("adapter_last_error") else "") + nodes)
         if s_.get("adapters"):
             say(f"  {who}: slot [{s_['slot'][0]}, {s_['slot'][1]}) adapters: " + ", ".join(
                 f"{a['served_name']} {a['state']}" for a in s_["adapters"]))
@@ -235,6 +237,22 @@ def _say_daemon(say, daemon, who: str) -> int:
         say(f"  {who}: slot [{r['slot'][0]}, {r['slot'][1]}) driven by node {r['driven_by']} "
             f"({r.get('owner_address')}); this node's ranks relayed there")
     return down
+
+
+def rounds_summary(slot: dict) -> str:
+    """A slot's rounds from its ``/status`` entry: ``updates ok 3, failed 0`` (base-weight
+    updates: ``updates_succeeded`` / ``_failed``) and ``adapter rounds ok 2, failed 1``
+    (LoRA adapter rounds, issue 36: ``adapter_rounds_succeeded`` / ``_failed``, which a
+    daemon before issue 36 does not report); each part only where it has a round, the
+    updates' when neither has one."""
+    ok, failed = slot.get("updates_succeeded") or 0, slot.get("updates_failed") or 0
+    a_ok = slot.get("adapter_rounds_succeeded") or 0
+    a_failed = slot.get("adapter_rounds_failed") or 0
+    parts = [f"updates ok {ok}, failed {failed}"] if ok or failed or not (a_ok or a_failed) \
+        else []
+    if a_ok or a_failed:
+        parts.append(f"adapter rounds ok {a_ok}, failed {a_failed}")
+    return "; ".join(parts)
 
 
 def _weight_version(engine) -> str:

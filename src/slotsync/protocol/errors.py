@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["ADAPTERS_UNSUPPORTED", "DAEMON_GONE", "SlotsyncError", "SlotsyncTimeout"]
+__all__ = ["ADAPTER_CODES", "ADAPTER_FAILED", "ADAPTER_FILES_FAILED", "ADAPTER_REFUSED",
+           "ADAPTERS_UNSUPPORTED", "BAD_MESSAGE", "DAEMON_GONE", "DAEMON_STOPPING",
+           "ENGINE_FAILED", "ENGINE_UNFIT", "RANK_ABORTED", "RANK_GONE", "RANK_TIMEOUT",
+           "ROUND_IN_FLIGHT", "SlotsyncError", "SlotsyncTimeout", "VERSION_REFUSED"]
 
 DAEMON_GONE = "daemon_gone"
 """``SlotsyncError.code`` when the connection to the daemon closed while waiting for a reply
@@ -15,6 +18,67 @@ DAEMON_GONE = "daemon_gone"
 ADAPTERS_UNSUPPORTED = "adapters_unsupported"
 """``SlotsyncError.code`` when ``Publisher.publish_adapter`` finds a daemon that does not know
 adapter rounds (a slotsyncd older than issue 36 cannot decode ``wire.AdapterBegin``)."""
+
+# ``SlotsyncError.code`` of the daemon's errors in an adapter round (issue 36; every ``Error``
+# the daemon sends about an adapter round carries one, ``daemon/core/adapters/rounds.py``;
+# docs/lora.md's failure table lists them per row). Base-weight rounds set no code except
+# ``not_registered`` and ``rank_held`` (``wire.from_daemon``).
+
+ADAPTER_REFUSED = "adapter_refused"
+"""The slot's ranks publish an adapter no engine can take as sent: they disagree (name,
+version, config), their parts do not tile a tensor, a tensor name is not a LoRA tensor's, a
+config the engine family cannot read, a tensor split over ranks for SGLang. Fix the trainer's
+call; nothing was sent to the engine."""
+
+VERSION_REFUSED = "version_refused"
+"""The version is not above the one the engine serves (the message names it): publish a
+higher one. Nothing was sent to the engine."""
+
+ENGINE_UNFIT = "engine_unfit"
+"""The engine cannot hold the adapter as it runs: LoRA off, ``r`` above its max LoRA rank, no
+room for one more adapter, a family without adapters, paused or mid-update, a slot over
+several nodes. The message names the flag to set; nothing was sent that changes the engine."""
+
+ENGINE_FAILED = "engine_failed"
+"""An engine call of the round failed or passed its deadline (a load refused with the
+engine's text, the engine died or restarted mid-load, its info routes did not answer). The
+previous version stays served."""
+
+ADAPTER_FILES_FAILED = "adapter_files_failed"
+"""The daemon could not write the adapter's folder (vLLM engines): a part's sha256 that does
+not match the rank's digest (named: tensor and rank), or the file system."""
+
+RANK_TIMEOUT = "rank_timeout"
+"""The daemon's deadline on the slot's ranks expired (``begin_timeout_s`` for the begins,
+``chunk_timeout_s`` for the data); ``SlotsyncError.missing_ranks`` names the late ones."""
+
+RANK_GONE = "rank_gone"
+"""A rank of the slot died, closed its connection, or registered again mid-round (named with
+its pid)."""
+
+RANK_ABORTED = "rank_aborted"
+"""A rank of the slot gave up on the round and said why (``wire.Abort``): an error raised in
+its own ``publish_adapter`` (a bad argument, its memory, an interrupt, its own timeout). The
+message names the rank and its reason."""
+
+BAD_MESSAGE = "bad_message"
+"""A message outside the round's conversation: malformed, of another or a stale update id,
+sent twice or before its ack, a handle that cannot carry the part."""
+
+ROUND_IN_FLIGHT = "round_in_flight"
+"""Another round of the slot is in flight (a base-weight update, or another adapter round):
+the two never overlap on one engine. Publish once that one returned."""
+
+DAEMON_STOPPING = "daemon_stopping"
+"""The daemon is shutting down: the round in flight ends, no new one starts."""
+
+ADAPTER_FAILED = "adapter_failed"
+"""Any other failure of an adapter round (the daemon's fallback: none is known to use it)."""
+
+ADAPTER_CODES = (ADAPTER_REFUSED, VERSION_REFUSED, ENGINE_UNFIT, ENGINE_FAILED,
+                 ADAPTER_FILES_FAILED, RANK_TIMEOUT, RANK_GONE, RANK_ABORTED, BAD_MESSAGE,
+                 ROUND_IN_FLIGHT, DAEMON_STOPPING, ADAPTER_FAILED)
+"""Every code an adapter round's ``Error`` carries."""
 
 
 class SlotsyncError(Exception):
@@ -35,7 +99,10 @@ class SlotsyncError(Exception):
         update_id: the failed update's id, or ``None`` (e.g. registration).
         missing_ranks: ranks the daemon was still waiting for when a deadline expired (I5).
         fatal: the daemon's ``fatal`` flag.
-        code: the daemon's machine-readable reason (``wire.Error.code``), or "".
+        code: the daemon's machine-readable reason (``wire.Error.code``), or "". Every
+            error of an adapter round has one (``ADAPTER_CODES``: ``rank_aborted``,
+            ``version_refused``, ``engine_failed`` ...); of base-weight rounds only a
+            registration's (``not_registered``, ``rank_held``) and ``daemon_gone``.
     """
 
     def __init__(

@@ -123,7 +123,13 @@ class DaemonProcess:
     ``Popen`` does, ``stdout`` included).
 
     Args:
-        runtime_dir: folder for the ZeroMQ socket (default: a new temporary folder).
+        runtime_dir: folder for the ZeroMQ socket (default: a new temporary folder). The
+            daemon's ``adapter_dir`` is ``<runtime_dir>/adapters`` too, unless ``args`` name
+            one or a config file (which the flag would override), or the environment sets
+            ``SLOTSYNC_ADAPTER_DIR`` or ``SLOTSYNC_CONFIG``: the daemon's real default
+            (``/dev/shm/slotsyncd-<uid>/...``, ``daemon/service/adapter_root.py``) would keep
+            the served versions' folders after the daemon (and the temporary folder) are
+            gone.
         args: extra ``slotsyncd`` flags, e.g. ``["--chunk-timeout-s", "5"]``.
         startup_timeout_s: bound on the wait for the ready line, seconds.
         log_path: file receiving the daemon's stderr (default: a temporary file).
@@ -160,6 +166,9 @@ class DaemonProcess:
         cmd = [sys.executable, "-m", "slotsync.daemon", "--runtime-dir", runtime_dir,
                "--status-port", "0", *(args or [])]
         full_env = {**os.environ, **(env or {})}
+        if not any(a.split("=", 1)[0] in ("--adapter-dir", "--config") for a in args or []) \
+                and not {"SLOTSYNC_ADAPTER_DIR", "SLOTSYNC_CONFIG"} & set(full_env):
+            cmd += ["--adapter-dir", os.path.join(runtime_dir, "adapters")]
         self.proc: Any
         if netns is None and _daemon_zygote is not None:
             self.proc = self._fork(cmd, full_env)

@@ -399,7 +399,9 @@ def _figures(args: argparse.Namespace, shapes: Shapes, got: dict[str, Any],
          "vLLM's: in both paths' engine time here)", ms(steps["engine_checksums"])],
     ]
     return [
-        "## A LoRA adapter through slotsync vs through the disk (CPU): `slotsync bench lora`",
+        "## A LoRA adapter through slotsync vs through the disk "
+        f"({'GPU: tensors on ' + args.device if args.device != 'cpu' else 'CPU'}): "
+        "`slotsync bench lora`",
         "",
         f"- command: `{command_line()}`",
         f"- machine: {machine_line()}",

@@ -24,6 +24,7 @@ from slotsync.daemon.core import wait_report
 from slotsync.daemon.core.claim_check import ClaimCheck
 from slotsync.daemon.core.coordinator import Action, Reply, SlotCoordinator, SlotEvent, Timeouts
 from slotsync.daemon.core.family import Families
+from slotsync.protocol.errors import DAEMON_STOPPING
 from slotsync.protocol.wire import (
     NOT_REGISTERED,
     Abort,
@@ -180,7 +181,8 @@ class SlotTable:
             slot = self._slot_of_rank[rank].slot if rank is not None else (0, 0)
             phase = "begin" if isinstance(msg, Begin) else "adapter_begin"
             return [Reply(identity, Error(phase, "the daemon is shutting down; no new update "
-                                          "starts", list(slot), msg.update_id, [], False))]
+                                          "starts", list(slot), msg.update_id, [], False,
+                                          DAEMON_STOPPING))]
         if rank is None:
             return [
                 Reply(

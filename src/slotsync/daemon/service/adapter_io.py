@@ -2,14 +2,16 @@
 engine loads adapters from written and removed, each off the event loop (``AdapterIO``; the
 executor runs the core's ``AdapterFiles`` and ``RemoveAdapterFiles`` through it).
 
-The folders live in ``adapter_dir`` (``Config.adapter_path``: by default ``adapters`` in the
-runtime dir, a tmpfs under systemd's RuntimeDirectory), made mode 0700 when the daemon makes
-it, one folder per slot (``slot-<start>-<end>``), and in it one folder per served version
-(``math@v3``, written by the engine's family: ``AdapterSupport.write_files``, into a temp
-folder renamed at the end). A folder goes once no engine holds its version (the core's
+The folders live in ``adapter_dir`` (``Config.adapter_root``: by default
+``/dev/shm/slotsyncd-<uid>/adapters-<key>``, made safely in the world-writable ``/dev/shm``
+by ``adapter_root.make_private``, ``adapter_root.py`` says why there), made mode 0700 when
+the daemon makes it, one folder per slot (``slot-<start>-<end>``), and in it one folder per
+served version (``math@v3``, written by the engine's family: ``AdapterSupport.write_files``,
+into a temp folder renamed at the end). A folder goes once no engine holds its version (the core's
 ``RemoveAdapterFiles``); at the daemon's stop the folders it wrote that no engine can still
 need are removed (``close``: an engine may read a served version's folder again, after vLLM's
-``reset_lora_state`` at every base-weight finish, so those stay while it runs). Folders found
+``reset_lora_state`` at every base-weight finish, so those stay while it runs), and the
+default ``adapter_dir`` with its private folder when they are left empty. Folders found
 at start (a previous daemon's) are left alone: an engine may still read them.
 
 A rank's part is read from ``/dev/shm/<segment>`` (the name is the wire's, checked there: no
@@ -50,12 +52,25 @@ from pathlib import Path
 from typing import Any
 
 from slotsync.daemon.logs import log_event
+from slotsync.daemon.service.adapter_root import AdapterRoot, make_private, remove_if_empty
 from slotsync.protocol.wire import ShmHandle
 
 log = logging.getLogger("slotsync.daemon.service.adapter_io")
 
 SHM_DIR = "/dev/shm"
 TEMP_PREFIX = ".writing-"  # (the families' temp folders: removed at start and stop)
+
+
+def _owner(st: os.stat_result) -> str:
+    """Why a segment of another uid than the daemon's is not linked ('' for its own): Linux
+    grants a lease only on a file of the caller's uid (``fcntl(2)`` ``F_SETLEASE``, or
+    ``CAP_LEASE``) and, with ``fs.protected_hardlinks`` (most distributions' default), links
+    a file the caller cannot write only for its owner (or ``CAP_FOWNER``)."""
+    if st.st_uid == os.geteuid():
+        return ""
+    return (f" (the segment is uid {st.st_uid}'s and the daemon runs as uid {os.geteuid()}: "
+            "Linux lets only a file's owner take its lease and hard-link it once it is "
+            "read-only; run the daemon as the trainer ranks' user to link)")
 
 
 class PartReader:
@@ -159,7 +174,7 @@ class PartReader:
                 if e.errno == errno.EAGAIN:
                     return (f"a process holds segment {h.segment!r} open for writing (no read "
                             "lease)")
-                return f"no read lease on segment {h.segment!r}: {e.strerror}"
+                return f"no read lease on segment {h.segment!r}: {e.strerror}" + _owner(st)
             try:
                 if os.pread(fd, len(header), 0) != header:
                     return (f"segment {h.segment!r} does not start with the safetensors header "
@@ -170,7 +185,8 @@ class PartReader:
                     if e.errno == errno.EXDEV:
                         return (f"the adapter folder is not on {self._dir}'s filesystem (set "
                                 f"adapter_dir to a folder on it to link instead of copying)")
-                    return f"segment {h.segment!r} cannot be linked: {e.strerror}"
+                    return (f"segment {h.segment!r} cannot be linked: {e.strerror}"
+                            + _owner(st))
                 linked = os.lstat(dest)
                 if (linked.st_dev, linked.st_ino) != (st.st_dev, st.st_ino):
                     os.unlink(dest)  # (the name was replaced meanwhile: not the file checked)
@@ -198,11 +214,16 @@ class AdapterIO:
     Args:
         root: ``adapter_dir`` (made at ``prepare``, mode 0700).
         shm_dir: where the ranks' segments are (``/dev/shm``; tests may point elsewhere).
+        private: the default ``adapter_dir``'s private folder above ``root``
+            (``adapter_root.AdapterRoot.private``: made and checked at ``prepare``, removed
+            with ``root`` at ``close`` when both are empty); '' for an ``adapter_dir`` set in
+            the configuration.
     """
 
-    def __init__(self, root: str | Path, shm_dir: str = SHM_DIR) -> None:
+    def __init__(self, root: str | Path, shm_dir: str = SHM_DIR, private: str = "") -> None:
         self.root = Path(root)
         self.shm_dir = shm_dir
+        self.private = private
         self.written: set[str] = set()  # folders this daemon wrote and has not removed
         self.found: list[str] = []  # folders a previous daemon left (kept)
         self._io = ThreadPoolExecutor(2, thread_name_prefix="slotsync-adapters")
@@ -214,7 +235,10 @@ class AdapterIO:
 
         Raises:
             OSError: the folder cannot be made.
+            AdapterDirError: the default's private folder is not safe to use (its text says
+                what to do; ``adapter_root.make_private``).
         """
+        make_private(AdapterRoot(str(self.root), self.private))
         if not self.root.is_dir():
             self.root.mkdir(parents=True, mode=0o700, exist_ok=True)
         for slot in sorted(p for p in self.root.iterdir() if p.is_dir()):
@@ -247,7 +271,10 @@ class AdapterIO:
 
         def run() -> str:
             t0 = time.perf_counter()
-            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # 0755 (umask aside), as the version folders in it: ``adapter_dir``'s own mode
+            # decides who may enter (0700 when the daemon made it); an operator who made it
+            # readable for an engine of another user needs the slot folder readable too
+            root.mkdir(parents=True, exist_ok=True, mode=0o755)
             with PartReader(handles, self.shm_dir) as reader:
                 folder = str(write_files(root, plan, reader.read, reader.take))
             for rank, why in reader.taken.items():
@@ -298,4 +325,5 @@ class AdapterIO:
                     shutil.rmtree(f, ignore_errors=True)
             with contextlib.suppress(OSError):
                 slot.rmdir()  # (only when empty)
+        remove_if_empty(AdapterRoot(str(self.root), self.private))
         return gone

@@ -26,6 +26,8 @@ from slotsync import __version__
 from slotsync.daemon.core.coordinator import OMITTED_NAMES_POLICIES
 from slotsync.daemon.node_links import spans
 from slotsync.daemon.node_links.peer_wire import SpanPart
+from slotsync.daemon.service.adapter_root import AdapterRoot, private_problem
+from slotsync.daemon.service.adapter_root import resolve as resolve_adapter_root
 from slotsync.daemon.service.folders import filesystem_type as filesystem_type  # (kept here)
 from slotsync.daemon.service.folders import unusable_folder
 from slotsync.daemon.sglang.routes import PAUSE_MODES
@@ -98,7 +100,7 @@ class Config:
     max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT  # cap on one frame from a rank
     chunks_in_flight: int = 3  # /update_weights calls per engine at once (1: one at a time)
     omitted_names: str = "warn"  # an update leaving out names the last one loaded: warn|refuse
-    adapter_dir: str = ""  # LoRA adapter folders vLLM loads (issue 36); "" = <runtime_dir>/adapters
+    adapter_dir: str = ""  # LoRA adapters for vLLM (issue 36); "" = adapter_root.resolve
     adapter_load_timeout_s: float = 120.0  # an adapter's folder write, and its load call
     allow_uids: str = ""  # peers allowed by user id (comma list); "" = the daemon's own uid
     allow_gids: str = ""  # peers allowed by group id (comma list); "" = the daemon's own gid
@@ -126,12 +128,17 @@ class Config:
         base = self.state_dir or self.runtime_dir or default_runtime_dir()
         return os.path.join(base, "inflight.json")
 
+    def adapter_root(self) -> AdapterRoot:
+        """The LoRA adapter folder (issue 36): ``adapter_dir``, else the default on
+        ``/dev/shm``'s filesystem (``/dev/shm/slotsyncd-<uid>/adapters-<key>``), else, with no
+        usable ``/dev/shm``, ``adapters`` in the runtime dir (``adapter_root.resolve``)."""
+        return resolve_adapter_root(self.adapter_dir, self.endpoint(),
+                                    self.runtime_dir or default_runtime_dir())
+
     def adapter_path(self) -> str:
         """The folder of the LoRA adapter folders the daemon writes for vLLM engines
-        (``adapter_dir``, else ``adapters`` in the runtime dir: a tmpfs under systemd's
-        RuntimeDirectory or ``$XDG_RUNTIME_DIR``)."""
-        return self.adapter_dir or os.path.join(self.runtime_dir or default_runtime_dir(),
-                                                "adapters")
+        (``adapter_root().path``)."""
+        return self.adapter_root().path
 
     def origin(self, name: str) -> str:
         """Where option ``name``'s value came from: a flag, an environment variable, the
@@ -248,9 +255,11 @@ class Config:
             why = unusable_folder(folder)
             if why:
                 raise ValueError(self.folder_error(folder, option, holds, why))
-        why = unusable_folder(self.adapter_path())  # (made at start, mode 0700)
+        root = self.adapter_root()  # (made at start, mode 0700)
+        why = private_problem(root.private) if root.private else ""
+        why = why or unusable_folder(root.path)
         if why:
-            raise ValueError(self.folder_error(self.adapter_path(), "adapter_dir",
+            raise ValueError(self.folder_error(root.path, "adapter_dir",
                                                "LoRA adapter folders for vLLM go there", why))
 
     def missing_peer_keys(self) -> str:
@@ -351,8 +360,10 @@ _HELP = {
     "successful update loaded does: warn (log line, metric, PublishStats.omitted_names; vLLM "
     "keeps those tensors' old values) or refuse (fail it before the finish)",
     "adapter_dir": "folder where the daemon writes the LoRA adapters vLLM engines load "
-    "(issue 36; created mode 0700; default: adapters in the runtime dir, a tmpfs under systemd; "
-    "on /dev/shm's filesystem an adapter one rank holds whole is linked, not copied)",
+    "(issue 36; created mode 0700; default: /dev/shm/slotsyncd-<uid>/adapters-<key>, key the "
+    "first 12 hex digits of the sha256 of the daemon's ipc:// endpoint: on /dev/shm's "
+    "filesystem an adapter one rank holds whole is linked, not copied; adapters in the runtime "
+    "dir when /dev/shm is not a tmpfs this uid can write)",
     "adapter_load_timeout_s": "seconds an adapter round's folder write, and its load call on "
     "the engine, may take each before the round fails (the previous version stays served)",
     "allow_uids": "user ids whose processes may connect (comma list; default: the daemon's "

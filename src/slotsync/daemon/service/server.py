@@ -44,6 +44,7 @@ from slotsync.daemon.node_links.peer_keys import PeerKeyError, load_keys
 from slotsync.daemon.node_links.peer_wire import split_relayed
 from slotsync.daemon.service import runtime_dir
 from slotsync.daemon.service.adapter_io import AdapterIO
+from slotsync.daemon.service.adapter_root import AdapterDirError
 from slotsync.daemon.service.config import Config, ConfigError, read_config_file
 from slotsync.daemon.service.engine_keys import read_engine_keys
 from slotsync.daemon.service.executor import ActionExecutor, slot_text
@@ -136,7 +137,9 @@ class Daemon:
         self.metrics.watch_peers(self.peers)
         self.executor.settle = self.peers.settle  # (a link lost is told before the engine's
         # error that followed it: issue 35)
-        self.executor.adapter_io = self.adapter_io = AdapterIO(config.adapter_path())
+        root = config.adapter_root()  # (issue 36: the default on /dev/shm, adapter_root.py)
+        self.executor.adapter_io = self.adapter_io = AdapterIO(root.path, private=root.private)
+        self._adapter_fallback = root.fallback  # (why the default is not on /dev/shm: logged)
         self._relayed_meta = ChunkMetaCache()
         self.restored: list[MidUpdateEngine] = []
         # Set by the signal handlers only (uvicorn's Server.handle_exit); the main loop and
@@ -163,7 +166,7 @@ class Daemon:
         """
         try:
             await self.start()
-        except DaemonAlreadyRunning as e:
+        except (DaemonAlreadyRunning, AdapterDirError) as e:
             log_event(log, logging.ERROR, "refusing_to_start", reason=str(e))
             return 1
         except OSError as e:
@@ -228,10 +231,14 @@ class Daemon:
         """
         runtime_dir.prepare(self.endpoint)
         self.adapter_io.prepare()  # (issue 36: adapter_dir, mode 0700)
-        log_event(log, logging.INFO, "adapter_dir", folder=str(self.adapter_io.root),
-                  link=self.adapter_io.links(), **({} if self.adapter_io.links() else {
-                      "note": f"not on {self.adapter_io.shm_dir}'s filesystem: an adapter "
-                      "one rank holds whole is copied, not linked"}))
+        links = self.adapter_io.links()
+        said = {} if links else {"note": f"not on {self.adapter_io.shm_dir}'s filesystem: an "
+                                 "adapter one rank holds whole is copied, not linked"}
+        if self._adapter_fallback:
+            said["default_not_on_shm"] = (f"{self._adapter_fallback}: the default adapter_dir "
+                                          "is in the runtime dir instead")
+        log_event(log, logging.INFO, "adapter_dir", folder=str(self.adapter_io.root), link=links,
+                  **said)
         if self.adapter_io.found:
             log_event(log, logging.INFO, "adapter_folders_found", folder=str(self.adapter_io.root),
                       count=len(self.adapter_io.found), kept="an engine may still read them")

@@ -219,7 +219,7 @@ def refusal(plan: AdapterPlan, server_info: Any = None) -> str:
     if dp > 1:
         return ("SGLang refuses dynamic LoRA loading with data-parallel replicas (dp_size "
                 f"{dp}: 'data-parallel replicas are not supported for dynamic lora loading'): "
-                "run one server per replica, each its own engine slot")
+                "run one server per replica (--dp-size 1), each its own engine slot")
     if server_info.get("enable_dp_attention") or (_int(server_info, "attn_dp_size") or 1) > 1:
         return ("SGLang with attention DP loads only pinned LoRA adapters ('DP-attention LoRA "
                 "requires pinned adapters', LoRAManager.validate_new_adapter), which slotsyncd "
@@ -229,10 +229,12 @@ def refusal(plan: AdapterPlan, server_info: Any = None) -> str:
         have = normalized_target_modules(served)
         missing = sorted(wanted - have)
         if "all" not in have and missing:
+            need = " ".join(sorted(have | wanted))
             return (f"adapter {plan.lora_name!r} targets {missing}, which the SGLang server "
                     f"was not started for (--lora-target-modules {sorted(have)}; "
                     "LoRAMemoryPool.can_support): restart it with --lora-target-modules "
-                    "covering the adapter's target_modules, or 'all'")
+                    f"{need} (the modules it serves and the adapter's), or "
+                    "--lora-target-modules all")
     return ""
 
 

@@ -85,11 +85,24 @@ from slotsync.protocol.wire.adapter import SAFETENSORS_DTYPES, file_header
 RUNTIME_UPDATING = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
 """What vLLM's server environment needs for ``/v1/load_lora_adapter`` to exist."""
 
+RUNTIME_UPDATING_WHY = ("vLLM 0.32 vllm/entrypoints/serve/lora/api_router.py: the routes "
+                        "/v1/load_lora_adapter and /v1/unload_lora_adapter are attached only "
+                        "then")
+"""Where the rule comes from (``attach_router`` returns at once without it)."""
+
+START_WITH_RUNTIME_UPDATING = (f"start the vLLM server with the environment variable "
+                               f"{RUNTIME_UPDATING} ({RUNTIME_UPDATING_WHY})")
+"""What to do when the server has no runtime adapter routes: a plain instruction, saying
+where the setting goes (the server process's environment, not a flag) and why."""
+
+START_WITH_ENABLE_LORA = "start the vLLM server with the flag --enable-lora"
+"""What to do when the server runs without LoRA (``lora_config`` null)."""
+
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values ``--max-lora-rank`` takes (vLLM 0.32 ``config/lora.py`` ``MaxLoRARanks``)."""
 
 VLLM_LORA_FLAGS: tuple[tuple[str, str], ...] = (
-    ("enabled", f"--enable-lora (and {RUNTIME_UPDATING} in the server's environment)"),
+    ("enabled", f"{START_WITH_ENABLE_LORA} and the environment variable {RUNTIME_UPDATING}"),
     ("max_loras", "--max-loras"),
     ("max_lora_rank", "--max-lora-rank (one of "
      + ", ".join(str(r) for r in MAX_LORA_RANKS) + ")"),
@@ -154,26 +167,27 @@ def lora_limits(server_info: Any) -> LoraLimits:
     cfg = server_info.get("vllm_config") if isinstance(server_info, dict) else None
     env = server_info.get("vllm_env") if isinstance(server_info, dict) else None
     if not isinstance(cfg, dict):
-        why = ("no GET /server_info?config_format=json answer to read LoRA from (start vLLM "
-               f"with VLLM_SERVER_DEV_MODE=1, --enable-lora and {RUNTIME_UPDATING})"
-               if server_info is None else
-               "a GET /server_info answer without a JSON vllm_config (start vLLM with "
-               f"VLLM_SERVER_DEV_MODE=1, --enable-lora and {RUNTIME_UPDATING})")
-        flags["enabled"] = why
+        what = ("no GET /server_info?config_format=json answer to read its LoRA limits from"
+                if server_info is None else
+                "a GET /server_info answer without a JSON vllm_config to read its LoRA limits "
+                "from")
+        flags["enabled"] = (f"{what}: start the vLLM server with the environment variables "
+                            f"VLLM_SERVER_DEV_MODE=1 (for /server_info) and {RUNTIME_UPDATING} "
+                            f"({RUNTIME_UPDATING_WHY}) and the flag --enable-lora")
         return LoraLimits(False, flags=tuple(flags.items()))
     lora = cfg.get("lora_config")
     runtime = _truthy(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")) if isinstance(
         env, dict) else None
     if not isinstance(lora, dict):
         if runtime is False:
-            flags["enabled"] = f"--enable-lora and {RUNTIME_UPDATING} in its environment"
+            flags["enabled"] = (f"{START_WITH_ENABLE_LORA} and the environment variable "
+                                f"{RUNTIME_UPDATING} ({RUNTIME_UPDATING_WHY})")
         else:
-            flags["enabled"] = "--enable-lora"
+            flags["enabled"] = START_WITH_ENABLE_LORA
         return LoraLimits(False, flags=tuple(flags.items()))
     rank = _positive_int(lora.get("max_lora_rank"))
     if runtime is False:
-        flags["enabled"] = (f"{RUNTIME_UPDATING} in the server's environment (without it "
-                            "vLLM has no /v1/load_lora_adapter)")
+        flags["enabled"] = START_WITH_RUNTIME_UPDATING
         return LoraLimits(False, 0, rank, tuple(flags.items()))
     return LoraLimits(True, 0, rank, tuple(flags.items()))
 
@@ -222,9 +236,14 @@ def refusal(plan: AdapterPlan, limits: LoraLimits | None = None) -> str:
         why.append(f"modules_to_save {extra}: vLLM takes only classifier / score")
     rank = config_max_rank(config)
     if limits is not None and limits.max_lora_rank and rank > limits.max_lora_rank:
+        fits = next((r for r in MAX_LORA_RANKS if r >= rank), None)
         why.append(f"its LoRA rank {rank} is above the server's max_lora_rank "
-                   f"{limits.max_lora_rank} (set {limits.flag('max_lora_rank')} to at "
-                   f"least {rank})")
+                   f"{limits.max_lora_rank} (" + (
+                       f"restart the vLLM server with --max-lora-rank {fits}, the smallest of "
+                       f"the values it takes ({', '.join(map(str, MAX_LORA_RANKS))}) that "
+                       f"holds rank {rank}" if fits else
+                       f"vLLM 0.32 serves ranks up to --max-lora-rank {MAX_LORA_RANKS[-1]}: "
+                       "train the adapter at a lower rank") + ")")
     odd = sorted({t.dtype for t in plan.tensors if t.dtype not in SAFETENSORS_DTYPES})
     if odd:
         why.append(f"dtypes {odd} have no safetensors name vLLM reads back")
@@ -449,10 +468,10 @@ def load_error_text(status: int, message: str) -> str:
     (e.g. the name loaded already); a 500 a worker that could not load the folder
     (``PEFTHelper`` / ``LoRAModel`` errors, LoRA not enabled)."""
     if status == 404 and message.strip() in ("Not Found", ""):
-        return (f"vLLM has no /v1/load_lora_adapter (HTTP 404): start the server with "
-                f"{RUNTIME_UPDATING} in its environment (and --enable-lora)")
+        return (f"vLLM has no /v1/load_lora_adapter (HTTP 404): {START_WITH_RUNTIME_UPDATING}, "
+                "and the flag --enable-lora")
     if status == 404:
         return f"vLLM found no adapter folder (HTTP 404): {message}"
     if "--enable-lora" in message or "LoRA is not enabled" in message:
-        return f"vLLM runs without LoRA (HTTP {status}): start it with --enable-lora: {message}"
+        return f"vLLM runs without LoRA (HTTP {status}): {START_WITH_ENABLE_LORA}: {message}"
     return f"vLLM refused the adapter (HTTP {status}): {message}"

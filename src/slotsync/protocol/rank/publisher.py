@@ -486,17 +486,22 @@ class Publisher(PublisherConnection):
             ``AdapterStats`` (the served name, this rank's bytes, time per phase).
 
         Raises:
-            TypeError, ValueError: a bad argument, before anything is sent: names that
-                repeat or hold an adapter name, a dtype outside ``wire.DTYPE_SIZES``, tensors
-                on different devices, a DTensor of another layout, ``rows`` that do not fit,
-                a config without ``r`` or ``target_modules``, a negative version, a part
-                over ``adapters.inputs.MAX_PART_BYTES``.
-            MemoryError: the part cannot be allocated (``/dev/shm`` or the GPU).
+            TypeError, ValueError: a bad argument, before the begin is sent: names that
+                repeat, hold an adapter name or are not LoRA tensors' (a base weight), a
+                dtype outside ``wire.DTYPE_SIZES``, tensors on different devices, a DTensor
+                of another layout, ``rows`` that do not fit, a config without ``r`` or
+                ``target_modules``, a negative version, a part over
+                ``adapters.inputs.MAX_PART_BYTES``. The round is opened and aborted all the
+                same, so that the slot's other ranks fail at once (``code "rank_aborted"``).
+            MemoryError: the part cannot be allocated (``/dev/shm`` or the GPU); aborted
+                likewise.
             SlotsyncError: the daemon refused the round (a version not above the served
-                one, an engine without LoRA, ranks that disagree or do not tile; the
-                previous version stays served) or the load failed; ``code
-                "adapters_unsupported"``: the daemon is older than adapter rounds;
-                ``"daemon_gone"``: it went away.
+                one, an engine without LoRA, ranks that disagree or do not tile, another
+                rank's abort; the previous version stays served) or the load failed;
+                ``code``: which (``errors.ADAPTER_CODES``), ``"adapters_unsupported"``: the
+                daemon is older than adapter rounds; ``"daemon_gone"``: it went away.
+            KeyboardInterrupt, SystemExit: an interrupt while waiting, with a note (PEP 678)
+                naming what this rank and the daemon waited for (the phase, the ranks).
             SlotsyncTimeout: no reply within ``timeout_s``.
             RuntimeError: an update is open.
         """

@@ -258,6 +258,35 @@ class DaemonWaits:
                 log.debug("rank %d: ignoring stale reply %r while waiting for %s",
                           self.rank, msg, waited_for)
 
+    def what_daemon_waits_for(self, update_id: int | None) -> str:
+        """What the daemon says it is waiting for in update ``update_id`` (its
+        ``wire.Waiting.text``: the phase, the ranks, the deadline), asked with a ``wire.Query``
+        and waited for up to ``ASK_S`` seconds (at most ``timeout_s``); '' when it does not
+        answer (an older daemon, one gone). For an interrupted wait (``adapters/round.py``):
+        the update is given up, so every other reply read meanwhile is dropped, and nothing
+        is raised (a connection that closed is noted, ``connected``, for the next call)."""
+        try:
+            self.link.send(wire.encode(wire.Query(update_id)), block=False)
+        except zmq.ZMQError:
+            return ""
+        deadline = time.monotonic() + min(ASK_S, self.timeout_s)
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                ready = self.link.poll(remaining)
+                if ready == "event":
+                    self.read_monitor(during_update=False)
+                    if self.connected is False:
+                        return ""
+                    continue
+                if ready is None:
+                    continue
+                msg = wire.decode_from_daemon(self.link.recv_frame())
+            except (zmq.ZMQError, wire.ProtocolError, SlotsyncError):
+                return ""
+            if isinstance(msg, wire.Waiting):
+                return msg.text
+        return ""
+
     def ask(self, awaited: Awaited) -> tuple[wire.FromDaemon | None, str]:
         """The wait for ``awaited`` expired: ask the daemon what it is waiting for
         (``wire.Query``) and wait up to ``ASK_S`` seconds (at most ``timeout_s``) for its

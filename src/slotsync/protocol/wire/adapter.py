@@ -156,6 +156,56 @@ def check_config(config_json: str) -> int:
     return r
 
 
+_LORA_TENSOR_RE = re.compile(
+    r"^[^.].*\.(?:(?:lora_A|lora_B)\.weight|lora_embedding_A|lora_embedding_B)$")
+_BASE_SUFFIXES = (".weight", ".bias")
+
+
+def lora_tensor_problem(name: str) -> str:
+    """Why ``name`` is not a LoRA tensor in PEFT's naming, '' when it is one: ``<module>.lora_A
+    .weight`` / ``<module>.lora_B.weight``, or ``<module>.lora_embedding_A`` /
+    ``<module>.lora_embedding_B`` for an embedding layer, as PEFT's
+    ``get_peft_model_state_dict`` gives them and ``save_pretrained`` writes them
+    (``peft/utils/save_and_load.py``; the adapter's own name taken out).
+
+    Those four are what both engines load as an adapter's tensors. vLLM 0.32
+    (``vllm/lora/utils.py`` ``parse_fine_tuned_lora_name``, called for every name of the
+    file by ``LoRAModel.from_local_checkpoint``, ``vllm/lora/lora_model.py``) takes
+    ``lora_A`` / ``lora_B`` followed by ``weight``, ``lora_embedding_A`` / ``_B`` last, and
+    otherwise only the full ``score`` / ``classifier`` modules of a classification adapter
+    (``modules_to_save``, which SGLang has not); it raises "... is unsupported LoRA weight"
+    for any other name, which the server answers with an HTTP 500 after the round began.
+    SGLang 0.5.23 (``srt/lora/lora.py`` ``LoRAAdapter._process_weight``) keeps every name
+    with a layer id, and ``LoRAMemoryPool.load_lora_weight_to_buffer``
+    (``srt/lora/mem_pool.py``) takes a weight as ``lora_A`` when its name holds "lora_A" and
+    as ``lora_B`` otherwise: a base weight would be copied in as a ``lora_B``. So both ends
+    refuse every other name before any engine call: the rank
+    (``rank/adapters/inputs.py``) and the daemon (``daemon/core/adapters/gather.py``).
+
+    The text starts with the name (``'...q_proj.weight' is not ...``): callers put the
+    tensor's owner before it.
+    """
+    if _LORA_TENSOR_RE.match(name):
+        return ""
+    peft = ("an adapter holds only PEFT's LoRA tensors, '<module>.lora_A.weight' and "
+            "'<module>.lora_B.weight' (or '<module>.lora_embedding_A' / 'lora_embedding_B' "
+            "of an embedding), as peft.get_peft_model_state_dict(model) gives them, e.g. "
+            "'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'")
+    if "lora_magnitude_vector" in name:
+        why = "a DoRA magnitude vector, which neither vLLM nor SGLang serves"
+    elif ".modules_to_save." in name or "trainable_tokens" in name:
+        why = ("a full module PEFT trains beside the adapter (modules_to_save, trainable "
+               "tokens), which the engines do not load with an adapter")
+    elif name.endswith(_BASE_SUFFIXES) and "lora_" not in name:
+        why = ("a base-model weight (was the model's state_dict() or named_parameters() "
+               "passed?): the engine serves its own base model, an adapter round carries "
+               "only the LoRA tensors")
+    else:
+        why = "not a LoRA tensor"
+    return (f"{name!r} is {why}; {peft} (vLLM refuses any other name: vllm/lora/utils.py "
+            "parse_fine_tuned_lora_name)")
+
+
 class AdapterTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     """One tensor of a rank's adapter part: its PEFT ``name`` (e.g.
     ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), ``dtype``, the

@@ -13,6 +13,7 @@ from typing import Any
 from slotsync.daemon.core.actions import Action, RemoveAdapterFiles, Reply, SlotEvent
 from slotsync.daemon.core.adapters.ledger import LOST, SERVED, UNLOADING
 from slotsync.daemon.core.adapters.round import AdapterRound
+from slotsync.protocol.errors import ENGINE_FAILED
 from slotsync.protocol.wire import Ack
 
 
@@ -89,6 +90,7 @@ class AdapterAnswers:
             why = error if proved else support.explain(error)
             a.failure = ("adapter_data", self._adapter_message(
                 a, f"engine {self.engine_url} could not {what}: {why}"), [])
+            a.failure_code = ENGINE_FAILED
             return []
         proof = None if proved else support.proof(self.engine.world_size or self.size,
                                                   self.engine)

@@ -10,7 +10,11 @@ checked alone by the wire schema, ``wire/adapter.py``):
   whole shape, the rows ``[row_start, row_stop)`` of dim 0 follow each other from 0 to
   ``shape[0]`` with no gap and no overlap (a rank's part of a TP- or FSDP-sharded tensor is a
   run of rows; a whole tensor is one part);
-* at least one tensor is sent.
+* at least one tensor is sent;
+* every tensor is a LoRA tensor in PEFT's naming (``lora_A`` / ``lora_B`` + ``weight``,
+  ``lora_embedding_A`` / ``_B``: ``wire.adapter.lora_tensor_problem``, where vLLM's and
+  SGLang's rules are cited): a base weight reached vLLM, which answered an HTTP 500 after the
+  round began (issue 36's trial); refused here naming the tensor and the rank.
 
 ``version_refusal`` (the version is above the one served for that name: an older one, or the
 same one, is refused naming both) and ``limits_refusal`` (the engine runs with LoRA, the
@@ -29,7 +33,7 @@ from slotsync.daemon.core.adapters.plan import (
     LoraLimits,
 )
 from slotsync.protocol.wire import AdapterBegin, part_offsets, served_name
-from slotsync.protocol.wire.adapter import check_config
+from slotsync.protocol.wire.adapter import check_config, lora_tensor_problem
 
 
 class AdapterRefused(ValueError):
@@ -49,8 +53,9 @@ def gather(begins: Mapping[int, AdapterBegin]) -> AdapterPlan:
         rank's ``AdapterData.handle`` (``wire.part_offsets``).
 
     Raises:
-        AdapterRefused: the ranks disagree on the name, version or config; a tensor's parts
-            differ in dtype or shape, overlap, or leave rows of it to no rank; no tensor.
+        AdapterRefused: the ranks disagree on the name, version or config; a tensor that is
+            not a LoRA tensor (names it and the rank); a tensor's parts differ in dtype or
+            shape, overlap, or leave rows of it to no rank; no tensor.
     """
     ranks = sorted(begins)
     if not ranks:
@@ -68,6 +73,11 @@ def gather(begins: Mapping[int, AdapterBegin]) -> AdapterPlan:
                     f"the ranks disagree on the {what}: rank {r} sends {shown[0]}, rank {r0} "
                     f"{shown[1]}: every rank of the slot publishes the same adapter, version "
                     "and config in one round")
+    for r in ranks:  # (names: wire.adapter.lora_tensor_problem says whose rules)
+        for t in begins[r].tensors:
+            problem = lora_tensor_problem(t.name)
+            if problem:
+                raise AdapterRefused(f"rank {r}'s adapter tensor {problem}")
     held: dict[str, list[tuple[int, object, int]]] = {}
     for r in ranks:
         offsets, _ = part_offsets(begins[r].tensors)

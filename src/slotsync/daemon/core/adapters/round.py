@@ -58,6 +58,7 @@ class AdapterRound:
     previous: AdapterEntry | None = None  # the version the new one replaces
     # a failure waiting for the calls of the round to return: (phase, message, missing)
     failure: tuple[str, str, list[int]] | None = None
+    failure_code: str = ""  # its Error.code (protocol/errors.py ADAPTER_CODES)
     dropping: bool = False  # the failed load's unload is out (or done)
 
     @property

@@ -65,6 +65,20 @@ from slotsync.daemon.core.adapters.ledger import (
 from slotsync.daemon.core.adapters.round import AdapterPhase, AdapterRound, handle_refusal
 from slotsync.daemon.core.registration import split_relayed
 from slotsync.daemon.core.update import Update
+from slotsync.protocol.errors import (
+    ADAPTER_FAILED,
+    ADAPTER_FILES_FAILED,
+    ADAPTER_REFUSED,
+    BAD_MESSAGE,
+    DAEMON_STOPPING,
+    ENGINE_FAILED,
+    ENGINE_UNFIT,
+    RANK_ABORTED,
+    RANK_GONE,
+    RANK_TIMEOUT,
+    ROUND_IN_FLIGHT,
+    VERSION_REFUSED,
+)
 from slotsync.protocol.wire import (
     Abort,
     Ack,
@@ -96,6 +110,7 @@ class AdapterRounds(AdapterAnswers):
         self._adapter_held: list[Action] = []  # a base round's acks while adapters reload
         self._adapter_restart_seen = False  # a failed base round met a new engine session
         self.adapter_last_error: str | None = None
+        self.adapter_last_failed = (-1, "")  # (update id, code) of the last failed round
         self.adapter_rounds_ok = self.adapter_rounds_failed = 0
 
     @property
@@ -118,11 +133,11 @@ class AdapterRounds(AdapterAnswers):
         a = self.adapter_round
         if a is None:
             return []
-        return self._rank_error(
+        return self._adapter_rank_error(
             rank, "begin", f"adapter round {a.update_id} ({a.lora}) is in flight for slot "
             f"[{self.start}, {self.end}): a base-weight update never overlaps an adapter "
             "round on one engine; publish the weights once the adapter's round returned",
-            msg.update_id)
+            msg.update_id, ROUND_IN_FLIGHT)
 
     # ------------------------------------------------------------------ rank events
 
@@ -136,28 +151,34 @@ class AdapterRounds(AdapterAnswers):
     def _on_adapter_begin(self, rank: int, msg: AdapterBegin, now: float) -> list[Action]:
         a = self.adapter_round
         if self.current is not None:
-            return self._rank_error(
+            return self._adapter_rank_error(
                 rank, "adapter_begin", f"base-weight update {self.current.update_id} is in "
                 f"flight for slot [{self.start}, {self.end}): an adapter round never overlaps "
                 "it on one engine; publish the adapter once the weights' publish returned",
-                msg.update_id)
+                msg.update_id, ROUND_IN_FLIGHT)
         if a is not None and a.update_id != msg.update_id:
-            return self._rank_error(
+            return self._adapter_rank_error(
                 rank, "adapter_begin", f"adapter round {a.update_id} ({a.lora}) is in flight "
                 f"for slot [{self.start}, {self.end}); refusing a second round {msg.update_id}",
-                msg.update_id)
+                msg.update_id, ROUND_IN_FLIGHT)
         if a is None:
+            uid, code = self.adapter_last_failed
+            if msg.update_id == uid and self.adapter_last_error:  # (e.g. a rank's abort
+                # before its begin: adapter_abort) the round this begin is late for failed
+                return self._adapter_rank_error(rank, "adapter_begin", self.adapter_last_error,
+                                                uid, code)
             if msg.update_id < self.next_update_id:
-                return self._rank_error(
+                return self._adapter_rank_error(
                     rank, "adapter_begin", f"stale update id {msg.update_id}: this slot's "
-                    f"next update id is {self.next_update_id}", msg.update_id)
+                    f"next update id is {self.next_update_id}", msg.update_id, BAD_MESSAGE)
             # (the id is shared with base rounds; the slot's next id moves on when the round
             # ends, as a base update's does: a rank registering while the round waits for
             # its begin is told this round's id, and joins it)
             a = self.adapter_round = AdapterRound(msg.update_id, now)
         if rank in a.begins:
-            return self._rank_error(rank, "adapter_begin", f"rank {rank} began adapter round "
-                                    f"{a.update_id} twice", a.update_id)
+            return self._adapter_rank_error(rank, "adapter_begin", f"rank {rank} began adapter "
+                                            f"round {a.update_id} twice", a.update_id,
+                                            BAD_MESSAGE)
         a.begins[rank] = msg
         if len(a.begins) < self.size or a.phase is not AdapterPhase.BEGIN:
             return []
@@ -168,9 +189,10 @@ class AdapterRounds(AdapterAnswers):
         try:
             a.plan = plan = gather(a.begins)
         except AdapterRefused as e:
-            return self._adapter_fail(now, "adapter_begin", str(e))
+            return self._adapter_fail(now, "adapter_begin", str(e), code=ADAPTER_REFUSED)
         relayed = [i.rank for i in self._by_rank() if split_relayed(i.identity)]
         why = SPANNING_REFUSAL.format(ranks=", ".join(map(str, relayed))) if relayed else ""
+        code = ENGINE_UNFIT
         if not why and (self.engine.paused or self.engine.mid_update):
             why = (f"engine {self.engine_url} is paused or may be mid-update (a base-weight "
                    "update failed, or it was found asleep): the next base-weight round, a full "
@@ -180,12 +202,13 @@ class AdapterRounds(AdapterAnswers):
         if not why and family is not None and support is None:
             why = self._no_adapters(family)
         if not why and support is not None:
-            why = support.refusal(plan)
+            why, code = support.refusal(plan), ADAPTER_REFUSED
         if not why:  # (the same version may be one the engine lost: told by its list)
             cur = self.adapters.current(plan.lora_name)
             why = version_refusal(plan, cur and cur.version, True, self.engine_url)
+            code = VERSION_REFUSED
         if why:
-            return self._adapter_fail(now, "adapter_begin", why)
+            return self._adapter_fail(now, "adapter_begin", why, code=code)
         a.phase = AdapterPhase.INFO
         a.stub = Update(a.update_id, "", now)  # (what the families read the answers into)
         a.stub.kind_asked = self.engine.kind is None
@@ -195,30 +218,42 @@ class AdapterRounds(AdapterAnswers):
         return (f"engine {self.engine_url} is {family.display}, into which slotsyncd loads no "
                 "LoRA adapters")
 
+    def _adapter_rank_error(self, rank: int, phase: str, text: str, update_id: int | None,
+                            code: str) -> list[Action]:
+        """An error (with its ``code``) for one rank's message, the round in flight untouched
+        (``_rank_error`` with a code)."""
+        info = self.ranks[rank]
+        return [Reply(info.identity, Error(phase, text, list(self.slot), update_id, [], False,
+                                           code))]
+
     def _on_adapter_data(self, rank: int, msg: AdapterData, now: float) -> list[Action]:
         a = self.adapter_round
         if a is not None and msg.update_id == a.update_id and a.failure is not None:
-            return self._rank_error(rank, "adapter_data", f"adapter data for round "
-                                    f"{a.update_id}, which failed: {a.failure[1]}", a.update_id)
+            return self._adapter_rank_error(rank, "adapter_data", f"adapter data for round "
+                                            f"{a.update_id}, which failed: {a.failure[1]}",
+                                            a.update_id, a.failure_code or ADAPTER_FAILED)
         if a is None or msg.update_id != a.update_id:
             cur = "none" if a is None else str(a.update_id)
             if self.adapter_last_error and f"adapter round {msg.update_id} " in \
                     self.adapter_last_error:
                 cur += f"; round {msg.update_id} failed: {self.adapter_last_error}"
-            return self._rank_error(rank, "adapter_data", f"adapter data for update "
-                                    f"{msg.update_id}, but the adapter round in flight is {cur}",
-                                    msg.update_id)
+            code = (self.adapter_last_failed[1] if msg.update_id == self.adapter_last_failed[0]
+                    else BAD_MESSAGE)
+            return self._adapter_rank_error(rank, "adapter_data", f"adapter data for update "
+                                            f"{msg.update_id}, but the adapter round in flight "
+                                            f"is {cur}", msg.update_id, code)
         if a.phase is not AdapterPhase.DATA:
             return self._adapter_fail(now, "adapter_data", f"rank {rank} sent its adapter data "
                                       "before the daemon acknowledged every begin (its "
-                                      "Ack(adapter_begin) names the transport)", [rank])
+                                      "Ack(adapter_begin) names the transport)", [rank],
+                                      BAD_MESSAGE)
         if rank in a.data:
             return self._adapter_fail(now, "adapter_data", f"rank {rank} sent its adapter "
-                                      "data twice", [rank])
+                                      "data twice", [rank], BAD_MESSAGE)
         why = handle_refusal(rank, msg.handle, a.part_nbytes(rank), a.transport,
                              self.transport)
         if why:
-            return self._adapter_fail(now, "adapter_data", why, [rank])
+            return self._adapter_fail(now, "adapter_data", why, [rank], BAD_MESSAGE)
         a.data[rank] = msg.handle
         return self._advance(now) if len(a.data) == self.size else []
 
@@ -234,17 +269,28 @@ class AdapterRounds(AdapterAnswers):
         # before issue 36 answers them, which the publisher tells apart: rank/adapters/round.py)
         phase = err.kind if err.kind in ("adapter_begin", "adapter_data") else \
             malformed.phase_of(err)
-        return self._adapter_fail(now, phase, malformed.describe(rank, err), [])
+        return self._adapter_fail(now, phase, malformed.describe(rank, err), [], BAD_MESSAGE)
 
     def adapter_abort(self, rank: int, msg: Abort, now: float) -> list[Action] | None:
-        """Rank ``rank`` aborts (its publisher gave up, e.g. its own timeout): the adapter
-        round it names fails, every rank told; None when it names none (the base rules)."""
+        """Rank ``rank`` aborts (its publisher gave up: an error of its own, an interrupt,
+        its timeout): the adapter round it names fails, every rank told, naming the rank and
+        its reason. An abort of the slot's next update id while no round is in flight is a
+        rank whose ``publish_adapter`` failed before its begin (a bad argument: the
+        publisher opens the round to abort it, ``rank/adapters/round.py``): that round
+        fails at once, and a rank that begins it later is told why. None when it names no
+        such round (the base rules)."""
         a = self.adapter_round
+        if a is None and self.current is None and msg.update_id == self.next_update_id:
+            a = self.adapter_round = AdapterRound(msg.update_id, now)
+            why = f": {msg.reason}" if msg.reason else ""
+            return self._adapter_fail(now, "adapter_begin", f"rank {rank} aborted adapter round "
+                                      f"{a.update_id} before its begin{why}", [], RANK_ABORTED)
         if a is None or self.current is not None or msg.update_id != a.update_id:
             return None
-        why = f": {msg.reason}" if msg.reason else ""
+        why = (" before its begin" if rank not in a.begins else "") + (
+            f": {msg.reason}" if msg.reason else "")
         return self._adapter_fail(now, self._adapter_phase(a), f"rank {rank} aborted adapter "
-                                  f"round {a.update_id}{why}", [])
+                                  f"round {a.update_id}{why}", [], RANK_ABORTED)
 
     def adapter_ranks_gone(self, now: float) -> list[Action]:
         """Ranks' connections went (``on_rank_gone`` marked them): a round that still needs
@@ -256,7 +302,7 @@ class AdapterRounds(AdapterAnswers):
         if not gone:
             return []
         return self._adapter_fail(now, self._adapter_phase(a), "; ".join(
-            f"{i.who} is gone: {i.gone_why}" for i in gone), [i.rank for i in gone])
+            f"{i.who} is gone: {i.gone_why}" for i in gone), [i.rank for i in gone], RANK_GONE)
 
     def adapter_rank_registered(self, rank: int, now: float) -> list[Action]:
         """Rank ``rank`` registered again: a round it took part in fails (its process
@@ -267,7 +313,7 @@ class AdapterRounds(AdapterAnswers):
             return []
         return self._adapter_fail(now, self._adapter_phase(a), f"rank {rank} re-registered "
                                   f"during adapter round {a.update_id}: its process restarted "
-                                  "or reconnected mid-round", [rank])
+                                  "or reconnected mid-round", [rank], RANK_GONE)
 
     # ------------------------------------------------------------------ the clock
 
@@ -293,7 +339,7 @@ class AdapterRounds(AdapterAnswers):
             return []
         _, phase, what, missing = d
         return self._adapter_fail(now, phase, f"deadline expired waiting for the {what} of "
-                                  f"rank(s) {missing}", missing)
+                                  f"rank(s) {missing}", missing, RANK_TIMEOUT)
 
     def _adapter_stop(self, now: float, reason: str) -> list[Action]:
         """The daemon stops (or the slot is dropped): the round fails, ranks told, no engine
@@ -303,6 +349,7 @@ class AdapterRounds(AdapterAnswers):
         if a is None:
             return []
         a.failure = (self._adapter_phase(a), self._adapter_message(a, reason), [])
+        a.failure_code = DAEMON_STOPPING
         return self._adapter_end_failed(a, now)
 
     # ------------------------------------------------------------------ engine steps
@@ -351,17 +398,18 @@ class AdapterRounds(AdapterAnswers):
             a.info_sent = True
             return [self._adapter_call("info", r, r, None, now) for r in INFO_ROUTES]
         if a.info_errors:
-            return self._adapter_fail(now, "adapter_begin", "; ".join(a.info_errors.values()))
+            return self._adapter_fail(now, "adapter_begin", "; ".join(a.info_errors.values()),
+                                      code=ENGINE_FAILED)
         support = self._adapter_support()
         family = self.families.known(self.engine)
         if support is None:
             return self._adapter_fail(now, "adapter_begin", self._no_adapters(family) if family
                                       else f"engine {self.engine_url}'s kind could not be told "
-                                      "from its /version and /server_info")
+                                      "from its /version and /server_info", code=ENGINE_UNFIT)
         if "list" not in a.answers:
             why = support.refusal(a.plan, a.answers)
             if why:
-                return self._adapter_fail(now, "adapter_begin", why)
+                return self._adapter_fail(now, "adapter_begin", why, code=ENGINE_UNFIT)
             a.answers["list"] = None
             return [self._adapter_call("info", "list", support.list_route, None, now)]
         return self._adapter_checked(a, support, now)
@@ -377,13 +425,14 @@ class AdapterRounds(AdapterAnswers):
         cur = ledger.current(plan.lora_name)
         why = version_refusal(plan, cur and cur.version, bool(cur and cur.state == LOST),
                               self.engine_url)
+        code = VERSION_REFUSED if why else ENGINE_UNFIT
         held = (listed | {e.served_name for e in rec.reload}) - set(ledger.stray)
         why = why or limits_refusal(plan, support.limits(a.answers), held, self.engine_url,
                                     self.family.display)
         out += [self._adapter_call("cleanup", name, support.unload_route,
                                    support.unload_body(name), now) for name in ledger.stray]
         if why:
-            return out + self._adapter_fail(now, "adapter_begin", why)
+            return out + self._adapter_fail(now, "adapter_begin", why, code=code)
         a.previous = cur if cur is not None and cur.state != LOST else None
         a.transport, a.phase, a.acked_at = support.transport, AdapterPhase.DATA, now
         ack = Ack(a.update_id, "adapter_begin", transport=support.transport)
@@ -416,7 +465,7 @@ class AdapterRounds(AdapterAnswers):
                                      self.engine.world_size or self.size,
                                      self.engine.declared_gpu_uuids)
         except ValueError as e:
-            return self._adapter_fail(now, "adapter_data", str(e))
+            return self._adapter_fail(now, "adapter_data", str(e), code=ENGINE_UNFIT)
         self.adapters.entries[plan.served_name] = AdapterEntry(
             plan.lora_name, plan.version, plan.served_name, LOADING, plan.nbytes,
             folder=a.folder, plan=plan)
@@ -438,6 +487,7 @@ class AdapterRounds(AdapterAnswers):
         elif a.failure is None:
             a.failure = ("adapter_data", self._adapter_message(
                 a, f"the daemon could not write its folder: {error}"), [])
+            a.failure_code = ADAPTER_FILES_FAILED
         return self._advance(now)
 
     # ------------------------------------------------------------------ the end of a round
@@ -457,13 +507,16 @@ class AdapterRounds(AdapterAnswers):
                 f"failed: {text} ({stays})")
 
     def _adapter_fail(self, now: float, phase: str, text: str,
-                      missing: list[int] | None = None) -> list[Action]:
+                      missing: list[int] | None = None, code: str = ADAPTER_FAILED
+                      ) -> list[Action]:
         """Fail the round in flight: its errors go out once every call of it returned (a
-        load sent is undone first)."""
+        load sent is undone first); ``code``: their ``Error.code`` (``protocol/errors.py``,
+        ``ADAPTER_CODES``)."""
         a = self.adapter_round
         if a is None or a.failure is not None:
             return []
         a.failure = (phase, self._adapter_message(a, text), list(missing or []))
+        a.failure_code = code
         return self._advance(now) if not self._adapter_calls else []
 
     def _adapter_failed_next(self, a: AdapterRound, now: float) -> list[Action]:
@@ -477,7 +530,8 @@ class AdapterRounds(AdapterAnswers):
 
     def _adapter_end_failed(self, a: AdapterRound, now: float) -> list[Action]:
         phase, message, missing = a.failure
-        err = Error(phase, message, list(self.slot), a.update_id, missing)
+        code = a.failure_code or ADAPTER_FAILED
+        err = Error(phase, message, list(self.slot), a.update_id, missing, code=code)
         out: list[Action] = [Reply(i.identity, err) for i in self._by_rank()]
         out.append(SlotEvent(self.slot, "adapter_failed", {
             "engine": self.engine_url, "update_id": a.update_id, "adapter": a.lora,
@@ -485,6 +539,7 @@ class AdapterRounds(AdapterAnswers):
         if a.folder and a.folder not in self.adapters.folders_in_use():
             out.append(RemoveAdapterFiles(self.slot, a.folder))
         self.adapter_last_error = message
+        self.adapter_last_failed = (a.update_id, code)
         self.adapter_rounds_failed += 1
         self.adapter_round = None
         self.next_update_id = max(self.next_update_id, a.update_id + 1)

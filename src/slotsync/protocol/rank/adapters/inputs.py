@@ -10,7 +10,10 @@ Names are PEFT's, as ``save_pretrained`` writes them into ``adapter_model.safete
 the other form when it reads the folder (``vllm/lora/utils.py`` ``parse_fine_tuned_lora_name``:
 ``lora_A`` / ``lora_B`` must be the next-to-last part, before ``weight``), so a name that still
 holds an adapter name (``PeftModel.named_parameters()`` or ``state_dict()``) is refused here,
-naming the call to make instead (:func:`peft_name_problem`).
+naming the call to make instead (:func:`peft_name_problem`); so is any name that is not a LoRA
+tensor's (``lora_A`` / ``lora_B`` + ``weight``, ``lora_embedding_A`` / ``_B``:
+``wire.adapter.lora_tensor_problem``, the rule the daemon's gather applies too), e.g. a base
+weight ``...q_proj.weight`` that vLLM would refuse with an HTTP 500 after the round began.
 
 Rows: each tensor is whole by default; ``rows[name] = (row_start, whole_shape)`` declares a
 row shard of dim 0; an FSDP2 DTensor sharded ``(Shard(0),)`` on a 1-D mesh is this rank's local
@@ -289,11 +292,13 @@ def part_tensors(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch
 
     Raises:
         TypeError: an item is not a (str, Tensor) pair, or ``rows`` is malformed.
-        ValueError: a name that repeats, is empty or too long, or holds an adapter name
-            (:func:`peft_name_problem`); a dtype outside ``wire.DTYPE_SIZES``; a sparse, meta
-            or 0-dim tensor; tensors on different devices (or on another GPU than the
-            publisher's); ``rows`` for a DTensor or for a name not in ``tensors``; a DTensor
-            layout other than ``(Shard(0),)`` on a 1-D mesh of the slot's ranks; more than
+        ValueError: a name that repeats, is empty or too long, holds an adapter name
+            (:func:`peft_name_problem`) or is not a LoRA tensor's
+            (``wire.adapter.lora_tensor_problem``: a base-model weight, say); a dtype
+            outside ``wire.DTYPE_SIZES``; a sparse, meta or 0-dim tensor; tensors on
+            different devices (or on another GPU than the publisher's); ``rows`` for a
+            DTensor or for a name not in ``tensors``; a DTensor layout other than
+            ``(Shard(0),)`` on a 1-D mesh of the slot's ranks; more than
             ``wire.adapter.MAX_ADAPTER_TENSORS`` tensors or ``MAX_PART_BYTES`` bytes.
     """
     rows = dict(rows or {})
@@ -314,6 +319,9 @@ def part_tensors(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch
         problem = peft_name_problem(name)
         if problem:
             raise ValueError(problem)
+        problem = wire_adapter.lora_tensor_problem(name)
+        if problem:
+            raise ValueError(f"adapter tensor {problem}")
         if t.layout is not torch.strided or t.is_meta:
             what = "on the meta device" if t.is_meta else f"of layout {t.layout}"
             raise ValueError(f"adapter tensor {name!r} is {what}: only dense tensors with data "

@@ -12,12 +12,24 @@ adapter the engines now serve; then frees the part. Each wait is bounded by the 
 
 Failures: everything is checked before anything is allocated or sent (``inputs.py``); an
 ``Error`` from the daemon raises its ``SlotsyncError`` (the round is over there: the previous
-version stays served), a rank-side failure (a timeout, an exception, ``KeyboardInterrupt``)
-sends ``Abort`` first (best effort), and on every path the part is freed before the call
-returns or raises (no segment left in ``/dev/shm``). A daemon that restarted before the begin's
-ack (``Error`` code ``not_registered``) is registered with again and the begin sent once more
-under its next update id, as ``publish`` does; a daemon older than adapter rounds refuses the
-message it cannot decode, which raises ``SlotsyncError(code="adapters_unsupported")``.
+version stays served; its ``code`` says which kind of failure, ``errors.ADAPTER_CODES``), a
+rank-side failure (a timeout, an exception, ``KeyboardInterrupt``) sends ``Abort`` first (best
+effort), and on every path the part is freed before the call returns or raises (no segment
+left in ``/dev/shm``). A rank-side failure *before* the begin went out (a bad argument, the
+part's memory, an interrupt while copying) opens the round all the same and aborts it
+(``_abort_before_begin``; registering first if this publisher never did), so that the daemon
+fails the round for every rank of the slot at once, naming this rank and its exception
+(``code "rank_aborted"``), instead of waiting for this rank's begin until
+``begin_timeout_s``: the other ranks' ``publish_adapter`` raise at once, and the engine is
+never called. An interrupt (``KeyboardInterrupt``, or the ``SystemExit`` of a SIGTERM handler)
+while waiting for the daemon gets a note (PEP 678, printed with its traceback, and sent as the
+``Abort``'s reason) saying what this rank waited for, in the daemon's words (it is asked, as a
+timeout asks it: ``waits.DaemonWaits.what_daemon_waits_for``): which phase, which ranks.
+
+A daemon that restarted before the begin's ack (``Error`` code ``not_registered``) is
+registered with again and the begin sent once more under its next update id, as ``publish``
+does; a daemon older than adapter rounds refuses the message it cannot decode, which raises
+``SlotsyncError(code="adapters_unsupported")``.
 """
 
 from __future__ import annotations
@@ -133,6 +145,64 @@ def _unsupported(pub: PublisherConnection, e: SlotsyncError) -> SlotsyncError:
         slot=e.slot, update_id=e.update_id, fatal=False, code=ADAPTERS_UNSUPPORTED)
 
 
+_WAITED_FOR = {"adapter_begin": "every rank's AdapterBegin, then the daemon's checks of the "
+               "engine", "adapter_data": "every rank's AdapterData, then the engines' load"}
+
+
+def _reason(e: BaseException) -> str:
+    """An exception as an ``Abort``'s reason: its type and text, and its notes."""
+    notes = "; ".join(str(n) for n in getattr(e, "__notes__", ()))
+    return f"{type(e).__name__}: {e}" + (f" ({notes})" if notes else "")
+
+
+def _wait(pub: PublisherConnection, awaited: Awaited) -> wire.FromDaemon:
+    """``pub._wait(awaited)``; an interrupt during it (a ``BaseException`` that is not an
+    ``Exception``: ``KeyboardInterrupt``, a SIGTERM handler's ``SystemExit``) gets a note
+    saying what this rank waited for and, asked (``DaemonWaits.what_daemon_waits_for``), what
+    the daemon waits for: the phase and the ranks ("rank 0: interrupted (SystemExit) while
+    publish_adapter waited for Ack(adapter_begin) for update 7 (every rank's AdapterBegin,
+    then the daemon's checks of the engine): slotsyncd is waiting for the adapter begin
+    (begin_timeout_s) of rank(s) 1 (...)"). The exception is re-raised as it is (its type
+    and exit status kept)."""
+    try:
+        return pub._wait(awaited)
+    except Exception:
+        raise
+    except BaseException as e:
+        says = pub._waits.what_daemon_waits_for(awaited.update_id)
+        e.add_note(
+            f"rank {pub.rank}: interrupted ({type(e).__name__}) while publish_adapter waited "
+            f"for {awaited.describe()} ({_WAITED_FOR.get(awaited.phase, awaited.phase)}): "
+            + (says or "the daemon did not say what it waits for"))
+        raise
+
+
+def _abort_before_begin(pub: PublisherConnection, e: BaseException) -> None:
+    """``publish_adapter`` failed on this rank before its begin went out (``e``: a bad
+    argument, the part's memory, an interrupt): open the round and abort it, so that the
+    daemon fails it for every rank of the slot now, naming this rank and ``e``
+    (``rounds.adapter_abort``), rather than waiting for this rank's begin until its
+    ``begin_timeout_s``. A publisher that never registered (or whose daemon went away)
+    registers first (bounded by ``timeout_s``), except on an interrupt. Best effort: a
+    failure to tell the daemon is logged, and ``e`` is what the caller sees. Nothing for a
+    ``SlotsyncError`` (the daemon's, or one with the daemon), nor when an update is open
+    (the round's own abort)."""
+    if isinstance(e, SlotsyncError) or pub.closed or pub.update_id is not None:
+        return
+    try:
+        if pub.registered is None or pub._waits.connected is False:
+            if not isinstance(e, Exception):
+                return  # (an interrupt: no wait for a registration)
+            pub.register()
+        uid = pub._session.adapter_round()
+        log.info("rank %d: publish_adapter failed before its begin; aborting round %d so that "
+                 "the slot's other ranks are told now: %s", pub.rank, uid, _reason(e))
+        pub.abort(_reason(e))
+    except Exception as err:  # noqa: BLE001 - e is what the caller must see
+        log.warning("rank %d: could not tell the daemon that publish_adapter failed before "
+                    "its begin (%s): %s", pub.rank, _reason(e), err)
+
+
 def _send_begin(pub: PublisherConnection, fields: dict) -> tuple[int, wire.Ack, float]:
     """Open the round, send its begin, wait for ``Ack(adapter_begin)``; after a daemon
     restart (``not_registered`` before the ack) register again and begin once more.
@@ -149,7 +219,7 @@ def _send_begin(pub: PublisherConnection, fields: dict) -> tuple[int, wire.Ack, 
         pub._send(wire.AdapterBegin(update_id=uid, **fields))
         t0 = time.perf_counter()
         try:
-            ack = pub._wait(Awaited("adapter_begin", uid))
+            ack = _wait(pub, Awaited("adapter_begin", uid))
         except SlotsyncError as e:
             waited += time.perf_counter() - t0
             if _older_daemon(e):
@@ -182,29 +252,38 @@ def publish_adapter(
     Raises:
         RuntimeError: an update is open, or the publisher is closed.
         TypeError, ValueError: bad arguments (``inputs.part_tensors``, ``config_text``,
-            ``version_of``, ``_checked_begin``), before anything is sent.
-        MemoryError: the part cannot be allocated (before anything is sent).
+            ``version_of``, ``_checked_begin``), before the begin is sent (the round is
+            opened and aborted instead: ``_abort_before_begin``).
+        MemoryError: the part cannot be allocated (before the begin: aborted likewise).
         SlotsyncError, SlotsyncTimeout: the round failed.
     """
     pub._check_usable()
     if pub.update_id is not None:
         raise RuntimeError(f"update {pub.update_id} is still open; commit or abort it first")
-    version = version_of(version)
-    config_json = config_text(config)
-    parts = part_tensors(tensors, rows, rank=pub.rank, slot=pub.slot,
-                         transport=pub.transport, device=pub.device)
-    pub._read_monitor(during_update=False)
-    if pub.registered is None or pub._waits.connected is False:
-        pub.register()  # (never registered, or the daemon went away since; and its cap)
-    _checked_begin(pub, lora_name, version, config_json, parts)
-    t0 = time.perf_counter()
-    part = AdapterPart(parts, rank=pub.rank, transport=pub.transport, device=pub.device,
-                       owned=pub._exporter.segments)
+    part: AdapterPart | None = None
     try:
+        version = version_of(version)
+        config_json = config_text(config)
+        parts = part_tensors(tensors, rows, rank=pub.rank, slot=pub.slot,
+                             transport=pub.transport, device=pub.device)
+        pub._read_monitor(during_update=False)
+        if pub.registered is None or pub._waits.connected is False:
+            pub.register()  # (never registered, or the daemon went away since; and its cap)
+        _checked_begin(pub, lora_name, version, config_json, parts)
+        t0 = time.perf_counter()
+        part = AdapterPart(parts, rank=pub.rank, transport=pub.transport, device=pub.device,
+                           owned=pub._exporter.segments)
         digests = part.fill()
         fields = {"lora_name": lora_name, "version": version, "config_json": config_json,
                   "tensors": _begin(0, lora_name, version, config_json, parts,
                                     digests).tensors}
+    except BaseException as e:
+        if part is not None:
+            part.free()
+        _abort_before_begin(pub, e)
+        raise
+    assert part is not None
+    try:
         uid, ack, begin_wait = _send_begin(pub, fields)
         if ack.transport not in ("host", "device"):
             raise SlotsyncError(
@@ -213,7 +292,7 @@ def publish_adapter(
                 slot=(pub.slot.start, pub.slot.end), update_id=uid)
         pub._send(wire.AdapterData(update_id=uid, handle=part.handle(ack.transport)))
         t1 = time.perf_counter()
-        done = pub._wait(Awaited("adapter_data", uid))
+        done = _wait(pub, Awaited("adapter_data", uid))
         data_wait = time.perf_counter() - t1
         assert isinstance(done, wire.Ack)
         part.consumed = True
@@ -221,7 +300,7 @@ def publish_adapter(
         pub._end_update(succeeded=True)
     except BaseException as e:
         if pub.update_id is not None:
-            pub.abort(f"{type(e).__name__}: {e}")
+            pub.abort(_reason(e))
         raise
     finally:
         part.free()
