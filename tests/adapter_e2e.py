@@ -7,6 +7,10 @@ routers and worker LoRA manager over a tiny Llama -- and the SGLang-code engine,
 engine holds, as the sha256 of each tensor it read (its test-only ``/_slotsync/lora``),
 against the trainer's tensors; what it lists; what the daemon's ``/status`` and adapter folder
 hold; that nothing is left in ``/dev/shm`` or mapped by the daemon.
+
+The engines and the readers of what they hold serve the tests whose ranks speak the wire by
+hand too (``tests/integration/test_adapter_daemon_engines.py``,
+``test_adapter_daemon_sglang.py``, ``test_sglang_lora.py``), which had copies of them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 from adapter_trainer import R, adapter_tensors
 from engines import EngineBox, model_file
 from rank_pool import RankPool, RankRun, job
@@ -29,6 +34,10 @@ VLLM_LORA = {"enable_lora": True, "max_lora_rank": 16, "max_loras": 2, "max_cpu_
 SGLANG_LORA = {"sglang_version": "0.5.23", "enable_lora": True, "max_lora_rank": R,
                "lora_target_modules": "all"}
 SGLANG_UUIDS = [logical_gpu_uuid(0), logical_gpu_uuid(1)]
+VLLM_FAMILY = [pytest.param("reference", id="reference"),
+               pytest.param("vllm", id="vllm-code", marks=pytest.mark.vllm)]
+"""The vLLM family's engines as a fixture's params: the reference engine, and the vLLM-code
+engine where vLLM is importable (marked ``vllm``)."""
 FAST = ["--begin-timeout-s", "4", "--chunk-timeout-s", "4", "--commit-timeout-s", "4",
         "--engine-timeout-s", "10"]
 """Daemon deadlines for rounds that wait on a rank that never comes (seconds)."""

@@ -41,7 +41,6 @@ the process); ``exit``.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -102,7 +101,13 @@ def my_part(tensors: dict[str, Any], rank: int, size: int, layout: str, holder: 
 
 def run_adapter_rank(rank, endpoint, slot, engine_url, packed, script, results):
     """Body of one adapter rank (module docstring); ``slot`` is ``(start, count)``."""
-    from trainer_script import error_round, event
+    from trainer_script import (
+        error_round,
+        event,
+        hold_on,
+        register_or_report,
+        slotsync_error_round,
+    )
 
     from slotsync.protocol import wire
     from slotsync.protocol.errors import SlotsyncError
@@ -119,10 +124,8 @@ def run_adapter_rank(rank, endpoint, slot, engine_url, packed, script, results):
         k = current.get("round")
         step = current.get("step", {})
         if isinstance(msg, wire.AdapterData):
-            until = step.get("hold_data_until")
-            deadline = time.monotonic() + 30
-            while until and not os.path.exists(until) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            if step.get("hold_data_until"):
+                hold_on(30, step["hold_data_until"])
             if step.get("stall_before_data"):
                 results.put(event("stalling", rank, round=k, at="before_data"))
                 time.sleep(step["stall_before_data"])
@@ -149,19 +152,13 @@ def run_adapter_rank(rank, endpoint, slot, engine_url, packed, script, results):
         pub._waits.wait = reported_wait
     time.sleep(script.get("register_delay_s", 0))
     try:
-        try:
-            pub.register()
-        except SlotsyncError as e:
-            results.put(event("register_error", rank, phase=e.phase, message=e.message))
+        if not register_or_report(pub, rank, results):
             return
-        results.put(event("registered", rank))
         for k, step in enumerate(script["adapter"], 1):
             current.update(round=k, step=step)
             time.sleep(step.get("delay_s", 0))
-            until = step.get("wait_for_file")
-            deadline = time.monotonic() + 60
-            while until and not os.path.exists(until) and time.monotonic() < deadline:
-                time.sleep(0.02)
+            if step.get("wait_for_file"):
+                hold_on(60, step["wait_for_file"])
             version = step["version"]
             try:
                 if step.get("kind", "adapter") == "base":
@@ -193,10 +190,7 @@ def run_adapter_rank(rank, endpoint, slot, engine_url, packed, script, results):
                                   served_name=st.served_name, transport=st.transport,
                                   nbytes=st.nbytes, update_id=st.update_id))
             except SlotsyncError as e:
-                results.put({**error_round(rank, k, phase=e.phase, message=e.message,
-                                           missing_ranks=list(e.missing_ranks), slot=e.slot,
-                                           update_id=e.update_id, fatal=e.fatal,
-                                           error_type=type(e).__name__), "code": e.code})
+                results.put({**slotsync_error_round(rank, k, e), "code": e.code})
             except (ValueError, TypeError) as e:
                 results.put(error_round(rank, k, phase="arguments", message=str(e),
                                         error_type=type(e).__name__))
@@ -207,9 +201,7 @@ def run_adapter_rank(rank, endpoint, slot, engine_url, packed, script, results):
                     traceback.format_exception(e)), error_type=type(e).__name__))
                 raise
     finally:
-        until = script.get("close_after_file")  # (a trainer that goes on after an error)
-        deadline = time.monotonic() + 60
-        while until and not os.path.exists(until) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        if script.get("close_after_file"):  # (a trainer that goes on after an error)
+            hold_on(60, script["close_after_file"])
         pub.close()
         results.put(event("exit", rank))

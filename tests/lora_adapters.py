@@ -8,12 +8,13 @@ Used by ``tests/unit/test_sglang_adapters.py`` and ``tests/integration/test_sgla
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from lora_plans import dtype_name
+from lora_plans import sha as sha256_of  # (sha256 of a tensor's C-order bytes: one helper)
 
 from slotsync.daemon.core.adapters.plan import AdapterPart, AdapterPlan, AdapterTensorPlan
 from slotsync.protocol.rank.shm_segment import ShmSegment
@@ -53,16 +54,10 @@ def make_adapter(seed: int = 0, *, layers: int = 2, hidden: int = 16, inter: int
     return out
 
 
-def sha256_of(t: torch.Tensor) -> str:
-    """sha256 of the tensor's bytes in C order (``wire.AdapterTensor.sha256``)."""
-    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                          ).hexdigest()
-
-
 def begin_tensors(tensors: Mapping[str, torch.Tensor]) -> list[AdapterTensor]:
     """One rank's ``AdapterBegin.tensors`` for whole tensors."""
-    return [AdapterTensor(n, str(t.dtype).split(".")[-1], tuple(t.shape), 0, t.shape[0],
-                          sha256_of(t)) for n, t in tensors.items()]
+    return [AdapterTensor(n, dtype_name(t), tuple(t.shape), 0, t.shape[0], sha256_of(t))
+            for n, t in tensors.items()]
 
 
 class Published:
@@ -118,7 +113,7 @@ def publish(tensors: Mapping[str, torch.Tensor], holder: Mapping[str, int] | int
         segments[r] = seg
         handles[r] = seg.handle(lead, total)
     plan_tensors = tuple(
-        AdapterTensorPlan(n, str(t.dtype).split(".")[-1], tuple(t.shape), (AdapterPart(
+        AdapterTensorPlan(n, dtype_name(t), tuple(t.shape), (AdapterPart(
             where[n][0], where[n][1], where[n][2], 0, t.shape[0], sha256_of(t)),))
         for n, t in tensors.items())
     plan = AdapterPlan(lora_name, version, served_name(lora_name, version), json.dumps(cfg),
@@ -138,5 +133,5 @@ def split_plan(tensors: Mapping[str, torch.Tensor], name: str) -> AdapterPlan:
                      AdapterPart(1, 0, nb - half * row, half, t.shape[0], "1" * 64))
         else:
             parts = (AdapterPart(0, 0, nb, 0, t.shape[0], sha256_of(t)),)
-        out.append(AdapterTensorPlan(n, str(t.dtype).split(".")[-1], tuple(t.shape), parts))
+        out.append(AdapterTensorPlan(n, dtype_name(t), tuple(t.shape), parts))
     return AdapterPlan("math", 1, "math@v1", json.dumps(config()), 4, tuple(out), (0, 1))

@@ -80,13 +80,15 @@ Keys for holding on (the rank stays registered and alive after its rounds):
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from slotsync.testing.tensors import (  # (moved there, issue 16; re-exported)
     make_draft_tensors,
     make_tensors,
 )
 
-__all__ = ["error_round", "event", "make_tensors", "ok_round", "run_rank"]
+__all__ = ["error_round", "event", "hold_on", "make_tensors", "ok_round", "register_or_report",
+           "run_rank", "slotsync_error_round"]
 
 
 def event(kind: str, rank: int, **fields: object) -> dict:
@@ -111,6 +113,28 @@ def error_round(rank: int, k: int, *, phase: str, message: str,
     return event("round", rank, round=k, status="error", phase=phase, message=message,
                  missing_ranks=missing_ranks or [], slot=slot, update_id=update_id,
                  fatal=fatal, error_type=error_type)
+
+
+def slotsync_error_round(rank: int, k: int, e: Any) -> dict:
+    """Round ``k`` failed with the ``SlotsyncError`` ``e``: its fields, ``error_type`` its
+    class name (``SlotsyncTimeout``: the rank's own deadline)."""
+    return error_round(rank, k, phase=e.phase, message=e.message,
+                       missing_ranks=list(e.missing_ranks), slot=e.slot,
+                       update_id=e.update_id, fatal=e.fatal, error_type=type(e).__name__)
+
+
+def register_or_report(pub: Any, rank: int, results: Any) -> bool:
+    """Register ``pub`` and report ``registered``; or report the ``register_error`` (its
+    phase and message) and return False."""
+    from slotsync.protocol.errors import SlotsyncError
+
+    try:
+        pub.register()
+    except SlotsyncError as e:
+        results.put(event("register_error", rank, phase=e.phase, message=e.message))
+        return False
+    results.put(event("registered", rank))
+    return True
 
 
 def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
@@ -140,12 +164,8 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
         pub = rank_publisher(endpoint, rank, slot, url, device="cuda:0" if cuda else None,
                              gpu_uuid=uuid, **kw)
     try:
-        try:
-            pub.register()
-        except SlotsyncError as e:
-            results.put(event("register_error", rank, phase=e.phase, message=e.message))
+        if not register_or_report(pub, rank, results):
             return
-        results.put(event("registered", rank))
         if script.get("start_at"):
             time.sleep(max(0.0, script["start_at"] - time.time()))
         stop = script.get("stop_before_chunk")
@@ -215,17 +235,14 @@ def run_rank(rank, endpoint, slot, engine_url, packed, script, results):
             except SlotsyncError as e:
                 if pub.update_id is not None:  # own timeout: the update is still open here
                     pub.abort(f"{type(e).__name__}: {e.phase}")
-                results.put(error_round(rank, k, phase=e.phase, message=e.message,
-                                        missing_ranks=list(e.missing_ranks), slot=e.slot,
-                                        update_id=e.update_id, fatal=e.fatal,
-                                        error_type=type(e).__name__))
+                results.put(slotsync_error_round(rank, k, e))
     finally:
-        _hold(script.get("hold_s", 0), script.get("hold_until"))  # (the rank stays alive)
+        hold_on(script.get("hold_s", 0), script.get("hold_until"))  # (the rank stays alive)
         pub.close()
         results.put(event("exit", rank))
 
 
-def _hold(seconds: float, until: str | None) -> None:
+def hold_on(seconds: float, until: str | None) -> None:
     """Sleep ``seconds``, or less once the file ``until`` exists."""
     import os
 

@@ -16,19 +16,18 @@ import logging
 import os
 import stat
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
-import zmq
 from adapter_ranks import A, B, laid_out, two_rank_parts
 from aiohttp import web
-from fake_http_engine import serve_engine
+from fake_http_engine import serving
+from in_process_daemon import DaemonRig, Rank, running_daemon, until
 from prometheus_client import generate_latest
 from safetensors import safe_open
-from test_daemon_liveness import Rank
 
-from slotsync.daemon.service.config import Config
-from slotsync.daemon.service.server import Daemon
 from slotsync.protocol import wire
 
 LORA_CONFIG = {"max_lora_rank": 16, "max_loras": 4, "max_cpu_loras": 4}
@@ -101,34 +100,20 @@ class LoraEngine:
                 assert got.dtype == np.float32 and got.tobytes() == self.expect[name][t], t
 
 
-async def until(check, timeout_s: float = 20.0) -> None:
-    """Poll ``check()`` until true (the previous version's unload follows the round's ack)."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 def expected(version: int) -> dict[str, bytes]:
     parts = two_rank_parts(version)
     return {A: parts[0][0][1], B: parts[0][1][1] + parts[1][0][1]}
 
 
-class ShmRank:
-    """A rank that hands its adapter parts over through a POSIX shared-memory segment."""
+class ShmRank(Rank):
+    """A rank of slot [0, 2) that hands its adapter parts over through a POSIX shared-memory
+    segment; registered with engine ``url`` on ``rig``'s daemon, closed with it."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, rank: int, url: str) -> None:
-        self.rank = rank
-        self.link = Rank(ctx, endpoint, rank, size=2, url=url)
-        assert isinstance(self.link.reply, wire.Registered), self.link.reply
+    def __init__(self, rig: DaemonRig, rank: int, url: str) -> None:
+        super().__init__(rig.ctx, rig.d.endpoint, rank, size=2, url=url)
+        assert isinstance(self.reply, wire.Registered), self.reply
         self.segments: list[str] = []
-
-    def send(self, msg: object) -> None:
-        self.link.s.send(wire.encode(msg))
-
-    def recv(self, timeout_s: float = 30) -> object:
-        assert self.link.s.poll(int(timeout_s * 1000)), f"rank {self.rank}: no reply"
-        return wire.decode_from_daemon(self.link.s.recv())
+        rig.ranks.append(self)
 
     def data(self, update_id: int, version: int) -> wire.AdapterData:
         payload = laid_out(two_rank_parts(version)[self.rank])
@@ -140,7 +125,7 @@ class ShmRank:
     def close(self) -> None:
         for name in self.segments:  # (freed after the daemon's reply, as a rank does)
             Path("/dev/shm", name).unlink(missing_ok=True)
-        self.link.close()
+        super().close()
 
 
 def adapter_round(ranks: list[ShmRank], update_id: int, version: int) -> list[object]:
@@ -159,24 +144,37 @@ def adapter_round(ranks: list[ShmRank], update_id: int, version: int) -> list[ob
     return [r.recv() for r in ranks]
 
 
+def first_round(rig: DaemonRig, url: str, ranks: list[ShmRank]) -> list[object]:
+    """Ranks 0 and 1 register (kept in ``ranks``) and publish v1 in update 0; returns their
+    last replies (blocking: run it in a thread)."""
+    ranks.extend(ShmRank(rig, r, url) for r in (0, 1))
+    return adapter_round(ranks, 0, 1)
+
+
+@asynccontextmanager
+async def stand_in_and_daemon(tmp_path: Path, versions: tuple[int, ...], **config: object
+                              ) -> AsyncIterator[tuple[LoraEngine, DaemonRig, str]]:
+    """The stand-in of vLLM's LoRA routes expecting ``math@v<version>`` of ``versions``
+    (served on this loop), and an in-process daemon (``running_daemon(tmp_path,
+    **config)``): ``(engine, rig, engine_url)``; both stopped after the block."""
+    engine = LoraEngine({f"math@v{v}": expected(v) for v in versions})
+    async with (serving(engine.handle, path="/{route:.*}") as url,
+                running_daemon(tmp_path, **config) as rig):
+        yield engine, rig, url
+
+
 async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engine_needs(
         tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="slotsync.daemon")
-    engine = LoraEngine({f"math@v{v}": expected(v) for v in (1, 2, 3)})
-    runner, url = await serve_engine(engine.handle, path="/{route:.*}")
-    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
-                      adapter_dir=str(tmp_path / "rt" / "adapters")))
-    await d.start()
-    root = Path(d.config.adapter_path())
-    assert root == tmp_path / "rt" / "adapters" and (root.stat().st_mode & 0o777) == 0o700
-    ctx = zmq.Context()
-    ranks: list[ShmRank] = []
+    async with stand_in_and_daemon(tmp_path, (1, 2, 3)) as (engine, rig, url):
+        d = rig.d
+        root = Path(d.config.adapter_path())
+        assert root == tmp_path / "rt" / "adapters" and (root.stat().st_mode & 0o777) == 0o700
+        ranks: list[ShmRank] = []
 
-    def rounds() -> list[list[object]]:
-        ranks.extend(ShmRank(ctx, d.endpoint, r, url) for r in (0, 1))
-        return [adapter_round(ranks, 0, 1), adapter_round(ranks, 1, 2)]
+        def rounds() -> list[list[object]]:
+            return [first_round(rig, url, ranks), adapter_round(ranks, 1, 2)]
 
-    try:
         t0 = time.time()
         first, second = await asyncio.to_thread(rounds)
         for reply in first + second:
@@ -208,22 +206,14 @@ async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engin
             assert isinstance(err, wire.Error) and err.phase == "adapter_data", err
             assert "max_lora_rank 2" in err.message and "(math@v2 stays served)" in err.message
         assert set(engine.loras) == {"math@v2"}
-        for _ in range(100):  # (removed off the event loop)
-            if not (slot / "math@v3").exists():
-                break
-            await asyncio.sleep(0.05)
-        assert not (slot / "math@v3").exists()
+        # (removed off the event loop)
+        await until(lambda: not (slot / "math@v3").exists(), 5.0, every_s=0.05,
+                    why=lambda: f"{slot / 'math@v3'} is still there")
         # the rounds' ends in Prometheus (the executor hands every SlotEvent to Metrics)
         text = generate_latest(d.metrics.registry).decode()
         assert 'slotsync_adapter_loads_total{outcome="success"} 2.0' in text, text
         assert 'slotsync_adapter_loads_total{outcome="failed"} 1.0' in text
         assert 'slotsync_adapter_served_version{lora_name="math",slot="[0,2)"} 2.0' in text
-    finally:
-        for r in ranks:
-            r.close()
-        ctx.destroy(linger=0)
-        await d.stop()
-        await runner.cleanup()
     # at the stop: the served version's folder stays (vLLM reads it again after every
     # base-weight finish), and so does the one unloaded last (a request admitted before its
     # unload may still read it); the failed version's is gone
@@ -231,20 +221,10 @@ async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engin
 
 
 async def test_a_restarted_engine_gets_its_adapter_again_before_the_next_ack(tmp_path):
-    engine = LoraEngine({f"math@v{v}": expected(v) for v in (1, 2)})
-    runner, url = await serve_engine(engine.handle, path="/{route:.*}")
-    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
-                      adapter_dir=str(tmp_path / "rt" / "adapters")))
-    await d.start()
-    ctx = zmq.Context()
-    ranks: list[ShmRank] = []
-
-    def first() -> list[object]:
-        ranks.extend(ShmRank(ctx, d.endpoint, r, url) for r in (0, 1))
-        return adapter_round(ranks, 0, 1)
-
-    try:
-        assert all(isinstance(a, wire.Ack) for a in await asyncio.to_thread(first))
+    async with stand_in_and_daemon(tmp_path, (1, 2)) as (engine, rig, url):
+        ranks: list[ShmRank] = []
+        replies = await asyncio.to_thread(first_round, rig, url, ranks)
+        assert all(isinstance(a, wire.Ack) for a in replies)
         engine.loras.clear()  # a new vLLM process at the URL: it lists no adapter
         engine.requests.clear()
         replies = await asyncio.to_thread(adapter_round, ranks, 1, 2)
@@ -253,33 +233,18 @@ async def test_a_restarted_engine_gets_its_adapter_again_before_the_next_ack(tmp
         loads = [p for p in engine.requests if p.endswith("load_lora_adapter")]
         assert loads == ["/v1/load_lora_adapter"] * 2 + ["/v1/unload_lora_adapter"]
         assert set(engine.loras) == {"math@v2"}  # v1 loaded again from its folder, replaced
-    finally:
-        for r in ranks:
-            r.close()
-        ctx.destroy(linger=0)
-        await d.stop()
-        await runner.cleanup()
 
 
 async def test_a_load_past_its_deadline_is_undone_and_the_previous_version_stays(tmp_path):
     """adapter_load_timeout_s 1: the load of v2 takes 3 s and registers v2 after the daemon
     gave up; the daemon's unload of v2 waits for it (vLLM's per-name lock) and removes it:
     the engine never keeps a version the ranks were told failed."""
-    engine = LoraEngine({f"math@v{v}": expected(v) for v in (1, 2)})
-    runner, url = await serve_engine(engine.handle, path="/{route:.*}")
-    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
-                      adapter_dir=str(tmp_path / "rt" / "adapters"),
-                      adapter_load_timeout_s=1.0))
-    await d.start()
-    ctx = zmq.Context()
-    ranks: list[ShmRank] = []
-
-    def first() -> list[object]:
-        ranks.extend(ShmRank(ctx, d.endpoint, r, url) for r in (0, 1))
-        return adapter_round(ranks, 0, 1)
-
-    try:
-        assert all(isinstance(a, wire.Ack) for a in await asyncio.to_thread(first))
+    async with stand_in_and_daemon(tmp_path, (1, 2), adapter_load_timeout_s=1.0) as (
+            engine, rig, url):
+        d = rig.d
+        ranks: list[ShmRank] = []
+        replies = await asyncio.to_thread(first_round, rig, url, ranks)
+        assert all(isinstance(a, wire.Ack) for a in replies)
         engine.slow_s = 3.0
         t0 = time.monotonic()
         for err in await asyncio.to_thread(adapter_round, ranks, 1, 2):
@@ -295,9 +260,3 @@ async def test_a_load_past_its_deadline_is_undone_and_the_previous_version_stays
         assert [(a["served_name"], a["state"]) for a in s["adapters"]] == [("math@v1",
                                                                           "served")]
         assert "no answer within 1 s" in s["adapter_last_error"]
-    finally:
-        for r in ranks:
-            r.close()
-        ctx.destroy(linger=0)
-        await d.stop()
-        await runner.cleanup()

@@ -33,26 +33,23 @@ pytest.importorskip("safetensors")
 pytest.importorskip("slotsync.engine.lora_flags",
                     reason="the engines' LoRA routes (engine/lora_flags.py) are not in this tree")
 
-import zmq  # noqa: E402
-from engines import EngineBox, model_file  # noqa: E402
-from lora_plans import llama_weights, lora_tensors, peft_config, sha, split_plan  # noqa: E402
-from test_daemon_liveness import Rank  # noqa: E402
+from adapter_e2e import VLLM_FAMILY, held_sums, served, trainer_sums  # noqa: E402
+from adapter_e2e import vllm_family_box as family_box  # noqa: E402
+from adapter_trainer import adapter_config, adapter_tensors  # noqa: E402
+from engines import EngineBox  # noqa: E402
+from in_process_daemon import Rank, running_daemon, until  # noqa: E402
+from lora_plans import split_plan  # noqa: E402
 
-from slotsync.daemon.service.config import Config  # noqa: E402
-from slotsync.daemon.service.server import Daemon  # noqa: E402
 from slotsync.protocol import wire  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 LORA = {"enable_lora": True, "max_lora_rank": 16, "max_loras": 1, "max_cpu_loras": 2}
-IMPLS = [pytest.param("reference", id="reference"),
-         pytest.param("vllm", id="vllm-code", marks=pytest.mark.vllm)]
 
 
-@pytest.fixture(scope="module", params=IMPLS)
+@pytest.fixture(scope="module", params=VLLM_FAMILY)
 def box(request: pytest.FixtureRequest) -> Iterator[EngineBox]:
-    b = EngineBox(2, impl_name=request.param, model=model_file(llama_weights()), lora=LORA,
-                  startup_timeout_s=300.0)
+    b = family_box(request.param, LORA)
     yield b
     b.close()
 
@@ -60,15 +57,15 @@ def box(request: pytest.FixtureRequest) -> Iterator[EngineBox]:
 def adapter_round(links: list[Rank], update_id: int, version: int) -> list[Any]:
     """Version ``version`` of ``math`` from both ranks (every tensor split in rows over
     them), each part in a /dev/shm segment freed after the daemon's last reply."""
-    tensors = lora_tensors(r=8, seed=version, dtype=torch.float32)
-    _, buffers, begins = split_plan(tensors, peft_config(r=8), version=version, ranks=2)
+    config = adapter_config("vllm")
+    _, buffers, begins = split_plan(adapter_tensors("vllm", version), config,
+                                    version=version, ranks=2)
     segments = []
     try:
         for r, link in enumerate(links):
-            link.s.send(wire.encode(wire.AdapterBegin(update_id, "math", version,
-                                                      json.dumps(peft_config(r=8)),
-                                                      begins[r])))
-        acks = [recv(link) for link in links]
+            link.send(wire.AdapterBegin(update_id, "math", version, json.dumps(config),
+                                        begins[r]))
+        acks = [link.recv(120) for link in links]
         if not all(isinstance(a, wire.Ack) for a in acks):
             return acks
         assert [(a.phase, a.transport) for a in acks] == [("adapter_begin", "host")] * 2
@@ -76,64 +73,33 @@ def adapter_round(links: list[Rank], update_id: int, version: int) -> list[Any]:
             name = f"slotsync-test-lora-{os.getpid()}-{r}-{update_id}"
             Path("/dev/shm", name).write_bytes(buffers[r])
             segments.append(name)
-            link.s.send(wire.encode(wire.AdapterData(update_id, wire.ShmHandle(
-                name, 0, len(buffers[r])))))
-        return [recv(link) for link in links]
+            link.send(wire.AdapterData(update_id, wire.ShmHandle(name, 0, len(buffers[r]))))
+        return [link.recv(120) for link in links]
     finally:
         for name in segments:
             Path("/dev/shm", name).unlink(missing_ok=True)
 
 
-def recv(link: Rank) -> Any:
-    assert link.s.poll(120_000), "no reply"
-    return wire.decode_from_daemon(link.s.recv())
-
-
-def served(box: EngineBox) -> set[str]:
-    status, body = box.request("GET", "/v1/models")
-    assert status == 200, body
-    return {c["id"] for c in body["data"] if c.get("parent")}
-
-
-def workers_hold(box: EngineBox, name: str) -> list[dict[str, str]]:
-    """Each worker's checksums of adapter ``name`` as it read it ({} where not cached)."""
-    status, state = box.request("GET", "/_slotsync/lora")
-    assert status == 200, state
-    ids = [a["lora_int_id"] for a in state["adapters"] if a["lora_name"] == name]
-    return [w["loaded"].get(str(ids[0]), {}).get("checksums", {}) if ids else {}
-            for w in state["workers"]]
-
-
-async def until(check, timeout_s: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not check():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
 async def test_rounds_load_every_worker_and_keep_the_folders_a_request_reads_again(
         tmp_path, box, caplog):
     caplog.set_level(logging.INFO, logger="slotsync.daemon")
-    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
-                      adapter_dir=str(tmp_path / "rt" / "adapters")))
-    await d.start()
-    ctx = zmq.Context()
-    links: list[Rank] = []
+    async with running_daemon(tmp_path) as rig:
+        d = rig.d
+        links: list[Rank] = []
 
-    def connect_and(update_id: int, version: int) -> list[Any]:
-        if not links:
-            links.extend(Rank(ctx, d.endpoint, r, size=2, url=box.url) for r in (0, 1))
-            assert all(isinstance(x.reply, wire.Registered) for x in links)
-        return adapter_round(links, update_id, version)
+        def connect_and(update_id: int, version: int) -> list[Any]:
+            if not links:
+                links.extend(rig.register(r, size=2, url=box.url) for r in (0, 1))
+                assert all(isinstance(x.reply, wire.Registered) for x in links)
+            return adapter_round(links, update_id, version)
 
-    try:
         for uid, version in ((0, 1), (1, 2)):
             replies = await asyncio.to_thread(connect_and, uid, version)
             assert [getattr(a, "served_name", a) for a in replies] == [f"math@v{version}"] * 2
-        await until(lambda: served(box) == {"math@v2"})  # (v1's unload follows the acks)
-        want = {n: sha(t) for n, t in lora_tensors(r=8, seed=2, dtype=torch.float32).items()}
-        assert workers_hold(box, "math@v2") == [want, want]  # the trainer's bytes, both
+        # (v1's unload follows the acks)
+        await until(lambda: served(box) == {"math@v2"}, 60.0, every_s=0.05)
+        want = trainer_sums("vllm", 2)
+        assert held_sums(box, "math@v2") == [want, want]  # the trainer's bytes, both
         slot = Path(d.config.adapter_path()) / "slot-0-2"
         assert sorted(p.name for p in slot.iterdir()) == ["math@v1", "math@v2"]
         # a base-weight finish empties the workers' caches (vLLM's reset_lora_state); the
@@ -142,23 +108,19 @@ async def test_rounds_load_every_worker_and_keep_the_folders_a_request_reads_aga
                             ("/start_weight_update", {}), ("/finish_weight_update", {})]:
             status, got = box.request("POST", route, body)
             assert status == 200, (route, got)
-        assert workers_hold(box, "math@v2") == [{}, {}]  # (reset)
+        assert held_sums(box, "math@v2") == [{}, {}]  # (reset)
         status, body = box.request("POST", "/_slotsync/lora/use", {"lora_name": "math@v2"})
         assert status == 200, body  # (its folder kept: else the engine dies)
-        assert workers_hold(box, "math@v2") == [want, want] and box.alive()
+        assert held_sums(box, "math@v2") == [want, want] and box.alive()
         # the engine restarts: the next round gives it v2 again, then v3 replaces it
         box.start_again()
         assert served(box) == set()
         replies = await asyncio.to_thread(connect_and, 2, 3)
         assert [getattr(a, "served_name", a) for a in replies] == ["math@v3"] * 2
-        await until(lambda: served(box) == {"math@v3"})
+        await until(lambda: served(box) == {"math@v3"}, 60.0, every_s=0.05)
         reloaded = [r.slotsync_fields for r in caplog.records
                     if r.getMessage() == "adapter_reloaded"]
         assert [f["served_name"] for f in reloaded] == ["math@v2"], reloaded
-        await until(lambda: sorted(p.name for p in slot.iterdir()) == ["math@v2", "math@v3"])
+        await until(lambda: sorted(p.name for p in slot.iterdir()) == ["math@v2", "math@v3"],
+                    60.0, every_s=0.05)
         # (v1's folder went once v2 was unloaded: one version retired at a time)
-    finally:
-        for x in links:
-            x.close()
-        ctx.destroy(linger=0)
-        await d.stop()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,34 +18,23 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import zmq  # noqa: E402
+from adapter_e2e import SGLANG_UUIDS as UUIDS  # noqa: E402
+from adapter_e2e import lora_state, sglang_box  # noqa: E402
 from engines import EngineBox  # noqa: E402
+from in_process_daemon import Rank, running_daemon, until  # noqa: E402
 from lora_adapters import begin_tensors, config, make_adapter, publish, sha256_of  # noqa: E402
-from test_daemon_liveness import Rank  # noqa: E402
 
-from slotsync.daemon.service.config import Config, EngineEntry  # noqa: E402
-from slotsync.daemon.service.server import Daemon  # noqa: E402
+from slotsync.daemon.service.config import EngineEntry  # noqa: E402
 from slotsync.protocol import wire  # noqa: E402
-from slotsync.protocol.wire import logical_gpu_uuid  # noqa: E402
 
 pytestmark = pytest.mark.sglang
-
-UUIDS = [logical_gpu_uuid(0), logical_gpu_uuid(1)]
-LORA = {"sglang_version": "0.5.23", "enable_lora": True, "max_lora_rank": 8,
-        "lora_target_modules": "all"}
 
 
 @pytest.fixture(scope="module")
 def box() -> Iterator[EngineBox]:
-    b = EngineBox(2, impl_name="sglang", gpu_uuids=UUIDS, sglang=LORA)
+    b = sglang_box()
     yield b
     b.close()
-
-
-def lora_state(box: EngineBox) -> dict[str, Any]:
-    status, body = box.request("GET", "/_slotsync/lora")
-    assert status == 200, body
-    return body
 
 
 def adapter_round(links: list[Rank], update_id: int, version: int,
@@ -58,60 +46,48 @@ def adapter_round(links: list[Rank], update_id: int, version: int,
     try:
         for r, link in enumerate(links):
             mine = {n: t for n, t in tensors.items() if holder[n] == r}
-            link.s.send(wire.encode(wire.AdapterBegin(update_id, "math", version,
-                                                      json.dumps(config()),
-                                                      begin_tensors(mine))))
-        acks = [recv(link) for link in links]
+            link.send(wire.AdapterBegin(update_id, "math", version, json.dumps(config()),
+                                        begin_tensors(mine)))
+        acks = [link.recv(60) for link in links]
         if not all(isinstance(a, wire.Ack) for a in acks):
             return acks, {}
         assert [(a.phase, a.transport) for a in acks] == [("adapter_begin", "device")] * 2
         for r, link in enumerate(links):
-            link.s.send(wire.encode(wire.AdapterData(update_id, pub.handles.get(r))))
-        return [recv(link) for link in links], {n: sha256_of(t) for n, t in tensors.items()}
+            link.send(wire.AdapterData(update_id, pub.handles.get(r)))
+        return [link.recv(60) for link in links], {n: sha256_of(t) for n, t in tensors.items()}
     finally:
         pub.close()
 
 
-def recv(link: Rank) -> Any:
-    assert link.s.poll(60_000), "no reply"
-    return wire.decode_from_daemon(link.s.recv())
-
-
 async def test_versions_go_from_the_ranks_memory_into_every_tp_rank(tmp_path, box):
     engine = EngineEntry(box.url, 0, 2, tuple(UUIDS), kind="sglang")
-    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1,
-                      adapter_dir=str(tmp_path / "rt" / "adapters"), engines=[engine]))
-    await d.start()
-    ctx = zmq.Context()
-    links: list[Rank] = []
-    names = list(make_adapter(0))
+    async with running_daemon(tmp_path, engines=[engine]) as rig:
+        d = rig.d
+        links: list[Rank] = []
+        names = list(make_adapter(0))
 
-    def rounds() -> list[Any]:
-        links.extend(Rank(ctx, d.endpoint, r, size=2, url=box.url) for r in (0, 1))
-        assert all(isinstance(x.reply, wire.Registered) for x in links)
-        one = adapter_round(links, 0, 1, {n: 0 for n in names})  # (a bucket: one holder)
-        two = adapter_round(links, 1, 2, {n: i % 2 for i, n in enumerate(names)})
-        return [one, two]
+        def rounds() -> list[Any]:
+            links.extend(rig.register(r, size=2, url=box.url) for r in (0, 1))
+            assert all(isinstance(x.reply, wire.Registered) for x in links)
+            one = adapter_round(links, 0, 1, {n: 0 for n in names})  # (a bucket: one holder)
+            two = adapter_round(links, 1, 2, {n: i % 2 for i, n in enumerate(names)})
+            return [one, two]
 
-    try:
         (first, _), (second, sha2) = await asyncio.to_thread(rounds)
         assert [getattr(a, "served_name", a) for a in first] == ["math@v1"] * 2
         assert [getattr(a, "served_name", a) for a in second] == ["math@v2"] * 2
-        deadline = time.monotonic() + 30
         # (v1's unload follows the acks; SGLang unregisters the name at once, then its TP
         # ranks unload it, then the daemon reads the answer: wait for all three)
-        while lora_state(box)["adapters"] != ["math@v2"] or [
-                a["state"] for a in d.status()["slots"][0]["adapters"]] != ["served"] or any(
-                set(held) != {"math@v2"} for held in lora_state(box)["ranks"].values()):
-            assert time.monotonic() < deadline, (lora_state(box), d.status()["slots"])
-            await asyncio.sleep(0.05)
+        await until(lambda: lora_state(box)["adapters"] == ["math@v2"] and [
+            a["state"] for a in d.status()["slots"][0]["adapters"]] == ["served"] and all(
+            set(held) == {"math@v2"} for held in lora_state(box)["ranks"].values()),
+            30.0, why=lambda: (lora_state(box), d.status()["slots"]), every_s=0.05)
         state = lora_state(box)
         assert state["ranks"] == {"tp0": {"math@v2": sha2}, "tp1": {"math@v2": sha2}}
         assert state["hashed"] == [0, 0]  # (the proving calls hashed no weight)
         # (the engine drops v1 before the daemon reads the unload's reply: poll the daemon too)
-        while len(d.status()["slots"][0]["adapters"]) > 1:
-            assert time.monotonic() < deadline, d.status()["slots"][0]["adapters"]
-            await asyncio.sleep(0.05)
+        await until(lambda: len(d.status()["slots"][0]["adapters"]) <= 1, 30.0,
+                    why=lambda: d.status()["slots"][0]["adapters"], every_s=0.05)
         (s,) = d.status()["slots"]
         assert [(a["served_name"], a["state"]) for a in s["adapters"]] == [
             ("math@v2", "served")]
@@ -127,16 +103,10 @@ async def test_versions_go_from_the_ranks_memory_into_every_tp_rank(tmp_path, bo
 
         def split() -> list[Any]:
             for r, link in enumerate(links):
-                link.s.send(wire.encode(wire.AdapterBegin(2, "math", 3, json.dumps(config()),
-                                                          parts[r])))
-            return [recv(link) for link in links]
+                link.send(wire.AdapterBegin(2, "math", 3, json.dumps(config()), parts[r]))
+            return [link.recv(60) for link in links]
 
         for err in await asyncio.to_thread(split):
             assert isinstance(err, wire.Error) and err.phase == "adapter_begin", err
             assert "is split over ranks" in err.message and "math@v2 stays served" in err.message
         assert d.status()["slots"][0]["engine_calls"] == calls
-    finally:
-        for x in links:
-            x.close()
-        ctx.destroy(linger=0)
-        await d.stop()

@@ -34,6 +34,7 @@ pytest.importorskip("safetensors")
 
 from adapter_e2e import (  # noqa: E402
     KEY,
+    VLLM_FAMILY,
     adapters_of,
     assert_holds,
     assert_nothing_left,
@@ -53,6 +54,7 @@ from adapter_e2e import (  # noqa: E402
 )
 from adapter_trainer import adapter_tensors  # noqa: E402
 from rank_pool import RankPool  # noqa: E402
+from state_readers import wait_for  # noqa: E402
 
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
 
@@ -68,9 +70,7 @@ def pool() -> Iterator[RankPool]:
     p.close()
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param("reference", id="reference"),
-    pytest.param("vllm", id="vllm-code", marks=pytest.mark.vllm)])
+@pytest.fixture(scope="module", params=VLLM_FAMILY)
 def vbox(request: pytest.FixtureRequest):
     b = vllm_family_box(request.param)
     yield b
@@ -111,11 +111,8 @@ def test_vllm_family_two_ranks_rows_versions_replace_each_other(pool, veng):
                 assert served(veng) == {"math@v1", "math@v2"}  # (v1's unload held)
             assert_holds(veng, f"math@v{v}", "vllm", v)
             assert_nothing_left(d, run)
-            deadline = time.monotonic() + 30
-            while served(veng) != {f"math@v{v}"} or adapters_of(d) != [
-                    (f"math@v{v}", "served")]:
-                assert time.monotonic() < deadline, (served(veng), adapters_of(d))
-                time.sleep(0.1)
+            assert wait_for(lambda v=v: served(veng) == {f"math@v{v}"} and adapters_of(d) == [
+                (f"math@v{v}", "served")], 30, 0.1), (served(veng), adapters_of(d))
         (entry,) = slot_status(d, (0, 2))["adapters"]
         assert entry["lora_name"] == "math" and entry["version"] == 3, entry
         assert t0 - 1 <= entry["loaded_at"] <= time.time() + 1 and entry["error"] is None
@@ -149,12 +146,10 @@ def test_sglang_one_rank_holds_all_versions_replace_each_other(pool, seng):
         assert served(seng) == {"math@v1", "math@v2"}
         assert_holds(seng, "math@v2", "sglang", 2)
         assert_nothing_left(d, run)
-        deadline = time.monotonic() + 30
-        while served(seng) != {"math@v2"} or adapters_of(d) != [("math@v2", "served")] or (
-                held_sums(seng, "math@v1") != [{}, {}]):  # (gone from both TP ranks: SGLang
-            # answers the unload once TP rank 0 did)
-            assert time.monotonic() < deadline, (served(seng), adapters_of(d))
-            time.sleep(0.1)
+        # (v1 gone from both TP ranks too: SGLang answers the unload once TP rank 0 did)
+        assert wait_for(lambda: served(seng) == {"math@v2"} and adapters_of(d) == [
+            ("math@v2", "served")] and held_sums(seng, "math@v1") == [{}, {}], 30, 0.1), (
+            served(seng), adapters_of(d))
         assert_holds(seng, "math@v2", "sglang", 2)
         assert folders(d) == []
 
@@ -225,10 +220,7 @@ def test_vllm_family_restart_between_rounds_reloads_from_the_folder(pool, veng):
         run = run_rounds(pool, d, veng, {"version": 2})
         assert [e["served_name"] for e in assert_ok(run, d, 1)] == ["math@v2"]
         assert_holds(veng, "math@v2", "vllm", 2)
-        deadline = time.monotonic() + 30
-        while served(veng) != {"math@v2"}:
-            assert time.monotonic() < deadline, served(veng)
-            time.sleep(0.1)
+        assert wait_for(lambda: served(veng) == {"math@v2"}, 30, 0.1), served(veng)
         assert lora_route_calls(veng) == {"load_lora_adapter": 2, "unload_lora_adapter": 1}
         assert d.log_tail(20000).count("adapter_reloaded") == 2
         assert folders(d) == ["math@v1", "math@v2"]
@@ -342,10 +334,8 @@ def test_sglang_base_rounds_between_and_a_restart_marks_the_adapter_lost(pool, s
         run = run_rounds(pool, d, seng, {"version": 1, **one}, {"version": 2, **one})
         assert [e["served_name"] for e in assert_ok(run, d, 2)] == ["math@v1", "math@v2"]
         assert_holds(seng, "math@v2", "sglang", 2)
-        deadline = time.monotonic() + 30
-        while served(seng) != {"math@v2"} or adapters_of(d) != [("math@v2", "served")]:
-            assert time.monotonic() < deadline, (served(seng), adapters_of(d))
-            time.sleep(0.1)
+        assert wait_for(lambda: served(seng) == {"math@v2"} and adapters_of(d) == [
+            ("math@v2", "served")], 30, 0.1), (served(seng), adapters_of(d))
         assert_nothing_left(d, run)
 
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import zmq
+from in_process_daemon import Rank
 
 from slotsync.daemon.launcher import DaemonProcess
 from slotsync.protocol import wire
@@ -22,24 +23,6 @@ def _wait(pred, timeout_s: float = 15.0) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-class Rank:
-    """A raw DEALER that registers one rank of slot [0, size)."""
-
-    def __init__(self, ctx: zmq.Context, endpoint: str, rank: int, size: int = 2,
-                 url: str = "http://127.0.0.1:1") -> None:
-        self.s = ctx.socket(zmq.DEALER)
-        self.s.setsockopt(zmq.LINGER, 0)
-        self.s.connect(endpoint)
-        self.s.send(wire.encode(wire.Register(wire.PROTOCOL_VERSION, rank,
-                                              wire.logical_gpu_uuid(rank), 0, size, url, True,
-                                              "shm", "test-host", 4242)))
-        assert self.s.poll(10_000)
-        self.reply = wire.decode_from_daemon(self.s.recv())
-
-    def close(self) -> None:
-        self.s.close(linger=0)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -11,9 +11,7 @@ ranks in one slot with 1 staging region.
 
 from __future__ import annotations
 
-import os
-import queue
-import traceback
+import functools
 from typing import Any
 
 import pytest
@@ -23,6 +21,7 @@ pytest.importorskip("torch.distributed.fsdp")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with Gloo is not available", allow_module_level=True)
 
+from gloo_ranks import spawn_ranks  # noqa: E402
 from state_readers import engine_checksums  # noqa: E402
 
 from slotsync.daemon.launcher import DaemonProcess  # noqa: E402
@@ -55,42 +54,37 @@ def expected(rounds: int) -> dict[str, str]:
                 for n, p in make_model().named_parameters()}
 
 
-def fsdp_rank(rank: int, world: int, port: int, endpoint: str, slot: tuple[int, int],
-              url: str, packed: bool, staging_buffers: int, rounds: int, q: Any) -> None:
-    """One trainer rank: Gloo, ``fully_shard`` per layer and the root, then per round double
-    every parameter (on the shards) and publish ``FSDP2Source(model).iter_sharded()``."""
-    import torch.distributed as dist
+def fsdp_rank(rank: int, endpoint: str, slots: list[tuple[tuple[int, int], str]],
+              packed: bool, staging_buffers: int, rounds: int) -> dict[str, Any]:
+    """One trainer rank of the Gloo group (``gloo_ranks.spawn_ranks``): ``fully_shard`` per
+    layer and the root, then per round double every parameter (on the shards) and publish
+    ``FSDP2Source(model).iter_sharded()`` into ``slots[rank]`` (engine slot, engine URL)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     from slotsync.integrations.fsdp import FSDP2Source
     from slotsync.testing.ranks import rank_publisher
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    slot, url = slots[rank]
     report: dict[str, Any] = {"rank": rank, "rounds": []}
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        model = make_model()
-        for layer in model:
-            if any(True for _ in layer.parameters()):
-                fully_shard(layer)
-        fully_shard(model)
-        source = FSDP2Source(model)
-        report["all_dtensors"] = all(isinstance(t, DTensor) for _, t in source.iter_sharded())
-        with rank_publisher(endpoint, rank, slot, url, packed=packed,
-                            staging_bytes=STAGING_BYTES, staging_buffers=staging_buffers,
-                            timeout_s=120.0) as pub:
-            pub.register()
-            for k in range(1, rounds + 1):
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.to_local().mul_(2)
-                st = pub.publish(source.iter_sharded(), f"fsdp-{k}")
-                report["rounds"].append({"chunks": st.chunks, "bytes": st.bytes})
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the test
-        report["error"] = traceback.format_exc()
-    q.put(report)
+    model = make_model()
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+    source = FSDP2Source(model)
+    report["all_dtensors"] = all(isinstance(t, DTensor) for _, t in source.iter_sharded())
+    with rank_publisher(endpoint, rank, slot, url, packed=packed,
+                        staging_bytes=STAGING_BYTES, staging_buffers=staging_buffers,
+                        timeout_s=120.0) as pub:
+        pub.register()
+        for k in range(1, rounds + 1):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.to_local().mul_(2)
+            st = pub.publish(source.iter_sharded(), f"fsdp-{k}")
+            report["rounds"].append({"chunks": st.chunks, "bytes": st.bytes})
+    return report
 
 
 def run_fsdp_ranks(daemon: DaemonProcess, slots: list[tuple[tuple[int, int], str]],
@@ -98,36 +92,10 @@ def run_fsdp_ranks(daemon: DaemonProcess, slots: list[tuple[tuple[int, int], str
                    timeout_s: float = 240.0) -> list[dict[str, Any]]:
     """Spawn one FSDP rank per entry of ``slots`` (``(engine slot, engine URL)``, by rank);
     return their reports by rank."""
-    from spawned_ranks import rank_context
-
-    from slotsync.testing.ports import free_port
-
-    ctx = rank_context()  # (warm: torch imported once)
-    q = ctx.Queue()
-    world, port = len(slots), free_port()
-    procs = [ctx.Process(target=fsdp_rank, args=(r, world, port, daemon.endpoint, slot, url,
-                                                  packed, staging_buffers, rounds, q))
-             for r, (slot, url) in enumerate(slots)]
-    for p in procs:
-        p.start()
-    reports: dict[int, dict[str, Any]] = {}
-    try:
-        while len(reports) < world:
-            try:
-                rep = q.get(timeout=timeout_s)
-            except queue.Empty:
-                break
-            reports[rep["rank"]] = rep
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    assert len(reports) == world, f"ranks {sorted(reports)} reported\n{daemon.log_tail()}"
-    for r in range(world):
-        assert "error" not in reports[r], f"rank {r}:\n{reports[r]['error']}\n" \
-            f"{daemon.log_tail()}"
-    return [reports[r] for r in range(world)]
+    return spawn_ranks(functools.partial(fsdp_rank, endpoint=daemon.endpoint, slots=slots,
+                                         packed=packed, staging_buffers=staging_buffers,
+                                         rounds=rounds),
+                       world=len(slots), timeout_s=timeout_s, why=daemon.log_tail)
 
 
 def check_engine(engine: ReferenceEngine, rounds: int) -> None:

@@ -7,13 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
-import zmq
 from aiohttp import web
-from fake_http_engine import serve_engine
-from test_daemon_liveness import Rank
+from fake_http_engine import serving
+from in_process_daemon import Rank, running_daemon
 
-from slotsync.daemon.service.config import Config
-from slotsync.daemon.service.server import Daemon
 from slotsync.protocol import wire
 
 
@@ -31,38 +28,31 @@ async def test_a_malformed_chunk_fails_the_update_at_once_naming_rank_kind_and_f
         await never.wait()
         return web.json_response({})
 
-    runner, url = await serve_engine(vllm)
-    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
-    await d.start()
-    ctx = zmq.Context()
+    async with serving(vllm) as url, running_daemon(tmp_path) as rig:
+        def conversation() -> list[wire.FromDaemon]:
+            ranks = [Rank(rig.ctx, rig.d.endpoint, r, size=2, url=url) for r in (0, 1)]
+            try:
+                assert all(isinstance(r.reply, wire.Registered) for r in ranks)
+                for r in ranks:
+                    r.s.send(wire.encode(wire.Begin(0, "v")))
+                ranks[1].s.send(msgspec.msgpack.encode({
+                    "type": "chunk", "update_id": 0, "index": 0, "names": [], "dtype_names": [],
+                    "shapes": [], "tensor_sizes": [], "handles": []}))
+                got = []
+                for r in ranks:
+                    assert r.s.poll(20_000), "no reply: the malformed chunk was dropped"
+                    got.append(wire.decode_from_daemon(r.s.recv()))
+                return got
+            finally:
+                for r in ranks:
+                    r.close()
 
-    def conversation() -> list[wire.FromDaemon]:
-        ranks = [Rank(ctx, d.endpoint, r, size=2, url=url) for r in (0, 1)]
         try:
-            assert all(isinstance(r.reply, wire.Registered) for r in ranks)
-            for r in ranks:
-                r.s.send(wire.encode(wire.Begin(0, "v")))
-            ranks[1].s.send(msgspec.msgpack.encode({
-                "type": "chunk", "update_id": 0, "index": 0, "names": [], "dtype_names": [],
-                "shapes": [], "tensor_sizes": [], "handles": []}))
-            got = []
-            for r in ranks:
-                assert r.s.poll(20_000), "no reply: the malformed chunk was dropped"
-                got.append(wire.decode_from_daemon(r.s.recv()))
-            return got
+            for err in await asyncio.to_thread(conversation):
+                assert isinstance(err, wire.Error) and err.update_id == 0, err
+                assert err.phase == "chunk", err
+                assert "rank 1 sent a chunk message" in err.message, err.message
+                assert "(field 'names')" in err.message, err.message
+            assert "/pause" not in routes
         finally:
-            for r in ranks:
-                r.close()
-
-    try:
-        for err in await asyncio.to_thread(conversation):
-            assert isinstance(err, wire.Error) and err.update_id == 0, err
-            assert err.phase == "chunk", err
-            assert "rank 1 sent a chunk message" in err.message, err.message
-            assert "(field 'names')" in err.message, err.message
-        assert "/pause" not in routes
-    finally:
-        ctx.destroy(linger=0)
-        never.set()
-        await d.stop()
-        await runner.cleanup()
+            never.set()  # (the engine's held answer: before the daemon stops)

@@ -39,8 +39,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from adapter_e2e import SGLANG_UUIDS as UUIDS  # noqa: E402
+from adapter_e2e import lora_state, sglang_box  # noqa: E402
 from engines import EngineBox  # noqa: E402
 from lora_adapters import make_adapter, publish, sha256_of  # noqa: E402
+from state_readers import wait_for  # noqa: E402
 
 from slotsync.daemon.engine_http import EngineError  # noqa: E402
 from slotsync.daemon.sglang.adapters import (  # noqa: E402
@@ -51,19 +54,15 @@ from slotsync.daemon.sglang.adapters import (  # noqa: E402
     unload_body,
 )
 from slotsync.daemon.sglang.client import SglangClient  # noqa: E402
-from slotsync.protocol.wire import logical_gpu_uuid  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
-UUIDS = [logical_gpu_uuid(0), logical_gpu_uuid(1)]
 UUID_OF = {0: UUIDS[0], 1: UUIDS[1]}
-LORA = {"sglang_version": "0.5.23", "enable_lora": True, "max_lora_rank": 8,
-        "lora_target_modules": "all"}
 
 
 @pytest.fixture(scope="module")
 def box() -> Iterator[EngineBox]:
-    b = EngineBox(2, impl_name="sglang", gpu_uuids=UUIDS, sglang=LORA)
+    b = sglang_box()
     yield b
     b.close()
 
@@ -92,19 +91,6 @@ def steps(box: EngineBox, *calls: tuple[str, Any]) -> list[Any]:
         return out
 
     return asyncio.run(run())
-
-
-def lora_state(box: EngineBox) -> dict[str, Any]:
-    status, body = box.request("GET", "/_slotsync/lora")
-    assert status == 200, body
-    return body
-
-
-def wait_for(cond: Any, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_versions_load_beside_each_other_then_the_old_one_goes(lora):
@@ -162,7 +148,8 @@ def test_unload_waits_for_the_requests_using_it(lora):
         unload = threading.Thread(target=run, args=("unload", "unload_lora_adapter",
                                                     unload_body("math@v1")))
         unload.start()
-        wait_for(lambda: lora_state(lora)["pending_unloads"] == ["math@v1"], "the unload")
+        assert wait_for(lambda: lora_state(lora)["pending_unloads"] == ["math@v1"], 60), (
+            "timed out waiting for the unload")
         assert lora_state(lora)["adapters"] == []  # unregistered at once
         status, got = lora.request("POST", "/_slotsync/lora_requests", {"start": "math@v1"})
         assert status == 400 and "not loaded" in got["detail"], got
@@ -239,7 +226,7 @@ def test_the_engine_dies_mid_load(lora):
         lora.request("POST", "/_slotsync/fault", {"route": "load_lora_adapter_from_tensors",
                                                   "workers": [1]})
         steps(lora, ("load_lora_adapter", load_body(pub.plan, pub.handles, UUID_OF, 2)))
-        wait_for(lambda: not lora.alive(), "the engine to die")
+        assert wait_for(lambda: not lora.alive(), 60), "timed out waiting for the engine to die"
     finally:
         pub.close()
 
@@ -251,6 +238,6 @@ def test_a_checksum_mismatch_kills_the_engine(lora):
         pub.corrupt(next(iter(pub.tensors)))
         [got] = steps(lora, ("load_lora_adapter", body))
         assert isinstance(got, EngineError) and got.status == 0, got  # connection reset
-        wait_for(lambda: not lora.alive(), "the engine to die")
+        assert wait_for(lambda: not lora.alive(), 60), "timed out waiting for the engine to die"
     finally:
         pub.close()

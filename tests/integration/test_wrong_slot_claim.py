@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-import zmq
 from aiohttp import web
-from fake_http_engine import serve_engine
-from test_daemon_liveness import Rank
+from fake_http_engine import serving
+from in_process_daemon import running_daemon
 
-from slotsync.daemon.service.config import Config
-from slotsync.daemon.service.server import Daemon
 from slotsync.protocol import wire
 
 
@@ -24,15 +21,10 @@ async def test_a_claim_larger_than_its_engine_is_refused_then_the_right_one_regi
         asked.append(request.path)
         return web.json_response({"world_size": 1})
 
-    runner, url = await serve_engine(vllm, "GET", "/get_world_size")
-    d = Daemon(Config(runtime_dir=str(tmp_path / "rt"), status_port=-1))
-    await d.start()
-    ctx = zmq.Context()
-    ranks: list[Rank] = []
-    try:
+    async with (serving(vllm, "GET", "/get_world_size") as url,
+                running_daemon(tmp_path) as rig):
         def register(rank: int, size: int) -> wire.FromDaemon:
-            ranks.append(Rank(ctx, d.endpoint, rank, size=size, url=url))
-            return ranks[-1].reply
+            return rig.register(rank, size=size, url=url).reply
 
         err = await asyncio.to_thread(register, 0, 2)  # a dense default of 2 GPUs per engine
         assert isinstance(err, wire.Error) and err.phase == "register", err
@@ -41,9 +33,3 @@ async def test_a_claim_larger_than_its_engine_is_refused_then_the_right_one_regi
         assert asked == ["/get_world_size"]
         ok = await asyncio.to_thread(register, 0, 1)  # the right claim: not locked out
         assert isinstance(ok, wire.Registered) and (ok.slot_start, ok.slot_size) == (0, 1), ok
-    finally:
-        for r in ranks:
-            r.close()
-        ctx.destroy(linger=0)
-        await d.stop()
-        await runner.cleanup()

@@ -101,35 +101,26 @@ class LoraHarness(Harness):
         self.sweeps: list[SweepAdapterFolders] = []  # (the idle watch's: answered unless held)
         self.hold_sweeps = False
 
-    def run(self, actions: list) -> None:
-        queue = list(actions)
-        while queue:
-            a = queue.pop(0)
-            if isinstance(a, AdapterFiles):
-                folder = f"/adapters/slot-0-{self.size}/{a.plan.served_name}"
-                ok = not self.files_fail
-                self.folders += [folder] if ok else []
-                queue += self.table.on_adapter_files(a.slot, a.call_id, ok, folder if ok else "",
-                                                     self.files_fail, self.now)
-            elif isinstance(a, RemoveAdapterFiles):
-                self.removed.append(a.folder)
-            elif isinstance(a, SweepAdapterFolders):
-                self.sweeps.append(a)
-                if not self.hold_sweeps:
-                    queue += self.table.on_adapter_swept(a.slot, a.call_id, self.now)
-            elif isinstance(a, SlotEvent):
-                self.events.append(a)
-            elif isinstance(a, Reply):
-                rank = int(a.identity.decode().split("-")[-1])
-                self.replies.setdefault(rank, []).append(a.msg)
-            elif isinstance(a, UpdateEnded):
-                self.ended.append(a)
-            elif isinstance(a, EngineCall):
-                if self.engine.hold:
-                    self.pending_calls.append(a)
-                    continue
-                ok, res, err = self.engine.answer(a)
-                queue += self.coord.on_engine_result(a.call_id, ok, res, err, self.now)
+    def take(self, a: object) -> list:
+        """The adapter round's own actions (folders written or refused by ``files_fail``,
+        removed, sweeps answered unless ``hold_sweeps``, log events kept); the others as ``Harness`` takes them."""
+        if isinstance(a, AdapterFiles):
+            folder = f"/adapters/slot-0-{self.size}/{a.plan.served_name}"
+            ok = not self.files_fail
+            self.folders += [folder] if ok else []
+            return self.table.on_adapter_files(a.slot, a.call_id, ok, folder if ok else "",
+                                               self.files_fail, self.now)
+        if isinstance(a, RemoveAdapterFiles):
+            self.removed.append(a.folder)
+        elif isinstance(a, SweepAdapterFolders):
+            self.sweeps.append(a)
+            if not self.hold_sweeps:
+                return self.table.on_adapter_swept(a.slot, a.call_id, self.now)
+        elif isinstance(a, SlotEvent):
+            self.events.append(a)
+        else:
+            return super().take(a)
+        return []
 
     def answer_until(self, route: str) -> EngineCall:
         """Answer held calls one by one (the calls they lead to held too) until one to

@@ -9,7 +9,7 @@ results routed through the table as the daemon's executor does.
 
 from __future__ import annotations
 
-from test_coordinator import URL, EngineCall, Harness, Reply, UpdateEnded, reg
+from test_coordinator import URL, EngineCall, Harness, reg
 
 from slotsync.daemon.families import SlotTable
 from slotsync.protocol.wire import Error, Registered
@@ -22,20 +22,9 @@ class TableHarness(Harness):
         super().__init__(size=workers)
         self.table = SlotTable(check_claims=True)
 
-    def run(self, actions: list) -> None:
-        queue = list(actions)
-        while queue:
-            a = queue.pop(0)
-            if isinstance(a, Reply):
-                self.replies.setdefault(int(a.identity.decode().split("-")[1]), []).append(a.msg)
-            elif isinstance(a, UpdateEnded):
-                self.ended.append(a)
-            elif isinstance(a, EngineCall):
-                if self.engine.hold:
-                    self.pending_calls.append(a)
-                    continue
-                ok, res, err = self.engine.answer(a)
-                queue += self.table.on_engine_result(a.slot, a.call_id, ok, res, err, self.now)
+    def engine_result(self, call: EngineCall, ok: bool, result: object, error: str) -> list:
+        return self.table.on_engine_result(call.slot, call.call_id, ok, result, error,
+                                           self.now)
 
 
 def test_a_dense_claim_over_a_smaller_engine_is_refused_and_does_not_lock_the_slot():

@@ -208,20 +208,32 @@ class Harness:
         return next(iter(self.table.slots.values()))
 
     def run(self, actions: list) -> None:
+        """Carry out ``actions`` and the actions they lead to, in order (:meth:`take`)."""
         queue = list(actions)
         while queue:
-            a = queue.pop(0)
-            if isinstance(a, Reply):
-                rank = int(a.identity.decode().split("-")[1])
-                self.replies.setdefault(rank, []).append(a.msg)
-            elif isinstance(a, UpdateEnded):
-                self.ended.append(a)
-            elif isinstance(a, EngineCall):
-                if self.engine.hold:
-                    self.pending_calls.append(a)
-                    continue
-                ok, res, err = self.engine.answer(a)
-                queue += self.coord.on_engine_result(a.call_id, ok, res, err, self.now)
+            queue += self.take(queue.pop(0))
+
+    def take(self, a: object) -> list:
+        """One action: a ``Reply`` kept for its rank (the number ending its identity), an
+        ``UpdateEnded`` kept, an ``EngineCall`` answered by the scripted engine (held in
+        ``pending_calls`` while ``engine.hold``); others ignored. Returns the actions it
+        leads to. Harnesses of other actions take theirs and hand the rest here."""
+        if isinstance(a, Reply):
+            rank = int(a.identity.decode().split("-")[-1])
+            self.replies.setdefault(rank, []).append(a.msg)
+        elif isinstance(a, UpdateEnded):
+            self.ended.append(a)
+        elif isinstance(a, EngineCall):
+            if self.engine.hold:
+                self.pending_calls.append(a)
+                return []
+            ok, res, err = self.engine.answer(a)
+            return self.engine_result(a, ok, res, err)
+        return []
+
+    def engine_result(self, call: EngineCall, ok: bool, result: object, error: str) -> list:
+        """The engine's answer to ``call`` handed to its coordinator."""
+        return self.coord.on_engine_result(call.call_id, ok, result, error, self.now)
 
     def send(self, rank: int, msg) -> None:
         self.run(self.table.on_message(ident(rank), msg, self.now))

@@ -11,10 +11,6 @@ for dtypes whose ``full_tensor()`` Gloo refuses (float8).
 
 from __future__ import annotations
 
-import os
-import queue
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,88 +20,7 @@ pytest.importorskip("torch.distributed.tensor")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with Gloo is not available", allow_module_level=True)
 
-WORLD = 3
-
-
-def _spawn(target: Callable[[int], dict[str, Any]], world: int = WORLD,
-           timeout_s: float = 240.0) -> list[dict[str, Any]]:
-    """Run ``_rank_main(target)`` in ``world`` spawned Gloo processes; each returns a dict of
-    findings (or ``{"error": traceback}``). Returns them by rank."""
-    from spawned_ranks import rank_context
-
-    from slotsync.testing.ports import free_port
-
-    ctx = rank_context()  # (warm: torch imported once)
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, target, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    found: dict[int, dict[str, Any]] = {}
-    try:
-        while len(found) < world:
-            try:
-                rank, result = q.get(timeout=timeout_s)
-            except queue.Empty:
-                break
-            found[rank] = result
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    assert len(found) == world, f"only ranks {sorted(found)} reported"
-    for r in range(world):
-        assert "error" not in found[r], f"rank {r}:\n{found[r]['error']}"
-    return [found[r] for r in range(world)]
-
-
-def _rank_main(rank: int, world: int, port: int, target: Callable[[int], dict[str, Any]],
-               q: Any) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        try:
-            result = target(rank)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the test
-        result = {"error": traceback.format_exc()}
-    q.put((rank, result))
-
-
-def _full(shape: tuple[int, ...], dtype: Any, seed: int) -> Any:
-    """A full tensor every rank builds alike (any dtype: random bytes viewed as it)."""
-    g = torch.Generator().manual_seed(seed)
-    elem = torch.empty((), dtype=dtype).element_size()
-    n = 1
-    for d in shape:
-        n *= d
-    raw = torch.randint(0, 256, (n * elem,), dtype=torch.uint8, generator=g)
-    if dtype == torch.bool:
-        raw = raw % 2
-    elif dtype == torch.float8_e8m0fnu:
-        raw = raw % 255  # 0xff is its NaN
-    return raw.view(dtype).view(shape)
-
-
-def _sharded(full: Any, mesh: Any, placement: Any) -> Any:
-    """A DTensor of ``full`` with ``placement`` on 1-D ``mesh``, cut as FSDP2 cuts (Shard(0):
-    ``torch.chunk`` rows; Shard(1) likewise on dim 1)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    me, world = mesh.get_local_rank(), mesh.size()
-    local = full
-    if isinstance(placement, Shard):
-        dim = placement.dim
-        rows = -(-full.shape[dim] // world)
-        local = full.narrow(dim, min(me * rows, full.shape[dim]),
-                            max(0, min(rows, full.shape[dim] - me * rows))).contiguous()
-    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=full.shape,
-                              stride=full.stride())
+from gloo_ranks import WORLD, full_alike, sharded, spawn_ranks  # noqa: E402
 
 
 def _mixed_chunk(mesh: Any) -> tuple[list[tuple[str, Any]], list[Any]]:
@@ -131,10 +46,10 @@ def _mixed_chunk(mesh: Any) -> tuple[list[tuple[str, Any]], list[Any]]:
     ]
     items, fulls = [], []
     for i, (name, shape, dtype, placement) in enumerate(specs):
-        full = _full(shape, dtype, seed=100 + i)
+        full = full_alike(shape, dtype, seed=100 + i)
         fulls.append(full)
         items.append((name, full.clone() if placement is None else
-                      _sharded(full, mesh, placement)))
+                      sharded(full, mesh, placement)))
     return items, fulls
 
 
@@ -208,7 +123,7 @@ def _mixed_cases(rank: int) -> dict[str, Any]:
 
 
 def test_mixed_chunk_packs_the_full_tensors_bytes():
-    results = _spawn(_mixed_cases)
+    results = spawn_ranks(_mixed_cases)
     for r, out in enumerate(results):
         names, shapes, sizes = out["layout"]
         assert [[d, s] for d, s in zip(names, shapes, strict=True)] == [
@@ -289,7 +204,7 @@ def _fully_shard_and_checks(rank: int) -> dict[str, Any]:
 
 
 def test_fully_shard_parameters_pack_to_the_unsharded_bytes():
-    results = _spawn(_fully_shard_and_checks)
+    results = spawn_ranks(_fully_shard_and_checks)
     for r, out in enumerate(results):
         assert out["all_dtensors"], r
         assert out["bytes_equal"], f"rank {r}: packed bytes differ from the unsharded module"
@@ -326,6 +241,6 @@ def _bad_layout(rank: int) -> dict[str, Any]:
 
 
 def test_shard_layout_other_than_torch_chunk_is_refused():
-    for r, out in enumerate(_spawn(_bad_layout)):
+    for r, out in enumerate(spawn_ranks(_bad_layout)):
         assert "torch.chunk gives it" in out["error_text"], (r, out)
         assert "(4, 3)" in out["error_text"], (r, out)

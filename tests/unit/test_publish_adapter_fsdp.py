@@ -3,25 +3,29 @@ engine slot sends its ``Shard(0)`` rows, and the parts the daemon receives tile 
 and carry its bytes (uneven shards, a rank with no rows of a tensor leaving it out); other
 placements, and a mesh that is not the slot's ranks, are refused naming the tensor.
 
-The ranks are spawned as in test_fsdp_pack.py (its ``_spawn``, ``_full``, ``_sharded``); a
-ROUTER in this process answers them as a daemon would, remembering which rank sent what.
+The ranks are spawned as in test_fsdp_pack.py (``tests/gloo_ranks.py``); a ROUTER in this
+process (``tests/router_thread.py``) answers them as a daemon would, remembering which rank
+sent what.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-import zmq
-from test_fsdp_pack import WORLD, _full, _sharded, _spawn
+from router_thread import RouterThread, read_shm
 
 from slotsync.protocol import wire
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed.tensor")
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("torch.distributed with Gloo is not available", allow_module_level=True)
+
+from gloo_ranks import WORLD, full_alike, sharded, spawn_ranks  # noqa: E402
 
 ENGINE = "http://127.0.0.1:8000"
 CONFIG = {"r": 2, "target_modules": ["q_proj"]}
@@ -34,11 +38,11 @@ SPECS = [  # (name, shape, dtype): Shard(0) over 3 ranks
 
 
 def _fulls() -> dict[str, Any]:
-    return {name: _full(shape, dtype, seed=200 + i)
+    return {name: full_alike(shape, dtype, seed=200 + i)
             for i, (name, shape, dtype) in enumerate(SPECS)}
 
 
-class RankedDaemon:
+class RankedDaemon(RouterThread):
     """A ROUTER that registers ranks, acks their adapter messages ('host') and keeps each
     rank's begin and the bytes of its part (read while the rank holds them)."""
 
@@ -46,44 +50,22 @@ class RankedDaemon:
         self.begins: dict[int, wire.AdapterBegin] = {}
         self.parts: dict[int, bytes] = {}
         self._rank_of: dict[bytes, int] = {}
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.bind(endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__(endpoint)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(20):
-                continue
-            ident, frame = self._sock.recv_multipart()
-            msg = wire.decode_to_daemon(frame)
-            reply: wire.FromDaemon | None = None
-            if isinstance(msg, wire.Register):
-                self._rank_of[ident] = msg.rank
-                reply = wire.Registered(rank=msg.rank, slot_start=msg.slot_start,
-                                        slot_size=msg.slot_size, next_update_id=1)
-            elif isinstance(msg, wire.AdapterBegin):
-                self.begins[self._rank_of[ident]] = msg
-                reply = wire.Ack(update_id=msg.update_id, phase="adapter_begin",
-                                 transport="host")
-            elif isinstance(msg, wire.AdapterData):
-                h = msg.handle
-                if isinstance(h, wire.ShmHandle):
-                    with open(f"/dev/shm/{h.segment}", "rb") as f:
-                        f.seek(h.offset)
-                        self.parts[self._rank_of[ident]] = f.read(h.nbytes)
-                reply = wire.Ack(update_id=msg.update_id, phase="adapter_data",
-                                 served_name="math@v1")
-            if reply is not None:
-                self._sock.send_multipart([ident, wire.encode(reply)])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self._sock.close(linger=0)
-        self._ctx.term()
+    def answer(self, ident: bytes, msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        if isinstance(msg, wire.Register):
+            self._rank_of[ident] = msg.rank
+            return [wire.Registered(rank=msg.rank, slot_start=msg.slot_start,
+                                    slot_size=msg.slot_size, next_update_id=1)]
+        if isinstance(msg, wire.AdapterBegin):
+            self.begins[self._rank_of[ident]] = msg
+            return [wire.Ack(update_id=msg.update_id, phase="adapter_begin", transport="host")]
+        if isinstance(msg, wire.AdapterData):
+            if isinstance(msg.handle, wire.ShmHandle):
+                self.parts[self._rank_of[ident]] = read_shm(msg.handle)
+            return [wire.Ack(update_id=msg.update_id, phase="adapter_data",
+                             served_name="math@v1")]
+        return []
 
 
 def _refusal(fn: Any) -> str:
@@ -102,14 +84,14 @@ def _publish_shards(endpoint: str, rank: int) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (WORLD,))
     fulls = _fulls()
-    tensors = {name: _sharded(full, mesh, Shard(0)) for name, full in fulls.items()}
+    tensors = {name: sharded(full, mesh, Shard(0)) for name, full in fulls.items()}
     out: dict[str, Any] = {}
     with Publisher(endpoint, rank, (0, WORLD), ENGINE, transport="shm", timeout_s=60) as pub:
         stats = pub.publish_adapter("math", tensors, CONFIG, 1)
         out["served"], out["tensors"] = stats.served_name, stats.tensors
         name, full = next(iter(fulls.items()))
         for key, placement in (("replicate", Replicate()), ("shard1", Shard(1))):
-            bad = {name: _sharded(full, mesh, placement)}
+            bad = {name: sharded(full, mesh, placement)}
             out[key] = _refusal(lambda bad=bad: pub.publish_adapter("math", bad, CONFIG, 2))
         out["rows_for_dtensor"] = _refusal(lambda: pub.publish_adapter(
             "math", {name: tensors[name]}, CONFIG, 2, rows={name: (0, (5, 3))}))
@@ -124,7 +106,7 @@ def test_fsdp2_shards_tile_every_tensor_and_other_layouts_are_refused(tmp_path: 
     endpoint = f"ipc://{tmp_path}/d.sock"
     daemon = RankedDaemon(endpoint)
     try:
-        results = _spawn(functools.partial(_publish_shards, endpoint))
+        results = spawn_ranks(functools.partial(_publish_shards, endpoint))
     finally:
         daemon.close()
     assert [r["served"] for r in results] == ["math@v1"] * WORLD

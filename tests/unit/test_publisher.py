@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 import zmq
+from router_thread import RouterThread
+from router_thread import read_shm as _read_shm
 
 from slotsync.protocol import wire
 from slotsync.protocol.errors import SlotsyncError, SlotsyncTimeout
@@ -32,13 +34,7 @@ ENGINE = "http://127.0.0.1:8000"
 NEXT_ID = 7
 
 
-def _read_shm(h: wire.ShmHandle) -> bytes:
-    with open(f"/dev/shm/{h.segment}", "rb") as f:
-        f.seek(h.offset)
-        return f.read(h.nbytes)
-
-
-class FakeDaemon:
+class FakeDaemon(RouterThread):
     """A ROUTER socket that decodes (and so validates) every message like the real daemon,
     records it, reads the shared memory a chunk points at, and answers from ``script``."""
 
@@ -48,31 +44,20 @@ class FakeDaemon:
         self.received: list[wire.ToDaemon] = []
         self.chunk_data: list[dict[str, bytes]] = []  # per chunk: name -> bytes read
         self.packed: bool | None = None
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.bind(endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__(endpoint)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(20):
-                continue
-            ident, frame = self._sock.recv_multipart()  # one frame, no delimiter
-            msg = wire.decode_to_daemon(frame)
-            self.received.append(msg)
-            if isinstance(msg, wire.Register):
-                self.packed = msg.packed
-            if isinstance(msg, wire.Chunk):
-                try:
-                    self.chunk_data.append(self._read_chunk(msg))
-                except FileNotFoundError:
-                    # (a chunk sent before the update failed: the publisher has unlinked its
-                    # segment; tests that check the data see it missing)
-                    self.chunk_data.append({})
-            for reply in self.script(msg):
-                self._sock.send_multipart([ident, wire.encode(reply)])
+    def answer(self, ident: bytes, msg: wire.ToDaemon) -> list[wire.FromDaemon]:
+        self.received.append(msg)
+        if isinstance(msg, wire.Register):
+            self.packed = msg.packed
+        if isinstance(msg, wire.Chunk):
+            try:
+                self.chunk_data.append(self._read_chunk(msg))
+            except FileNotFoundError:
+                # (a chunk sent before the update failed: the publisher has unlinked its
+                # segment; tests that check the data see it missing)
+                self.chunk_data.append({})
+        return self.script(msg)
 
     def _read_chunk(self, c: wire.Chunk) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
@@ -95,11 +80,13 @@ class FakeDaemon:
     def of_type(self, cls: type) -> list:
         return [m for m in self.received if isinstance(m, cls)]
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self._sock.close(linger=0)
-        self._ctx.term()
+    def until_received(self, cls: type, timeout_s: float = 10.0) -> list:
+        """The messages of ``cls`` received, once there is one (polled: the thread may not
+        have read what the publisher just sent) or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while not self.of_type(cls) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.of_type(cls)
 
 
 def happy(msg: wire.ToDaemon) -> list[wire.FromDaemon]:
@@ -253,8 +240,7 @@ def test_no_reply_times_out(make_daemon: Callable[..., FakeDaemon], endpoint: st
         assert e.phase == "chunk" and e.update_id == NEXT_ID and e.timeout_s == 0.5
         assert "Ack(chunk, index=0)" in str(e) and endpoint in str(e)
         assert "is slotsyncd still running?" in str(e)  # (its socket file is there)
-        time.sleep(0.1)
-        aborts = daemon.of_type(wire.Abort)
+        aborts = daemon.until_received(wire.Abort)
         assert [a.update_id for a in aborts] == [NEXT_ID]
         assert "SlotsyncTimeout" in aborts[0].reason
     assert _no_segments() == []
@@ -350,7 +336,7 @@ def test_stale_replies_ignored_and_pending_error_raised(
         uid = pub.begin("v1")
         assert uid == NEXT_ID
         pub.send_chunk([("a", torch.ones(3))])
-        time.sleep(0.1)  # let the Error arrive
+        assert pub._link.sock.poll(10_000), "the Error did not arrive"  # (behind chunk 0's ack)
         with pytest.raises(SlotsyncError, match="engine went away") as ei:
             pub.send_chunk([("b", torch.ones(3))])
         assert ei.value.phase == "engine"
@@ -866,10 +852,7 @@ def test_a_refused_chunk_aborts_the_update_so_the_engine_is_not_left_paused(
     with _publisher(endpoint, packed=True, staging_bytes=64) as pub:
         with pytest.raises(SlotsyncError, match="bad message"):
             pub.publish(_many_tensors(2), weight_version="v")
-        deadline = time.monotonic() + 5
-        while not daemon.of_type(wire.Abort) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        (abort,) = daemon.of_type(wire.Abort)
+        (abort,) = daemon.until_received(wire.Abort, 5.0)
         (begin,) = daemon.of_type(wire.Begin)
         assert abort.update_id == begin.update_id and "refused a message" in abort.reason
 
