@@ -103,7 +103,8 @@ class LoraHarness(Harness):
 
     def take(self, a: object) -> list:
         """The adapter round's own actions (folders written or refused by ``files_fail``,
-        removed, sweeps answered unless ``hold_sweeps``, log events kept); the others as ``Harness`` takes them."""
+        removed, sweeps answered unless ``hold_sweeps``, log events kept); the others as
+        ``Harness`` takes them."""
         if isinstance(a, AdapterFiles):
             folder = f"/adapters/slot-0-{self.size}/{a.plan.served_name}"
             ok = not self.files_fail
