@@ -24,7 +24,10 @@ slot a tick every ``adapter_watch_s`` seconds (``Timeouts.adapter_watch_s``; 0: 
             round's own probe takes the engine's facts from it); else with the list
             (``AdapterLedger.reconcile``) -- exactly as a round's begin does: vLLM loads a
             version it lost again from its kept folder (``reloading``, then ``served`` when
-            the load answered: ``adapter_reloaded``), SGLang marks it ``lost``
+            the load answered: ``adapter_reloaded``), once the engine's LoRA limits
+            (``server_info``, the family's ``limits``) say it can take it, else ``lost``
+            saying what to start it with (``_watch_reload``; a lost version with a folder
+            is tried again: ``RETRY_LOOKS``), SGLang marks it ``lost``
             (``adapter_lost``); an engine that does not answer changes nothing (it shows as
             unreachable, ``EngineSession.note_call``)
 
