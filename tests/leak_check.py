@@ -17,18 +17,21 @@ xdist controller, or pytest itself without ``-n``):
   :data:`OWN_ENTRIES`, our ``/dev/shm`` entries (:data:`SHM_PREFIX`) made during the run
   that no process outside the run holds open or mapped, and the folders made during the run
   in the daemons' own ``/dev/shm/slotsyncd-<uid>/`` (:data:`DAEMON_SHM`: a daemon's default
-  ``adapter_dir``, which tests replace with a folder of their own) are each named, removed,
-  and fail the run (exit status 1). The run's temp folder is then removed.
+  ``adapter_dir``, which tests replace with a folder of their own) but those of a live daemon
+  outside the run (:func:`_live_daemon_keys`) are each named, removed, and fail the run
+  (exit status 1). The run's temp folder is then removed.
 
 ``SLOTSYNC_LEAK_CHECK=0`` turns the check off (e.g. when stopping a run by hand).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -90,7 +93,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     leaks += _leaked_processes(_state["token"])
     leaks += _leaked_files(_state["root"])
     leaks += _leaked_shm(_state["shm"], _state["token"])
-    leaks += _leaked_daemon_folders(_state["daemon"])
+    leaks += _leaked_daemon_folders(_state["daemon"], _state["token"])
     shutil.rmtree(_state["root"], ignore_errors=True)
     tempfile.tempdir = None
     if _state["old_tmpdir"] is None:
@@ -296,15 +299,83 @@ def _daemon_folders() -> set[str] | None:
         return None
 
 
-def _leaked_daemon_folders(before: set[str] | None) -> list[str]:
+def _endpoint_key(endpoint: str) -> str:
+    """``adapters-<key>``'s key of a daemon's endpoint (``adapter_root.endpoint_key``; not
+    imported: this plugin runs before the package may be importable)."""
+    return hashlib.sha256(endpoint.encode()).hexdigest()[:12]
+
+
+def _sockets_outside_run(token: str) -> set[str]:
+    """The inodes (``socket:[N]``) of the sockets that live processes outside the run (not
+    carrying its token, not this one) hold."""
+    want = f"{RUN_ENV}={token}".encode()
+    me, out = str(os.getpid()), set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or pid == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    continue
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                t = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if t.startswith("socket:["):
+                out.add(t[8:-1])
+    return out
+
+
+def _live_daemon_keys(token: str) -> set[str]:
+    """The ``adapters-<key>`` keys of daemons alive outside the run: every endpoint that a
+    process outside it is bound to -- a Unix socket's path (``ipc://PATH``, from
+    ``/proc/net/unix``) or a listening TCP port (``tcp://HOST:PORT`` for the usual spellings
+    of HOST, from ``/proc/net/tcp``/``tcp6``). Another run's daemon, or a real one on this
+    machine, may make its default ``adapter_dir`` while this run goes on: it is not this
+    run's to remove (the fresh-user trial of issue 36 found a live daemon's folder gone)."""
+    held = _sockets_outside_run(token)
+    endpoints: set[str] = set()
+    try:
+        with open("/proc/net/unix") as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                if len(cols) >= 8 and cols[6] in held:
+                    endpoints.add(f"ipc://{cols[7]}")
+    except OSError:
+        pass
+    hosts = {"*", "0.0.0.0", "127.0.0.1", "localhost", "[::]", "[::1]", "::", "::1",
+             socket.gethostname(), socket.getfqdn()}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in list(f)[1:]]
+        except OSError:
+            continue
+        for cols in rows:
+            if len(cols) >= 10 and cols[3] == "0A" and cols[9] in held:  # (LISTEN)
+                port = int(cols[1].rsplit(":", 1)[1], 16)
+                endpoints |= {f"tcp://{h}:{port}" for h in hosts}
+    return {_endpoint_key(e) for e in endpoints}
+
+
+def _leaked_daemon_folders(before: set[str] | None, token: str = "") -> list[str]:
     """The folders made in :data:`DAEMON_SHM` during the run (a daemon started with its
-    default ``adapter_dir`` and left what it wrote there), named, then removed, and
-    :data:`DAEMON_SHM` itself when the run made it and it is empty."""
+    default ``adapter_dir`` and left what it wrote there) but those of a live daemon outside
+    the run (:func:`_live_daemon_keys`), named, then removed; and :data:`DAEMON_SHM` itself
+    only when the run made it and it is empty (another daemon's folder in it keeps it)."""
     now = _daemon_folders()
     if now is None:
         return []
+    new = sorted(now - (before or set()))
+    live = _live_daemon_keys(token) if new else set()
     lines = []
-    for name in sorted(now - (before or set())):
+    for name in new:
+        if name.startswith("adapters-") and name[len("adapters-"):] in live:
+            continue  # (a live daemon's own, made while this run went on)
         lines.append(f"{DAEMON_SHM / name} (a daemon's default adapter_dir: give the test's "
                      "daemon an adapter_dir of its own)")
         shutil.rmtree(DAEMON_SHM / name, ignore_errors=True)

@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,57 @@ def test_a_daemons_default_adapter_dir_left_behind_fails_naming_it(pytester, mon
     assert f"{private}/adapters-{key} (a daemon's default adapter_dir" in out, out
     assert not (private / f"adapters-{key}").exists()  # removed
     assert had or not private.exists()  # (made by the run: removed once empty)
+
+
+LIVE_AND_LEAKY = '''
+import os
+
+def test_a_live_daemon_makes_its_folder_and_a_test_leaks_one():
+    os.makedirs("/dev/shm/slotsyncd-{uid}/adapters-{live}/slot-0-2/math@v8")
+    os.makedirs("/dev/shm/slotsyncd-{uid}/adapters-{key}/slot-0-2/math@v1")
+'''
+
+BOUND = (
+    "import socket, sys, time\n"
+    "s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen()\n"
+    "print('bound', flush=True); time.sleep(300)\n")
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_a_live_daemons_folder_made_during_the_run_is_neither_named_nor_removed(
+        pytester, monkeypatch, tmp_path):
+    """Another daemon, alive outside the run (here a process bound to the Unix socket of
+    its endpoint), made its default ``adapter_dir`` while the run went on: the check leaves
+    it and ``slotsyncd-<uid>`` alone, and still names and removes the run's own (red
+    before: both removed, then ``slotsyncd-<uid>`` with them -- the fresh-user trial's live
+    daemon lost its folder)."""
+    from slotsync.daemon.service.adapter_root import endpoint_key
+
+    sock = tmp_path / "d.sock"
+    live = endpoint_key(f"ipc://{sock}")
+    key = f"leakcheck{secrets.token_hex(4)}"
+    private = Path(f"/dev/shm/slotsyncd-{os.geteuid()}")
+    had = private.exists()
+    daemon = subprocess.Popen([sys.executable, "-c", BOUND, str(sock)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert daemon.stdout.readline().strip() == "bound"
+        result = _run(pytester, monkeypatch, LIVE_AND_LEAKY.format(
+            uid=os.geteuid(), live=live, key=key))
+        out = result.stdout.str()
+        assert result.ret == 1, out
+        assert f"{private}/adapters-{key} (a daemon's default adapter_dir" in out, out
+        assert not (private / f"adapters-{key}").exists()  # the run's own: removed
+        assert f"adapters-{live}" not in out, out
+        assert (private / f"adapters-{live}" / "slot-0-2" / "math@v8").is_dir()  # kept
+    finally:
+        daemon.kill()
+        daemon.wait()
+        daemon.stdout.close()
+        shutil.rmtree(private / f"adapters-{live}", ignore_errors=True)
+        shutil.rmtree(private / f"adapters-{key}", ignore_errors=True)
+        if not had and private.exists() and not any(private.iterdir()):
+            private.rmdir()
 
 
 def test_a_clean_run_passes_and_says_so(pytester, monkeypatch):

@@ -95,17 +95,26 @@ def test_mismatch_names_tensor_and_rank_and_leaves_nothing(tmp_path: Path) -> No
     assert _entries(tmp_path) == []
 
 
-def test_short_read_and_existing_folder_are_refused(tmp_path: Path) -> None:
+def test_short_read_is_refused_and_an_existing_folder_is_replaced(tmp_path: Path) -> None:
     """A ``read`` that returns fewer bytes than the part is an ``AdapterDataError`` (nothing
-    left); a folder of that name already there is a ``FileExistsError`` (it is kept)."""
+    left). A folder of that name already there -- the kept folder of a version the engine
+    lost, published again (``slotsync status``'s advice) -- is replaced by the new one, and
+    nothing else is left (red before: ``FileExistsError`` "exists already", the round's
+    ``adapter_files_failed``)."""
     plan, buffers, _ = split_plan(lora_tensors(r=8), peft_config(), ranks=1)
     with pytest.raises(AdapterDataError, match="read 10 bytes"):
         write_adapter_folder(tmp_path, plan, lambda r, o, n: buffers[r][o:o + 10])
     assert _entries(tmp_path) == []
-    (tmp_path / plan.served_name).mkdir()
-    with pytest.raises(FileExistsError):
-        write_adapter_folder(tmp_path, plan, reader(buffers))
+    kept = tmp_path / plan.served_name
+    kept.mkdir()
+    (kept / adapters.TENSORS_FILE).write_bytes(b"the lost version's old bytes")
+    (kept / "stale.txt").write_text("x")
+    assert write_adapter_folder(tmp_path, plan, reader(buffers)) == kept
     assert _entries(tmp_path) == [plan.served_name]
+    assert sorted(p.name for p in kept.iterdir()) == [adapters.CONFIG_FILE,
+                                                      adapters.TENSORS_FILE]
+    assert (kept / adapters.TENSORS_FILE).read_bytes().startswith(
+        adapters.safetensors_header(plan))
     assert adapters.remove_adapter_folder(tmp_path, plan.served_name) is True
     assert adapters.remove_adapter_folder(tmp_path, plan.served_name) is False
 

@@ -366,6 +366,12 @@ def write_adapter_folder(root: Path, plan: AdapterPlan,
     (:data:`TEMP_PREFIX`), then ``os.rename``\\ d to its name: a reader sees the whole folder
     or none. On any error the temp folder is removed.
 
+    A folder of that name already there is replaced: the kept folder of a version the engine
+    lost, published again (``slotsync status``: "publish that version again"; the core
+    writes only a version the engine does not serve, ``gather.version_refusal``). The old
+    one is renamed aside (a temp name, :func:`remove_stale_temp`'s after a crash), the new
+    one renamed in, then the old one removed: the name never holds a partly written folder.
+
     The safetensors file, one of two ways:
 
     * **linked**: when one rank holds every tensor whole in a file's layout
@@ -385,15 +391,11 @@ def write_adapter_folder(root: Path, plan: AdapterPlan,
     Raises:
         AdapterDataError: a copied part's bytes have another sha256 or length than its rank
             said (names the tensor and the rank).
-        FileExistsError: the folder exists already (remove it first,
-            :func:`remove_adapter_folder`, once no engine may read it).
         ValueError: see :func:`safetensors_header`.
         OSError: the files cannot be written (``root`` missing, no space).
     """
     root = Path(root)
     final = root / plan.served_name
-    if final.exists():
-        raise FileExistsError(f"adapter folder {final} exists already")
     one = linkable(plan) if take is not None else None
     header = safetensors_header(plan) if one is None else b""  # (checks the plan first)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{plan.served_name}.", dir=root))
@@ -404,11 +406,24 @@ def write_adapter_folder(root: Path, plan: AdapterPlan,
                 out.write(header or safetensors_header(plan))
                 _copy_parts(out, plan, read)
         os.chmod(tmp, 0o755)  # (mkdtemp's 0700: a server run as another user reads it too)
+        old = _set_aside(root, final)
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _set_aside(root: Path, final: Path) -> Path | None:
+    """Rename an existing ``final`` (a lost version's kept folder, published again) to a
+    temp name in ``root``; returns it (None: nothing there)."""
+    if not os.path.lexists(final):
+        return None
+    old = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}.old.", dir=root))
+    os.rename(final, old)  # (onto the empty folder just made: rename(2) replaces it)
+    return old
 
 
 def remove_adapter_folder(root: Path, served_name: str) -> bool:

@@ -49,6 +49,8 @@ class AdapterAnswers:
                 a.info_errors["replies"] = why
         elif purpose == "watch_check":  # (the idle watch's: watch.py)
             out += self._watch_checked(ok, result, error)
+        elif purpose == "watch_limits":  # (the idle watch's, before its reloads)
+            out += self._watch_limits(ok, result, error, support, now)
         elif purpose == "reload":
             out += self._adapter_reloaded(name, ok, error, now - sent, support)
         elif purpose in ("cleanup", "unload"):
@@ -182,11 +184,9 @@ class AdapterAnswers:
             return []
         if ok or (support is not None and support.already_loaded(error)):
             e.state, e.error = SERVED, ""
+            self._reload_after.pop(name, None)
             return [SlotEvent(self.slot, "adapter_reloaded", {
                 "engine": self.engine_url, "served_name": name, "folder": e.folder,
                 "seconds": round(seconds, 4)}, warning=False)]
-        e.state = LOST
-        e.error = (f"loading it again from {e.folder} after the engine restarted failed: "
-                   f"{error}")
-        return [SlotEvent(self.slot, "adapter_lost", {
-            "engine": self.engine_url, "served_name": name, "why": e.error})]
+        explain = getattr(support, "explain", None)  # (a 404 without the route: the flag)
+        return self._reload_refused(e, explain(error) if explain else error)

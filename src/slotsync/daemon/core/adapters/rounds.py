@@ -450,11 +450,12 @@ class AdapterRounds(AdapterWatch, AdapterAnswers):
         return [Reply(i.identity, ack) for i in self._by_rank()] + out
 
     def _reconciled(self, rec: Reconciled, support: Any, now: float,
-                    listing: Any = None) -> list[Action]:
+                    listing: Any = None, reload: bool = True) -> list[Action]:
         """Events and calls for what the engine's list (``listing``, None: a restart without
         a look) showed (``AdapterLedger.reconcile``): lost versions logged, adopted ones
         logged (with this daemon's folder of theirs: ``watch.py``), lost versions with a
-        folder loaded again, folders of strays the engine no longer holds removed."""
+        folder loaded again (``reload``; the idle watch reads the engine's limits first:
+        ``watch._watch_reload``), folders of strays the engine no longer holds removed."""
         if listing is not None:
             self._adopt_folders(rec.adopted, support, listing)
         out: list[Action] = [RemoveAdapterFiles(self.slot, f) for f in rec.gone]
@@ -466,7 +467,7 @@ class AdapterRounds(AdapterWatch, AdapterAnswers):
                 "engine": self.engine_url, "served_name": e.served_name,
                 "why": e.error or f"loaded from this daemon's folder {e.folder}: adopted"},
                 warning=False))
-        for e in rec.reload:  # (a version found on the engine has no plan: found_plan)
+        for e in rec.reload if reload else ():  # (one found on the engine: found_plan)
             out.append(self._adapter_call("reload", e.served_name, support.load_route,
                                           support.load_body(e.plan or found_plan(e), e.folder,
                                                             {}, {}, 0), now,

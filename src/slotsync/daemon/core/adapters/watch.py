@@ -24,7 +24,10 @@ slot a tick every ``adapter_watch_s`` seconds (``Timeouts.adapter_watch_s``; 0: 
             round's own probe takes the engine's facts from it); else with the list
             (``AdapterLedger.reconcile``) -- exactly as a round's begin does: vLLM loads a
             version it lost again from its kept folder (``reloading``, then ``served`` when
-            the load answered: ``adapter_reloaded``), SGLang marks it ``lost``
+            the load answered: ``adapter_reloaded``), once the engine's LoRA limits
+            (``server_info``, the family's ``limits``) say it can take it, else ``lost``
+            saying what to start it with (``_watch_reload``; a lost version with a folder
+            is tried again: ``RETRY_LOOKS``), SGLang marks it ``lost``
             (``adapter_lost``); an engine that does not answer changes nothing (it shows as
             unreachable, ``EngineSession.note_call``)
 
@@ -53,7 +56,7 @@ import posixpath
 from typing import Any
 
 from slotsync.daemon.core.actions import Action, EngineCall, SlotEvent, SweepAdapterFolders
-from slotsync.daemon.core.adapters.ledger import AdapterEntry
+from slotsync.daemon.core.adapters.ledger import LOST, RELOADING, AdapterEntry
 from slotsync.daemon.core.adapters.plan import AdapterPlan
 from slotsync.daemon.core.engine_session import (
     CHECK_REPLIES,
@@ -63,6 +66,12 @@ from slotsync.daemon.core.engine_session import (
 
 WATCH_LIST, WATCH_PROBE = "list", "probe"
 """The watch's two looks (their answers: ``_watch_answers``)."""
+
+RETRY_LOOKS = 10
+"""Looks of the watch between two tries to load again a lost version whose folder the
+daemon keeps, after a try failed (the engine could not take it, or its load failed): an
+engine that keeps failing is not asked at every look. A new engine session (a refused
+connection meanwhile, or the probe's new weight version) tries again at its first look."""
 
 
 def slot_folder(root: str, slot: tuple[int, int]) -> str:
@@ -92,6 +101,10 @@ class AdapterWatch:
         # watch took last: not taken again before a round's probe takes it
         self._watch_restart: tuple[str, str | None] | None = None
         self.adapter_watch_calls: dict[str, int] = {}  # route -> the watch's looks
+        self._watch_looks = 0  # looks sent so far (RETRY_LOOKS counts them)
+        self._reload_after: dict[str, int] = {}  # served name -> no try before this look
+        self._watch_reloads: list[str] = []  # served names waiting for the limits' answer
+        self._watch_engine_gone = False  # a look found no engine (the next one: new session?)
 
     def watch_busy(self) -> bool:
         """A look of the watch is out (``busy`` counts it)."""
@@ -119,6 +132,7 @@ class AdapterWatch:
             return [self._adapter_call("watch_check", "replies", "check_replies",
                                        CHECK_REPLIES, now)]
         self._watch_token = (self.next_update_id, self.engine_url)
+        self._watch_looks += 1
         out = [self._watch_call(WATCH_LIST, support.list_route)]
         if watched and family is not None and engine.version is not None and not observe:
             out.append(self._watch_call(WATCH_PROBE, "weight_info"))
@@ -164,16 +178,25 @@ class AdapterWatch:
                 # (the begin's rule, probe.check_session; the engine's facts stay the next
                 # base round's to take, from its own probe)
                 self._watch_restart = (seen, v)
+                self._reload_after.clear()  # (a new session: lost versions tried again)
                 rec = ledger.restarted(reloadable, self.engine_url)
                 out.append(SlotEvent(self.slot, "adapter_watch_restart", {
                     "engine": self.engine_url, "weight_version": v, "last_seen": seen,
                     "why": "its weight version is not the one the daemon last saw: "
                            "restarted"}))
+        if not listed_ok and "HTTP " not in error:
+            self._watch_engine_gone = True  # (not answering: maybe restarting)
+        elif listed_ok and self._watch_engine_gone:
+            self._watch_engine_gone = False
+            self._reload_after.clear()  # (it answers again: maybe a new session)
         if rec is not None:
-            out += self._reconciled(rec, support, now)
+            out += self._reconciled(rec, support, now, reload=False)
         elif listed_ok:
             rec = ledger.reconcile(support.served(listing), reloadable, self.engine_url)
-            out += self._reconciled(rec, support, now, listing)
+            out += self._reconciled(rec, support, now, listing, reload=False)
+        if rec is not None and (listed_ok or rec.reload):
+            listed = support.served(listing) if listed_ok else set()
+            out += self._watch_reload(rec.reload, listed, reloadable, now)
         if listed_ok and not self._watch_listed:
             self._watch_listed = True
             if self.adapter_root:
@@ -184,6 +207,69 @@ class AdapterWatch:
         elif not listed_ok and "HTTP " in error and not (ledger.entries or ledger.stray):
             self._watch_listed = True  # (it answered without a list: nothing to adopt)
         return out
+
+    def _watch_reload(self, reload: list[AdapterEntry], listed: set[str], reloadable: bool,
+                      now: float) -> list[Action]:
+        """Versions to load again from their kept folders: those the engine just lost
+        (``reload``) and those lost before whose try is due (``RETRY_LOOKS``; a version's
+        first look after a new session). The engine's LoRA limits are read first, as a
+        round's begin reads them (``server_info``; ``_watch_limits`` answers): an engine that
+        cannot take an adapter gets no load (vLLM started without ``--enable-lora``: every
+        worker would fail, and the executor's replies be in doubt)."""
+        again = list(reload)
+        if reloadable:
+            again += [e for e in self.adapters.entries.values()
+                      if e.state == LOST and e.folder and e.served_name not in listed
+                      and self._reload_after.get(e.served_name, 0) <= self._watch_looks]
+        if not again:
+            return []
+        for e in again:
+            e.state = RELOADING
+        self._watch_reloads = [e.served_name for e in again]
+        return [self._adapter_call("watch_limits", "", "server_info", None, now)]
+
+    def _watch_limits(self, ok: bool, result: Any, error: str, support: Any,
+                      now: float) -> list[Action]:
+        """The engine's ``server_info`` answered the watch (``_watch_reload``): the versions
+        waiting for it are loaded again when the engine can take them (the family's
+        ``limits``, as a round's begin; and its ``refusal`` of a version's own plan), else
+        they are lost saying what to do (e.g. vLLM's ``--enable-lora``), tried again
+        ``RETRY_LOOKS`` looks later. No answer: lost as they were, tried at the next look."""
+        names, self._watch_reloads = self._watch_reloads, []
+        waiting = [e for e in (self.adapters.entries.get(n) for n in names)
+                   if e is not None and e.state == RELOADING]
+        if support is None or not waiting:
+            return []
+        if not ok and "HTTP " not in error:
+            for e in waiting:
+                e.state = LOST
+            return []
+        answers = {"server_info": result if ok else None}
+        limits = support.limits(answers)
+        why = "" if limits.enabled else limits.flag("enabled")
+        out: list[Action] = []
+        for e in waiting:
+            refused = why or (support.refusal(e.plan, answers) if e.plan is not None else "")
+            if refused:
+                out += self._reload_refused(e, f"engine {self.engine_url} cannot take it: "
+                                               f"{refused}")
+                continue
+            out.append(self._adapter_call("reload", e.served_name, support.load_route,
+                                          support.load_body(e.plan or found_plan(e),
+                                                            e.folder, {}, {}, 0), now,
+                                          self.timeouts.adapter_load_s))
+        return out
+
+    def _reload_refused(self, e: AdapterEntry, why: str) -> list[Action]:
+        """Version ``e`` could not be loaded again from its folder (``why``): lost, tried
+        again ``RETRY_LOOKS`` looks later; said when what is wrong changed."""
+        error = f"loading it again from {e.folder} failed: {why}"
+        self._reload_after[e.served_name] = self._watch_looks + RETRY_LOOKS
+        e.state, said, e.error = LOST, e.error, error
+        if said == error:
+            return []
+        return [SlotEvent(self.slot, "adapter_lost", {
+            "engine": self.engine_url, "served_name": e.served_name, "why": error})]
 
     def _adopt_folders(self, adopted: list[AdapterEntry], support: Any, listing: Any) -> None:
         """Versions found on the engine whose ``root`` is this slot's own folder of that
