@@ -74,8 +74,10 @@ class AdapterRankWaits:
             return None
         ranks = range(self.start, self.end)
         if a.phase is AdapterPhase.BEGIN:  # (a rank gone gets liveness_s: wait_in_force)
-            missing = a.missing(ranks)
-            gone = [i for i in self.gone_ranks() if i.rank in missing]
+            missing = a.missing(ranks)  # (and the ranks of a gone job a new one replaced)
+            gone = [i for i in self.gone_ranks() if i.rank in missing] + [
+                i for r, i in sorted(self.adapter_left.items())
+                if r in missing and r not in self.ranks]
             if gone:
                 t = max(a.started_at, *(i.gone_at or 0.0 for i in gone))
                 return (min(t + self.timeouts.gone_s, a.started_at + self.timeouts.begin_s),
@@ -94,8 +96,9 @@ class AdapterRankWaits:
             return []
         _, phase, what, missing = d
         if phase == "rank_gone":
+            info = {**self.adapter_left, **self.ranks}
             return self._adapter_fail(now, "adapter_begin", "; ".join(
-                f"{self.ranks[r].who} is gone: {self.ranks[r].gone_why}" for r in missing)
+                f"{info[r].who} is gone: {info[r].gone_why}" for r in missing)
                 + f" (no new process of it registered within {self.timeouts.gone_s:g} s, "
                 "liveness_s)", missing, RANK_GONE)
         return self._adapter_fail(now, phase, f"deadline expired waiting for the {what} of "

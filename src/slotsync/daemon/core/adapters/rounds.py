@@ -112,6 +112,7 @@ class AdapterRounds(AdapterWatch, AdapterAnswers, AdapterRankWaits):
         self.adapter_last_error: str | None = None
         self.adapter_last_failed = (-1, "")  # (update id, code) of the last failed round
         self.adapter_aborted: tuple[int, set[int]] | None = None  # adapter_abort: id, told
+        self.adapter_left: dict[int, Any] = {}  # rank -> RankInfo of a gone job (rank_waits)
         self.adapter_rounds_ok = self.adapter_rounds_failed = 0
         self._init_watch()  # (the idle watch: watch.py)
 
