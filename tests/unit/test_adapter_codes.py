@@ -302,6 +302,8 @@ def test_a_rank_gone_before_the_round_begins_gets_liveness_s_not_the_begin_deadl
         assert sorted(h.coord.ranks) == [0]  # (released: a new job's rank)
         h.coord.engine.declare_kind("vllm")
     h.send(0, begin(0, two_rank_parts()[0]))
+    if case == "registered":  # (its connection's end seen again: the process's exit)
+        h.run(h.table.on_connection_gone(ident(1), h.now, "its connection closed"))
     assert h.errors(0) == []
     assert h.table.next_deadline() == 1.0 + 5  # (not 1 + 120)
     if case == "comes_back":

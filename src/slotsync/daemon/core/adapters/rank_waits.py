@@ -22,15 +22,15 @@ class AdapterRankWaits:
         its reason. An abort of the slot's next update id while no round is in flight is a
         rank whose ``publish_adapter`` failed before its begin (a bad argument: the
         publisher opens the round to abort it, ``rank/adapters/round.py``): that round
-        fails at once, and a rank that begins it later is told why; the slot's next id stays
-        that round's until every rank was told (a rank registering meanwhile, one that
-        starts later, is told that id, and its begin fails at once naming the abort, not at
-        its begin deadline). None when it names no such round (the base rules)."""
+        fails at once, every registered rank told, and a rank that begins it later is told
+        why; while a rank of the slot had not registered, the slot's next id stays that
+        round's until it was told too (a rank that starts later is told that id, and its
+        begin fails at once naming the abort, not at its begin deadline:
+        ``_adapter_told_failed``). None when it names no such round (the base rules)."""
         a = self.adapter_round
         if a is None and self.current is None and msg.update_id >= self.next_update_id \
                 and msg.update_id != self.adapter_last_failed[0]:
             a = self.adapter_round = AdapterRound(msg.update_id, now)
-            self.adapter_aborted = (msg.update_id, {rank})
             why = f": {msg.reason}" if msg.reason else ""
             return self._adapter_fail(now, "adapter_begin", f"rank {rank} aborted adapter round "
                                       f"{a.update_id} before its begin{why}", [], RANK_ABORTED)
@@ -43,11 +43,13 @@ class AdapterRankWaits:
 
     def adapter_ranks_gone(self, now: float) -> list[Action]:
         """Ranks' connections went (``on_rank_gone`` marked them): a round that still needs
-        their messages or their memory fails at once, naming each."""
+        their messages or their memory fails at once, naming each (a rank gone before the
+        round began, seen again, gets its liveness_s instead, as in a base round)."""
         a = self.adapter_round
         if a is None or not a.ranks_needed or a.failure is not None:
             return []
-        gone = [i for i in self._by_rank() if i.gone_at is not None]
+        gone = [i for i in self._by_rank() if i.gone_at is not None  # (gone before the
+                and i.gone_at >= a.started_at]  # round: liveness_s, _adapter_deadline)
         if not gone:
             return []
         return self._adapter_fail(now, self._adapter_phase(a), "; ".join(

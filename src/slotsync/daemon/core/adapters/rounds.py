@@ -492,8 +492,12 @@ class AdapterRounds(AdapterWatch, AdapterAnswers, AdapterRankWaits):
         self.adapter_last_error = message
         self.adapter_last_failed = (a.update_id, code)
         self.adapter_rounds_failed += 1
-        self.adapter_round = None  # (a round no rank began: its id stays next, adapter_abort)
-        self.next_update_id = max(self.next_update_id, a.update_id + (1 if a.begins else 0))
+        self.adapter_round = None
+        told = {i.rank for i in self._by_rank()}  # (a round no rank began: adapter_abort)
+        if a.begins or told >= set(range(self.start, self.end)):
+            self.next_update_id = max(self.next_update_id, a.update_id + 1)
+        else:  # (its id stays the next until the ranks not registered now were told)
+            self.adapter_aborted = (a.update_id, told)
         return out
 
     # ------------------------------------------------------------------ base rounds
