@@ -25,7 +25,9 @@ an ``"adapter"`` key here) or a spawned one (``spawned_ranks.run_ranks(target=..
 
 ``script["family"]``: ``"vllm"`` (the default: float32 tensors of ``lora_plans``' tiny Llama,
 what the vLLM-code and reference engines load) or ``"sglang"`` (bf16 ``lora_adapters``).
-``script["register_delay_s"]``: sleep that long before registering; ``script["close_after_file"]``:
+``script["register_delay_s"]``: sleep that long before registering; ``script[
+"register_after_file"]``: register only once that file exists (at most 60 s: a rank that
+starts after the others acted); ``script["close_after_file"]``:
 the publisher is closed (its connection too) only once that file exists (at most 60 s), as
 in a trainer that goes on after a round's error. ``script["sigterm_exits"]``:
 SIGTERM raises ``SystemExit(143)`` (a trainer's handler, as the demo's ranks have); each wait
@@ -151,6 +153,8 @@ def run_adapter_rank(rank, endpoint, slot, engine_url, packed, script, results):
 
         pub._waits.wait = reported_wait
     time.sleep(script.get("register_delay_s", 0))
+    if script.get("register_after_file"):
+        hold_on(60, script["register_after_file"])
     try:
         if not register_or_report(pub, rank, results):
             return

@@ -91,6 +91,10 @@ class RankPool:
         return _Proc(p, parent)
 
     def _take(self, timeout_s: float = 60.0) -> _Proc:
+        while self._idle and not self._idle[0].process.is_alive():  # (a job that ended its
+            dead = self._idle.pop(0)  # process, e.g. a SIGTERM raising SystemExit, was still
+            dead.conn.close()  # exiting when it was given back: _give_back)
+            dead.process.join(1)
         proc = self._idle.pop(0) if self._idle else self._spawn()
         if not proc.ready:
             if not proc.conn.poll(timeout_s):

@@ -241,3 +241,79 @@ def test_whole_parts_on_sglang_still_go_through() -> None:
     h = started(kind="sglang")
     h.adapter_round(0, version=1, parts=whole_parts())
     assert h.acks(0)[-1] == ("adapter_data", "math@v1")
+
+
+@pytest.mark.parametrize("exits", [False, True])
+def test_a_rank_starting_after_its_peer_aborted_is_told_the_abort_at_once(exits: bool) -> None:
+    """The fresh-user trial (HIGH): rank 1's ``publish_adapter`` failed before its begin (a
+    config without ``r``) and its publisher aborted round 0 before rank 0 had even
+    registered. Rank 0, starting later, is told round 0's id (the round a rank aborted
+    before any begin stays the slot's next until every rank was told) and its begin fails
+    at once with ``rank_aborted`` naming rank 1 and its error; then both meet at round 1.
+    (Red before: the abort moved the next id on to 1, rank 0's begin opened round 1 and it
+    waited for rank 1 until begin_timeout_s, failing with ``rank_timeout``.) ``exits``:
+    rank 1's process then exited, so rank 0's registration releases the slot for a new job:
+    the same."""
+    h = LoraHarness(2, timeouts=Timeouts(30, 40, 50))
+    h.send(1, reg(1, 0, 2, packed=h.packed))
+    h.coord.engine.declare_kind("vllm")
+    reason = "ValueError: the adapter's config has no 'r'"
+    h.send(1, wire.Abort(0, reason))
+    assert h.error(1, 0).code == errors.RANK_ABORTED
+    if exits:
+        h.run(h.table.on_connection_gone(ident(1), h.now, "its process (pid 7) exited"))
+    h.send(0, reg(0, 0, 2, packed=h.packed))
+    registered = h.replies[0][-1]
+    assert isinstance(registered, wire.Registered) and registered.next_update_id == 0
+    h.send(0, begin(registered.next_update_id, two_rank_parts()[0]))
+    err = h.errors(0)[-1]
+    assert (err.update_id, err.phase, err.code) == (0, "adapter_begin", errors.RANK_ABORTED)
+    assert f"rank 1 aborted adapter round 0 before its begin: {reason}" in err.message
+    assert h.coord.adapter_round is None and h.table.next_deadline() is None
+    assert h.engine.calls == []
+    h.send(0, reg(0, 0, 2, packed=h.packed))  # (every rank told: the next id moved on)
+    assert h.replies[0][-1].next_update_id == 1
+    if exits:  # (a new process of rank 1)
+        h.send(1, reg(1, 0, 2, packed=h.packed))
+        h.coord.engine.declare_kind("vllm")
+    h.adapter_round(1, version=1)
+    assert h.acks(0)[-1] == ("adapter_data", "math@v1")
+
+
+@pytest.mark.parametrize("case", ["registered", "comes_back", "starts_later"])
+def test_a_rank_gone_before_the_round_begins_gets_liveness_s_not_the_begin_deadline(
+        case: str) -> None:
+    """The fresh-user trial (HIGH): rank 1 registered, then raised and exited before rank 0
+    began adapter round 0 (rank 0 registered before, or only after: then the slot is
+    released for it as a new job, and rank 1 of the gone job is still known as gone). As a
+    base round does (``update.wait_in_force``), the round gives the gone rank
+    ``liveness_s`` (``Timeouts.gone_s``) for a new process of it to register, then fails
+    with ``rank_gone`` naming it; a new process of it that registers in time joins the
+    round. (Red before: the round waited begin_timeout_s and failed with ``rank_timeout``.)"""
+    h = LoraHarness(2, timeouts=Timeouts(120, 40, 50, gone_s=5))
+    h.send(1, reg(1, 0, 2, packed=h.packed))
+    if case != "starts_later":
+        h.send(0, reg(0, 0, 2, packed=h.packed))
+    h.coord.engine.declare_kind("vllm")
+    h.run(h.table.on_connection_gone(ident(1), h.now, "its process (pid 7) exited"))
+    h.now = 1.0
+    if case == "starts_later":
+        h.send(0, reg(0, 0, 2, packed=h.packed))
+        assert sorted(h.coord.ranks) == [0]  # (released: a new job's rank)
+        h.coord.engine.declare_kind("vllm")
+    h.send(0, begin(0, two_rank_parts()[0]))
+    if case == "registered":  # (its connection's end seen again: the process's exit)
+        h.run(h.table.on_connection_gone(ident(1), h.now, "its connection closed"))
+    assert h.errors(0) == []
+    assert h.table.next_deadline() == 1.0 + 5  # (not 1 + 120)
+    if case == "comes_back":
+        h.send(1, reg(1, 0, 2, packed=h.packed))
+        h.send(1, begin(0, two_rank_parts()[1]))
+        assert h.acks(0)[-1] == ("adapter_begin", "host") and h.errors(0) == []
+        return
+    h.now = 6.0
+    h.run(h.table.poll(h.now))
+    err = h.errors(0)[-1]
+    assert (err.phase, err.code, err.missing_ranks) == ("adapter_begin", errors.RANK_GONE, [1])
+    assert "is gone: its process (pid 7) exited" in err.message and "liveness_s" in err.message
+    assert h.coord.adapter_round is None and h.engine.calls == []

@@ -60,6 +60,22 @@ def test_parts_that_leave_a_gap_or_overlap_are_refused_naming_the_rows(rows1, wo
     assert words in str(e.value)
 
 
+def test_ranks_that_split_rows_without_rows_are_told_to_pass_rows():
+    """The fresh-user trial (MEDIUM): two ranks each pass their half of a tensor's rows as a
+    plain tensor without ``rows=``; each half is then taken as a whole tensor, rows [0, 8)
+    of shape [8, 4], from both ranks. The overlap refusal says how to declare the rows each
+    rank holds (``rows={name: (row_start, whole_shape)}``, docs/publisher.md), and that ranks
+    that each hold the whole tensor publish it from one rank. (Red before: it said only
+    "the ranks' parts must not overlap".)"""
+    halves = {r: [part(B, (8, 4), (0, 8))] for r in range(2)}
+    with pytest.raises(AdapterRefused) as e:
+        gather({r: begin(0, p) for r, p in halves.items()})
+    text = str(e.value)
+    assert "rows [0, 8) are held by rank 0 and rank 1" in text
+    assert f"rows={{{B!r}: (row_start, whole_shape)}}" in text, text
+    assert "docs/publisher.md" in text and "from one rank" in text, text
+
+
 def test_ranks_that_disagree_are_refused_naming_both():
     parts = two_rank_parts()
     with pytest.raises(AdapterRefused, match="rank 1 sends 2, rank 0 1"):

@@ -216,7 +216,7 @@ class EngineSteps:
         """(time, phase, what, missing ranks) of the wait in force, or None."""
         u = self.current
         if u is None:
-            return self._adapter_deadline()  # (an adapter round's wait: adapters/rounds.py)
+            return self._adapter_deadline()  # (an adapter round's wait: adapters/rank_waits.py)
         if (self._calls or self._orphans or self._maintenance or self._reconcile
                 or u.finishing):
             return None  # (each engine call is bounded by the HTTP client's timeout)

@@ -313,7 +313,7 @@ class Outcomes:
     def poll(self, now: float) -> list[Action]:
         """Check deadlines (design.md I5); fails the update naming the missing ranks."""
         if self.current is None:
-            return self._adapter_poll(now)  # (an adapter round's wait: adapters/rounds.py)
+            return self._adapter_poll(now)  # (an adapter round's wait: adapters/rank_waits.py)
         d = self._deadline()
         if d is None or now < d[0]:
             return []

@@ -312,7 +312,8 @@ class SlotTable:
         its engine (in place if declared or ``keep_slot``, else in ``released`` when worth
         remembering)."""
         c = self.slots[key]
-        gone = c.release()
+        gone = c.release()  # (a new job's adapter round gives those ranks liveness_s)
+        c.adapter_left = {g.rank: g for g in gone} if keep_slot else {}
         ranks = {g.rank for g in gone}
         for r in ranks:
             self._slot_of_rank.pop(r, None)

@@ -117,7 +117,10 @@ def _tensor_plan(name: str, parts: list) -> AdapterTensorPlan:
             raise AdapterRefused(
                 f"adapter tensor {name!r}: {_rows(t.row_start, min(at, t.row_stop))} are held "
                 f"by rank {by} and rank {r}: the ranks' parts must not overlap (send each row "
-                "of dim 0 from one rank)")
+                "of dim 0 from one rank). A plain tensor is taken as the whole tensor: ranks "
+                "that split its rows each pass rows={" + repr(name) + ": (row_start, "
+                "whole_shape)} for the rows they hold (docs/publisher.md); ranks that each "
+                "hold the whole tensor publish it from one rank")
         out.append(AdapterPart(r, off, t.nbytes, t.row_start, t.row_stop, t.sha256))
         at, by = t.row_stop, r
     if at != t0.shape[0]:

@@ -63,6 +63,7 @@ from slotsync.daemon.core.adapters.ledger import (
     AdapterLedger,
     Reconciled,
 )
+from slotsync.daemon.core.adapters.rank_waits import AdapterRankWaits
 from slotsync.daemon.core.adapters.round import AdapterPhase, AdapterRound, handle_refusal
 from slotsync.daemon.core.adapters.watch import AdapterWatch, found_plan
 from slotsync.daemon.core.engine_session import CHECK_REPLIES
@@ -76,14 +77,10 @@ from slotsync.protocol.errors import (
     DAEMON_STOPPING,
     ENGINE_FAILED,
     ENGINE_UNFIT,
-    RANK_ABORTED,
-    RANK_GONE,
-    RANK_TIMEOUT,
     ROUND_IN_FLIGHT,
     VERSION_REFUSED,
 )
 from slotsync.protocol.wire import (
-    Abort,
     Ack,
     AdapterBegin,
     AdapterData,
@@ -102,9 +99,9 @@ SPANNING_REFUSAL = (
     "to engines of one node")
 
 
-class AdapterRounds(AdapterWatch, AdapterAnswers):
+class AdapterRounds(AdapterWatch, AdapterAnswers, AdapterRankWaits):
     """The adapter half of ``SlotCoordinator`` (the module docstring; the idle watch of the
-    engine's adapters: ``watch.py``)."""
+    engine's adapters: ``watch.py``; the rounds' ranks and deadlines: ``rank_waits.py``)."""
 
     # ------------------------------------------------------------------ set-up, questions
 
@@ -114,6 +111,8 @@ class AdapterRounds(AdapterWatch, AdapterAnswers):
         self._adapter_held: list[Action] = []  # a base round's acks while adapters reload
         self.adapter_last_error: str | None = None
         self.adapter_last_failed = (-1, "")  # (update id, code) of the last failed round
+        self.adapter_aborted: tuple[int, set[int]] | None = None  # adapter_abort: id, told
+        self.adapter_left: dict[int, Any] = {}  # rank -> RankInfo of a gone job (rank_waits)
         self.adapter_rounds_ok = self.adapter_rounds_failed = 0
         self._init_watch()  # (the idle watch: watch.py)
 
@@ -162,17 +161,15 @@ class AdapterRounds(AdapterWatch, AdapterAnswers):
                 f"flight for slot [{self.start}, {self.end}): an adapter round never overlaps "
                 "it on one engine; publish the adapter once the weights' publish returned",
                 msg.update_id, ROUND_IN_FLIGHT)
+        uid, code = self.adapter_last_failed
+        if msg.update_id == uid and self.adapter_last_error and (a is None or a.update_id != uid):
+            return self._adapter_told_failed(rank)  # (a begin late for a round that failed)
         if a is not None and a.update_id != msg.update_id:
             return self._adapter_rank_error(
                 rank, "adapter_begin", f"adapter round {a.update_id} ({a.lora}) is in flight "
                 f"for slot [{self.start}, {self.end}); refusing a second round {msg.update_id}",
                 msg.update_id, ROUND_IN_FLIGHT)
         if a is None:
-            uid, code = self.adapter_last_failed
-            if msg.update_id == uid and self.adapter_last_error:  # (e.g. a rank's abort
-                # before its begin: adapter_abort) the round this begin is late for failed
-                return self._adapter_rank_error(rank, "adapter_begin", self.adapter_last_error,
-                                                uid, code)
             if msg.update_id < self.next_update_id:
                 return self._adapter_rank_error(
                     rank, "adapter_begin", f"stale update id {msg.update_id}: this slot's "
@@ -276,76 +273,6 @@ class AdapterRounds(AdapterWatch, AdapterAnswers):
         phase = err.kind if err.kind in ("adapter_begin", "adapter_data") else \
             malformed.phase_of(err)
         return self._adapter_fail(now, phase, malformed.describe(rank, err), [], BAD_MESSAGE)
-
-    def adapter_abort(self, rank: int, msg: Abort, now: float) -> list[Action] | None:
-        """Rank ``rank`` aborts (its publisher gave up: an error of its own, an interrupt,
-        its timeout): the adapter round it names fails, every rank told, naming the rank and
-        its reason. An abort of the slot's next update id while no round is in flight is a
-        rank whose ``publish_adapter`` failed before its begin (a bad argument: the
-        publisher opens the round to abort it, ``rank/adapters/round.py``): that round
-        fails at once, and a rank that begins it later is told why. None when it names no
-        such round (the base rules)."""
-        a = self.adapter_round
-        if a is None and self.current is None and msg.update_id == self.next_update_id:
-            a = self.adapter_round = AdapterRound(msg.update_id, now)
-            why = f": {msg.reason}" if msg.reason else ""
-            return self._adapter_fail(now, "adapter_begin", f"rank {rank} aborted adapter round "
-                                      f"{a.update_id} before its begin{why}", [], RANK_ABORTED)
-        if a is None or self.current is not None or msg.update_id != a.update_id:
-            return None
-        why = (" before its begin" if rank not in a.begins else "") + (
-            f": {msg.reason}" if msg.reason else "")
-        return self._adapter_fail(now, self._adapter_phase(a), f"rank {rank} aborted adapter "
-                                  f"round {a.update_id}{why}", [], RANK_ABORTED)
-
-    def adapter_ranks_gone(self, now: float) -> list[Action]:
-        """Ranks' connections went (``on_rank_gone`` marked them): a round that still needs
-        their messages or their memory fails at once, naming each."""
-        a = self.adapter_round
-        if a is None or not a.ranks_needed or a.failure is not None:
-            return []
-        gone = [i for i in self._by_rank() if i.gone_at is not None]
-        if not gone:
-            return []
-        return self._adapter_fail(now, self._adapter_phase(a), "; ".join(
-            f"{i.who} is gone: {i.gone_why}" for i in gone), [i.rank for i in gone], RANK_GONE)
-
-    def adapter_rank_registered(self, rank: int, now: float) -> list[Action]:
-        """Rank ``rank`` registered again: a round it took part in fails (its process
-        restarted or reconnected mid-round)."""
-        a = self.adapter_round
-        if (a is None or not a.ranks_needed or a.failure is not None
-                or (rank not in a.begins and rank not in a.data)):
-            return []
-        return self._adapter_fail(now, self._adapter_phase(a), f"rank {rank} re-registered "
-                                  f"during adapter round {a.update_id}: its process restarted "
-                                  "or reconnected mid-round", [rank], RANK_GONE)
-
-    # ------------------------------------------------------------------ the clock
-
-    def _adapter_deadline(self) -> tuple[float, str, str, list[int]] | None:
-        """``(deadline, phase, what, missing ranks)`` of the round's wait on ranks, or None
-        (none in force: engine calls and the folder are bounded by their own timeouts)."""
-        a = self.adapter_round
-        if a is None or self._adapter_calls or a.failure is not None:
-            return None
-        ranks = range(self.start, self.end)
-        if a.phase is AdapterPhase.BEGIN:
-            return (a.started_at + self.timeouts.begin_s, "adapter_begin",
-                    "adapter begin (begin_timeout_s)", a.missing(ranks))
-        if a.phase is AdapterPhase.DATA and len(a.data) < self.size:
-            return (a.acked_at + self.timeouts.chunk_s, "adapter_data",
-                    "adapter data (chunk_timeout_s)", a.missing(ranks))
-        return None
-
-    def _adapter_poll(self, now: float) -> list[Action]:
-        """Fail the round whose wait on ranks expired, naming the missing ranks (I5)."""
-        d = self._adapter_deadline()
-        if d is None or now < d[0]:
-            return []
-        _, phase, what, missing = d
-        return self._adapter_fail(now, phase, f"deadline expired waiting for the {what} of "
-                                  f"rank(s) {missing}", missing, RANK_TIMEOUT)
 
     def _adapter_stop(self, now: float, reason: str) -> list[Action]:
         """The daemon stops (or the slot is dropped): the round fails, ranks told, no engine
@@ -567,7 +494,11 @@ class AdapterRounds(AdapterWatch, AdapterAnswers):
         self.adapter_last_failed = (a.update_id, code)
         self.adapter_rounds_failed += 1
         self.adapter_round = None
-        self.next_update_id = max(self.next_update_id, a.update_id + 1)
+        told = {i.rank for i in self._by_rank()}  # (a round no rank began: adapter_abort)
+        if a.begins or told >= set(range(self.start, self.end)):
+            self.next_update_id = max(self.next_update_id, a.update_id + 1)
+        else:  # (its id stays the next until the ranks not registered now were told)
+            self.adapter_aborted = (a.update_id, told)
         return out
 
     # ------------------------------------------------------------------ base rounds
