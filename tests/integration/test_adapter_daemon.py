@@ -190,6 +190,15 @@ async def test_vllm_rounds_write_load_replace_and_keep_only_the_folders_an_engin
         assert engine.loras == {"math@v2": str(slot / "math@v2")}  # v1 unloaded after v2
         assert engine.requests.count("/v1/unload_lora_adapter") == 1
         assert (slot / "math@v1").is_dir()  # kept one round more (a running request)
+
+        def entries() -> list[dict]:
+            (s,) = d.status()["slots"]
+            return s["adapters"]
+
+        # (the engine drops v1 before it answers the unload; v1's entry, "unloading", goes
+        # when that answer reaches the daemon: a loaded machine runs the test's poll between)
+        await until(lambda: [e["served_name"] for e in entries()] == ["math@v2"],
+                    why=lambda: f"the daemon's adapters: {entries()}")
         (s,) = d.status()["slots"]
         (entry,) = s["adapters"]
         assert entry["served_name"] == "math@v2" and entry["state"] == "served"

@@ -171,6 +171,9 @@ def test_a_restarted_daemon_adopts_the_served_version_and_sweeps_the_rest(pool, 
     table.write_text(f'[[engines]]\nurl = "{veng.url}"\nslot_start = 0\nslot_size = 2\n')
     with DaemonProcess(runtime_dir=rt, args=[*WATCH, "--config", str(table)]) as d2:
         assert slot_folder(d2) == slot
+        # (the daemon's own adapter_dir, as its start line says: the folders above are its)
+        start = next(x for x in d2.log_tail(50000).splitlines() if " adapter_dir " in x)
+        assert f"folder={slot.parent}" in start, start
         assert wait_for(lambda: adapters_of(d2) == [("math@v2", "served")], 30), (
             adapters_of(d2), d2.log_tail(3000))
         assert wait_for(lambda: folders(d2) == ["math@v2"], 30), folders(d2)

@@ -38,6 +38,7 @@ from lora_plans import (  # noqa: E402
 )
 
 from slotsync.daemon.vllm.adapters import (  # noqa: E402
+    START_WITH_ENABLE_LORA,
     load_body,
     load_error_text,
     lora_limits,
@@ -289,7 +290,9 @@ def test_without_runtime_updating_or_without_lora(impl, root) -> None:
     eng = _engine(impl, lora=None)
     try:
         limits = lora_limits(eng.request("GET", "/server_info?config_format=json")[1])
-        assert not limits.enabled and limits.flag("enabled") == "--enable-lora"
+        # (the family's instruction, as limits_refusal quotes it: "start the vLLM server
+        # with the flag --enable-lora")
+        assert not limits.enabled and limits.flag("enabled") == START_WITH_ENABLE_LORA
         status, body = eng.request("POST", "/v1/load_lora_adapter", load_body(v1, f1))
         assert status == 500, body
         assert "LoRA is not enabled. Use --enable-lora" in body["error"]["message"], body

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.request
 from collections.abc import Callable
 from types import TracebackType
@@ -117,6 +118,30 @@ def use_daemon_zygote(zygote: Any) -> None:
     _daemon_zygote = zygote
 
 
+def _adapter_dir_set(args: list[str], env: dict[str, str]) -> bool:
+    """Whether ``slotsyncd args`` in environment ``env`` gets its ``adapter_dir`` elsewhere
+    than :class:`DaemonProcess`'s default: ``--adapter-dir``, ``SLOTSYNC_ADAPTER_DIR``, or a
+    config file (``--config`` / ``SLOTSYNC_CONFIG``) whose top level sets ``adapter_dir``
+    (a flag would override it). A config file that does not (an engine table only) leaves it
+    to the default here; one that cannot be read counts as setting it (the daemon says why)."""
+    config = env.get("SLOTSYNC_CONFIG")
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name == "--adapter-dir":
+            return True
+        if name == "--config":
+            config = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    if "SLOTSYNC_ADAPTER_DIR" in env:
+        return True
+    if config is None:
+        return False
+    try:
+        with open(config, "rb") as f:
+            return "adapter_dir" in tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        return True
+
+
 class DaemonProcess:
     """``python -m slotsync.daemon`` in a subprocess (in tests: forked from the daemon zygote
     where :func:`use_daemon_zygote` set one and ``netns`` is None; ``proc`` then answers as
@@ -124,9 +149,10 @@ class DaemonProcess:
 
     Args:
         runtime_dir: folder for the ZeroMQ socket (default: a new temporary folder). The
-            daemon's ``adapter_dir`` is ``<runtime_dir>/adapters`` too, unless ``args`` name
-            one or a config file (which the flag would override), or the environment sets
-            ``SLOTSYNC_ADAPTER_DIR`` or ``SLOTSYNC_CONFIG``: the daemon's real default
+            daemon's ``adapter_dir`` is ``<runtime_dir>/adapters`` too, unless ``args`` or
+            the environment set one (``--adapter-dir``, ``SLOTSYNC_ADAPTER_DIR``, or a config
+            file, ``--config`` / ``SLOTSYNC_CONFIG``, that sets ``adapter_dir``, which the flag
+            would override: :func:`_adapter_dir_set`): the daemon's real default
             (``/dev/shm/slotsyncd-<uid>/...``, ``daemon/service/adapter_root.py``) would keep
             the served versions' folders after the daemon (and the temporary folder) are
             gone.
@@ -166,8 +192,7 @@ class DaemonProcess:
         cmd = [sys.executable, "-m", "slotsync.daemon", "--runtime-dir", runtime_dir,
                "--status-port", "0", *(args or [])]
         full_env = {**os.environ, **(env or {})}
-        if not any(a.split("=", 1)[0] in ("--adapter-dir", "--config") for a in args or []) \
-                and not {"SLOTSYNC_ADAPTER_DIR", "SLOTSYNC_CONFIG"} & set(full_env):
+        if not _adapter_dir_set(args or [], full_env):
             cmd += ["--adapter-dir", os.path.join(runtime_dir, "adapters")]
         self.proc: Any
         if netns is None and _daemon_zygote is not None:

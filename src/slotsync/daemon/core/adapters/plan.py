@@ -75,7 +75,10 @@ class LoraLimits:
     server runs with LoRA), ``max_loras`` (adapters at once: vLLM ``--max-loras``, SGLang
     ``--max-loras-per-batch``; 0: unknown), ``max_lora_rank`` (0: unknown), and the flags
     that set each, in the family's words (``flags``: ``{"enabled": "--enable-lora", ...}``)
-    for the refusal texts."""
+    for the refusal texts. ``flags["enabled"]`` is a flag (SGLang: ``--enable-lora``) or,
+    where more than a flag is missing, the family's whole instruction (vLLM: "start the vLLM
+    server with the flag --enable-lora ..."): ``limits_refusal`` puts "start it with" before
+    a flag and quotes an instruction as it is."""
 
     enabled: bool
     max_loras: int = 0
