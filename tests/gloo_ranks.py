@@ -28,7 +28,23 @@ def spawn_ranks(target: Callable[[int], dict[str, Any]], world: int = WORLD,
     """Run ``target(rank)`` in ``world`` spawned processes of one Gloo group (a free loopback
     port); each returns a dict of findings (or ``{"error": traceback}``, which fails the
     test here, with ``why()``: e.g. a daemon's log tail). Returns them by rank; ``target``
-    must pickle (a module-level function, or a ``functools.partial`` of one)."""
+    must pickle (a module-level function, or a ``functools.partial`` of one).
+
+    The group is made again once, on another port, when its first making failed in Gloo's
+    connect (the free port taken meanwhile by a test running beside it: a fresh-clone run
+    saw "connectFullMesh failed ... Connection closed by peer" once); ``target``'s own
+    failures are never retried."""
+    for attempt in (1, 2):
+        try:
+            return _spawn_once(target, world, timeout_s, why)
+        except AssertionError as e:
+            if attempt == 2 or "connectFullMesh" not in str(e):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(target: Callable[[int], dict[str, Any]], world: int, timeout_s: float,
+                why: Callable[[], str]) -> list[dict[str, Any]]:
     from spawned_ranks import rank_context
 
     from slotsync.testing.ports import free_port

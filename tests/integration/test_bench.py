@@ -179,7 +179,8 @@ def test_bench_lora_small_prints_both_paths_the_ratio_and_the_targets(engine, tm
                       r"(PASS|MISS)$", text, re.M)
     assert ratio and share, text
     assert (float(ratio.group(1)) <= 0.5) == (ratio.group(2) == "PASS")
-    assert (float(share.group(1)) <= 20) == (share.group(2) == "PASS")
+    if abs(float(share.group(1)) - 20) > 0.05:  # (printed to 0.1 ms: 20.0 may be 20.04, MISS)
+        assert (float(share.group(1)) <= 20) == (share.group(2) == "PASS")
     assert "engine check: ok: every worker (2) holds bench@v3 as the trainer sent it" in text
     # (rows split over 2 ranks: every folder copied, none linked; the daemon's log says so)
     assert ("the daemon's adapter files (its `adapter_file` log lines, warm-up included): "

@@ -49,10 +49,14 @@ class AdapterAnswers:
                 a.info_errors["replies"] = why
         elif purpose == "watch_check":  # (the idle watch's: watch.py)
             out += self._watch_checked(ok, result, error)
-        elif purpose == "watch_limits":  # (the idle watch's, before its reloads)
-            out += self._watch_limits(ok, result, error, support, now)
+        elif purpose == "watch_limits":  # (the idle watch's, before its reloads; an engine of
+            # no known kind yet, as after a daemon restart, is the default family's, as the
+            # watch's own looks take it)
+            out += self._watch_limits(ok, result, error, support or getattr(
+                self.family, "adapters", None), now)
         elif purpose == "reload":
-            out += self._adapter_reloaded(name, ok, error, now - sent, support)
+            out += self._adapter_reloaded(name, ok, error, now - sent,
+                                          support or getattr(self.family, "adapters", None))
         elif purpose in ("cleanup", "unload"):
             out += self._adapter_unloaded(name, ok, error, support, stray=purpose == "cleanup")
         elif purpose in ("load", "prove") and a is not None:
