@@ -202,8 +202,9 @@ def test_vllm_family_restart_between_rounds_reloads_from_the_folder(pool, veng):
     folder: when the ranks' ``publish`` returns, v1 is listed and every worker holds the
     trainer's bytes. Killed and started again once more, the next adapter round (LoRA-only
     training: no base round) finds v1 missing from the engine's list, loads it again from
-    its folder, then v2 beside it, then unloads v1."""
-    with DaemonProcess() as d:
+    its folder, then v2 beside it, then unloads v1. The idle watch is off here (it would
+    reload v1 itself between the restart and the round: test_adapter_watch_e2e.py)."""
+    with DaemonProcess(args=["--adapter-watch-s", "0"]) as d:
         run = run_rounds(pool, d, veng, {"kind": "base", "version": 1}, {"version": 1})
         assert_ok(run, d, 2)
         veng.kill()

@@ -177,8 +177,9 @@ def test_a_restarted_daemon_adopts_the_served_version_and_sweeps_the_rest(pool, 
         assert wait_for(lambda: adapters_of(d2) == [("math@v2", "served")], 30), (
             adapters_of(d2), d2.log_tail(3000))
         assert wait_for(lambda: folders(d2) == ["math@v2"], 30), folders(d2)
-        log = d2.log_tail(20000)
-        assert "adapter_found" in log and "adapter_folders_removed" in log, log
+        # (the sweep's log line comes after its removals: polled, not read at once)
+        assert wait_for(lambda: all(w in d2.log_tail(20000) for w in (
+            "adapter_found", "adapter_folders_removed")), 30), d2.log_tail(20000)
         assert slot_status(d2, KEY)["adapter_rounds_succeeded"] == 0
         veng.kill()
         veng.start_again()
